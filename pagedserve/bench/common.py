@@ -1,0 +1,60 @@
+"""Shared bits of the offline benchmarks: model choice, engine runs with timing, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def resolve_model(model: str | None, default: str = "small") -> str:
+    """A directory or hub id as given, or a standard model name (tiny, small, qwen05-shape) built locally."""
+    from pagedserve.models.standard import STANDARD_MODELS, ensure_standard_model
+
+    name = model or default
+    return str(ensure_standard_model(name)) if name in STANDARD_MODELS else name
+
+
+def machine_summary() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+@dataclass
+class RunTimes:
+    """Wall time of an engine run, plus per-step samples taken by a callback."""
+
+    seconds: float = 0.0
+    samples: list = field(default_factory=list)
+
+
+def run_engine(engine, requests, params_for, on_step=None, progress=None) -> tuple[dict, RunTimes]:
+    """Add every request at once and step to completion; returns outputs by id and timing."""
+    for i, req in enumerate(requests):
+        engine.add_request(str(i), req.prompt_token_ids, params_for(req))
+    outputs, times = {}, RunTimes()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+                if progress is not None:
+                    progress.update(1)
+        if on_step is not None:
+            times.samples.append(on_step(engine, time.perf_counter() - start))
+    times.seconds = time.perf_counter() - start
+    return outputs, times
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_result(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass, validated once at the edge (CLI, HTTP, ``LLM``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse a memory size such as ``2GiB``, ``512MiB``, ``1.5GB`` or a plain byte count."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}: use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; defaults suit a small CPU machine.
+
+    ``kv_cache_memory`` is the KV pool's byte budget; the number of blocks follows from the
+    planner's bytes-per-token formula. ``num_kv_blocks`` overrides it (tests use it to force a
+    tiny pool). ``kv_reservation="max"`` makes every admitted request reserve ``max_model_len``
+    tokens up front, the naive server kept for side-by-side comparison.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
+    max_waiting: int | None = None
+    enable_prefix_caching: bool = True
+    kv_reservation: str = "paged"  # paged | max
+    attention_backend: str = "auto"  # auto | reference | sdpa | matmul
+    seed: int = 0
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_reservation not in ("paged", "max"):
+            raise ValueError(f"kv_reservation must be 'paged' or 'max', got {self.kv_reservation!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "reference", "sdpa", "matmul"):
+            raise ValueError(f"attention_backend must be auto, reference, sdpa or matmul, got {self.attention_backend!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")

@@ -1,0 +1,46 @@
+"""The engine's command-line flags, shared by ``serve``, ``generate``, ``bench`` and ``plan check``."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, default=None,
+                   help="Hugging Face model directory or hub id (Llama 2/3, Mistral, Qwen2, Qwen3; safetensors)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
+    g.add_argument("--kv-cache-memory", default="1GiB",
+                   help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step, shared by decodes and prompt chunks (default 1024 on CPU, 8192 on GPU)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="waiting-queue length beyond which new requests are refused (default: unbounded)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--kv-reservation", default="paged", choices=["paged", "max"],
+                   help="paged: blocks as the context grows; max: reserve max_model_len per request (the naive server)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "sdpa", "matmul"],
+                   help="paged attention implementation: auto = matmul on CPU, sdpa on GPU; reference = plain torch, for checking")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    """Build an EngineConfig from parsed flags; ``model`` overrides ``--model`` (e.g. a default)."""
+    return EngineConfig(
+        model=model or args.model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
+        attention_backend=args.attention_backend, seed=args.seed)

@@ -1,0 +1,50 @@
+"""``pagedserve generate``: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pagedserve.engine.args import add_engine_args, engine_config_from_args
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate completions offline for one or more prompts",
+                              description="Run prompts through the engine (no server) and print the completions.")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt (repeat for several); with none, one prompt per line is read from stdin")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm import LLM
+    from pagedserve.models.standard import ensure_standard_model
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("no prompts: pass --prompt or pipe prompts on stdin", file=sys.stderr)
+        return 2
+    config = engine_config_from_args(args, model=args.model or str(ensure_standard_model("tiny")))
+    llm = LLM(**vars(config))
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completions": [
+                {"text": c.text, "finish_reason": c.finish_reason, "tokens": len(c.token_ids)} for c in out.outputs]}))
+        else:
+            for c in out.outputs:
+                print(f"{prompt!r} -> {c.text!r} ({c.finish_reason}, {len(c.token_ids)} tokens)")
+    return 0

@@ -1,0 +1,87 @@
+"""What the engine hands back each step: per-request outputs and engine-wide stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and, if asked, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` completions: cumulative text and tokens plus this step's delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.monotonic``) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``finished`` is True once every completion has ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    prompt: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load and KV pool, for logs, /metrics and /load."""
+
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    kv_tokens_in_use: int
+    kv_slots_allocated: int
+    naive_reserved_tokens: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    kv_bytes_per_token: int
+
+    @property
+    def kv_utilization(self) -> float:
+        """Tokens in use ÷ token slots in allocated blocks (1.0 when nothing is allocated)."""
+        return self.kv_tokens_in_use / self.kv_slots_allocated if self.kv_slots_allocated else 1.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0

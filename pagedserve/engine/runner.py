@@ -1,0 +1,103 @@
+"""The scheduler's plan → flat tensors → model → logits for the rows that sample.
+
+The batch is flat (no padding): one-token sequences (decodes) first, then prompt chunks.
+``positions`` and ``slot_mapping`` are computed with tensor ops over the whole batch, never a
+Python loop per token: ``slot = block_table[seq, pos // block_size] * block_size + pos % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.sequence import Sequence
+from pagedserve.kv.block_manager import BlockManager
+from pagedserve.models.attention import AttentionMetadata
+from pagedserve.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sampled_seqs: list[Sequence]  # in the order of sample_indices
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors; executes one scheduled step."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_manager: BlockManager, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.device = device
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the plan into the model's inputs."""
+        scheduled = [x for x in out.scheduled if x[1] == 1] + [x for x in out.scheduled if x[1] > 1]
+        seqs = [s for s, _ in scheduled]
+        starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
+        lens = torch.tensor([n for _, n in scheduled], dtype=torch.long)
+        input_ids: list[int] = []
+        for seq, n in scheduled:
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+        total = len(input_ids)
+        tables = _pad_tables([self.block_manager.block_ids(s.seq_id) for s in seqs])
+
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        query_starts = torch.cumsum(lens, 0) - lens
+        positions = starts[seq_of_token] + torch.arange(total) - query_starts[seq_of_token]
+        slot_mapping = (tables[seq_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        context_lens = starts + lens
+        decode_tables = tables[:num_decodes]
+        decode_mask = None
+        if num_decodes:
+            max_blocks = int((context_lens[:num_decodes].max() + self.block_size - 1) // self.block_size)
+            decode_tables = decode_tables[:, :max_blocks]
+            span = torch.arange(max_blocks * self.block_size)
+            decode_mask = (span.unsqueeze(0) < context_lens[:num_decodes].unsqueeze(1))[:, None, None, :]
+        prefills = []
+        for i in range(num_decodes, len(seqs)):
+            ctx = int(context_lens[i])
+            prefills.append((int(query_starts[i]), int(lens[i]), ctx,
+                             tables[i, :(ctx + self.block_size - 1) // self.block_size].to(self.device)))
+
+        sampled = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
+        sample_indices = (query_starts + lens - 1)[sampled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables.to(dev),
+            decode_context_lens=context_lens[:num_decodes].to(dev),
+            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
+            prefills=prefills,
+        )
+        return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
+                          sample_indices.to(dev), [seqs[i] for i in sampled])
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput, copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run copy-on-write copies, then the model; float32 logits for the sampled rows."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
+        return self.model.compute_logits(hidden[model_input.sample_indices])

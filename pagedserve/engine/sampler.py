@@ -1,0 +1,126 @@
+"""Batched sampling: one set of tensor ops over every row of the step, no loop over the vocabulary.
+
+Order of operations (as in vLLM): min_tokens masking, repetition / presence / frequency
+penalties, then greedy rows take the argmax; random rows are divided by their temperature,
+cut by top-k, top-p and min-p, and drawn with the exponential-race trick
+(``argmax(p / q)``, ``q ~ Exp(1)``), where each seeded row draws ``q`` from its own generator so
+the same seed gives the same tokens whatever else shares the batch. Log-probabilities are those
+of the model's raw distribution, as the OpenAI API reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int]  # EOS/stop ids while fewer than min_tokens were generated
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[S, vocab]`` occurrence counts of each row's tokens (padding lands in a dropped column)."""
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    if width:
+        ids = torch.full((len(rows), width), vocab, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, :len(r)] = torch.tensor(r)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab, device = logits.shape[1], logits.device
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    out_counts = _counts([r.output_token_ids for r in rows], vocab, device)
+    if (rep != 1.0).any():
+        seen = (_counts([r.prompt_token_ids for r in rows], vocab, device) + out_counts) > 0
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[1]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    if (top_k < vocab).any() or (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) > top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` (``[S, vocab]``, float32)."""
+    raw = logits
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
+    if banned:
+        logits = logits.clone()
+        rows_idx, tok_idx = zip(*banned)
+        logits[list(rows_idx), list(tok_idx)] = float("-inf")
+    if any(r.params.needs_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub_rows = [rows[i] for i in random_rows]
+        temps = torch.tensor([r.params.temperature for r in sub_rows], device=logits.device).unsqueeze(1)
+        sub = _filter_top_k_top_p_min_p(logits[idx] / temps, sub_rows)
+        probs = sub.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]
+        if unseeded:
+            q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_(
+                generator=default_generator)
+        for j, r in enumerate(sub_rows):
+            if r.generator is not None:
+                q[j].exponential_(generator=r.generator)
+        chosen[idx] = (probs / q).argmax(dim=-1)
+
+    token_ids = chosen.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want:
+        lp = raw[want].log_softmax(dim=-1)
+        k = max(rows[i].params.logprobs for i in want)
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        chosen_lp = lp.gather(1, chosen[want].unsqueeze(1)).squeeze(1).tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+            logprobs[i] = TokenLogprob(token_ids[i], chosen_lp[j], top)
+    return SampleResult(token_ids, logprobs)

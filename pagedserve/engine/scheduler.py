@@ -1,0 +1,207 @@
+"""Continuous batching: each step, decide which sequences run and how many tokens each computes.
+
+There is no prefill phase and no decode phase. Every step has one token budget
+(``max_num_batched_tokens``) handed out as ``{sequence: tokens}``: running sequences first
+(those one token behind, i.e. decoding, before those still chunking through a prompt, so a
+long prompt never stalls everyone's next token), then waiting ones in (priority, arrival)
+order, each taking what is left of the budget, so a long prompt is computed in chunks.
+Prefix-cache hits, chunked prefill, preemption and resume all fall out of that one rule.
+
+When blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
+are freed (full ones stay in the prefix cache) and it waits, with its original arrival, to be
+recomputed. A waiting sequence of strictly better priority may preempt a worse running one,
+for memory or for a seat. Starvation of low-priority work is bounded only by the arrival of
+higher-priority work: a steady stream of priority-0 requests can keep priority-1 ones waiting.
+
+The scheduler is plain Python: it moves sequences between queues and asks the block manager
+for pages; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.errors import QueueFull
+from pagedserve.kv.block_manager import BlockManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_waiting: int | None = None
+    reserve_max_model_len: bool = False  # worst-case reservation: the naive server
+    kv_cache_dtype: str = "auto"
+    # Blocks kept free when admitting new work, so running sequences can grow a few steps
+    # before anyone must be preempted (avoids admitting a request only to evict it next step).
+    watermark_fraction: float = 0.01
+
+
+@dataclass
+class SchedulerOutput:
+    """This step's plan: sequences in batch order and how many new tokens each computes."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting heap and the running list; asks the BlockManager for pages."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # heap by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key: the worst is last
+        self.num_preemptions = 0
+        self.watermark_blocks = int(block_manager.num_blocks * config.watermark_fraction)
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({len(self.waiting)} requests); retry later",
+                            retry_after_s=1.0)
+        heapq.heappush(self.waiting, seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Insert a sequence that already holds blocks (a forked n > 1 child)."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence from whichever queue holds it."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+            heapq.heapify(self.waiting)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq.seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _extra_key(self, seq: Sequence) -> Hashable:
+        return (self.config.kv_cache_dtype, seq.request.cache_salt)
+
+    def _target_tokens(self, seq: Sequence, num_new: int) -> int:
+        if self.config.reserve_max_model_len:
+            return max(seq.num_computed_tokens + num_new, self.config.max_model_len)
+        return seq.num_computed_tokens + num_new
+
+    # ---- the step plan -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        planned: dict[Sequence, int] = {}
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences: decodes first, then prompt chunks, each in priority order.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + chunking:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate(seq.seq_id, self._target_tokens(seq, num_new),
+                                  num_computed_tokens=seq.num_computed_tokens):
+                victim = self.running[-1]
+                budget += planned.pop(victim, 0)
+                self._preempt(victim, "because the KV cache is full")
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                planned[seq] = num_new
+                budget -= num_new
+
+        # 2. Waiting sequences, best (priority, arrival) first. A step that had to preempt for
+        # memory admits only work of strictly better priority than what it preempted.
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if out.preempted and seq.priority >= min(p.priority for p in out.preempted):
+                break
+            seats = seq.request.params.n if not seq.request.forked else 1
+            if len(self.running) + seats > self.config.max_num_seqs:
+                if not self._preempt_worse_than(seq, planned, out):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(planned.values())
+                continue
+            hits = bm.find_cached_prefix(seq.token_ids, self._extra_key(seq))
+            num_cached = len(hits) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            seq.num_computed_tokens = num_cached
+            reserve = self.watermark_blocks if self.running else 0
+            if not bm.allocate(seq.seq_id, self._target_tokens(seq, num_new), hits,
+                               num_computed_tokens=num_cached, reserve=reserve):
+                seq.num_computed_tokens = 0
+                if not self._preempt_worse_than(seq, planned, out):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(planned.values())
+                continue
+            heapq.heappop(self.waiting)
+            bm.record_prefix_lookup(seq.num_tokens, num_cached)
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.num_cached_tokens = num_cached
+            self.add_running(seq)
+            planned[seq] = num_new
+            budget -= num_new
+
+        # Batch order: the order sequences were planned in (decodes first).
+        out.scheduled = [(s, n) for s, n in planned.items() if s.status is SequenceStatus.RUNNING]
+        out.copies = bm.take_pending_copies()
+        return out
+
+    def _preempt_worse_than(self, seq: Sequence, planned: dict[Sequence, int], out: SchedulerOutput) -> bool:
+        """Preempt the worst running sequence if its priority is strictly worse than ``seq``'s.
+
+        Unlike a preemption for memory, this one does not stop admission for the step.
+        """
+        if not self.running or self.running[-1].priority <= seq.priority:
+            return False
+        victim = self.running[-1]
+        planned.pop(victim, None)
+        self._preempt(victim, f"for higher-priority request {seq.request.request_id}")
+        return True
+
+    def _preempt(self, victim: Sequence, reason: str) -> None:
+        """Free the victim's blocks and put it back in the waiting heap (original arrival kept)."""
+        self.running.remove(victim)
+        lost = victim.num_computed_tokens
+        self.block_manager.free(victim.seq_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, victim)
+        logger.info("preempted request %s (completion %d, priority %d) %s: dropped %d computed tokens "
+                    "to recompute later", victim.request.request_id, victim.index, victim.priority,
+                    reason, lost)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` and register newly full blocks in the prefix cache."""
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 self._extra_key(seq))

@@ -1,0 +1,111 @@
+"""One request's state (``Request``) and each of its ``n`` completions (``Sequence``)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.engine.outputs import RequestMetrics, TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """What a client asked for: a prompt, sampling params, a priority and a cache salt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    cache_salt: str | None = None
+    prompt: str | None = None
+    metrics: RequestMetrics = field(init=False)
+    seqs: list["Sequence"] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    forked: bool = False  # the n > 1 children exist
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, priority={self.priority})"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated: its tokens, how many have KV, and its sampling state.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler gives a
+    sequence ``len(token_ids) - num_computed_tokens`` more (or a chunk of them) each step and
+    the step that catches up also samples its next token. A preempted sequence drops to zero
+    and is recomputed (mostly from the prefix cache) when it is admitted again.
+    """
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    output_text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    num_preemptions: int = 0
+    # Incremental detokenization state (see Detokenizer).
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # How much of output_text / output tokens the client has already been sent.
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    sent_logprob_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: priority, then arrival, then completion index (stable FCFS)."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+    @property
+    def prefix_extra(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(request={self.request.request_id!r}, index={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")
+
+    def __lt__(self, other: "Sequence") -> bool:  # heap order for the waiting queue
+        return self.sort_key < other.sort_key

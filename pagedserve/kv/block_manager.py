@@ -1,0 +1,300 @@
+r"""The page allocator: fixed-size KV blocks, per-sequence block tables, automatic prefix caching.
+
+Ownership of one sequence's cache (``n = 2`` samples of one prompt, prefix shared with an
+earlier request)::
+
+    logical block:      0          1          2            3
+    seq A table:   [ blk 7 ]  [ blk 3 ]  [ blk 12 ]   [ blk 20 ]   <- A's own tail (written by A)
+    seq B table:   [ blk 7 ]  [ blk 3 ]  [ blk 12 ]   [ blk 21 ]   <- B's copy, made on first write
+                   \______ shared, full, read-only ______/
+                    cached by content: (parent content id, 16 token ids, extra key)
+
+Full blocks are immutable and may be shared by any number of tables (reference counted).
+The last, partially filled block is private to its writer; when two sequences fork from one
+prompt it is shared until one of them writes into it, and that writer gets its own copy
+(copy-on-write: the copy is reported to the runner, which performs it before the step).
+
+Prefix caching keys a full block by ``(parent_content_id, token_ids, extra)``: the dict compares
+the whole key, token ids included, so a hash collision can never hand out someone else's cache.
+``content_id`` is a fresh integer each time a block is registered and is never reused, so when a
+parent is evicted its children become unreachable instead of silently matching a new parent.
+``extra`` (on the first block only) carries what else changes the KV or must isolate tenants:
+the KV dtype and the request's ``cache_salt``.
+
+Free blocks sit in an intrusive doubly linked list in LRU order: allocation takes the head
+(evicting its cached content), a cache hit unlinks a block from the middle in O(1), and a
+finished sequence returns its blocks tail first so a prefix chain is evicted from its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence as Seq
+
+ROOT_CONTENT_ID = 0
+
+
+class KVBlock:
+    """One physical block of ``block_size`` token slots in every layer's KV tensors."""
+
+    __slots__ = ("block_id", "ref_count", "cache_key", "content_id", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.cache_key: tuple | None = None  # set while the block's content is in the prefix cache
+        self.content_id = ROOT_CONTENT_ID
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_count}, cached={self.cache_key is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently freed at the head. All operations O(1)."""
+
+    def __init__(self, blocks: Seq[KVBlock]):
+        self._head = KVBlock(-1)  # sentinels keep the link code branch-free
+        self._tail = KVBlock(-2)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free, block.next_free = last, self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences (keyed by an integer ``seq_id``) and owns their tables.
+
+    The scheduler calls :meth:`find_cached_prefix` then :meth:`allocate` before a sequence runs,
+    :meth:`cache_full_blocks` after its tokens' KV has been written, and :meth:`free` when it
+    ends or is preempted. It never sees tensors; the runner reads :meth:`block_ids`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.tables: dict[int, list[KVBlock]] = {}
+        # Content ids of each sequence's full blocks, in order: the chain a child block hangs from.
+        self.chains: dict[int, list[int]] = {}
+        self._cache: dict[tuple, KVBlock] = {}
+        self._next_content_id = ROOT_CONTENT_ID + 1
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the runner
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (some may still hold reusable cached content)."""
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue if b.cache_key is not None)
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _key(self, parent: int, tokens: Seq[int], index: int, extra: Hashable) -> tuple:
+        return (parent, tuple(tokens), extra if index == 0 else None)
+
+    def find_cached_prefix(self, token_ids: Seq[int], extra: Hashable = None) -> list[KVBlock]:
+        """Leading full blocks of ``token_ids`` whose KV is already cached (no references taken).
+
+        At least one token is always left to compute: the step that finishes a prompt must run
+        its last token to get logits, so a fully cached prompt gives back its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        hits: list[KVBlock] = []
+        parent = ROOT_CONTENT_ID
+        for i in range(max_blocks):
+            block = self._cache.get(self._key(parent, token_ids[i * bs:(i + 1) * bs], i, extra))
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.content_id
+        return hits
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted sequence's lookup (the scheduler calls this once per admission)."""
+        self.prefix_queried_tokens += num_queried_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Seq[int], num_computed_tokens: int,
+                          extra: Hashable = None) -> None:
+        """Register the sequence's blocks that are now full of computed KV in the prefix cache.
+
+        A block whose content is already cached (computed twice in parallel) stays private to
+        this sequence; the chain continues from the cached copy's content id.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table, chain = self.tables[seq_id], self.chains[seq_id]
+        bs = self.block_size
+        for i in range(len(chain), num_computed_tokens // bs):
+            block = table[i]
+            if block.cache_key is not None:  # shared full block, e.g. a prefix hit
+                chain.append(block.content_id)
+                continue
+            parent = chain[i - 1] if i else ROOT_CONTENT_ID
+            key = self._key(parent, token_ids[i * bs:(i + 1) * bs], i, extra)
+            existing = self._cache.get(key)
+            if existing is not None:
+                chain.append(existing.content_id)
+                continue
+            block.cache_key, block.content_id = key, self._next_content_id
+            self._next_content_id += 1
+            self._cache[key] = block
+            chain.append(block.content_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
+        for block in self.free_queue:
+            self._evict(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.cache_key is not None:
+            del self._cache[block.cache_key]
+            block.cache_key, block.content_id = None, ROOT_CONTENT_ID
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
+        return num_blocks + reserve <= self.free_queue.num_free
+
+    def _take_free(self) -> KVBlock:
+        block = self.free_queue.popleft()
+        self._evict(block)
+        block.ref_count = 1
+        return block
+
+    def _ref(self, block: KVBlock) -> None:
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+        block.ref_count += 1
+
+    def allocate(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
+                 num_computed_tokens: int = 0, reserve: int = 0) -> bool:
+        """Make ``seq_id``'s table cover ``num_tokens`` token slots; False (nothing changed) if
+        the pool can't.
+
+        ``cached_prefix`` (from :meth:`find_cached_prefix`) is taken by reference for a sequence
+        that has no table yet. If the sequence's last block is shared and the next token to
+        compute falls into it, it gets a private copy first (copy-on-write). ``reserve`` blocks
+        must stay free afterwards (a watermark that keeps room for running sequences to grow).
+        """
+        table = self.tables.get(seq_id)
+        if table is None:
+            table = []
+            prefix_cost = sum(1 for b in cached_prefix if b.ref_count == 0)
+        else:
+            cached_prefix, prefix_cost = (), 0
+        have = len(table) + len(cached_prefix)
+        need_new = max(0, self.num_blocks_for(num_tokens) - have)
+        cow = self._needs_copy(table, num_computed_tokens)
+        # Hit blocks that sit in the free queue are taken out of it, so they count too.
+        if not self.can_allocate(need_new + int(cow) + prefix_cost, reserve):
+            return False
+        if seq_id not in self.tables:
+            self.tables[seq_id], self.chains[seq_id] = table, []
+            for block in cached_prefix:
+                self._ref(block)
+                table.append(block)
+        if cow:
+            self._copy_on_write(table, num_computed_tokens // self.block_size)
+        for _ in range(need_new):
+            table.append(self._take_free())
+        return True
+
+    def _needs_copy(self, table: list[KVBlock], num_computed_tokens: int) -> bool:
+        index = num_computed_tokens // self.block_size
+        return (num_computed_tokens % self.block_size != 0 and index < len(table)
+                and table[index].ref_count > 1)
+
+    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+        shared = table[index]
+        private = self._take_free()
+        self.pending_copies.append((shared.block_id, private.block_id))
+        shared.ref_count -= 1  # still > 0: the other writers keep it
+        table[index] = private
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` the same blocks as ``parent_id`` (shared by reference count)."""
+        table = self.tables[parent_id]
+        for block in table:
+            block.ref_count += 1
+        self.tables[child_id] = list(table)
+        self.chains[child_id] = list(self.chains[parent_id])
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references, tail first, so its prefix chain is evicted from the end."""
+        table = self.tables.pop(seq_id, None)
+        self.chains.pop(seq_id, None)
+        if table is None:
+            return
+        for block in reversed(table):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert the allocator's invariants (used by property tests; O(num_blocks))."""
+        refs = [0] * self.num_blocks
+        for table in self.tables.values():
+            for block in table:
+                refs[block.block_id] += 1
+        free_ids = {b.block_id for b in self.free_queue}
+        assert len(free_ids) == self.free_queue.num_free, "free queue count drifted"
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"{block}: refcount != tables holding it"
+            assert (block.ref_count == 0) == (block.block_id in free_ids), f"{block}: free xor referenced"
+        for key, block in self._cache.items():
+            assert block.cache_key == key, f"{block}: cache key mismatch"

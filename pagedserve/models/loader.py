@@ -1,0 +1,101 @@
+"""Load a Llama-family model from a local Hugging Face directory or a hub id (safetensors)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; anything else is a hub id, downloaded (or taken from the HF cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {model!r} is not a directory with a Hugging Face checkpoint")
+    from huggingface_hub import snapshot_download
+
+    logger.info("fetching %s from the Hugging Face hub (or its local cache)", model)
+    return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
+
+
+def load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype; float16 on CPU becomes bfloat16 (fast kernels there)."""
+    if requested != "auto":
+        return DTYPES[requested]
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(saved, str):
+        saved = DTYPES.get(saved, torch.float32)
+    if saved == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return saved if saved in DTYPES.values() else torch.float32
+
+
+def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in tqdm(list(f.keys()), desc=f"loading {file.name}", unit="tensor", leave=False,
+                             disable=len(files) == 1 and len(f.keys()) < 200):
+                tensors[name.removeprefix("model.")] = f.get_tensor(name)
+    return tensors
+
+
+def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
+    """Map Hugging Face names onto ours, concatenating q/k/v and gate/up into fused weights."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        if "rotary_emb" in name:
+            continue
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
+            continue  # consumed together with q_proj / gate_proj below
+        if ".self_attn.q_proj." in name:
+            prefix, suffix = name.split(".self_attn.q_proj.")
+            parts = [raw[f"{prefix}.self_attn.{p}_proj.{suffix}"] for p in ("q", "k", "v")]
+            out[f"{prefix}.self_attn.qkv_proj.{suffix}"] = torch.cat(parts, dim=0)
+        elif ".mlp.gate_proj." in name:
+            prefix, suffix = name.split(".mlp.gate_proj.")
+            out[f"{prefix}.mlp.gate_up_proj.{suffix}"] = torch.cat(
+                [tensor, raw[f"{prefix}.mlp.up_proj.{suffix}"]], dim=0)
+        elif name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        else:
+            out[name] = tensor
+    return out
+
+
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
+               attention_backend: str) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors."""
+    arch = ModelArchitecture.from_hf_config(hf_config)
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, max_positions, attention_backend)
+    state = _fused_state_dict(_read_checkpoint(model_dir), arch)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+    model.to(dtype=dtype)
+    model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
+    return model.eval().requires_grad_(False)

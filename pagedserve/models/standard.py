@@ -1,0 +1,157 @@
+"""The standard random-weight checkpoints of BENCH.md, built locally (nothing is downloaded).
+
+Each is a Llama-architecture model (``LlamaConfig`` + ``LlamaForCausalLM``, fixed seed, saved as
+safetensors in bf16) with a byte-level BPE tokenizer (vocab 32,000) trained on the Python
+standard library's own source files, which every machine with Python has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StandardModel:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int = 32000
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+
+
+STANDARD_MODELS: dict[str, StandardModel] = {
+    "tiny": StandardModel("tiny", 64, 2, 4, 2, 16, 128),
+    "small": StandardModel("small", 768, 12, 12, 4, 64, 2048),
+    "qwen05-shape": StandardModel("qwen05-shape", 896, 24, 14, 2, 64, 4864, tie_word_embeddings=True),
+}
+
+
+def cache_dir() -> Path:
+    """Where built checkpoints live: ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _stdlib_sources() -> list[str]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(root.glob("*.py"))]
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
+    """Train a byte-level BPE tokenizer on the standard library's source and save it (HF format).
+
+    Token ids 0, 1, 2 are ``<unk>``, ``<s>`` (BOS, prepended on encode) and ``</s>`` (EOS),
+    matching ``LlamaConfig``'s defaults.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train(_stdlib_sources(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _shared_tokenizer_dir() -> Path:
+    """The BPE tokenizer, trained once per cache and copied into every standard model."""
+    out = cache_dir() / "tokenizer-bpe-32000"
+    if not (out / "tokenizer.json").exists():
+        with _build_lock(out):
+            if not (out / "tokenizer.json").exists():
+                logger.info("training the standard BPE tokenizer (vocab 32,000) on the stdlib sources")
+                tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+                train_tokenizer(tmp)
+                tmp.rename(out)
+    return out
+
+
+class _build_lock:
+    """An exclusive file lock so parallel processes build a cached artefact once."""
+
+    def __init__(self, target: Path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.path = target.with_name(target.name + ".lock")
+
+    def __enter__(self):
+        import fcntl
+
+        self.file = open(self.path, "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write the named standard checkpoint (bf16 safetensors + tokenizer) into ``out_dir``."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = STANDARD_MODELS[name]
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in _shared_tokenizer_dir().iterdir():
+        shutil.copy(f, out_dir / f.name)
+    (out_dir / "PAGEDSERVE_RANDOM_WEIGHTS").write_text(
+        f"Standard model {name!r} of BENCH.md: random weights (seed {seed}); its text is meaningless.\n")
+    return out_dir
+
+
+def ensure_standard_model(name: str) -> Path:
+    """The cached directory of a standard model, built on first use."""
+    if name not in STANDARD_MODELS:
+        raise ValueError(f"unknown standard model {name!r}; choose from {sorted(STANDARD_MODELS)}")
+    out = cache_dir() / "models" / name
+    if not (out / "config.json").exists():
+        with _build_lock(out):
+            if not (out / "config.json").exists():
+                logger.info("building the standard %r random-weight model in %s (first use)", name, out)
+                tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+                build_standard_model(name, tmp)
+                tmp.rename(out)
+    return out
+
+
+def is_random_weight_model(model_dir: Path) -> bool:
+    return (Path(model_dir) / "PAGEDSERVE_RANDOM_WEIGHTS").exists()

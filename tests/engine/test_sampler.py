@@ -1,0 +1,67 @@
+"""The batched sampler: filters, penalties and per-row seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.engine.sampler import SamplingRow, sample
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+def row(gen=None, out=(), prompt=(), banned=(), **kw):
+    return SamplingRow(SamplingParams(**kw), gen, list(prompt), list(out), list(banned))
+
+
+def test_greedy_is_argmax_and_banned_tokens_are_skipped():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]])
+    res = sample(logits, [row(temperature=0), row(temperature=0, banned=[0])])
+    assert res.token_ids == [1, 1]
+
+
+def test_top_k_one_and_tiny_top_p_behave_like_greedy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    rows = [row(temperature=1.0, top_k=1), row(temperature=1.0, top_p=1e-6),
+            row(temperature=1.0, min_p=0.999), row(temperature=0)]
+    for _ in range(5):
+        assert sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(4000, 1)
+    gen = torch.Generator().manual_seed(1)
+    toks = torch.tensor(sample(logits, [row(temperature=1.0)] * 4000, gen).token_ids)
+    freq = torch.bincount(toks, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_top_k_two_never_picks_third():
+    logits = torch.tensor([[3.0, 2.9, 2.8, -5.0]]).repeat(500, 1)
+    toks = sample(logits, [row(temperature=1.0, top_k=2)] * 500, torch.Generator().manual_seed(2)).token_ids
+    assert set(toks) == {0, 1}
+
+
+def test_seeded_row_ignores_its_neighbours():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(3))
+    a = sample(logits[:1], [row(gen=torch.Generator().manual_seed(7), temperature=1.0)]).token_ids[0]
+    rows = [row(temperature=1.0), row(gen=torch.Generator().manual_seed(7), temperature=1.0), row(temperature=0.5)]
+    b = sample(torch.stack([logits[1], logits[0], logits[2]]), rows).token_ids[1]
+    assert a == b
+
+
+def test_penalties_push_repeated_tokens_down():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    assert sample(logits, [row(temperature=0)]).token_ids == [0]
+    assert sample(logits, [row(temperature=0, out=[0], presence_penalty=0.5)]).token_ids == [1]
+    assert sample(logits, [row(temperature=0, out=[0, 0], frequency_penalty=0.1)]).token_ids == [1]
+    assert sample(logits, [row(temperature=0, prompt=[0], repetition_penalty=1.2)]).token_ids == [1]
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    res = sample(logits, [row(temperature=0, logprobs=2)])
+    lp = logits.log_softmax(-1)[0]
+    assert res.logprobs[0].token_id == 2
+    assert abs(res.logprobs[0].logprob - float(lp[2])) < 1e-6
+    assert [t for t, _ in res.logprobs[0].top] == [2, 1]
