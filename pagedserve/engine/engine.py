@@ -100,6 +100,8 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
+        self._last_log, self._tokens_since_log = time.monotonic(), 0
         pool_tokens = self.num_kv_blocks * config.block_size
         logger.info(
             "loaded %s (%s, %s, %d layers) on %s in %.1fs; KV pool: %d blocks × %d tokens = %d tokens "
@@ -184,7 +186,19 @@ class Engine:
         model_input = self.runner.prepare(plan)
         logits = self.runner.execute(model_input, plan.copies)
         self.scheduler.update_after_step(plan)
+        self._tokens_since_log += plan.num_batched_tokens
+        if now - self._last_log >= self.log_interval_s:
+            self._log_stats(now)
         return self._sample_and_finish(model_input.sampled_seqs, logits)
+
+    def _log_stats(self, now: float) -> None:
+        st = self.stats()
+        logger.info("%.0f tokens/s computed; running %d, waiting %d; KV blocks %d/%d used (%d cached free), "
+                    "utilization %.2f; prefix-cache hit rate %.1f%%; %d preemptions so far",
+                    self._tokens_since_log / (now - self._last_log), st.num_running, st.num_waiting,
+                    st.kv_blocks_used, st.kv_blocks_total, st.kv_blocks_cached_free, st.kv_utilization,
+                    100 * st.prefix_hit_rate, st.num_preemptions)
+        self._last_log, self._tokens_since_log = now, 0
 
     def _sample_and_finish(self, sampled: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         # A prompt of an n > 1 request that just finished prefill samples n rows from one logits row.
