@@ -19,6 +19,11 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes without transformers' per-call conversions,
+        # which cost more than the decode itself on this per-token path.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._decode = backend.decode if backend is not None else (
+            lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def start(self, seq: Sequence) -> None:
         seq.read_offset = seq.num_prompt_tokens
@@ -28,8 +33,8 @@ class Detokenizer:
         """Append the newly decodable text to ``seq.output_text`` and return it."""
         skip = seq.request.params.skip_special_tokens
         ids = seq.token_ids
-        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-        new_text = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+        new_text = self._decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
