@@ -79,8 +79,8 @@ class EngineStats:
 
     @property
     def kv_utilization(self) -> float:
-        """Tokens in use ÷ token slots in allocated blocks (1.0 when nothing is allocated)."""
-        return self.kv_tokens_in_use / self.kv_slots_allocated if self.kv_slots_allocated else 1.0
+        """Tokens in use ÷ token slots in allocated blocks (0.0 when nothing is allocated)."""
+        return self.kv_tokens_in_use / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

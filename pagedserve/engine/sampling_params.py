@@ -73,6 +73,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"logprobs / top_logprobs must be between 0 and 20, got {self.logprobs}.")
+        if self.seed is not None and not 0 <= self.seed < 2**63 - 256:
+            raise bad("seed", f"seed must be in [0, 2**63 - 256), got {self.seed}.")  # room for seed + index
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}.")
         if any(t < 0 for t in self.stop_token_ids):

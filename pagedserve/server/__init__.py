@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI): app, protocol, metrics, errors, CLI."""

@@ -1,0 +1,121 @@
+"""The FastAPI app: routes, lifespan (AsyncEngine start / graceful stop), middleware, errors.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``GET /health``, ``GET /metrics``, ``GET /load``. See docs/SERVER.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server import protocol as p
+from pagedserve.server.config import ServerConfig
+from pagedserve.server.errors import error_response, install_error_handlers
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.middleware import GuardMiddleware
+from pagedserve.server.serving import ClientDisconnected, OpenAIServing
+
+if TYPE_CHECKING:
+    from pagedserve.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {400: {"model": p.ErrorResponse}, 401: {"model": p.ErrorResponse}, 404: {"model": p.ErrorResponse},
+           413: {"model": p.ErrorResponse}, 503: {"model": p.ErrorResponse}}
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """An app serving ``engine``. The step thread starts with the app's lifespan and stops with it,
+    after in-flight requests finished (up to ``config.shutdown_timeout_s``) or were aborted."""
+    model_name = config.served_model_name or engine.model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine = AsyncEngine(engine)
+        metrics = ServerMetrics(model_name, async_engine.stats)
+        async_engine.observer = metrics
+        async_engine.start()
+        app.state.async_engine = async_engine
+        app.state.metrics = metrics
+        app.state.serving = OpenAIServing(async_engine, config)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(drain_timeout_s=config.shutdown_timeout_s)
+            stats = async_engine.stats()
+            logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
+                        stats.num_running, stats.num_waiting, stats.kv_blocks_used)
+
+    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
+    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> JSONResponse:
+        # Nobody reads this: the client has gone. 499 is what nginx logs for it.
+        return error_response(499, "client closed the connection", "invalid_request_error")
+
+    def serving(request: Request) -> OpenAIServing:
+        return request.app.state.serving
+
+    @app.post("/v1/completions", responses={200: {"model": p.CompletionResponse}, **_ERRORS})
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        """Text completion (OpenAI). ``stream: true`` answers server-sent events ending in ``[DONE]``."""
+        return await serving(request).completions(body, request)
+
+    @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletionResponse}, **_ERRORS})
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion (OpenAI), prompt built with the tokenizer's chat template."""
+        return await serving(request).chat(body, request)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+        """Token ids and count of a prompt or conversation, and the model's max_model_len."""
+        return serving(request).tokenize(body)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> p.ModelList:
+        """The one model this server serves."""
+        s = serving(request)
+        description = config.model_description
+        if config.random_weights and description is None:
+            description = ("RANDOM WEIGHTS: this is pagedserve's built-in test model and its output is noise. "
+                           "Serve a real model with: pagedserve serve --model <hf-dir-or-hub-id>")
+        return p.ModelList(data=[p.ModelCard(id=s.model_name, root=engine.config.model, max_model_len=s.max_model_len,
+                                             random_weights=config.random_weights, description=description)])
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 while the engine's step loop is alive, 503 otherwise."""
+        async_engine: AsyncEngine = request.app.state.async_engine
+        if async_engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return error_response(503, "the engine is not running", "server_error", code="engine_unavailable")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition text; every name starts with ``pagedserve:``."""
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def load(request: Request) -> p.LoadResponse:
+        """Running/waiting requests, KV blocks, tokens/s and the estimated queue wait (for the gateway)."""
+        async_engine: AsyncEngine = request.app.state.async_engine
+        report = async_engine.load()
+        return p.LoadResponse(model=model_name, running=report.running, waiting=report.waiting,
+                              max_num_seqs=report.max_num_seqs, kv_blocks_used=report.kv_blocks_used,
+                              kv_blocks_cached=report.kv_blocks_cached, kv_blocks_total=report.kv_blocks_total,
+                              kv_utilization=report.kv_utilization,
+                              tokens_per_s=round(report.tokens_per_s, 3),
+                              est_queue_wait_s=round(report.est_queue_wait_s, 3))
+
+    return app

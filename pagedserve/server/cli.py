@@ -1,0 +1,134 @@
+"""``pagedserve serve``: start the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagedserve.config import parse_bytes
+
+if TYPE_CHECKING:
+    from pagedserve.engine.engine import Engine
+    from pagedserve.server.config import ServerConfig
+
+logger = logging.getLogger("pagedserve.server")
+
+_EPILOG = """examples:
+  pagedserve serve                                   # built-in random-weight 'tiny' model (a demo)
+  pagedserve serve --model ~/models/Qwen2.5-0.5B-Instruct --port 8000
+  pagedserve serve --model meta-llama/Llama-3.2-1B-Instruct --api-key "$KEY" --max-num-seqs 32
+
+then:
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "Hello", "max_tokens": 16}'
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``serve`` (engine flags from ``pagedserve.engine.args`` plus the server's own)."""
+    from pagedserve.engine.args import add_engine_args
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /health, /metrics, /load). Without --model it serves a built-in "
+                    "random-weight model, which is only good for trying the API.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    server.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize "
+                             "(default: $PAGEDSERVE_API_KEY, or no authentication)")
+    server.add_argument("--served-model-name", default=None,
+                        help="model name clients send and /v1/models lists (default: the engine's model name)")
+    server.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB",
+                        help="refuse request bodies larger than this with 413 (default 4MiB; e.g. 512KiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
+                             "aborted (default 5)")
+    server.add_argument("--default-model", choices=["tiny", "small"], default="tiny",
+                        help="standard random-weight model served when --model is not given (default tiny)")
+    # Its own dest: the top-level parser has a --log-level too, and a subparser default would clobber it.
+    server.add_argument("--log-level", dest="serve_log_level", type=str.lower, default=None,
+                        choices=["debug", "info", "warning", "error"],
+                        help="log verbosity of the server and engine (default: pagedserve's --log-level, else info)")
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from pagedserve.engine.args import engine_config_from_args
+    from pagedserve.engine.engine import Engine
+    from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
+    from pagedserve.server.app import build_app
+    from pagedserve.server.config import ServerConfig
+
+    log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level.upper())  # the top-level CLI may have configured logging first
+    default_model = not getattr(args, "model", None)
+    if default_model:
+        args.model = str(ensure_standard_model(args.default_model))
+        logger.warning("No --model given: serving the built-in '%s' model with RANDOM WEIGHTS from %s. Its output "
+                       "is noise; it is for trying the API. Serve a real model with: pagedserve serve --model "
+                       "<hf-dir-or-hub-id>", args.default_model, args.model)
+    random_weights = Path(args.model).is_dir() and is_random_weight_model(Path(args.model))
+    if random_weights and not default_model:
+        logger.warning("%s has RANDOM WEIGHTS (a pagedserve standard test model): its output is noise", args.model)
+    try:
+        server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                                     api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                                     shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights)
+        engine = Engine(engine_config_from_args(args))
+    except (ValueError, OSError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    if default_model and server_config.served_model_name is None:
+        server_config.served_model_name = f"pagedserve-{args.default_model}-random"
+    _log_startup(engine, server_config)
+    app = build_app(engine, server_config)
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
+                                    timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    # Uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; after that
+    # clean shutdown, exit with 0 instead of a traceback (Ctrl-C) or death by signal (SIGTERM).
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        uvicorn.Server(uvicorn_config).run()
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (uvicorn re-raises it after its graceful shutdown)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _log_startup(engine: Engine, config: ServerConfig) -> None:
+    """One block that says what is served, how much KV it has and where it listens."""
+    c = engine.config
+    tokens = engine.num_kv_blocks * c.block_size
+    kv_bytes = tokens * engine.kv_bytes_per_token
+    logger.info("model: %s (served as '%s'), dtype %s, device %s, max_model_len %d",
+                c.model, config.served_model_name or engine.model_name, getattr(engine, "dtype", c.dtype),
+                getattr(engine, "device", c.device), c.max_model_len)
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d B/token); seats at max_model_len: %d; "
+                "max_num_seqs %d", engine.num_kv_blocks, c.block_size, tokens, kv_bytes / 2**20,
+                engine.kv_bytes_per_token, tokens // c.max_model_len, c.max_num_seqs)
+    logger.info("listening on http://%s:%d (API key %s)", config.host, config.port,
+                "required" if config.api_key else "not required")

@@ -1,0 +1,33 @@
+"""The HTTP server's own settings (the engine's live in :class:`pagedserve.config.EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    """How the OpenAI-compatible server listens and what it accepts.
+
+    ``random_weights`` marks the embedded default model, so ``/v1/models`` and the startup log can
+    say that its output is noise and how to serve a real model.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the engine's model name
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout_s: float = 5.0
+    random_weights: bool = False
+    model_description: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to disable authentication)")

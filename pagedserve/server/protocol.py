@@ -1,0 +1,335 @@
+"""OpenAI request and response bodies (pydantic), plus the few fields vLLM adds.
+
+Requests are validated strictly at the edge: JSON types must match (``"5"`` is not an integer),
+unknown fields are refused with their name, and every piece of text a client sends (prompts,
+message contents, stop strings) must be valid Unicode without control characters. The schemas
+also make the app's OpenAPI document, which the fuzz test drives.
+"""
+
+from __future__ import annotations
+
+import time
+import unicodedata
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+# Control characters a prompt may legitimately contain.
+_ALLOWED_CONTROL = {"\t", "\n", "\r"}
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP = 16
+
+
+def _check_text(text: str) -> str:
+    """Refuse lone surrogates (not encodable as UTF-8) and control characters other than tab/newline."""
+    for i, ch in enumerate(text):
+        code = ord(ch)
+        if 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"is not valid Unicode: lone surrogate U+{code:04X} at index {i}; send valid UTF-8 text")
+        if ch not in _ALLOWED_CONTROL and unicodedata.category(ch) == "Cc":
+            raise ValueError(f"contains control character U+{code:04X} at index {i}; remove it "
+                             "(only tab, newline and carriage return are allowed)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_text)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # strict: JSON types must match exactly; forbid: a misspelt field is an error, not a silent no-op.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: with ``include_usage`` a last chunk before ``[DONE]`` carries usage."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="Served model name (see GET /v1/models); default: the one model.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Completions to generate for the prompt.")
+    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy; default 1.0.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # int64, as vLLM: the engine seeds completion i with seed + i, which must stay in torch's range.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request sampling seed.")
+    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = Field(False, description="Keep generating past the EOS token (benchmarks).")
+    min_tokens: int = Field(0, ge=0, description="Tokens to generate before EOS/stop may end the output.")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1,
+                          description="Engine priority: lower is served sooner (vLLM's convention).")
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256,
+                                    description="Prefix-cache namespace: only requests with the same salt share cached blocks.")
+    user: str | None = Field(None, description="End-user id (accepted for compatibility; logged only).")
+    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+                                   description="Caller-chosen request id (default: generated).")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {} is accepted.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Accepted and ignored.")
+    service_tier: str | None = Field(None, description="Accepted and ignored.")
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is text or token ids (one prompt per request)."""
+
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(
+        ..., description="Text or a list of token ids; a list of one prompt is accepted too.")
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate; null = up to max_model_len.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
+    echo: bool = Field(False, description="Not supported: only false is accepted.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only best_of == n is supported.")
+    suffix: str | None = Field(None, description="Not supported: only null or empty is accepted.")
+
+
+class TextPart(_Strict):
+    """One text part of a message's ``content`` list."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    """One chat message; ``content`` is text or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    # Fields the openai client sends back when a response message is appended to the conversation;
+    # accepted when empty (tool calls are not supported).
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+
+class ResponseFormat(_Strict):
+    """Only plain text output is supported."""
+
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: the tokenizer's chat template turns ``messages`` into a prompt."""
+
+    messages: list[ChatMessage] = Field(..., description="The conversation; must not be empty.")
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Tokens to generate; null = up to max_model_len.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: only null or [] is accepted.")
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking).")
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): count the tokens of a prompt or of chat messages."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    """Prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts; ``total_tokens == prompt_tokens + completion_tokens``."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions-style logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One of the ``n`` completions of ``/v1/completions``."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/completions`` answer (chunks use the same shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    """One candidate token and its log-probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token's log-probability and the top alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat-style logprobs: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's message in a non-streamed chat answer."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatDelta(BaseModel):
+    """The new part of the assistant's message in one streamed chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One of the ``n`` choices of a non-streamed chat answer."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    """One choice's delta in a streamed chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/chat/completions`` answer."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat answer."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """The served model as ``/v1/models`` lists it, with pagedserve's extra fields."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+    random_weights: bool = False
+    description: str | None = None
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize``: the token ids, their count and the context limit."""
+
+    count: int
+    tokens: list[int]
+    max_model_len: int
+
+
+class LoadResponse(BaseModel):
+    """``GET /load``: what the gateway reads to route and shed."""
+
+    model: str
+    running: int
+    waiting: int
+    max_num_seqs: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_total: int
+    kv_utilization: float
+    tokens_per_s: float
+    est_queue_wait_s: float
+
+
+class ErrorInfo(BaseModel):
+    """The fields of OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorInfo

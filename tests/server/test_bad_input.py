@@ -1,0 +1,114 @@
+"""Every kind of bad request gets a 4xx with OpenAI's error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+
+@dataclass
+class Case:
+    name: str
+    path: str
+    body: bytes
+    status: int
+    param: str | None = None
+    code: str | None = None
+    error_type: str = "invalid_request_error"
+
+
+def js(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+CASES = [
+    Case("malformed json", CMPL, b'{"prompt": "hi",', 400, code="invalid_json"),
+    Case("not an object", CMPL, b'[1, 2, 3]', 400),
+    Case("empty body", CMPL, b"", 400),
+    Case("max_tokens as string", CMPL, js({"prompt": "hi", "max_tokens": "5"}), 400, "max_tokens"),
+    Case("temperature as string", CMPL, js({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
+    Case("stream as int", CMPL, js({"prompt": "hi", "stream": 1}), 400, "stream"),
+    Case("messages not a list", CHAT, js({"messages": "hi"}), 400, "messages"),
+    Case("unknown field", CMPL, js({"prompt": "hi", "max_tokenz": 5}), 400, "max_tokenz", "unknown_field"),
+    Case("unknown model", CMPL, js({"model": "gpt-9", "prompt": "hi"}), 404, "model", "model_not_found"),
+    Case("missing prompt", CMPL, js({"max_tokens": 5}), 400, "prompt"),
+    Case("empty prompt", CMPL, js({"prompt": ""}), 400, "prompt"),
+    Case("empty token prompt", CMPL, js({"prompt": []}), 400, "prompt"),
+    Case("token id out of vocab", CMPL, js({"prompt": [1, 10_000_000]}), 400, "prompt"),
+    Case("several prompts", CMPL, js({"prompt": ["a", "b"]}), 400, "prompt"),
+    Case("empty messages", CHAT, js({"messages": []}), 400, "messages"),
+    Case("empty message content", CHAT, js({"messages": [{"role": "user", "content": ""}]}), 400,
+         "messages[0].content"),
+    Case("bad role", CHAT, js({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages[0].role"),
+    Case("max_tokens zero", CMPL, js({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    Case("max_tokens negative", CHAT, js({"messages": USER, "max_tokens": -3}), 400, "max_tokens"),
+    Case("max_completion_tokens zero", CHAT, js({"messages": USER, "max_completion_tokens": 0}), 400,
+         "max_completion_tokens"),
+    Case("max_tokens past context", CMPL, js({"prompt": "hi", "max_tokens": 100_000}), 400, "max_tokens",
+         "context_length_exceeded"),
+    Case("prompt over max_model_len", CMPL, js({"prompt": [5] * (MAX_MODEL_LEN + 10), "max_tokens": 1}), 400,
+         "prompt", "context_length_exceeded"),
+    Case("chat over max_model_len", CHAT, js({"messages": [{"role": "user", "content": "word " * 2000}]}), 400,
+         "messages", "context_length_exceeded"),
+    Case("n zero", CMPL, js({"prompt": "hi", "n": 0}), 400, "n"),
+    Case("n too big", CMPL, js({"prompt": "hi", "n": 1000}), 400, "n"),
+    Case("logprobs too big", CMPL, js({"prompt": "hi", "logprobs": 21}), 400, "logprobs"),
+    Case("top_logprobs too big", CHAT, js({"messages": USER, "logprobs": True, "top_logprobs": 50}), 400,
+         "top_logprobs"),
+    Case("top_logprobs without logprobs", CHAT, js({"messages": USER, "top_logprobs": 2}), 400, "top_logprobs"),
+    Case("temperature negative", CMPL, js({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+    Case("top_p zero", CMPL, js({"prompt": "hi", "top_p": 0}), 400, "top_p"),
+    Case("too many stop strings", CMPL, js({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}), 400, "stop"),
+    Case("invalid utf-8", CMPL, b'{"prompt": "caf\xe9 \xff"}', 400, code="invalid_encoding"),
+    Case("nul in prompt", CMPL, js({"prompt": "a\u0000b"}), 400, "prompt"),
+    Case("escape char in message", CHAT, js({"messages": [{"role": "user", "content": "x\u001by"}]}), 400,
+         "messages[0].content"),
+    Case("lone surrogate", CMPL, b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    Case("control char in stop", CMPL, js({"prompt": "hi", "stop": ["\u0007"]}), 400, "stop"),
+    Case("body over the limit", CMPL, js({"prompt": "x" * 300_000}), 413, code="body_too_large"),
+    Case("echo unsupported", CMPL, js({"prompt": "hi", "echo": True}), 400, "echo"),
+    Case("tools unsupported", CHAT, js({"messages": USER, "tools": [{"type": "function"}]}), 400, "tools"),
+    Case("stream_options without stream", CMPL, js({"prompt": "hi", "stream_options": {"include_usage": True}}),
+         400, "stream_options"),
+    Case("priority as float", CMPL, js({"prompt": "hi", "priority": 1.5}), 400, "priority"),
+    Case("cache_salt empty", CMPL, js({"prompt": "hi", "cache_salt": ""}), 400, "cache_salt"),
+    Case("template kwarg reserved", CHAT, js({"messages": USER, "chat_template_kwargs": {"tokenize": True}}), 400,
+         "chat_template_kwargs"),
+    Case("tool calls in history", CHAT, js({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "x"}]}]}),
+         400, "messages[1].tool_calls"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_request_gets_openai_error(server_url: str, case: Case) -> None:
+    with httpx.Client(base_url=server_url, timeout=30) as http:
+        r = http.post(case.path, content=case.body, headers={"Content-Type": "application/json"})
+        assert r.status_code == case.status, r.text
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        err = body["error"]
+        assert err["type"] == case.error_type, err
+        assert len(err["message"]) > 15, err  # says what to fix, not just "bad request"
+        if case.param is not None:
+            assert err["param"] == case.param, err
+        if case.code is not None:
+            assert err["code"] == case.code, err
+        # The server still answers the next valid request.
+        ok = http.post(CMPL, json={"prompt": "still alive?", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_path_and_method_use_the_error_body(server_url: str) -> None:
+    r = httpx.get(f"{server_url}/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{server_url}/v1/completions", timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
