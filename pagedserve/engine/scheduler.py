@@ -71,7 +71,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # heap by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key: the worst is last
         self.num_preemptions = 0
-        self.watermark_blocks = int(block_manager.num_blocks * config.watermark_fraction)
+        # Worst-case reservation never grows a table after admission, so it needs no headroom.
+        self.watermark_blocks = 0 if config.reserve_max_model_len else int(
+            block_manager.num_blocks * config.watermark_fraction)
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
