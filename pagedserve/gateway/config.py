@@ -1,0 +1,289 @@
+"""The gateway's TOML config: keys → tiers → pools, validated once at start with line numbers.
+
+Example (see ``examples/gateway.toml`` for every field)::
+
+    [pools.shared]
+    replicas = ["http://127.0.0.1:8001"]
+
+    [tiers.paid]
+    token_rate = 2000        # LLM tokens per second
+    token_burst = 20000      # bucket size
+    pools = ["shared"]
+    priority = 0             # lower is served sooner in a shared pool
+    max_queue_wait_s = 1.0
+
+    [keys]
+    "sk-paid-1" = "paid"
+    "sk-free-1" = { tier = "free", name = "alice" }
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SALT_MODES = ("key", "tier", "shared")
+BUCKET_SCOPES = ("key", "tier")
+LIMITER_POLICIES = ("open", "closed")
+TOKEN_COUNTS = ("tokenize", "bytes")
+
+
+class ConfigError(ValueError):
+    """A config file the gateway refuses, naming the file and line of the offending entry."""
+
+    def __init__(self, message: str, *, path: str = "<config>", line: int | None = None):
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}")
+        self.line = line
+
+
+@dataclass
+class TierConfig:
+    """A tier: its bucket (LLM tokens per second and size), pools, priority and wait budget.
+
+    ``pools`` are tried in order; the first whose estimated queue wait fits ``max_queue_wait_s``
+    gets the request. ``bucket`` = ``key`` gives every API key its own bucket, ``tier`` one bucket
+    shared by the tier. ``cache_salt`` = ``key`` | ``tier`` | ``shared`` scopes the engine's prefix
+    cache. ``on_limiter_error`` = ``open`` admits (unlimited) while Redis is unreachable,
+    ``closed`` refuses with 503.
+    """
+
+    name: str
+    token_rate: float
+    token_burst: float
+    pools: list[str]
+    request_rate: float | None = None
+    request_burst: float | None = None
+    priority: int = 0
+    max_queue_wait_s: float = 5.0
+    default_max_tokens: int = 256
+    bucket: str = "key"
+    cache_salt: str = "key"
+    on_limiter_error: str = "closed"
+
+
+@dataclass
+class PoolConfig:
+    """A named list of engine replica base URLs (``http://host:port``, without ``/v1``).
+
+    ``api_key`` is sent as ``Authorization: Bearer`` to replicas started with ``--api-key``.
+    """
+
+    name: str
+    replicas: list[str]
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One API key, held only as its SHA-256 digest; ``name`` is what logs show instead of it."""
+
+    digest: bytes
+    tier: str
+    name: str
+
+
+@dataclass
+class GatewayConfig:
+    """Everything the gateway needs: server settings, pools, tiers and keys."""
+
+    pools: dict[str, PoolConfig]
+    tiers: dict[str, TierConfig]
+    keys: list[KeyEntry]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str | None = None
+    redis_timeout_s: float = 0.25
+    redis_breaker_reset_s: float = 1.0
+    load_poll_interval_s: float = 0.25
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    token_count: str = "tokenize"
+    affinity_slack_s: float = 0.25
+    default_service_s: float = 1.0
+
+    def provisioned(self, pool: str) -> bool:
+        """A pool is provisioned when exactly one tier may use it."""
+        return sum(pool in t.pools for t in self.tiers.values()) == 1
+
+
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest keys are stored and compared as."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _line_of(text: str, table: tuple[str, ...], key: str | None = None) -> int | None:
+    """The 1-based line of ``[table]`` (or of ``key = ...`` inside it), found by a light scan."""
+    header = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+    current: tuple[str, ...] = ()
+    header_line = None
+    for i, raw in enumerate(text.splitlines(), 1):
+        m = header.match(raw)
+        if m:
+            current = tuple(p.strip().strip('"\'') for p in re.split(r"\.(?=(?:[^\"]*\"[^\"]*\")*[^\"]*$)", m.group(1)))
+            if current == table:
+                header_line = i
+                if key is None:
+                    return i
+            continue
+        if current == table and key is not None:
+            km = re.match(r"^\s*(\"[^\"]*\"|'[^']*'|[A-Za-z0-9_\-]+)\s*=", raw)
+            if km and km.group(1).strip('"\'') == key:
+                return i
+    return header_line
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a gateway TOML file; raises :class:`ConfigError` naming the line at fault."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config: {e}", path=path) from e
+    return parse_config(text, path=path)
+
+
+def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
+    """Validate TOML ``text`` (see :func:`load_config`)."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"at line (\d+)", str(e))
+        raise ConfigError(f"invalid TOML: {e}", path=path, line=int(m.group(1)) if m else None) from e
+
+    def fail(msg: str, table: tuple[str, ...], key: str | None = None) -> ConfigError:
+        return ConfigError(msg, path=path, line=_line_of(text, table, key))
+
+    known_top = {"gateway", "pools", "tiers", "keys"}
+    for k in doc:
+        if k not in known_top:
+            raise fail(f"unknown section [{k}] (expected one of {sorted(known_top)})", (k,))
+
+    gw_raw = doc.get("gateway", {})
+    gw_fields = {f.name for f in fields(GatewayConfig)} - {"pools", "tiers", "keys"}
+    for k in gw_raw:
+        if k not in gw_fields:
+            raise fail(f"unknown setting gateway.{k}", ("gateway",), k)
+
+    pools: dict[str, PoolConfig] = {}
+    for name, raw in doc.get("pools", {}).items():
+        if not isinstance(raw, dict):
+            raise fail(f"pools.{name} must be a table", ("pools",), name)
+        replicas = raw.get("replicas")
+        for k in raw:
+            if k not in ("replicas", "api_key"):
+                raise fail(f"unknown setting pools.{name}.{k}", ("pools", name), k)
+        if not isinstance(raw.get("api_key", ""), str):
+            raise fail(f"pools.{name}.api_key must be a string", ("pools", name), "api_key")
+        if (not isinstance(replicas, list) or not replicas
+                or not all(isinstance(u, str) and re.match(r"^https?://", u) for u in replicas)):
+            raise fail(f"pools.{name}.replicas must be a non-empty list of http(s):// URLs",
+                       ("pools", name), "replicas")
+        pools[name] = PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None)
+    if not pools:
+        raise fail("no [pools.NAME] defined: the gateway needs at least one pool", ("pools",))
+
+    tier_fields = {f.name: f for f in fields(TierConfig)}
+    tiers: dict[str, TierConfig] = {}
+    for name, raw in doc.get("tiers", {}).items():
+        table = ("tiers", name)
+        if not isinstance(raw, dict):
+            raise fail(f"tiers.{name} must be a table", ("tiers",), name)
+        for k in raw:
+            if k not in tier_fields or k == "name":
+                raise fail(f"unknown setting tiers.{name}.{k}", table, k)
+        for k in ("token_rate", "token_burst", "pools"):
+            if k not in raw:
+                raise fail(f"tiers.{name} is missing {k}", table)
+        try:
+            tier = TierConfig(name=name, **raw)
+        except TypeError as e:
+            raise fail(f"tiers.{name}: {e}", table) from e
+        _check_tier(tier, pools, lambda msg, key: fail(msg, table, key))
+        tiers[name] = tier
+    if not tiers:
+        raise fail("no [tiers.NAME] defined", ("tiers",))
+
+    keys: list[KeyEntry] = []
+    seen: set[bytes] = set()
+    for i, (key, raw) in enumerate(doc.get("keys", {}).items()):
+        spec = {"tier": raw} if isinstance(raw, str) else raw
+        if not isinstance(spec, dict) or not isinstance(spec.get("tier"), str) or set(spec) - {"tier", "name"}:
+            raise fail("a key maps to a tier name or to { tier = \"...\", name = \"...\" }", ("keys",), key)
+        if spec["tier"] not in tiers:
+            raise fail(f"key entry #{i + 1} names unknown tier {spec['tier']!r}", ("keys",), key)
+        if key.startswith("sha256:"):  # a digest in the file keeps the secret itself out of it
+            try:
+                digest = bytes.fromhex(key[len("sha256:"):])
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise fail(f"key entry #{i + 1}: sha256: must be followed by 64 hex digits", ("keys",), key)
+        else:
+            digest = key_digest(key)
+        if digest in seen:
+            raise fail(f"key entry #{i + 1} repeats an earlier key", ("keys",), key)
+        seen.add(digest)
+        keys.append(KeyEntry(digest, spec["tier"], str(spec.get("name", f"{spec['tier']}#{i + 1}"))))
+    if not keys:
+        raise fail("no API keys under [keys]", ("keys",))
+
+    try:
+        cfg = GatewayConfig(pools=pools, tiers=tiers, keys=keys, **gw_raw)
+    except TypeError as e:
+        raise fail(str(e), ("gateway",)) from e
+    for k, ok, msg in (
+        ("token_count", cfg.token_count in TOKEN_COUNTS, f"must be one of {TOKEN_COUNTS}"),
+        ("redis_timeout_s", _pos(cfg.redis_timeout_s), "must be a number > 0"),
+        ("redis_breaker_reset_s", _pos(cfg.redis_breaker_reset_s), "must be a number > 0"),
+        ("load_poll_interval_s", _pos(cfg.load_poll_interval_s), "must be a number > 0"),
+        ("request_timeout_s", _pos(cfg.request_timeout_s), "must be a number > 0"),
+        ("connect_timeout_s", _pos(cfg.connect_timeout_s), "must be a number > 0"),
+        ("default_service_s", _pos(cfg.default_service_s), "must be a number > 0"),
+        ("affinity_slack_s", _num(cfg.affinity_slack_s) and cfg.affinity_slack_s >= 0, "must be >= 0"),
+        ("port", isinstance(cfg.port, int) and 0 <= cfg.port < 65536, "must be a TCP port"),
+    ):
+        if not ok:
+            raise fail(f"gateway.{k} {msg}", ("gateway",), k)
+    return cfg
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _pos(v: object) -> bool:
+    return _num(v) and v > 0  # type: ignore[operator]
+
+
+def _check_tier(t: TierConfig, pools: dict[str, PoolConfig], fail: Any) -> None:
+    if not _pos(t.token_rate):
+        raise fail(f"tiers.{t.name}.token_rate must be a number > 0 (LLM tokens per second)", "token_rate")
+    if not _pos(t.token_burst):
+        raise fail(f"tiers.{t.name}.token_burst must be a number > 0 (bucket size in tokens)", "token_burst")
+    if (t.request_rate is None) != (t.request_burst is None):
+        raise fail(f"tiers.{t.name}: give request_rate and request_burst together", "request_rate")
+    if t.request_rate is not None and not (_pos(t.request_rate) and _pos(t.request_burst)):
+        raise fail(f"tiers.{t.name}.request_rate/request_burst must be numbers > 0", "request_rate")
+    if not isinstance(t.pools, list) or not t.pools:
+        raise fail(f"tiers.{t.name}.pools must be a non-empty list of pool names", "pools")
+    for p in t.pools:
+        if p not in pools:
+            raise fail(f"tiers.{t.name}.pools names unknown pool {p!r} (known: {sorted(pools)})", "pools")
+    if not isinstance(t.priority, int) or isinstance(t.priority, bool):
+        raise fail(f"tiers.{t.name}.priority must be an integer (lower is served sooner)", "priority")
+    if not _pos(t.max_queue_wait_s):
+        raise fail(f"tiers.{t.name}.max_queue_wait_s must be a number > 0", "max_queue_wait_s")
+    if not isinstance(t.default_max_tokens, int) or t.default_max_tokens < 1:
+        raise fail(f"tiers.{t.name}.default_max_tokens must be an integer >= 1", "default_max_tokens")
+    if t.default_max_tokens > t.token_burst:
+        raise fail(f"tiers.{t.name}.default_max_tokens exceeds token_burst: no request could ever pass",
+                   "default_max_tokens")
+    for k, allowed in (("bucket", BUCKET_SCOPES), ("cache_salt", SALT_MODES),
+                       ("on_limiter_error", LIMITER_POLICIES)):
+        if getattr(t, k) not in allowed:
+            raise fail(f"tiers.{t.name}.{k} must be one of {allowed}, got {getattr(t, k)!r}", k)

@@ -1,0 +1,81 @@
+"""Prompt token counts for the reservation: the engine's ``POST /tokenize``, or a byte bound.
+
+The reservation only has to be an upper bound the gateway can afford to compute before
+forwarding; the response's ``usage`` corrects it afterwards. ``tokenize`` asks the replica the
+request is about to go to (exact, one loopback round trip); ``bytes`` counts UTF-8 bytes of the
+text (a byte-level BPE token covers at least one byte) plus a margin per chat message for the
+template — no network call, but a reservation several times the real prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+
+from pagedserve.gateway.pools import Replica
+
+log = logging.getLogger("pagedserve.gateway.tokens")
+
+# Chat templates add role markers and separators around each message, and a generation prompt.
+MESSAGE_OVERHEAD = 8
+TEMPLATE_OVERHEAD = 16
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    return 0
+
+
+def token_ids_count(prompt: Any) -> int | None:
+    """The exact count when a completions prompt is already token ids, else None."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(isinstance(t, int) for t in p)
+                                                   for p in prompt):
+        return sum(len(p) for p in prompt)
+    return None
+
+
+def byte_bound(body: dict[str, Any]) -> int:
+    """An upper bound on the prompt's tokens from its UTF-8 size (see the module docstring)."""
+    if isinstance(body.get("messages"), list):
+        msgs = body["messages"]
+        return _text_bytes(msgs) + MESSAGE_OVERHEAD * len(msgs) + TEMPLATE_OVERHEAD
+    exact = token_ids_count(body.get("prompt"))
+    return exact if exact is not None else _text_bytes(body.get("prompt")) + TEMPLATE_OVERHEAD
+
+
+async def count_prompt_tokens(client: httpx.AsyncClient, replica: Replica, body: dict[str, Any],
+                              mode: str, timeout_s: float = 2.0) -> tuple[int, str]:
+    """``(tokens, how)`` where ``how`` is ``ids``, ``tokenize`` or ``bytes`` (the fallback)."""
+    exact = token_ids_count(body.get("prompt")) if "messages" not in body else None
+    if exact is not None:
+        return exact, "ids"
+    if mode == "tokenize":
+        query: dict[str, Any] = {}
+        if body.get("model") is not None:
+            query["model"] = body["model"]
+        if isinstance(body.get("messages"), list):
+            query["messages"] = body["messages"]
+        elif isinstance(body.get("prompt"), str):
+            query["prompt"] = body["prompt"]
+        elif isinstance(body.get("prompt"), list) and len(body["prompt"]) == 1 and isinstance(body["prompt"][0], str):
+            query["prompt"] = body["prompt"][0]
+        if "prompt" in query or "messages" in query:
+            try:
+                resp = await client.post(f"{replica.url}/tokenize", content=json.dumps(query), timeout=timeout_s,
+                                         headers={"content-type": "application/json", **replica.auth_headers()})
+                if resp.status_code == 200:
+                    return int(resp.json()["count"]), "tokenize"
+                log.debug("tokenize answered %s; using the byte bound", resp.status_code)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.debug("tokenize failed (%s); using the byte bound", e)
+    return byte_bound(body), "bytes"

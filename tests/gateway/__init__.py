@@ -1,0 +1,1 @@
+"""Gateway tests: limiter (memory and a real Redis), faults, config, routing, end to end."""

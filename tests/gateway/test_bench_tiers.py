@@ -1,0 +1,32 @@
+"""W6 bench plumbing: the gateway config it writes is valid, and its summary counts are right."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.bench.tiers import FREE_KEY, PAID_KEY, Shot, TiersBenchConfig, _summarise, format_table, gateway_toml
+from pagedserve.gateway.config import parse_config
+from pagedserve.gateway.keys import KeyRing
+
+
+def test_gateway_toml_is_valid_and_paid_outranks_free() -> None:
+    cfg = parse_config(gateway_toml(["http://127.0.0.1:1"], TiersBenchConfig(), 8080))
+    paid, free = cfg.tiers["paid"], cfg.tiers["free"]
+    assert paid.priority < free.priority and paid.pools == free.pools == ["shared"]
+    assert (paid.max_queue_wait_s, free.max_queue_wait_s) == (1.0, 5.0)
+    ring = KeyRing(cfg.keys)
+    assert ring.lookup(PAID_KEY).tier == "paid" and ring.lookup(FREE_KEY).tier == "free"  # type: ignore[union-attr]
+
+
+def test_summary_counts_shed_and_waits() -> None:
+    shots = [Shot("paid", 200, ttft=0.15), Shot("paid", 200, ttft=0.05),
+             Shot("free", 200, ttft=2.05), Shot("free", 429, code="overloaded"),
+             Shot("free", 429, code="rate_limit_exceeded"), Shot("free", 502, code="replica_unreachable")]
+    ph = _summarise("paid+free", 8, {"paid": 1.0, "free": 3.0}, shots, idle_ttft=0.05)
+    paid, free = ph.tiers["paid"], ph.tiers["free"]
+    assert (paid.offered, paid.admitted, paid.shed) == (2, 2, {})
+    assert paid.waits == pytest.approx([0.1, 0.0])  # TTFT − idle TTFT, floored at 0
+    assert (free.offered, free.admitted, free.errors) == (4, 1, 1)
+    assert free.shed == {"overloaded": 1, "rate_limit_exceeded": 1}
+    table = format_table({"phases": [ph]})
+    assert "| paid+free | 8 | free | 3.00 | 4 | 1 | 1 overloaded, 1 rate_limit_exceeded |" in table

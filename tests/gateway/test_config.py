@@ -1,0 +1,86 @@
+"""Config validation: every refusal names the offending line; keys compare in constant time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedserve.gateway.config import ConfigError, key_digest, load_config, parse_config
+from pagedserve.gateway.keys import KeyRing, bearer_key
+
+GOOD = """\
+[gateway]
+port = 9000
+
+[pools.shared]
+replicas = ["http://127.0.0.1:8002"]
+
+[tiers.paid]
+token_rate = 100
+token_burst = 1000
+pools = ["shared"]
+priority = 0
+max_queue_wait_s = 1.0
+
+[tiers.free]
+token_rate = 10
+token_burst = 500
+pools = ["shared"]
+priority = 5
+
+[keys]
+"sk-paid" = { tier = "paid", name = "acme" }
+"sk-free" = "free"
+"""
+
+
+def test_example_config_loads() -> None:
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "gateway.toml")
+    assert set(cfg.tiers) == {"paid", "free"}
+    assert cfg.provisioned("paid-dedicated") and not cfg.provisioned("shared")
+
+
+def test_good_config() -> None:
+    cfg = parse_config(GOOD)
+    assert cfg.port == 9000 and cfg.tiers["free"].priority == 5
+    assert KeyRing(cfg.keys).lookup("sk-paid").name == "acme"  # type: ignore[union-attr]
+    assert KeyRing(cfg.keys).lookup("sk-free").tier == "free"  # type: ignore[union-attr]
+    assert KeyRing(cfg.keys).lookup("sk-nope") is None
+    assert KeyRing(cfg.keys).lookup("") is None and KeyRing(cfg.keys).lookup(None) is None
+    # The secret is only held as its digest.
+    assert all(e.digest != b"sk-paid" and len(e.digest) == 32 for e in cfg.keys)
+
+
+@pytest.mark.parametrize("change, line, words", [
+    (("priority = 5", "priority = \"high\""), 18, "priority must be an integer"),
+    (("pools = [\"shared\"]\npriority = 0", "pools = [\"nope\"]\npriority = 0"), 10, "unknown pool 'nope'"),
+    (("token_rate = 10\n", "token_rate = -1\n"), 15, "token_rate must be a number > 0"),
+    (("\"sk-free\" = \"free\"", "\"sk-free\" = \"gold\""), 22, "unknown tier 'gold'"),
+    (("port = 9000", "prot = 9000"), 2, "unknown setting gateway.prot"),
+    (("max_queue_wait_s = 1.0", "max_queue_wait_s = 1.0\nbucket = \"global\""), 13, "bucket must be one of"),
+    (("replicas = [\"http://127.0.0.1:8002\"]", "replicas = [\"127.0.0.1:8002\"]"), 5, "http(s):// URLs"),
+    (("[keys]", "[keys\n"), 20, "invalid TOML"),
+])
+def test_errors_name_the_line(change: tuple[str, str], line: int, words: str) -> None:
+    text = GOOD.replace(*change)
+    assert text != GOOD
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, path="gw.toml")
+    assert err.value.line == line, str(err.value)
+    assert str(err.value).startswith(f"gw.toml:{line}: ")
+    assert words in str(err.value)
+
+
+def test_sha256_keys_and_duplicates() -> None:
+    digest = key_digest("sk-secret").hex()
+    cfg = parse_config(GOOD.replace('"sk-free" = "free"', f'"sha256:{digest}" = "free"'))
+    assert KeyRing(cfg.keys).lookup("sk-secret").tier == "free"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="repeats an earlier key"):
+        parse_config(GOOD + f'"sha256:{key_digest("sk-paid").hex()}" = "free"\n')
+
+
+def test_bearer_key() -> None:
+    assert bearer_key("Bearer sk-1") == "sk-1"
+    assert bearer_key("bearer  sk-1 ") == "sk-1"
+    assert bearer_key("Basic abc") is None and bearer_key(None) is None and bearer_key("Bearer ") is None
