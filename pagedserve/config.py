@@ -22,6 +22,12 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+# KV storage precision: auto = the model dtype; the others are quantized with per-token, per-head scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+# Weight-only quantization applied at load: none, int8 (per-output-channel) or int4 (group-wise).
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; defaults suit a small CPU machine.
@@ -30,6 +36,8 @@ class EngineConfig:
     planner's bytes-per-token formula. ``num_kv_blocks`` overrides it (tests use it to force a
     tiny pool). ``kv_reservation="max"`` makes every admitted request reserve ``max_model_len``
     tokens up front, the naive server kept for side-by-side comparison.
+    ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
+    ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
     """
 
     model: str
@@ -39,7 +47,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
+    quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
@@ -61,6 +70,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "reference", "sdpa", "matmul"):
             raise ValueError(f"attention_backend must be auto, reference, sdpa or matmul, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization is None:
+            self.quantization = "none"
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -13,6 +13,8 @@ BENCHMARKS = [
     "pagedserve.bench.prefix",
     "pagedserve.bench.serve",
     "pagedserve.bench.tiers",
+    "pagedserve.bench.quality",
+    "pagedserve.bench.train",
 ]
 
 

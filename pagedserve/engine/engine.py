@@ -19,8 +19,10 @@ from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
+from pagedserve.kv.quant import kv_dtype_name
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
+from pagedserve.models.quant import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,6 @@ class Engine:
             config.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
         if config.attention_backend == "auto":
             config.attention_backend = "sdpa" if self.device.type == "cuda" else "matmul"
-        if config.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported; use 'auto'")
         self.config = config
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
@@ -76,17 +76,19 @@ class Engine:
 
         t0 = time.monotonic()
         model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
-                           config.attention_backend)
+                           config.attention_backend, config.quantization)
         arch = self.arch
+        self.weight_bytes = weight_bytes(model)
+        self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                                           self.dtype)
+                                                           self.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory, config.block_size, self.kv_bytes_per_token)
         if self.num_kv_blocks < 1:
             raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
                              f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
         kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
-                                       arch.head_dim, self.dtype, self.device)
+                                       arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -94,7 +96,7 @@ class Engine:
             max_model_len=config.max_model_len,
             max_waiting=config.max_waiting,
             reserve_max_model_len=config.kv_reservation == "max",
-            kv_cache_dtype=str(self.dtype),
+            kv_cache_dtype=self.kv_dtype,
         ), self.block_manager)
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -104,10 +106,11 @@ class Engine:
         self._last_log, self._tokens_since_log = time.monotonic(), 0
         pool_tokens = self.num_kv_blocks * config.block_size
         logger.info(
-            "loaded %s (%s, %s, %d layers) on %s in %.1fs; KV pool: %d blocks × %d tokens = %d tokens "
-            "(%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",
-            config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers, self.device,
-            time.monotonic() - t0, self.num_kv_blocks, config.block_size, pool_tokens,
+            "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
+            "tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",
+            config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers,
+            config.quantization if config.quantization != "none" else "unquantized", self.weight_bytes / 2**20,
+            self.device, time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks, config.block_size, pool_tokens,
             pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
             pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
 

@@ -10,6 +10,10 @@ backends compute the same thing:
 * ``matmul`` — like ``sdpa`` for prompt chunks, but decodes as two batched matmuls with the
   query heads of each KV head grouped together. On CPU, SDPA's kernel is slow for one-token
   queries (measured ~5x slower than this for 32 sequences of 200-700 tokens); the default there.
+
+The K and V caches are plain tensors, or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
+(int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write, and every
+backend reads blocks through ``gather_blocks``, which dequantizes only the blocks gathered.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
 
 
 @dataclass
@@ -32,17 +38,21 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (query start, query len, context len, block ids)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(k_cache: torch.Tensor | QuantizedKVCache, v_cache: torch.Tensor | QuantizedKVCache, k: torch.Tensor,
+             v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[T, kv_heads, head_dim]`` into their slots."""
+    if isinstance(k_cache, QuantizedKVCache):
+        k_cache.write(slot_mapping, k)
+        v_cache.write(slot_mapping, v)
+        return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
+def gather_context(cache: torch.Tensor | QuantizedKVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first ``context_len`` cached tokens, ``[context_len, kv_heads, head_dim]``."""
-    return cache[block_ids].flatten(0, 1)[:context_len]
+    return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,8 +83,8 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
     tables = meta.decode_block_tables
     # [D, blocks, block_size, kvh, hd] -> [D, kvh, L, hd]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)
+    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)
@@ -84,8 +94,8 @@ def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, heads, hd = q.shape
     kvh = k_cache.shape[2]
-    k = k_cache[meta.decode_block_tables].flatten(1, 2)  # [D, L, kvh, hd]
-    v = v_cache[meta.decode_block_tables].flatten(1, 2)
+    k = gather_blocks(k_cache, meta.decode_block_tables).flatten(1, 2)  # [D, L, kvh, hd]
+    v = gather_blocks(v_cache, meta.decode_block_tables).flatten(1, 2)
     qg = q.view(d, kvh, heads // kvh, hd)  # the query heads that share each KV head
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [D, kvh, group, L]
     scores.masked_fill_(~meta.decode_mask.view(d, 1, 1, -1), float("-inf"))

@@ -211,5 +211,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # an nn.Linear, or its quantized twin

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
+from pagedserve.models.quant import quantize_model, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,12 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> 
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               attention_backend: str) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors."""
+               attention_backend: str, quantization: str = "none") -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors.
+
+    ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
+    quantized one (embeddings and norms stay in ``dtype``); the log states the weight bytes.
+    """
     arch = ModelArchitecture.from_hf_config(hf_config)
     with torch.device(device):
         model = LlamaForCausalLM(arch, max_positions, attention_backend)
@@ -98,4 +103,12 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
     model.to(dtype=dtype)
     model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if quantization not in (None, "none"):
+        full = weight_bytes(model)
+        quantize_model(model, quantization)
+        logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
+                    weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
+    else:
+        logger.info("weights: %.1f MiB in %s", weight_bytes(model) / 2**20, str(dtype).removeprefix("torch."))
+    return model

@@ -1,0 +1,302 @@
+"""``pagedserve bench quality`` and ``bench quant-decode``: what quantization costs and what it buys.
+
+``quality`` runs every weight precision × KV precision on a model that has learned something
+(by default the stdlib-trained model of :mod:`pagedserve.models.trained`) and reports, against
+the full-precision run (unquantized weights, KV in the model dtype):
+
+* perplexity on held-out text — one prefill per window, the KV written into and read back from
+  the (quantized) paged cache, exactly as the engine serves;
+* mean KL divergence of the next-token distributions, full precision ‖ quantized, same positions;
+* top-1 agreement — share of held-out positions where both runs rank the same token first;
+* greedy agreement — share of identical tokens over N held-out prompts × M greedy tokens (free
+  running: after the first flipped token a continuation usually differs to its end);
+* weight bytes, KV bytes per token (scales included), seats at a fixed KV budget (the engine's own
+  pool sizing) and single-stream decode tokens/s.
+
+``quant-decode`` measures W2 (16-token prompt, 256 output tokens) for bf16, int8 and int4
+weights side by side on the standard models, interleaving the runs so a busy machine slows all
+precisions alike; it reports medians and ratios to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedserve.bench.common import machine_summary, resolve_model, write_result
+
+FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
+
+
+def add_parser(bench) -> None:
+    p = bench.add_parser(
+        "quality", help="quantization quality table: perplexity, KL, greedy agreement, bytes, seats, decode speed",
+        description="For each weight precision x KV precision: perplexity on held-out text, mean KL divergence and "
+                    "greedy agreement against the full-precision run, weight bytes, KV bytes per token, seats at a "
+                    "fixed KV budget and single-stream decode tokens/s. The default model is trained on the stdlib "
+                    "sources on first use (minutes; cached).")
+    p.add_argument("--model", default="trained",
+                   help="'trained' (the stdlib-trained model, built on first use) or a directory of a model from "
+                        "pagedserve.models.trained (it must carry heldout_tokens.pt)")
+    p.add_argument("--weights", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"],
+                   help="weight precisions to compare (none = the checkpoint's dtype)")
+    p.add_argument("--kv", nargs="+", default=["auto", "fp8", "int8", "int4"], choices=["auto", "fp8", "int8", "int4"],
+                   help="KV cache precisions to compare (auto = the model dtype)")
+    p.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity and KL")
+    p.add_argument("--window-len", type=int, default=256, help="tokens per perplexity window")
+    p.add_argument("--prompts", type=int, default=16, help="N: held-out prompts for greedy agreement")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per greedy prompt")
+    p.add_argument("--gen-tokens", type=int, default=64, help="M: greedy tokens generated per prompt")
+    p.add_argument("--kv-budget", default="64MiB", help="fixed KV memory budget for the seats column")
+    p.add_argument("--max-model-len", type=int, default=1024, help="context length one seat reserves")
+    p.add_argument("--decode-tokens", type=int, default=128, help="output tokens of the decode-speed run (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="timed decode runs per combination (median reported)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); on a busy machine 1 can be much faster than 2")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    p.set_defaults(func=run_quality)
+
+    d = bench.add_parser(
+        "quant-decode", help="W2 decode tokens/s with bf16, int8 and int4 weights side by side",
+        description="W2 of BENCH.md (one request, 16-token prompt, 256 output tokens, greedy) for each weight "
+                    "precision on each model, runs interleaved round by round; reports medians and ratios to bf16.")
+    d.add_argument("--models", nargs="+", default=["small", "qwen05-shape"],
+                   help="standard model names or model directories")
+    d.add_argument("--weights", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"],
+                   help="weight precisions (none = the checkpoint's bf16)")
+    d.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round (median reported)")
+    d.add_argument("--output-len", type=int, default=256, help="output tokens per run (W2: 256)")
+    d.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); on a busy machine 1 can be much faster than 2")
+    d.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    d.set_defaults(func=run_quant_decode)
+
+
+# ---- measurements -------------------------------------------------------------------------------
+@torch.inference_mode()
+def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
+    """Next-token log-probabilities ``[len, vocab]`` for one window, run as one prefill through the paged cache.
+
+    The window's K/V are written into blocks 0.. and attention reads them back from there, so a
+    quantized KV cache costs what it costs in serving. The engine must be idle with prefix caching off
+    (those blocks hold nothing anyone will read again).
+    """
+    from pagedserve.models.attention import AttentionMetadata
+
+    if engine.has_unfinished_requests() or engine.config.enable_prefix_caching:
+        raise RuntimeError("window_logprobs needs an idle engine built with enable_prefix_caching=False")
+    runner, bs, dev = engine.runner, engine.config.block_size, engine.device
+    n = len(token_ids)
+    num_blocks = -(-n // bs)
+    if num_blocks > engine.num_kv_blocks:
+        raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.num_kv_blocks}")
+    positions = torch.arange(n, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=positions,  # blocks 0, 1, ... in order: slot = position
+        num_decodes=0, decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=dev),
+        decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_mask=None,
+        prefills=[(0, n, n, torch.arange(num_blocks, device=dev))])
+    hidden = runner.model(torch.tensor(token_ids, device=dev), positions, runner.kv_caches, meta)
+    return runner.model.compute_logits(hidden).log_softmax(dim=-1).cpu()
+
+
+def heldout_windows(tokens: torch.Tensor, count: int, length: int) -> list[list[int]]:
+    """``count`` evenly spaced windows of ``length + 1`` held-out tokens (inputs plus the last target)."""
+    span = length + 1
+    if len(tokens) < span:
+        raise ValueError(f"held-out text has {len(tokens)} tokens, fewer than one window of {span}")
+    stride = max(span, (len(tokens) - span) // max(1, count))
+    starts = [i * stride for i in range(count) if i * stride + span <= len(tokens)]
+    return [tokens[s:s + span].tolist() for s in starts]
+
+
+def score_windows(engine, windows: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
+    """(perplexity, per-window log-probability tensors) over the windows' next-token targets."""
+    nll, count, logprobs = 0.0, 0, []
+    for w in windows:
+        lp = window_logprobs(engine, w[:-1])
+        targets = torch.tensor(w[1:])
+        nll -= float(lp.gather(1, targets.unsqueeze(1)).sum())
+        count += len(targets)
+        logprobs.append(lp)
+    return math.exp(nll / count), logprobs
+
+
+def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """Mean over positions of KL(reference ‖ other), both given as log-probabilities."""
+    total, count = 0.0, 0
+    for p, q in zip(reference, other):
+        total += float((p.exp() * (p - q)).sum())
+        count += p.shape[0]
+    return total / count
+
+
+def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of every prompt (``ignore_eos``, so each has ``max_tokens`` tokens)."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"q{i}"] for i in range(len(prompts))]
+
+
+def top1_agreement(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """Share of held-out positions where both runs rank the same next token first (teacher-forced)."""
+    same = sum(int((p.argmax(-1) == q.argmax(-1)).sum()) for p, q in zip(reference, other))
+    return same / sum(p.shape[0] for p in reference)
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    """Share of positions where two sets of greedy continuations hold the same token."""
+    same = sum(a == b for ra, rb in zip(reference, other) for a, b in zip(ra, rb))
+    return same / sum(len(r) for r in reference)
+
+
+@dataclass
+class QualityRow:
+    """One weight × KV combination of the quality table."""
+
+    weights: str
+    kv: str
+    perplexity: float
+    ppl_change: float  # relative to the full-precision run
+    mean_kl: float
+    top1_agreement: float  # teacher-forced, on the held-out windows
+    greedy_agreement: float  # free-running: one flipped token changes the rest of that continuation
+    weight_bytes: int
+    kv_bytes_per_token: int
+    seats: int
+    decode_tok_s: float
+
+
+def _decode_speed(engine, prompt: list[int], tokens: int, repeats: int) -> float:
+    from pagedserve.bench.decode import decode_rate
+    from pagedserve.bench.workloads import BenchRequest
+
+    if tokens <= 0:
+        return float("nan")
+    req = BenchRequest(prompt, tokens)
+    decode_rate(engine, req)  # warm-up
+    return statistics.median(decode_rate(engine, req) for _ in range(repeats))
+
+
+def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
+    """Run every combination; the full-precision one first, as the reference."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.engine import Engine
+    from pagedserve.models.trained import load_heldout_tokens
+
+    heldout = load_heldout_tokens(model_dir)
+    windows = heldout_windows(heldout, args.windows, args.window_len)
+    # Greedy prompts come from the second half of the held-out stream, away from the windows' starts.
+    half = heldout[len(heldout) // 2:]
+    step = max(args.prompt_len, (len(half) - args.prompt_len) // max(1, args.prompts))
+    prompts = [half[i * step:i * step + args.prompt_len].tolist() for i in range(args.prompts)]
+    combos = [FULL] + [(w, k) for w in weights for k in kvs if (w, k) != FULL]
+    rows: list[QualityRow] = []
+    ref_lp = ref_greedy = ref_ppl = None
+    for w, k in tqdm(combos, desc="weight x KV combinations", unit="combo"):
+        engine = Engine(EngineConfig(model=model_dir, quantization=w, kv_cache_dtype=k,
+                                     kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len,
+                                     enable_prefix_caching=False))
+        ppl, lp = score_windows(engine, windows)
+        greedy = greedy_tokens(engine, prompts, args.gen_tokens)
+        if ref_lp is None:
+            ref_lp, ref_greedy, ref_ppl = lp, greedy, ppl
+        speed = _decode_speed(engine, prompts[0][:16], args.decode_tokens, args.repeats)
+        rows.append(QualityRow(
+            weights=w, kv=k, perplexity=ppl, ppl_change=ppl / ref_ppl - 1, mean_kl=mean_kl(ref_lp, lp),
+            top1_agreement=top1_agreement(ref_lp, lp),
+            greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.weight_bytes,
+            kv_bytes_per_token=engine.kv_bytes_per_token,
+            seats=engine.num_kv_blocks * engine.config.block_size // args.max_model_len, decode_tok_s=speed))
+        del engine
+    return rows
+
+
+def _label(w: str, k: str, dtype: str = "bf16") -> tuple[str, str]:
+    return (dtype if w == "none" else w), (dtype if k == "auto" else k)
+
+
+def format_table(rows: list[QualityRow]) -> str:
+    """The quality table as markdown."""
+    ref = rows[0]
+    lines = ["| weights | KV | perplexity | Δ ppl | mean KL (nats) | top-1 agreement | greedy agreement | weight MiB | "
+             "KV B/token | seats | seats × | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        w, k = _label(r.weights, r.kv)
+        lines.append(f"| {w} | {k} | {r.perplexity:.3f} | {100 * r.ppl_change:+.2f}% | {r.mean_kl:.4f} | "
+                     f"{100 * r.top1_agreement:.1f}% | {100 * r.greedy_agreement:.1f}% | {r.weight_bytes / 2**20:.2f} | {r.kv_bytes_per_token} | "
+                     f"{r.seats} | {r.seats / ref.seats:.2f} | {r.decode_tok_s:.1f} |")
+    return "\n".join(lines)
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    from pagedserve.models.trained import ensure_trained_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = str(ensure_trained_model()) if args.model == "trained" else args.model
+    rows = measure_quality(model_dir, args.weights, args.kv, args)
+    print(f"\nquantization quality on {args.model} ({machine_summary()}): {args.windows} held-out windows x "
+          f"{args.window_len} tokens; greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
+          f"{args.kv_budget} KV and max_model_len {args.max_model_len}; decode: median of {args.repeats}, "
+          f"{args.decode_tokens} tokens")
+    print(format_table(rows))
+    write_result(args.json_out, {"benchmark": "quality", "model": args.model, "rows": [asdict(r) for r in rows],
+                                 "settings": {k: v for k, v in vars(args).items() if k != "func"}})
+    return 0
+
+
+def run_quant_decode(args: argparse.Namespace) -> int:
+    from pagedserve.bench.decode import decode_rate
+    from pagedserve.bench.workloads import w2_single_stream
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    req = w2_single_stream()
+    req.output_len = args.output_len
+    results: dict[str, dict[str, list[float]]] = {}
+    summary = {}
+    for model in args.models:
+        model_dir = resolve_model(model)
+        engines = {w: Engine(EngineConfig(model=model_dir, quantization=w, kv_cache_memory="64MiB",
+                                          max_model_len=1024)) for w in args.weights}
+        rates: dict[str, list[float]] = {w: [] for w in args.weights}
+        # Round-robin rounds: background load on a shared machine then hits every precision alike.
+        for rnd in tqdm(range(args.repeats + 1), desc=f"W2 on {model}", unit="round"):
+            for w, engine in engines.items():
+                rate = decode_rate(engine, req)
+                if rnd:  # round 0 warms up
+                    rates[w].append(rate)
+        results[model] = rates
+        summary[model] = {w: {"median_tok_s": statistics.median(r), "weight_bytes": engines[w].weight_bytes}
+                          for w, r in rates.items()}
+        del engines
+    print(f"\nW2 decode tokens/s by weight precision ({machine_summary()}; {args.output_len} output tokens, "
+          f"median of {args.repeats} interleaved rounds)")
+    print("| model | weights | weight MiB | decode tok/s (median) | runs | × bf16 |")
+    print("|---|---|---|---|---|---|")
+    for model, by_w in summary.items():
+        base = by_w.get("none", {}).get("median_tok_s")
+        for w, s in by_w.items():
+            ratio = f"{s['median_tok_s'] / base:.2f}" if base else "-"
+            runs = ", ".join(f"{r:.1f}" for r in results[model][w])
+            print(f"| {model} | {'bf16' if w == 'none' else w} | {s['weight_bytes'] / 2**20:.1f} | "
+                  f"{s['median_tok_s']:.1f} | {runs} | {ratio} |")
+    write_result(args.json_out, {"workload": "W2", "benchmark": "quant-decode", "runs": results, "summary": summary})
+    return 0

@@ -1,0 +1,100 @@
+"""A 20-step training run, then the quality measurements on it: parity, KL, agreement, the CLI table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from pagedserve.bench import quality
+from pagedserve.config import EngineConfig
+from pagedserve.engine.engine import Engine
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
+
+SPEC = TrainSpec(name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                 context_len=64, batch_size=4, steps=20, warmup_steps=2, learning_rate=3e-3, max_seconds=None)
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("trained")
+    report = train_model(SPEC, out, progress=False)
+    torch.set_num_threads(before)
+    return out, report
+
+
+def test_held_out_files_are_never_trained_on():
+    train, heldout = split_sources(10)
+    assert heldout and train and not set(train) & set(heldout)
+    assert len(heldout) == len(train + heldout) // 10
+
+
+def test_training_learns_and_saves_a_loadable_checkpoint(trained_dir):
+    out, report = trained_dir
+    assert report["steps"] == 20
+    # Starting from ln(4096) = 8.3 nats, 20 steps already learn the token frequencies.
+    assert report["final_train_loss"] < 7.5 and report["heldout_loss_fp32"] < 7.5
+    assert json.loads((out / "TRAINING.json").read_text())["parameters"] == report["parameters"]
+    assert len(load_heldout_tokens(out)) == report["heldout_tokens"]
+    assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+
+
+def test_window_scoring_matches_transformers_and_identical_runs_agree(trained_dir):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = trained_dir
+    engine = Engine(EngineConfig(model=str(out), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False,
+                                 max_model_len=256))
+    windows = quality.heldout_windows(load_heldout_tokens(out), 2, 48)
+    ppl, lps = quality.score_windows(engine, windows)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([windows[0][:-1]])).logits[0].log_softmax(-1)
+    assert torch.allclose(lps[0], want, atol=1e-3)
+    assert 1 < ppl < 4096
+    assert quality.mean_kl(lps, lps) == pytest.approx(0.0, abs=1e-6)
+    assert quality.top1_agreement(lps, lps) == 1.0
+    assert quality.agreement([[1, 2, 3]], [[1, 2, 3]]) == 1.0 and quality.agreement([[1, 2]], [[1, 5]]) == 0.5
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError):
+        quality.window_logprobs(engine, windows[0])  # not idle: its blocks are someone's
+
+
+def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
+    out, _ = trained_dir
+    args = argparse.Namespace(model=str(out), weights=["none", "int8"], kv=["auto", "int8"], windows=2,
+                              window_len=32, prompts=2, prompt_len=16, gen_tokens=6, kv_budget="1MiB", threads=None,
+                              max_model_len=256, decode_tokens=4, repeats=1, json_out=str(tmp_path / "q.json"))
+    assert quality.run_quality(args) == 0
+    text = capsys.readouterr().out
+    assert "| weights | KV | perplexity" in text and "| int8 | int8 |" in text
+    rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert [(r["weights"], r["kv"]) for r in rows] == [("none", "auto"), ("none", "int8"), ("int8", "auto"),
+                                                      ("int8", "int8")]
+    ref = rows[0]
+    assert ref["mean_kl"] == pytest.approx(0, abs=1e-9) and ref["greedy_agreement"] == 1.0
+    assert ref["top1_agreement"] == 1.0 and all(0.5 < r["top1_agreement"] <= 1 for r in rows)
+    for r in rows[1:]:
+        assert math.isfinite(r["perplexity"]) and r["mean_kl"] >= 0
+        assert abs(r["ppl_change"]) < 0.05  # int8 on a barely trained model: a few percent at most
+    assert rows[1]["seats"] > 1.7 * ref["seats"]
+    # int8 halves every matmul weight; the tied model keeps its bf16 embedding table for lookups and
+    # adds an int8 copy for the logits, so bytes = half of bf16 + half the table again (+ scales).
+    table = SPEC.vocab_size * SPEC.hidden_size * 2
+    assert rows[2]["weight_bytes"] == pytest.approx(ref["weight_bytes"] / 2 + table, rel=0.03)
+
+
+def test_bench_parsers_register_both_commands():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="bench")
+    quality.add_parser(sub)
+    args = parser.parse_args(["quality", "--weights", "int4", "--kv", "fp8"])
+    assert args.func is quality.run_quality and args.weights == ["int4"]
+    args = parser.parse_args(["quant-decode", "--models", "tiny", "--repeats", "1"])
+    assert args.func is quality.run_quant_decode
