@@ -6,7 +6,60 @@ import torch
 
 from pagedserve.kv.quant import QuantizedKVCache, quantized_kv_bytes_per_token
 
-KVCache = torch.Tensor | QuantizedKVCache  # one layer's K (or V) pool
+
+
+class HeadMajorKVCache:
+    """One layer's K (or V) pool in the model dtype, stored head-major: ``[kv_heads, blocks, block_size, head_dim]``.
+
+    Its logical view (what ``cache[block_ids]`` returns, what ``shape`` says) is the usual
+    ``[blocks, block_size, kv_heads, head_dim]``, so it stands in wherever a plain tensor or a
+    :class:`QuantizedKVCache` does. Stored head-major, the blocks a decode batch gathers come out
+    as one contiguous ``[kv_heads, seqs, tokens, head_dim]`` tensor, ready for batched matmuls
+    with no transposing copy (on CPU that copy cost more than the gather itself).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.data = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        self._head_offsets = (torch.arange(num_kv_heads, device=device) * num_blocks).unsqueeze(1)
+
+    @property
+    def shape(self) -> torch.Size:
+        kvh, nb, bs, hd = self.data.shape
+        return torch.Size((nb, bs, kvh, hd))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]``."""
+        kvh, nb, bs, hd = self.data.shape
+        self.data.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, x.transpose(0, 1).to(self.data.dtype))
+
+    def gather_head_major(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks ``block_ids`` (shape ``S``) as a contiguous ``[kv_heads, *S, block_size, head_dim]``."""
+        kvh, nb, bs, hd = self.data.shape
+        # Row r of the [kv_heads * blocks, block] view is head r // nb, block r % nb: selecting rows
+        # along dim 0 is a plain memcpy per block, much faster than index_select along dim 1.
+        ids = block_ids.reshape(1, -1) + self._head_offsets
+        rows = self.data.view(kvh * nb, bs * hd).index_select(0, ids.reshape(-1))
+        return rows.view(kvh, *block_ids.shape, bs, hd)
+
+    def __getitem__(self, block_ids) -> torch.Tensor:
+        """The blocks in the logical layout ``[..., block_size, kv_heads, head_dim]``."""
+        return self.data[:, block_ids].movedim(0, -2)
+
+    def __setitem__(self, block_ids, blocks: torch.Tensor) -> None:
+        """Overwrite blocks (copy-on-write copies them this way)."""
+        self.data[:, block_ids] = blocks.movedim(-2, 0)
+
+
+KVCache = torch.Tensor | HeadMajorKVCache | QuantizedKVCache  # one layer's K (or V) pool
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -25,11 +78,10 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                        dtype: torch.dtype, device: torch.device,
                        kv_cache_dtype: str = "auto") -> list[tuple[KVCache, KVCache]]:
     """Per layer, K and V pools of logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``:
-    plain ``dtype`` tensors for ``auto``, else :class:`QuantizedKVCache` pools."""
+    :class:`HeadMajorKVCache` pools in the model dtype for ``auto``, else :class:`QuantizedKVCache` pools."""
     if kv_cache_dtype != "auto":
         return [tuple(QuantizedKVCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,
                                                 dtype, device) for _ in range(2))
                 for _ in range(num_layers)]
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [tuple(HeadMajorKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device) for _ in range(2))
             for _ in range(num_layers)]

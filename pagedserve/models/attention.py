@@ -11,7 +11,8 @@ backends compute the same thing:
   query heads of each KV head grouped together. On CPU, SDPA's kernel is slow for one-token
   queries (measured ~5x slower than this for 32 sequences of 200-700 tokens); the default there.
 
-The K and V caches are plain tensors, or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
+The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCache` pools, plain
+``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
 (int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write, and every
 backend reads blocks through ``gather_blocks``, which dequantizes only the blocks gathered.
 """
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
+from pagedserve.kv.cache import KVCache
+from pagedserve.kv.quant import gather_blocks
 
 
 @dataclass
@@ -38,10 +40,10 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (query start, query len, context len, block ids)
 
 
-def write_kv(k_cache: torch.Tensor | QuantizedKVCache, v_cache: torch.Tensor | QuantizedKVCache, k: torch.Tensor,
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
              v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[T, kv_heads, head_dim]`` into their slots."""
-    if isinstance(k_cache, QuantizedKVCache):
+    if not isinstance(k_cache, torch.Tensor):  # a pool object (head-major or quantized) stores itself
         k_cache.write(slot_mapping, k)
         v_cache.write(slot_mapping, v)
         return
@@ -50,7 +52,7 @@ def write_kv(k_cache: torch.Tensor | QuantizedKVCache, v_cache: torch.Tensor | Q
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor | QuantizedKVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
+def gather_context(cache: KVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first ``context_len`` cached tokens, ``[context_len, kv_heads, head_dim]``."""
     return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
 
@@ -90,17 +92,26 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return o.squeeze(2)
 
 
+def gather_head_major(cache: KVCache, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` (any shape ``S``) as a contiguous ``[kv_heads, *S, block_size, head_dim]``."""
+    if hasattr(cache, "gather_head_major"):  # the engine's head-major pool: one gather, no transpose
+        return cache.gather_head_major(block_ids)
+    return gather_blocks(cache, block_ids).movedim(-2, 0).contiguous()
+
+
 def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, heads, hd = q.shape
-    kvh = k_cache.shape[2]
-    k = gather_blocks(k_cache, meta.decode_block_tables).flatten(1, 2)  # [D, L, kvh, hd]
-    v = gather_blocks(v_cache, meta.decode_block_tables).flatten(1, 2)
-    qg = q.view(d, kvh, heads // kvh, hd)  # the query heads that share each KV head
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [D, kvh, group, L]
-    scores.masked_fill_(~meta.decode_mask.view(d, 1, 1, -1), float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(d, heads, hd)
+    tables = meta.decode_block_tables
+    k = gather_head_major(k_cache, tables).flatten(2, 3)  # [kvh, D, L, hd]
+    v = gather_head_major(v_cache, tables).flatten(2, 3)
+    kvh = k.shape[0]
+    # The query heads that share each KV head form the rows of one small matmul per (head, seq).
+    qg = (q * scale).view(d, kvh, heads // kvh, hd).transpose(0, 1)  # [kvh, D, group, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, D, group, L]
+    scores.masked_fill_(~meta.decode_mask.view(1, d, 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(d, heads, hd)
 
 
 def _attention(decode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,8 +122,8 @@ def _attention(decode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if d:
         out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
     for start, q_len, ctx_len, block_ids in meta.prefills:
-        k = gather_context(k_cache, block_ids, ctx_len).transpose(0, 1)  # [kvh, ctx, hd]
-        v = gather_context(v_cache, block_ids, ctx_len).transpose(0, 1)
+        k = gather_head_major(k_cache, block_ids).flatten(1, 2)[:, :ctx_len]  # [kvh, ctx, hd]
+        v = gather_head_major(v_cache, block_ids).flatten(1, 2)[:, :ctx_len]
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
         if ctx_len == q_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
