@@ -14,8 +14,6 @@ import asyncio
 import json
 import logging
 import math
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pagedserve.bench.processes import free_port, running_process
 from pagedserve.bench.workloads import BenchRequest, random_prompt
 
 DEFAULT_RATES = "1,2,4,inf"
@@ -326,31 +325,9 @@ def main(args: argparse.Namespace) -> int:
 @contextmanager
 def started_server(model: str | None, extra: list[str], timeout_s: float = 300.0) -> Iterator[str]:
     """Run `python -m pagedserve serve` on a free loopback port; yield its URL; stop it on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--log-level", "warning",
            *(["--model", model] if model else []), *extra]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not ready after {timeout_s:.0f} s: {' '.join(cmd)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with running_process(cmd, f"{url}/health", timeout_s):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -24,10 +24,7 @@ import asyncio
 import json
 import logging
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +33,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from pagedserve.bench.processes import free_port, running_process
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 
@@ -144,57 +143,19 @@ bucket = "tier"
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _process(cmd: list[str], ready_url: str, timeout_s: float = 300.0) -> Iterator[None]:
-    """Run ``cmd`` until ``ready_url`` answers 200; stop it on exit."""
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{log.read()[-3000:].decode()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s:.0f} s: {' '.join(cmd)}")
-            try:
-                if httpx.get(ready_url, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 @contextmanager
 def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[str]:
     """An engine replica with ``seats`` seats behind a gateway subprocess; yields the gateway URL."""
-    eport, gport = _free_port(), _free_port()
+    eport, gport = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{eport}"
     engine = [sys.executable, "-m", "pagedserve", "serve", "--model",
               str(model_dir), "--host", "127.0.0.1", "--port", str(eport), "--max-num-seqs", str(seats),
               "--served-model-name", "w6"]
-    with _process(engine, f"{engine_url}/health"):
+    with running_process(engine, f"{engine_url}/health"):
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))
         gateway = [sys.executable, "-m", "pagedserve.gateway", "--config", str(toml)]
-        with _process(gateway, f"http://127.0.0.1:{gport}/health"):
+        with running_process(gateway, f"http://127.0.0.1:{gport}/health"):
             yield f"http://127.0.0.1:{gport}"
 
 

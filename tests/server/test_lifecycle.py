@@ -3,7 +3,6 @@ a one-seat engine with a one-request waiting queue (503 + Retry-After), and grac
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.bench.processes import running_process
 from tests.helpers.servers import free_port
 
 KEY = "test-secret-key"
@@ -43,26 +43,9 @@ def guarded(tiny_model_dir) -> Iterator[Guarded]:  # type: ignore[no-untyped-def
         cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--api-key", KEY,
                "--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "1", "--num-kv-blocks", "512",
                "--log-level", "info"]
-        with log.open("w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        server = Guarded(f"http://127.0.0.1:{port}", proc, log)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, f"server exited early:\n{server.log_text()[-3000:]}"
-                assert time.monotonic() < deadline, f"server not ready:\n{server.log_text()[-3000:]}"
-                try:
-                    if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            yield server
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        url = f"http://127.0.0.1:{port}"
+        with log.open("w") as out, running_process(cmd, f"{url}/health", 120, log=out) as proc:
+            yield Guarded(url, proc, log)
 
 
 def test_startup_log_and_models_say_random_weights(guarded: Guarded) -> None:

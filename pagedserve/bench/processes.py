@@ -1,0 +1,65 @@
+"""Child processes the benchmarks and tests start: a server on a free loopback port, ready or failed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(log: IO, chars: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    text = log.read()[-chars:]
+    return text.decode(errors="replace") if isinstance(text, bytes) else text
+
+
+@contextmanager
+def running_process(cmd: list[str], ready_url: str, timeout_s: float = 300.0,
+                    log: IO | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` until ``ready_url`` answers 200, yield the process, and stop it on exit.
+
+    Output goes to ``log`` (a temporary file when not given); if the process exits or is not
+    ready within ``timeout_s``, the error quotes the end of that output.
+    """
+    own_log = log is None
+    out = tempfile.TemporaryFile(mode="w+") if own_log else log
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode} before it was ready:\n{_tail(out)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready within {timeout_s:.0f} s: {' '.join(cmd)}\n{_tail(out)}")
+            try:
+                if httpx.get(ready_url, timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if own_log:
+            out.close()
