@@ -268,7 +268,16 @@ def test_provisioned_pool_untouched_by_free_traffic(gateway: GatewayThread, engi
     shared_before = prompt_tokens(engines["shared"])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-free", max_retries=0)
     for i in range(6):
-        client.completions.create(model=MODEL, prompt=f"free request {i}", max_tokens=2)
+        # Free's budget is ~0: while the shared pool still drains an earlier test's streams (as the
+        # gateway's last /load poll sees it), free is shed. It must never spill into 'dedicated'.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.completions.create(model=MODEL, prompt=f"free request {i}", max_tokens=2)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "free traffic was still shed 20 s after the pool drained"
+                time.sleep(0.2)
     assert prompt_tokens(engines["dedicated"]) == dedicated_before
     assert prompt_tokens(engines["shared"]) > shared_before
     paid = httpx.post(f"{gateway.url}/v1/completions", headers={"Authorization": "Bearer sk-paid"},
