@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.models.standard import _shared_tokenizer_dir
+from pagedserve.models.standard import shared_tokenizer_dir
 
 COMMON = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -48,7 +48,7 @@ def build_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
                 layer.self_attn.k_norm.weight.normal_(1, 0.3)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    for f in _shared_tokenizer_dir().iterdir():
+    for f in shared_tokenizer_dir().iterdir():
         shutil.copy(f, out_dir / f.name)
     return out_dir
 

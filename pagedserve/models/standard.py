@@ -78,7 +78,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
     return fast
 
 
-def _shared_tokenizer_dir() -> Path:
+def shared_tokenizer_dir() -> Path:
     """The BPE tokenizer, trained once per cache and copied into every standard model."""
     out = cache_dir() / "tokenizer-bpe-32000"
     if not (out / "tokenizer.json").exists():
@@ -131,7 +131,7 @@ def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    for f in _shared_tokenizer_dir().iterdir():
+    for f in shared_tokenizer_dir().iterdir():
         shutil.copy(f, out_dir / f.name)
     (out_dir / "PAGEDSERVE_RANDOM_WEIGHTS").write_text(
         f"Standard model {name!r} of BENCH.md: random weights (seed {seed}); its text is meaningless.\n")
