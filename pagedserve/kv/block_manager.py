@@ -112,6 +112,7 @@ class BlockManager:
         self._cache: dict[tuple, KVBlock] = {}
         self._next_content_id = ROOT_CONTENT_ID + 1
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the runner
+        self._num_cached_free = 0  # free blocks still holding reusable cached content
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -127,7 +128,8 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if b.cache_key is not None)
+        """Free blocks whose cached content a prefix hit could still reuse (kept as a count: O(1))."""
+        return self._num_cached_free
 
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
@@ -195,6 +197,7 @@ class BlockManager:
         """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
         for block in self.free_queue:
             self._evict(block)
+        self._num_cached_free = 0
 
     def _evict(self, block: KVBlock) -> None:
         if block.cache_key is not None:
@@ -207,6 +210,7 @@ class BlockManager:
 
     def _take_free(self) -> KVBlock:
         block = self.free_queue.popleft()
+        self._num_cached_free -= block.cache_key is not None
         self._evict(block)
         block.ref_count = 1
         return block
@@ -214,6 +218,7 @@ class BlockManager:
     def _ref(self, block: KVBlock) -> None:
         if block.ref_count == 0:
             self.free_queue.remove(block)
+            self._num_cached_free -= block.cache_key is not None
         block.ref_count += 1
 
     def allocate(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
@@ -283,6 +288,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+                self._num_cached_free += block.cache_key is not None
 
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -298,3 +304,5 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in free_ids), f"{block}: free xor referenced"
         for key, block in self._cache.items():
             assert block.cache_key == key, f"{block}: cache key mismatch"
+        cached_free = sum(1 for b in self.free_queue if b.cache_key is not None)
+        assert cached_free == self._num_cached_free, "cached-free count drifted"
