@@ -291,7 +291,7 @@ class Engine:
                 delta_lp = seq.logprobs[seq.sent_logprob_len:]
                 seq.sent_logprob_len = len(seq.logprobs)
             outputs.append(CompletionOutput(
-                index=seq.index, text=seq.output_text[:visible], token_ids=list(out_ids),
+                index=seq.index, text=seq.output_text[:visible], token_ids=out_ids,  # already a fresh slice
                 delta_text=seq.output_text[seq.sent_text_len:visible],
                 delta_token_ids=out_ids[seq.sent_token_len:], logprobs=seq.logprobs, delta_logprobs=delta_lp,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))

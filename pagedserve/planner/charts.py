@@ -32,6 +32,11 @@ def seats_vs_context(path: Path, free_bytes: float, kv_bytes_by_precision: dict[
     ax.set_ylim(bottom=0)
     ax.set_xlabel("context length reserved per request (tokens)")
     ax.set_ylabel("seats (requests held at once)")
+    return _save(plt, fig, ax, path, title)
+
+
+def _save(plt, fig, ax, path: Path, title: str) -> Path:
+    """Title, grid and legend every chart shares; write the PNG and free the figure."""
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -51,13 +56,7 @@ def kv_vs_context(path: Path, kv_bytes_by_precision: dict[str, float], contexts:
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV per request (MiB)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title)
 
 
 def wait_vs_utilization(path: Path, service_time: float, servers: int, current_utilization: float | None,
@@ -83,13 +82,7 @@ def wait_vs_utilization(path: Path, service_time: float, servers: int, current_u
     ax.set_ylim(bottom=max(1e-3, min(m for m in means if m > 0)))
     ax.set_xlabel("utilization")
     ax.set_ylabel("queue wait (ms)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title)
 
 
 def _merge_equal(kv_bytes_by_precision: dict[str, float]) -> dict[str, float]:

@@ -6,6 +6,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -111,11 +112,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         """Running/waiting requests, KV blocks, tokens/s and the estimated queue wait (for the gateway)."""
         async_engine: AsyncEngine = request.app.state.async_engine
         report = async_engine.load()
-        return p.LoadResponse(model=model_name, running=report.running, waiting=report.waiting,
-                              max_num_seqs=report.max_num_seqs, kv_blocks_used=report.kv_blocks_used,
-                              kv_blocks_cached=report.kv_blocks_cached, kv_blocks_total=report.kv_blocks_total,
-                              kv_utilization=report.kv_utilization,
-                              tokens_per_s=round(report.tokens_per_s, 3),
-                              est_queue_wait_s=round(report.est_queue_wait_s, 3))
+        fields = dataclasses.asdict(report)
+        fields["tokens_per_s"] = round(report.tokens_per_s, 3)
+        fields["est_queue_wait_s"] = round(report.est_queue_wait_s, 3)
+        return p.LoadResponse(model=model_name, **fields)
 
     return app

@@ -78,23 +78,22 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One Redis for the whole session (tests use distinct bucket keys)."""
+def _running_redis() -> Iterator[RedisServer]:
     if not os.path.exists(REDIS_BIN):
         pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
     server = RedisServer()
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One Redis for the whole session (tests use distinct bucket keys)."""
+    yield from _running_redis()
 
 
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A Redis of this test's own, for fault tests that kill or freeze it."""
-    if not os.path.exists(REDIS_BIN):
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+    yield from _running_redis()
