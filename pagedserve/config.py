@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
+
+
+def cache_dir() -> Path:
+    """Where built checkpoints and compiled kernels live: ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
 
 _UNITS = {
     "": 1, "b": 1,
@@ -55,7 +65,7 @@ class EngineConfig:
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
     kv_reservation: str = "paged"  # paged | max
-    attention_backend: str = "auto"  # auto | reference | sdpa | matmul
+    attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
@@ -68,8 +78,9 @@ class EngineConfig:
             raise ValueError(f"kv_reservation must be 'paged' or 'max', got {self.kv_reservation!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "reference", "sdpa", "matmul"):
-            raise ValueError(f"attention_backend must be auto, reference, sdpa or matmul, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, "
+                             f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization is None:

@@ -8,6 +8,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from pagedserve.config import ATTENTION_BACKEND_NAMES
 from pagedserve.bench.common import machine_summary, median, resolve_model, write_result
 from pagedserve.bench.workloads import w1_offline
 
@@ -27,6 +28,8 @@ def add_parser(bench) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
     p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV pool budget")
     p.add_argument("--dtype", default="auto", help="model dtype for both engines (auto = checkpoint's, bf16)")
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
+                   help="pagedserve's paged attention implementation (auto = fused on CPU)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
 
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     out_tokens = sum(r.output_len for r in reqs)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
     run_pagedserve(llm, reqs[:8])  # warm-up
     times = []
     for _ in range(args.repeats):
@@ -82,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
               "pagedserve": {"seconds": ps_seconds, "output_tok_s": out_tokens / ps_seconds,
                              "total_tok_s": (out_tokens + prompt_tokens) / ps_seconds, "runs": times,
-                             "dtype": str(llm.engine.dtype)}}
+                             "dtype": str(llm.engine.dtype),
+                             "attention_backend": llm.engine.config.attention_backend}}
     print(f"\nW1 on {args.model}: {len(reqs)} requests, {prompt_tokens} prompt + {out_tokens} output tokens "
-          f"({machine_summary()})")
+          f"({machine_summary()}; pagedserve attention backend: {llm.engine.config.attention_backend})")
     print(f"  pagedserve LLM.generate : {ps_seconds:7.1f} s  {out_tokens / ps_seconds:7.1f} output tok/s  "
           f"{(out_tokens + prompt_tokens) / ps_seconds:7.1f} total tok/s")
     if not args.no_hf:

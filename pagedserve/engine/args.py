@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ATTENTION_BACKEND_NAMES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -36,8 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--kv-reservation", default="paged", choices=["paged", "max"],
                    help="paged: blocks as the context grows; max: reserve max_model_len per request (the naive server)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "sdpa", "matmul"],
-                   help="paged attention implementation: auto = matmul on CPU, sdpa on GPU; reference = plain torch, for checking")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
+                   help="paged attention implementation: auto = fused on CPU (native decode kernel, compiled on "
+                        "first use; matmul if it cannot be built), sdpa on GPU; reference = plain torch, for checking")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
 
 

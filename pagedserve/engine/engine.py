@@ -17,6 +17,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
+from pagedserve.kernels import kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from pagedserve.kv.quant import kv_dtype_name
@@ -31,6 +32,20 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "sdpa"
+        name = "fused" if paged_decode_kernel() is not None else "matmul"
+        logger.info("attention backend: %s%s", name,
+                 "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
+    elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
+        raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
+                         f"{kernel_error() or 'device is not a CPU'}")
+    return name
 
 
 def _eos_token_ids(tokenizer, model_dir) -> set[int]:
@@ -67,8 +82,7 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
         if config.max_num_batched_tokens is None:
             config.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
-        if config.attention_backend == "auto":
-            config.attention_backend = "sdpa" if self.device.type == "cuda" else "matmul"
+        config.attention_backend = _resolve_attention_backend(config.attention_backend, self.device)
         self.config = config
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)

@@ -168,5 +168,7 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_G
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every stored weight (parameters and persistent buffers, scales included)."""
-    return sum(t.nbytes for t in model.state_dict().values())
+    """Bytes of every stored weight (parameters and persistent buffers, scales included, and the
+    opaque prepacked matrices of :class:`~pagedserve.models.packed.PackedLinear` layers)."""
+    packed = sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
+    return packed + sum(t.nbytes for t in model.state_dict().values())

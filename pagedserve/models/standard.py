@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,11 +37,6 @@ STANDARD_MODELS: dict[str, StandardModel] = {
     "small": StandardModel("small", 768, 12, 12, 4, 64, 2048),
     "qwen05-shape": StandardModel("qwen05-shape", 896, 24, 14, 2, 64, 4864, tie_word_embeddings=True),
 }
-
-
-def cache_dir() -> Path:
-    """Where built checkpoints live: ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
 
 
 CHAT_TEMPLATE = (
