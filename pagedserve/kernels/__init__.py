@@ -1,10 +1,12 @@
 """Native CPU kernels, compiled on first use for the machine that runs them.
 
-``paged_attention.cpp`` holds a fused paged decode attention: each sequence's K and V blocks are
-read once, in place, through its block table, where the pure-torch path first copies them into a
-padded contiguous tensor (measured on W1's decode batches: 3x less time per layer).
+* ``paged_attention.cpp`` — fused paged decode attention: each sequence's K and V blocks are read
+  once, in place, through its block table, where the pure-torch path first copies them into a
+  padded contiguous tensor (measured on W1's decode batches: 3x less time per layer).
+* ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
+  SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 
-The source is compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~10 s) into
+The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~10 s) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``, keyed by the source, the torch version and the CPU's
 instruction-set flags (the build uses ``-march=native``), so each machine builds once and later
 processes only load the library. Without a compiler, or with ``PAGEDSERVE_KERNELS=0``, nothing is
@@ -29,10 +31,10 @@ from pagedserve.config import cache_dir
 
 log = logging.getLogger("pagedserve.kernels")
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20"]
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op": the loaded op, or "error": why there is none
+_state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
 
 
 def _cpu_flags() -> str:
@@ -46,9 +48,9 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    """What the compiled library depends on: source, compile flags, torch, Python, CPU features."""
+    """What the compiled library depends on: sources, compile flags, torch, Python, CPU features."""
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), torch.__version__.encode(),
+    for part in (*(p.read_bytes() for p in _SOURCES), " ".join(_FLAGS).encode(), torch.__version__.encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -65,7 +67,7 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> Callable[..., None]:
+def _build() -> object:
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools
 
     _put_ninja_on_path()
@@ -74,36 +76,42 @@ def _build() -> Callable[..., None]:
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "pagedserve_kernels"
     if not (build_dir / f"{name}.so").exists():
-        log.info("compiling the fused paged attention kernel into %s (once per machine, ~10 s)", build_dir)
+        log.info("compiling the native kernels into %s (once per machine, ~20 s)", build_dir)
     t0 = time.monotonic()
     # Loads the library into this process (registering torch.ops.pagedserve.*); rebuilds only if
     # the source changed. Concurrent processes wait on a lock file in build_dir.
-    cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, build_directory=str(build_dir),
-                       is_python_module=False, verbose=False)
-    log.info("paged attention kernel ready in %.1f s", time.monotonic() - t0)
-    return torch.ops.pagedserve.paged_decode_attention
+    cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    log.info("native kernels ready in %.1f s", time.monotonic() - t0)
+    return torch.ops.pagedserve
 
 
-def paged_decode_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)``, or
-    ``None`` when kernels are disabled or cannot be built here (the reason is logged once)."""
-    if "op" in _state or "error" in _state:
-        return _state.get("op")  # type: ignore[return-value]
+def native_ops() -> object | None:
+    """The ``torch.ops.pagedserve`` namespace once the kernels are built and loaded, or ``None`` when
+    they are disabled or cannot be built here (the reason is logged once)."""
+    if "ops" in _state or "error" in _state:
+        return _state.get("ops")
     with _lock:
-        if "op" not in _state and "error" not in _state:
+        if "ops" not in _state and "error" not in _state:
             if os.environ.get("PAGEDSERVE_KERNELS", "1") == "0":
                 _state["error"] = "disabled by PAGEDSERVE_KERNELS=0"
             else:
                 try:
-                    _state["op"] = _build()
-                except Exception as e:  # no compiler, no ninja, a build error: run without the kernel
+                    _state["ops"] = _build()
+                except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
                     _state["error"] = f"{type(e).__name__}: {e}"
             if "error" in _state:
-                log.warning("fused paged attention kernel unavailable (%s); using the pure-torch path",
+                log.warning("native kernels unavailable (%s); using the pure-torch paths",
                             str(_state["error"]).splitlines()[0])
-    return _state.get("op")  # type: ignore[return-value]
+    return _state.get("ops")
+
+
+def paged_decode_kernel() -> Callable[..., None] | None:
+    """``paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)``, or ``None``."""
+    ops = native_ops()
+    return None if ops is None else ops.paged_decode_attention
 
 
 def kernel_error() -> str | None:
-    """Why :func:`paged_decode_kernel` returned ``None``, if it did."""
+    """Why :func:`native_ops` returned ``None``, if it did."""
     return _state.get("error")  # type: ignore[return-value]

@@ -3,6 +3,11 @@
 The model sees one flat batch of ``T`` tokens from many sequences (no padding); attention reads
 each sequence's context through the paged KV cache. Q/K/V and gate/up projections are fused
 into one matmul each, which matters on CPU where every kernel launch has a fixed cost.
+
+On CPU the norms, the rotary embedding and SiLU-and-multiply run as native kernels when they are
+built (:mod:`pagedserve.kernels`, set by :meth:`LlamaForCausalLM.use_native_ops`); the torch code
+next to each is the fallback and the reference they are tested against. The residual stream is
+carried beside the hidden states, so each norm also does the residual add (one pass, not two).
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ def rope_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position, applied the Hugging Face way (rotate halves)."""
 
+    ops = None  # native kernels (pagedserve.kernels), or None for the torch path
+
     def __init__(self, arch: ModelArchitecture, max_positions: int):
         super().__init__()
         inv_freq = rope_inv_freq(arch)
@@ -112,6 +119,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None:  # in place, on the views of the fused QKV output
+            self.ops.rotary_embedding(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -123,12 +133,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    ops = None  # native kernels (pagedserve.kernels), or None for the torch path
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``: the sum is the
+        next residual (the native kernel writes it into ``residual`` in place)."""
+        if self.ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self.ops.rms_norm(out, x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 then cast back, as transformers does, for parity in bf16.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -165,13 +189,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops = None  # native kernels (pagedserve.kernels), or None for the torch path
+
     def __init__(self, arch: ModelArchitecture):
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            h = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+            self.ops.silu_and_mul(h, gate_up)
+            return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -183,9 +214,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, positions, kv, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv, meta, backend):
+        """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(h, positions, kv, meta, backend)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -204,10 +242,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta, self.attention)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv, meta, self.attention)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def use_native_ops(self, ops) -> None:
+        """Route norms, rotary embedding and SiLU-and-multiply through ``ops`` (the
+        ``torch.ops.pagedserve`` kernels, CPU only), or back to torch with ``None``."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
+                m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""

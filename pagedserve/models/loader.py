@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from pagedserve.kernels import native_ops
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -94,7 +95,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
     quantized one (embeddings and norms stay in ``dtype``); without it, on CPU, linear weights are
     prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``PAGEDSERVE_PACK_WEIGHTS=0`` turns that
-    off). The log states the weight bytes.
+    off). On CPU the native layer kernels are switched on where they build. The log states the
+    weight bytes.
     """
     arch = ModelArchitecture.from_hf_config(hf_config)
     with torch.device(device):
@@ -117,4 +119,6 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         if os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
             pack_linears(model)  # CPU: oneDNN-prepacked weights, faster small-batch matmuls
         logger.info("weights: %.1f MiB in %s", weight_bytes(model) / 2**20, str(dtype).removeprefix("torch."))
+    if device.type == "cpu":
+        model.use_native_ops(native_ops())  # None (torch paths) where the kernels can't be built
     return model

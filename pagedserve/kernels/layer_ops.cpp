@@ -1,0 +1,173 @@
+// The small per-layer operations of a Llama block, each one pass over memory instead of the
+// five to ten torch ops (each a kernel launch and a temporary) they take when written in torch:
+// RMSNorm (optionally adding the residual first), rotary embedding in place, SiLU-and-multiply.
+// Numbers are computed in float32 and rounded to the tensor's dtype where the torch ops they
+// replace round, so bf16 results are bit-identical to transformers' (tested).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+// Rows are independent: split them over torch's threads, a few rows per task.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, F&& body) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), as transformers computes it (the normalized
+// row is cast to the dtype before the weight multiplies it). With `residual`, x is first
+// replaced by residual + x (rounded, as `x + residual` in torch), and residual receives it.
+template <typename T>
+void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t h, int64_t x_stride,
+                   float eps) {
+  for_rows(rows, h, [&](int64_t r) {
+    const T* xr = x + r * x_stride;
+    T* res = residual ? residual + r * h : nullptr;
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; ++i) {
+      float v = f32(xr[i]);
+      if (res) {
+        const T sum = static_cast<T>(v + f32(res[i]));
+        res[i] = sum;
+        v = f32(sum);
+      }
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    const T* src = res ? res : xr;
+    T* o = out + r * h;
+    for (int64_t i = 0; i < h; ++i) o[i] = static_cast<T>(f32(weight[i]) * f32(static_cast<T>(f32(src[i]) * inv)));
+  });
+}
+
+// Rounds to T, as each separate torch op on a T tensor does (a no-op for float).
+template <typename T>
+inline float round_to(float x) { return f32(static_cast<T>(x)); }
+
+// In place on q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rows may be strided, heads
+// contiguous): x' = x * cos + rotate_half(x) * sin, with cos/sin rows [max_pos, head_dim] float32.
+// Rounded where transformers' three torch ops round (cos/sin cast to the dtype, each product,
+// the sum), so bf16 results are bit-identical to its rotary embedding.
+template <typename T>
+void rotary_impl(T* q, T* k, const int64_t* positions, const float* cos, const float* sin, int64_t tokens,
+                 int64_t q_heads, int64_t k_heads, int64_t hd, int64_t q_stride, int64_t k_stride) {
+  const int64_t half = hd / 2;
+  for_rows(tokens, (q_heads + k_heads) * hd, [&](int64_t t) {
+    const float* c = cos + positions[t] * hd;
+    const float* s = sin + positions[t] * hd;
+    auto rotate = [&](T* x) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = f32(x[i]), b = f32(x[i + half]);
+        const float c1 = round_to<T>(c[i]), s1 = round_to<T>(s[i]);
+        const float c2 = round_to<T>(c[i + half]), s2 = round_to<T>(s[i + half]);
+        x[i] = static_cast<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
+        x[i + half] = static_cast<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
+      }
+    };
+    for (int64_t h = 0; h < q_heads; ++h) rotate(q + t * q_stride + h * hd);
+    for (int64_t h = 0; h < k_heads; ++h) rotate(k + t * k_stride + h * hd);
+  });
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:], with the gate rounded to the dtype before the product
+// (F.silu(gate) * up in torch).
+template <typename T>
+void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
+  for_rows(rows, inter, [&](int64_t r) {
+    const T* g = x + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gv = f32(g[i]);
+      o[i] = static_cast<T>(f32(static_cast<T>(gv / (1.f + std::exp(-gv)))) * f32(u[i]));
+    }
+  });
+}
+
+#define LAYER_OPS_DISPATCH(dtype, NAME, ...)                                        \
+  switch (dtype) {                                                                \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }              \
+    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }   \
+    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }           \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);              \
+  }
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes(), "rms_norm: out must be a contiguous [rows, hidden]");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == h, "rms_norm: weight must be [hidden]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x, out and weight must share a dtype");
+  if (residual) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must be a contiguous tensor like x");
+  }
+  LAYER_OPS_DISPATCH(x.scalar_type(), "rms_norm",
+                     rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                             residual ? residual->data_ptr<scalar_t>() : nullptr,
+                                             weight.data_ptr<scalar_t>(), rows, h, x.stride(0),
+                                             static_cast<float>(eps)));
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "rotary_embedding: q and k must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary_embedding: heads must be contiguous within a token");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_embedding: q and k must share a dtype");
+  const int64_t hd = q.size(2);
+  TORCH_CHECK(hd % 2 == 0, "rotary_embedding: head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "rotary_embedding: cos and sin must be contiguous float32 [max_positions, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
+              "rotary_embedding: positions must be int64 [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_embedding: position ", pos[t], " out of range");
+  LAYER_OPS_DISPATCH(q.scalar_type(), "rotary_embedding",
+                     rotary_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), pos,
+                                           cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
+                                           k.size(1), hd, q.stride(0), k.stride(0)));
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_and_mul: x must be a contiguous [rows, 2I]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: out must be a contiguous [rows, I] of x's dtype");
+  LAYER_OPS_DISPATCH(x.scalar_type(), "silu_and_mul",
+                     silu_and_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0),
+                                                 out.size(1)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

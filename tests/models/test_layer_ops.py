@@ -1,0 +1,98 @@
+"""The native layer kernels (RMSNorm + residual, rotary, SiLU-and-multiply) against the torch code
+they replace: bit-identical in bf16, within float rounding in float32, and the whole model too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import kernel_error, native_ops
+from pagedserve.models.attention import AttentionMetadata
+from pagedserve.models.llama import MLP, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding
+
+OPS = native_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _arch(**kw) -> ModelArchitecture:
+    base = dict(model_type="llama", hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=32, vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
+                rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=False, qkv_bias=False,
+                qk_norm=False, sliding_window=None)
+    return ModelArchitecture(**(base | kw))
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.dtype == torch.bfloat16:
+        return torch.equal(got, want)
+    return torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(128, 1e-6)
+    norm.weight.data = torch.rand(128) + 0.5
+    norm = norm.to(dtype)
+    x, res = torch.randn(37, 128).to(dtype), torch.randn(37, 128).to(dtype)
+    want = norm(x)
+    want_h, want_res = norm(x, res.clone())
+    norm.ops = OPS
+    assert _same(norm(x), want)
+    got_res = res.clone()
+    got_h, returned = norm(x, got_res)
+    assert returned is got_res  # the sum is written in place: the next residual, no new tensor
+    assert _same(got_h, want_h) and _same(got_res, want_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_in_place_on_fused_qkv_views(dtype, scaling):
+    torch.manual_seed(1)
+    rot = RotaryEmbedding(_arch(rope_scaling=scaling), 512)
+    qkv = torch.randn(29, (4 + 2 + 2) * 32).to(dtype)
+    positions = torch.randint(0, 512, (29,))
+    q, k = qkv[:, :128].view(29, 4, 32), qkv[:, 128:192].view(29, 2, 32)  # strided, as in the model
+    want_q, want_k = rot(positions, q, k)
+    rot.ops = OPS
+    got_qkv = qkv.clone()
+    got_q, got_k = rot(positions, got_qkv[:, :128].view(29, 4, 32), got_qkv[:, 128:192].view(29, 2, 32))
+    assert _same(got_q, want_q) and _same(got_k, want_k)
+    assert torch.equal(got_qkv[:, 192:], qkv[:, 192:])  # V is left alone
+    with pytest.raises(RuntimeError, match="out of range"):
+        rot(torch.full((29,), 512), got_q, got_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    torch.manual_seed(2)
+    mlp = MLP(_arch()).to(dtype)
+    x = torch.randn(23, 128).to(dtype)
+    want = mlp(x)
+    mlp.ops = OPS
+    assert _same(mlp(x), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_model_same_with_native_ops(dtype):
+    """Two layers over a flat batch through the paged cache: logits equal with and without kernels."""
+    torch.manual_seed(3)
+    arch = _arch()
+    model = LlamaForCausalLM(arch, 512, "reference").to(dtype).eval()
+    model.layers[0].self_attn.rotary.float()  # as the loader keeps the cos/sin tables
+    tokens = 21
+    block_size, blocks = 8, 4
+    caches = [(torch.zeros(blocks, block_size, 2, 32, dtype=dtype), torch.zeros(blocks, block_size, 2, 32, dtype=dtype))
+              for _ in range(arch.num_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(tokens), num_decodes=0,
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+                             decode_context_lens=torch.zeros(0, dtype=torch.long), decode_mask=None,
+                             prefills=[(0, tokens, tokens, torch.arange(3))])
+    ids, positions = torch.randint(0, 300, (tokens,)), torch.arange(tokens)
+    with torch.inference_mode():
+        want = model.compute_logits(model(ids, positions, caches, meta))
+        model.use_native_ops(OPS)
+        got = model.compute_logits(model(ids, positions, caches, meta))
+    assert _same(got, want)
