@@ -54,21 +54,16 @@ template <typename T>
 void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t h, int64_t x_stride,
                    float eps) {
   for_rows(rows, h, [&](int64_t r) {
-    const T* xr = x + r * x_stride;
-    T* res = residual ? residual + r * h : nullptr;
-    float ss = 0.f;
-    for (int64_t i = 0; i < h; ++i) {
-      float v = f32(xr[i]);
-      if (res) {
-        const T sum = from_f32<T>(v + f32(res[i]));
-        res[i] = sum;
-        v = f32(sum);
-      }
-      ss += v * v;
+    const T* __restrict xr = x + r * x_stride;
+    T* __restrict res = residual ? residual + r * h : nullptr;
+    if (res) {  // separate loops, each simple enough for the compiler to vectorize
+      for (int64_t i = 0; i < h; ++i) res[i] = from_f32<T>(f32(xr[i]) + f32(res[i]));
     }
+    const T* __restrict src = res ? res : xr;
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; ++i) ss += f32(src[i]) * f32(src[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-    const T* src = res ? res : xr;
-    T* o = out + r * h;
+    T* __restrict o = out + r * h;
     for (int64_t i = 0; i < h; ++i) o[i] = from_f32<T>(f32(weight[i]) * f32(from_f32<T>(f32(src[i]) * inv)));
   });
 }

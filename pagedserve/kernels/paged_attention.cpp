@@ -280,11 +280,55 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   }
 }
 
+// A prompt chunk's attention probabilities, in place: scores [..., q_len, ctx] where query i sits
+// at position ctx - q_len + i and sees keys 0..that position. Softmax over what it sees, zero
+// beyond: one pass instead of masked_fill + softmax, and no exp over the masked half.
+template <typename T>
+void causal_softmax_impl(T* scores, int64_t rows, int64_t q_len, int64_t ctx) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / ctx), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(ctx);
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = scores + r * ctx;
+      const int64_t seen = ctx - q_len + (r % q_len) + 1;
+      float m = to_float(x[0]);
+      for (int64_t j = 0; j < seen; ++j) {
+        row[j] = to_float(x[j]);
+        m = std::max(m, row[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < seen; ++j) {
+        row[j] = std::exp(row[j] - m);
+        sum += row[j];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < seen; ++j) x[j] = static_cast<T>(row[j] * inv);
+      for (int64_t j = seen; j < ctx; ++j) x[j] = static_cast<T>(0.f);
+    }
+  });
+}
+
+void causal_softmax_(at::Tensor& scores, int64_t q_len) {
+  TORCH_CHECK(scores.is_contiguous() && scores.dim() >= 2, "causal_softmax_: scores must be contiguous [..., q_len, ctx]");
+  const int64_t ctx = scores.size(-1);
+  TORCH_CHECK(scores.size(-2) == q_len && q_len >= 1 && q_len <= ctx, "causal_softmax_: q_len must be in [1, ctx]");
+  const int64_t rows = scores.numel() / ctx;
+  switch (scores.scalar_type()) {
+    case at::kFloat: return causal_softmax_impl<float>(scores.data_ptr<float>(), rows, q_len, ctx);
+    case at::kBFloat16: return causal_softmax_impl<c10::BFloat16>(scores.data_ptr<c10::BFloat16>(), rows, q_len, ctx);
+    case at::kHalf: return causal_softmax_impl<c10::Half>(scores.data_ptr<c10::Half>(), rows, q_len, ctx);
+    default: TORCH_CHECK(false, "causal_softmax_: unsupported dtype ", scores.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> ()");
+  m.def("causal_softmax_(Tensor(a!) scores, int q_len) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("causal_softmax_", &causal_softmax_);
+}

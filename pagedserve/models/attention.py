@@ -10,7 +10,7 @@ backends compute the same thing:
 * ``matmul`` — decodes and prompt chunks as two batched matmuls per KV head, with the query
   heads that share it grouped together. On CPU, SDPA's kernel is slow here (measured ~5x slower
   for 32 one-token queries over 200-700 tokens, 2-3x for prompt chunks).
-* ``fused`` — prompt chunks as in ``matmul``; decodes through a native kernel
+* ``fused`` — prompt chunks as in ``matmul`` with mask and softmax as one native pass; decodes through a native kernel
   (:mod:`pagedserve.kernels`) that reads each block once, in place, instead of gathering the
   batch's blocks into a padded copy first (~3x faster decode attention on W1's batches). The
   default on CPU when the kernel builds.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import paged_decode_kernel
+from pagedserve.kernels import native_ops, paged_decode_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
 from pagedserve.kv.quant import gather_blocks
 
@@ -164,6 +164,18 @@ def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.matmul(scores.softmax(dim=-1), v).view(heads, q_len, hd)
 
 
+def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`_prefill_matmul` with the mask and softmax as one native pass over the scores."""
+    ops = native_ops()
+    heads, q_len, hd = qs.shape
+    kvh, ctx_len = k.shape[0], k.shape[1]
+    if ops is None or qs.device.type != "cpu" or heads * q_len * ctx_len > _MATMUL_PREFILL_MAX_SCORES:
+        return _prefill_matmul(qs, k, v, scale)
+    scores = torch.matmul((qs * scale).reshape(kvh, heads // kvh * q_len, hd), k.transpose(-1, -2))
+    ops.causal_softmax_(scores.view(-1, q_len, ctx_len), q_len)  # rows are (kv head, group, query)
+    return torch.matmul(scores, v).view(heads, q_len, hd)
+
+
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Batched decodes through ``decode``, then each prompt chunk through ``prefill``."""
@@ -190,8 +202,9 @@ def matmul_attention(q, k_cache, v_cache, meta, scale):
 
 
 def fused_attention(q, k_cache, v_cache, meta, scale):
-    """Decodes through the fused native kernel (no gathered copy); prompt chunks as grouped matmuls."""
-    return _attention(_decode_fused, _prefill_matmul, q, k_cache, v_cache, meta, scale)
+    """Decodes through the fused native kernel (no gathered copy); prompt chunks as grouped matmuls
+    around a native causal softmax."""
+    return _attention(_decode_fused, _prefill_fused, q, k_cache, v_cache, meta, scale)
 
 
 ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "matmul": matmul_attention,

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pagedserve.kernels import kernel_error, paged_decode_kernel
+from pagedserve.kernels import kernel_error, native_ops, paged_decode_kernel
 from pagedserve.kv.cache import HeadMajorKVCache
 from pagedserve.models.attention import (ATTENTION_BACKENDS, AttentionMetadata, fused_attention, reference_attention,
                                          write_kv)
@@ -115,3 +115,18 @@ def test_fused_kernel_refuses_a_block_outside_the_pool():
     with pytest.raises(RuntimeError, match="out of range"):
         paged_decode_kernel()(torch.empty_like(q), q, _head_major(k).data, _head_major(v).data, bad,
                               meta.decode_context_lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (7, 7), (5, 30), (33, 40)])
+def test_native_causal_softmax_matches_masked_softmax(dtype, atol, q_len, ctx):
+    ops = native_ops()
+    if ops is None:
+        pytest.skip(f"native kernels unavailable: {kernel_error()}")
+    scores = torch.randn(3, 2, q_len, ctx).to(dtype)
+    future = torch.arange(ctx)[None] > torch.arange(ctx - q_len, ctx)[:, None]
+    want = scores.masked_fill(future, float("-inf")).softmax(-1)
+    got = scores.clone()
+    ops.causal_softmax_(got, q_len)
+    assert torch.allclose(got.float(), want.float(), atol=atol)
+    assert torch.all(got[..., future] == 0)
