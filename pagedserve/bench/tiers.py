@@ -1,8 +1,10 @@
 """``pagedserve bench tiers``: workload W6 (BENCH.md) — paid and free traffic through the gateway.
 
 One shared pool of engine replicas; paid (priority 0, queue-wait budget 1 s) and free (priority
-10, budget 5 s) keys. Phases, each ``--duration`` seconds of Poisson arrivals, every request
-streamed:
+10, budget 5 s) keys; ``--reserved-seats`` of the replica's seats are kept for paid. Phases, each
+``--duration`` seconds of Poisson arrivals, every request streamed, each tier's arrivals sent by
+a client process of its own (as separate tenants would; one event loop reading the free streams
+would also delay the paid client's own timestamps):
 
 1. calibrate: a closed loop of 2 × seats paid requests measures the pool's capacity C (requests/s)
    and an idle request's TTFT;
@@ -11,23 +13,27 @@ streamed:
 4. and 5. the same two with 30% of the pool's seats removed (``--max-num-seqs`` × 0.7), same
    offered rates.
 
-Per tier: offered, admitted, shed (429, by error code), queue wait p50/p95 and TTFT p95. The
-client cannot see inside the engine, so *queue wait* = TTFT − the idle TTFT (prefill and transport
-of an unqueued request), floored at 0. Writes ``w6.json`` and ``w6_waits.png`` (per-tier wait
-distributions).
+Per tier: offered, admitted, shed (429, by error code; how many after waiting in the gateway's
+queue), queue wait p50/p95 and TTFT p95. The client cannot see inside the engine, so *queue wait*
+= TTFT − the idle TTFT (prefill and transport of an unqueued request), floored at 0. Beside it:
+the time spent in the gateway's queue (its ``x-pagedserve-queue-wait-ms`` header) and, per phase,
+the engine's own mean queue time and TTFT (its ``/metrics`` histograms, all tiers together).
+Writes ``w6.json`` and ``w6_waits.png`` (per-tier wait distributions).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import math
+import multiprocessing
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,11 +59,14 @@ class TiersBenchConfig:
     output_len: int = 64
     paid_budget_s: float = 1.0
     free_budget_s: float = 5.0
+    reserved_seats: int = 2   # of the replica's seats, kept for paid (free gets the rest)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 2 or not 0 < self.removed_fraction < 1:
             raise ValueError("max_num_seqs must be >= 2 and removed_fraction in (0, 1)")
+        if not 0 <= self.reserved_seats < max(1, round(self.max_num_seqs * (1 - self.removed_fraction))):
+            raise ValueError("reserved_seats must be >= 0 and leave free at least one seat in every phase")
         if self.duration_s <= 0 or self.paid_load <= 0 or self.free_load < 0:
             raise ValueError("duration_s and paid_load must be > 0, free_load >= 0")
         if self.prompt_len < 1 or self.output_len < 1:
@@ -74,6 +83,8 @@ class Shot:
     ttft: float | None = None
     e2e: float | None = None
     est_wait: float | None = None  # the gateway's estimate at admission (x-pagedserve-est-queue-wait-ms)
+    queued: float | None = None  # time spent in the gateway's queue, admitted or shed (x-pagedserve-queue-wait-ms)
+    sent_at: float = 0.0  # wall-clock time the request was sent
 
 
 @dataclass
@@ -87,6 +98,8 @@ class TierResult:
     queue_wait: dict[str, float]
     ttft: dict[str, float]
     est_wait: dict[str, float]  # the gateway's own estimates at admission, for comparison
+    gateway_queue: dict[str, float] = field(default_factory=dict)  # time admitted requests spent queued there
+    shed_after_wait: int = 0  # 429s answered after waiting in the gateway's queue (the rest at once)
     waits: list[float] = field(default_factory=list, repr=False)
 
 
@@ -99,6 +112,7 @@ class PhaseResult:
     paid_rate: float
     free_rate: float
     tiers: dict[str, TierResult]
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's mean queue time and TTFT (s), all tiers
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
@@ -120,6 +134,7 @@ default_service_s = 1.0
 
 [pools.shared]
 replicas = [{replicas}]
+reserved_seats = {cfg.reserved_seats}
 
 [tiers.paid]
 token_rate = {big}
@@ -143,9 +158,9 @@ bucket = "tier"
 """
 
 
-@contextmanager
-def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[str]:
-    """An engine replica with ``seats`` seats behind a gateway subprocess; yields the gateway URL."""
+@contextlib.contextmanager
+def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[tuple[str, str]]:
+    """An engine replica with ``seats`` seats behind a gateway subprocess; yields (gateway, engine) URLs."""
     eport, gport = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{eport}"
     engine = [sys.executable, "-m", "pagedserve", "serve", "--model",
@@ -156,20 +171,22 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
         toml.write_text(gateway_toml([engine_url], cfg, gport))
         gateway = [sys.executable, "-m", "pagedserve.gateway", "--config", str(toml)]
         with running_process(gateway, f"http://127.0.0.1:{gport}/health"):
-            yield f"http://127.0.0.1:{gport}"
+            yield f"http://127.0.0.1:{gport}", engine_url
 
 
 async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_len: int) -> Shot:
     key = PAID_KEY if tier == "paid" else FREE_KEY
     body = {"model": "w6", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
-    shot = Shot(tier)
+    shot = Shot(tier, sent_at=time.time())
     start = time.perf_counter()
     try:
         async with http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
             shot.status = r.status_code
             if "x-pagedserve-est-queue-wait-ms" in r.headers:
                 shot.est_wait = float(r.headers["x-pagedserve-est-queue-wait-ms"]) / 1000
+            if "x-pagedserve-queue-wait-ms" in r.headers:
+                shot.queued = float(r.headers["x-pagedserve-queue-wait-ms"]) / 1000
             if r.status_code != 200:
                 try:
                     shot.code = json.loads(await r.aread())["error"]["code"]
@@ -190,28 +207,51 @@ def _prompts(n: int, cfg: TiersBenchConfig, seed: int) -> list[list[int]]:
     return [rng.integers(1000, 31000, size=cfg.prompt_len).tolist() for _ in range(n)]
 
 
-async def _open_loop(url: str, cfg: TiersBenchConfig, rates: dict[str, float], progress: object | None) -> list[Shot]:
-    """Poisson arrivals per tier for ``duration_s``; every request streamed; all awaited."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        t0 = time.perf_counter()
-        tasks = []
-        for i, (tier, rate) in enumerate(rates.items()):
-            if rate <= 0:
-                continue
-            rng = np.random.default_rng(cfg.seed + 17 * i)
-            offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * cfg.duration_s * 1.5) + 10))
-            offsets = offsets[offsets < cfg.duration_s]
-            prompts = _prompts(len(offsets), cfg, cfg.seed + 101 * (i + 1))
+async def _tier_loop(url: str, cfg: TiersBenchConfig, index: int, tier: str, rate: float,
+                     start_at: float) -> list[Shot]:
+    """Poisson arrivals of one tier for ``duration_s`` from wall-clock time ``start_at``; all awaited.
 
-            async def launch(offset: float, prompt: list[int], tier: str = tier) -> Shot:
-                await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-                shot = await _shot(http, tier, prompt, cfg.output_len)
-                if progress is not None:
-                    progress.update(1)  # type: ignore[attr-defined]
-                return shot
-            tasks += [launch(float(o), p) for o, p in zip(offsets, prompts)]
-        return list(await asyncio.gather(*tasks))
+    The arrival times and prompts depend only on the seed and the tier's index, so every run (and
+    the two phases that share a tier's rate) offers the same requests."""
+    rng = np.random.default_rng(cfg.seed + 17 * index)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * cfg.duration_s * 1.5) + 10))
+    offsets = offsets[offsets < cfg.duration_s]
+    prompts = _prompts(len(offsets), cfg, cfg.seed + 101 * (index + 1))
+    # Several small connection pools, not one big one: httpcore's pool does work proportional to
+    # its connections × waiting requests on every request, and with the hundreds of connections
+    # the free tier keeps open (queued up to its budget) one pool made this client CPU-bound and
+    # its own timestamps seconds late. About one pool per request/s keeps each to a handful.
+    pools = max(1, min(64, math.ceil(rate)))
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+                   for _ in range(pools)]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.perf_counter()
+
+        async def launch(i: int, offset: float, prompt: list[int]) -> Shot:
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            return await _shot(clients[i % pools], tier, prompt, cfg.output_len)
+        return list(await asyncio.gather(*(launch(i, float(o), p) for i, (o, p) in enumerate(zip(offsets, prompts)))))
+
+
+def _tier_process(url: str, cfg: TiersBenchConfig, index: int, tier: str, rate: float, start_at: float) -> list[Shot]:
+    """Entry point of one tier's client process."""
+    return asyncio.run(_tier_loop(url, cfg, index, tier, rate, start_at))
+
+
+def _open_loop(url: str, cfg: TiersBenchConfig, rates: dict[str, float], progress: object | None) -> list[Shot]:
+    """Every tier's arrivals at once, each tier from a client process of its own (module docstring)."""
+    tiers = [(i, tier, rate) for i, (tier, rate) in enumerate(rates.items()) if rate > 0]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that has threads
+    with concurrent.futures.ProcessPoolExecutor(len(tiers), mp_context=ctx) as pool:
+        start_at = time.time() + 3.0  # time for the children to start and import
+        futures = [pool.submit(_tier_process, url, cfg, i, tier, rate, start_at) for i, tier, rate in tiers]
+        while not all(f.done() for f in futures):
+            time.sleep(1.0)
+            if progress is not None:
+                progress.n = min(progress.total, max(0, round(time.time() - start_at)))  # type: ignore[attr-defined]
+                progress.refresh()  # type: ignore[attr-defined]
+        return [shot for f in futures for shot in f.result()]
 
 
 async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float, float]:
@@ -238,6 +278,31 @@ async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float
         return done / (time.perf_counter() - t0), float(np.median(idle)) if idle else 0.0
 
 
+_ENGINE_HISTOGRAMS = {"queue_s": "pagedserve:request_queue_time_seconds",
+                      "ttft_s": "pagedserve:time_to_first_token_seconds"}
+
+
+def _engine_sums(engine_url: str) -> dict[str, float]:
+    """Sum and count of the engine's queue-time and TTFT histograms (all requests so far)."""
+    text = httpx.get(f"{engine_url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for key, name in _ENGINE_HISTOGRAMS.items():
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}"):
+                    out[f"{key}_{part}"] = out.get(f"{key}_{part}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean engine queue time and TTFT over the requests between two :func:`_engine_sums`."""
+    means = {}
+    for key in _ENGINE_HISTOGRAMS:
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        means[f"mean_{key}"] = (after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)) / n if n else math.nan
+    return means
+
+
 def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float) -> PhaseResult:
     tiers = {}
     for tier in ("paid", "free"):
@@ -252,32 +317,42 @@ def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot]
             offered=len(mine), admitted=len(ok), shed=shed,
             errors=len([s for s in mine if s.status not in (200, 429) or (s.status == 200 and s.ttft is None)]),
             queue_wait=_pcts(waits), ttft=_pcts([s.ttft for s in ok if s.ttft is not None]),
-            est_wait=_pcts([s.est_wait for s in ok if s.est_wait is not None]), waits=waits)
+            est_wait=_pcts([s.est_wait for s in ok if s.est_wait is not None]),
+            gateway_queue=_pcts([s.queued for s in ok if s.queued is not None]),
+            # The header is whole milliseconds: a shed after < 0.5 ms in the queue counts as at once.
+            shed_after_wait=len([s for s in mine if s.status == 429 and (s.queued or 0) > 0]), waits=waits)
     return PhaseResult(name, seats, rates.get("paid", 0.0), rates.get("free", 0.0), tiers)
+
+
+def _phase(url: str, engine_url: str, cfg: TiersBenchConfig, name: str, seats: int, rates: dict[str, float],
+           idle_ttft: float, show_progress: bool) -> PhaseResult:
+    from tqdm import tqdm
+
+    before = _engine_sums(engine_url)
+    with tqdm(total=int(cfg.duration_s), desc=f"W6 {name} ({seats} seats)", unit="s",
+              disable=not show_progress, file=sys.stderr) as bar:
+        shots = _open_loop(url, cfg, rates, bar)
+    result = _summarise(name, seats, rates, shots, idle_ttft)
+    result.engine = _engine_means(before, _engine_sums(engine_url))
+    return result
 
 
 def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_progress: bool = True) -> dict:
     """Run the calibration and the four phases; returns the report (also the plot's data)."""
-    from tqdm import tqdm
-
     full = cfg.max_num_seqs
     reduced = max(1, round(full * (1 - cfg.removed_fraction)))
     phases: list[PhaseResult] = []
-    with serving_stack(model_dir, full, cfg, workdir) as url:
+    with serving_stack(model_dir, full, cfg, workdir) as (url, engine_url):
         capacity, idle_ttft = asyncio.run(_calibrate(url, cfg, full))
         print(f"capacity {capacity:.2f} requests/s with {full} seats; idle TTFT {idle_ttft * 1000:.1f} ms",
               file=sys.stderr)
         rates = {"paid": cfg.paid_load * capacity, "free": cfg.free_load * capacity}
         for name, r in (("paid-only", {"paid": rates["paid"]}), ("paid+free", rates)):
-            with tqdm(total=int(sum(r.values()) * cfg.duration_s), desc=f"W6 {name} ({full} seats)",
-                      disable=not show_progress, file=sys.stderr) as bar:
-                phases.append(_summarise(name, full, r, asyncio.run(_open_loop(url, cfg, r, bar)), idle_ttft))
-    with serving_stack(model_dir, reduced, cfg, workdir) as url:
+            phases.append(_phase(url, engine_url, cfg, name, full, r, idle_ttft, show_progress))
+    with serving_stack(model_dir, reduced, cfg, workdir) as (url, engine_url):
         for name, r in ((f"paid-only -{cfg.removed_fraction:.0%}", {"paid": rates["paid"]}),
                         (f"paid+free -{cfg.removed_fraction:.0%}", rates)):
-            with tqdm(total=int(sum(r.values()) * cfg.duration_s), desc=f"W6 {name} ({reduced} seats)",
-                      disable=not show_progress, file=sys.stderr) as bar:
-                phases.append(_summarise(name, reduced, r, asyncio.run(_open_loop(url, cfg, r, bar)), idle_ttft))
+            phases.append(_phase(url, engine_url, cfg, name, reduced, r, idle_ttft, show_progress))
     return {"workload": "W6", "config": asdict(cfg), "capacity_rps": capacity, "idle_ttft_s": idle_ttft,
             "phases": phases}
 
@@ -285,16 +360,18 @@ def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_pr
 def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
-            "queue wait p95 | TTFT p95 |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "queue wait p95 | TTFT p95 | in gateway queue p95 | shed after queueing |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():
             if t.offered == 0:
                 continue
             rate = ph.paid_rate if tier == "paid" else ph.free_rate
             shed = ", ".join(f"{n} {c}" for c, n in sorted(t.shed.items())) or "0"
+            gq = t.gateway_queue.get("p95", math.nan)
             rows.append(f"| {ph.name} | {ph.seats} | {tier} | {rate:.2f} | {t.offered} | {t.admitted} | {shed} | "
                         f"{t.queue_wait['p50'] * 1000:.0f} ms | {t.queue_wait['p95'] * 1000:.0f} ms | "
-                        f"{t.ttft['p95'] * 1000:.0f} ms |")
+                        f"{t.ttft['p95'] * 1000:.0f} ms | {gq * 1000:.0f} ms | {t.shed_after_wait} |")
     return "\n".join(rows)
 
 
@@ -348,6 +425,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    "(default 0.25)")
     p.add_argument("--free-load", type=float, default=3.0, help="free arrival rate as a multiple of capacity "
                    "(default 3)")
+    p.add_argument("--reserved-seats", type=int, default=2, help="seats of the replica kept for paid; free "
+                   "gets the rest (default 2)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request, ignore_eos (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
@@ -363,6 +442,7 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the results
     cfg = TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
                            duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
+                           reserved_seats=args.reserved_seats,
                            prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
     if Path(cfg.model).is_dir():
         model_dir = Path(cfg.model)
@@ -384,6 +464,10 @@ def main(args: argparse.Namespace) -> int:
         ratio = f"{paid[mixed] / paid[base]:.2f}x" if paid[base] > 0 else "ratio n/a"
         print(f"paid p95 queue wait: {paid[mixed] * 1000:.0f} ms with free traffic vs {paid[base] * 1000:.0f} ms "
               f"without ({ratio}); budget {cfg.paid_budget_s * 1000:.0f} ms")
+    for ph in report["phases"]:
+        e = ph.engine
+        print(f"{ph.name}: engine mean queue time {e.get('mean_queue_s', math.nan) * 1000:.1f} ms, "
+              f"mean TTFT {e.get('mean_ttft_s', math.nan) * 1000:.1f} ms (all tiers)")
     for ph in report["phases"][1::2]:
         free = ph.tiers["free"]
         print(f"{ph.name}: free offered {free.offered}, shed {sum(free.shed.values())} "

@@ -1,10 +1,12 @@
-"""The gateway's HTTP app: authenticate, pick a pool, reserve tokens, forward, reconcile.
+"""The gateway's HTTP app: authenticate, pick a pool, reserve tokens, wait for a seat, forward, reconcile.
 
 One request, in order (each refusal costs no engine work)::
 
     key → tier ─(401)            body → output cap, priority, cache_salt written in
-    pools in the tier's order: least-wait replica; wait > budget → next pool ─(429 overloaded)
+    pools in the tier's order: estimated wait > budget → next pool ─(429 overloaded)
     prompt tokens (replica's /tokenize) + n × cap → buckets ─(429 rate_limit_exceeded / 400 / 503)
+    a seat on a replica: at once, or queued in the gateway by priority until one frees up;
+        budget spent before that → 429 overloaded, reservation refunded
     forward (stream passed through) → usage → settle the reservation exactly once
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,7 @@ from pagedserve.gateway.limiter_redis import RedisLimiter
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, prefix_key
 from pagedserve.gateway.responses import error_response, ratelimit_headers, retry_headers
+from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.tokens import count_prompt_tokens
 
 log = logging.getLogger("pagedserve.gateway")
@@ -53,6 +56,7 @@ class Gateway:
     limiter: Limiter
     admission: Admission
     pools: dict[str, Pool]
+    dispatcher: Dispatcher
     poller: LoadPoller
     client: httpx.AsyncClient
     metrics: GatewayMetrics
@@ -60,11 +64,16 @@ class Gateway:
 
 @dataclass
 class Route:
-    """Where an admitted request goes."""
+    """Where an admitted request goes: its pool, the wait estimated there, and (once taken) its seat."""
 
     pool: Pool
-    replica: Replica
     est_wait_s: float
+    seat: Seat | None = None
+
+    @property
+    def replica(self) -> Replica:
+        assert self.seat is not None
+        return self.seat.replica
 
 
 def make_limiter(config: GatewayConfig, metrics: GatewayMetrics) -> Limiter:
@@ -79,8 +88,14 @@ def make_limiter(config: GatewayConfig, metrics: GatewayMetrics) -> Limiter:
 def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI:
     """The gateway app for ``config``; ``limiter`` overrides the one the config implies."""
     metrics = GatewayMetrics()
+    settings = {name: {"load_source": p.load_source, "seats": p.seats, "reserved_seats": p.reserved_seats,
+                       "best_priority": min((t.priority for t in config.tiers.values() if name in t.pools),
+                                            default=0)}
+                for name, p in config.pools.items()}
     pools = build_pools({name: p.replicas for name, p in config.pools.items()},
-                        {name: p.api_key for name, p in config.pools.items()})
+                        {name: p.api_key for name, p in config.pools.items()}, settings)
+    dispatcher = Dispatcher(pools, default_service_s=config.default_service_s,
+                            affinity_slack_s=config.affinity_slack_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,11 +103,11 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         lim = limiter or make_limiter(config, metrics)
-        poller = LoadPoller(pools, client, config.load_poll_interval_s)
+        poller = LoadPoller(pools, client, config.load_poll_interval_s, on_poll=dispatcher.pump)
         await poller.poll_once()  # route from real figures from the first request on
         poller.start()
         app.state.gateway = Gateway(config, KeyRing(config.keys), lim, Admission(lim, config.redis_breaker_reset_s),
-                                    pools, poller, client, metrics)
+                                    pools, dispatcher, poller, client, metrics)
         kinds = ", ".join(f"{name} ({'provisioned' if config.provisioned(name) else 'shared'}: "
                           f"{len(pool.healthy())}/{len(pool.replicas)} up)" for name, pool in pools.items())
         log.info("gateway ready: pools %s; %d tiers, %d keys, limiter %s", kinds, len(config.tiers),
@@ -146,6 +161,10 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             for r in pool.replicas:
                 m.replica_up.labels(name, r.url).set(1 if r.healthy else 0)
                 m.replica_wait.labels(name, r.url).set(r.est_wait(best, gw.config.default_service_s))
+            queued = gw.dispatcher.queued(name)
+            for tier in gw.config.tiers.values():
+                if name in tier.pools:
+                    m.queued.labels(tier.name, name).set(queued.get(tier.name, 0))
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -188,18 +207,16 @@ def _prepare(body: dict[str, Any], tier: TierConfig, entry: KeyEntry, path: str)
     return max(caps), n
 
 
-def _route(gw: Gateway, tier: TierConfig, pkey: str | None) -> Route | tuple[str, float]:
-    """The first pool in the tier's order whose best replica fits the wait budget, or why none did."""
+def _route(gw: Gateway, tier: TierConfig, n: int) -> Route | tuple[str, float]:
+    """The first pool in the tier's order whose estimated wait fits the budget, or why none did."""
     over: list[float] = []
     for name in tier.pools:
         pool = gw.pools[name]
-        choice = pool.choose(tier.priority, pkey, slack_s=gw.config.affinity_slack_s,
-                             default_service_s=gw.config.default_service_s)
-        if choice is None:
+        wait = gw.dispatcher.estimate(pool, tier.priority, n)
+        if wait is None:
             continue
-        replica, wait = choice
         if wait <= tier.max_queue_wait_s:
-            return Route(pool, replica, wait)
+            return Route(pool, wait)
         over.append(wait - tier.max_queue_wait_s)
     if not over:
         return "no_replica", 1.0
@@ -230,7 +247,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         return error_response(400, f"Invalid request: {prepared}.", code="invalid_value")
     cap, n = prepared
 
-    route = _route(gw, tier, prefix_key(body, body["cache_salt"]))
+    route = _route(gw, tier, n)
     if not isinstance(route, Route):
         reason, wait = route
         first = tier.pools[0]
@@ -246,7 +263,11 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
             f"{tier.max_queue_wait_s:g}s budget in every pool it may use. Please try again in {wait:.2f}s.",
             code="overloaded", headers=headers | retry_headers(wait))
 
-    prompt_tokens, counted = await count_prompt_tokens(gw.client, route.replica, body, gw.config.token_count)
+    asked = gw.dispatcher.peek(route.pool, tier.priority)
+    if asked is None:  # the pool's last replica went down since the routing decision
+        return error_response(503, "No replica of this tier's pools is up; retry shortly.",
+                              code="no_replica_available", headers=retry_headers(1.0))
+    prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count)
     cost = prompt_tokens + n * cap
     decision = await gw.admission.admit(tier, entry, cost)
     headers = ratelimit_headers(decision)
@@ -268,12 +289,43 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         gw.metrics.limiter_fail_open.labels(tier.name).inc()
     else:
         gw.metrics.tokens_reserved.labels(tier.name).inc(cost)
-    gw.metrics.admitted.labels(tier.name, route.pool.name).inc()
     gw.metrics.queue_wait.labels(tier.name, route.pool.name).observe(route.est_wait_s)
-    _log_decision("admit", decision.reason, tier.name, entry.name, pool=route.pool.name, replica=route.replica.url,
-                  cost=cost, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s)
     headers["x-pagedserve-pool"] = route.pool.name
     headers["x-pagedserve-est-queue-wait-ms"] = str(round(route.est_wait_s * 1000))
+
+    # Wait for a seat. The deadline leaves room for the time from dispatch to the first byte, so
+    # that the whole wait, not only the part spent here, fits the budget; at most half of it, so
+    # that slow prefills cannot leave a queued request no time at all.
+    pool = route.pool
+    budget = tier.max_queue_wait_s
+    deadline = t0 + budget - min(gw.dispatcher.first_byte_s(pool), budget / 2)
+    got = await gw.dispatcher.acquire(pool, tier.priority, n, tier.name, prefix_key(body, body["cache_salt"]),
+                                      deadline, request.is_disconnected)
+    if not isinstance(got, Seat):
+        waited = time.monotonic() - t0
+        # Nothing was sent: give back the tokens and the request slot (exactly once).
+        await _Settle(gw, tier, route, decision, prompt_tokens, t0)("shed", 0.0, no_work=True)
+        headers["x-pagedserve-queue-wait-ms"] = str(round(waited * 1000))
+        if got == "gone":
+            _log_decision("drop", "client_gone_while_queued", tier.name, entry.name, pool=pool.name, waited_s=waited)
+            return error_response(499, "The client closed the request while it was queued.", code="client_closed")
+        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - tier.max_queue_wait_s,
+                    gw.dispatcher.turnover_s(pool, tier.priority))
+        gw.metrics.shed.labels(tier.name, pool.name, "queue_timeout").inc()
+        _log_decision("shed", "queue_timeout", tier.name, entry.name, pool=pool.name, waited_s=waited,
+                      retry_after_s=retry)
+        headers |= ratelimit_headers(await bucket_views(gw.limiter, tier, entry))
+        return error_response(
+            429, f"The service is overloaded for tier '{tier.name}': no seat freed up in pool '{pool.name}' "
+            f"within the tier's {tier.max_queue_wait_s:g}s queue-wait budget (waited {waited:.2f}s). "
+            f"Please try again in {retry:.2f}s.", code="overloaded", headers=headers | retry_headers(retry))
+    route.seat = got
+    gw.metrics.admitted.labels(tier.name, pool.name).inc()
+    gw.metrics.queue_time.labels(tier.name, pool.name).observe(got.queued_s)
+    headers["x-pagedserve-queue-wait-ms"] = str(round(got.queued_s * 1000))
+    _log_decision("admit", decision.reason, tier.name, entry.name, pool=pool.name, replica=got.replica.url,
+                  cost=cost, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s,
+                  queued_s=got.queued_s)
     return await forward(gw, tier, route, path, body, decision, prompt_tokens, headers, t0)
 
 
@@ -292,31 +344,59 @@ class _Settle:
         if self.first_byte is None:
             self.first_byte = time.monotonic()
             self.gw.metrics.ttft.labels(self.tier.name, self.route.pool.name).observe(self.first_byte - self.t0)
+            if self.route.seat is not None and self.streamed:  # a plain response's first byte is its last
+                self.route.seat.replica.first_byte(self.first_byte - self.route.seat.sent_at)
 
-    async def __call__(self, outcome: str, actual: float) -> None:
-        """Settle with ``actual`` tokens; ``outcome`` labels how the request ended. Later calls do nothing."""
+    async def __call__(self, outcome: str, actual: float, no_work: bool = False) -> None:
+        """Settle with ``actual`` tokens; ``outcome`` labels how the request ended. Later calls do nothing.
+
+        ``no_work``: the request never reached a replica, or the replica refused it (a 5xx) before
+        doing any work, so its request-bucket slot is given back too."""
         if self.done:
             return
         self.done = True
         end = time.monotonic()
-        # Only a completed stream measures decode time (a plain response's first byte is its last).
-        measured = self.streamed and self.first_byte is not None and outcome == "usage"
-        self.route.replica.ended(self.tier.priority, end - self.first_byte if measured else None)
-        res = self.decision.tokens
+        seat = self.route.seat
+        if seat is not None:
+            # Only a completed stream measures decode time (a plain response's first byte is its last).
+            measured = self.streamed and self.first_byte is not None and outcome == "usage"
+            self.gw.dispatcher.release(seat, end - self.first_byte if measured else None,
+                                       end - seat.sent_at if outcome == "usage" else None)
         m = self.gw.metrics
         m.reconciled.labels(self.tier.name, outcome).inc()
-        if res is None:
-            return
+        res, req = self.decision.tokens, self.decision.requests
         try:
             # Shielded: a client that disconnected cancels the stream, but its refund must still land.
             with anyio.CancelScope(shield=True):
-                delta = await res.settle(actual)
+                if no_work and req is not None:
+                    await req.settle(0)
+                delta = await res.settle(actual) if res is not None else 0.0
         except LimiterUnavailable as e:
-            log.warning("reconcile of %d tokens lost: %s", res.cost - actual, e)
+            log.warning("reconcile of %s lost: %s", f"{res.cost - actual:g} tokens" if res else "a request", e)
+            return
+        if res is None:
             return
         m.tokens_used.labels(self.tier.name).inc(actual)
         if delta > 0:
             m.tokens_returned.labels(self.tier.name).inc(delta)
+
+
+def _has_usage_object(line: str) -> bool:
+    """Whether an SSE data line has ``"usage": {`` (not ``"usage": null``), without decoding it."""
+    at = line.find('"usage"')
+    while at >= 0:
+        rest = line[at + 7:].lstrip()
+        if rest.startswith(":") and rest[1:].lstrip().startswith("{"):
+            return True
+        at = line.find('"usage"', at + 7)
+    return False
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _usage_tokens(usage: Any) -> float | None:
@@ -335,16 +415,19 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         client_wants_usage = bool(opts.get("include_usage"))
         body["stream_options"] = {**opts, "include_usage": True}  # reconciliation needs the usage chunk
     settle = _Settle(gw, tier, route, decision, prompt_tokens, t0)
-    route.replica.started(tier.priority)
     request = gw.client.build_request("POST", route.replica.url + path, content=json.dumps(body),
                                       headers={"content-type": "application/json", **route.replica.auth_headers()})
     try:
         upstream = await gw.client.send(request, stream=True)
     except httpx.HTTPError as e:
         LoadPoller.mark_down(route.replica, f"{type(e).__name__}: {e}")
-        await settle("failed", 0.0)
+        await settle("failed", 0.0, no_work=True)
         return error_response(502, f"The replica could not be reached ({type(e).__name__}); retry.",
                               code="replica_unreachable", headers=headers | retry_headers(1.0))
+    except BaseException:  # cancelled while waiting for the replica: its seat must not stay taken
+        with anyio.CancelScope(shield=True):
+            await settle("disconnected", float(prompt_tokens))
+        raise
     headers = headers | {k: v for k, v in upstream.headers.items()
                          if k.lower() not in _DROP_HEADERS and not k.lower().startswith("x-ratelimit")
                          and k.lower() != "content-type"}
@@ -358,17 +441,24 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
             await settle("failed", 0.0)
             return error_response(502, f"The replica failed mid-response ({type(e).__name__}).",
                                   code="replica_error", headers=headers)
+        except BaseException:  # cancelled mid-read
+            with anyio.CancelScope(shield=True):
+                await settle("disconnected", float(prompt_tokens))
+            raise
         finally:
-            await upstream.aclose()
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
         actual = None
         if upstream.status_code == 200:
             try:
                 actual = _usage_tokens(json.loads(content).get("usage"))
             except (ValueError, AttributeError):
                 actual = None
-        # An error answer did no generation; a success without usage is charged in full.
+        # An error answer did no generation; a success without usage is charged in full. A 5xx is the
+        # replica's failure, not the client's request: its request slot is given back too.
         await settle("usage" if actual is not None else ("failed" if upstream.status_code != 200 else "estimated"),
-                     actual if actual is not None else (0.0 if upstream.status_code != 200 else decision.cost))
+                     actual if actual is not None else (0.0 if upstream.status_code != 200 else decision.cost),
+                     no_work=upstream.status_code >= 500)
         return Response(content, upstream.status_code, headers=headers, media_type=media_type)
 
     settle.streamed = True
@@ -378,27 +468,52 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         chunks = 0
         outcome = "disconnected"
         skip_blank = False
-        try:
-            async for line in upstream.aiter_lines():
-                settle.first()
+        pending = ""
+
+        def relay(lines: list[str]) -> bytes:
+            """The bytes to send on for these complete SSE lines; notes usage and counts chunks.
+
+            Only an event that carries a usage object is decoded: decoding every token's event
+            was the gateway's main cost per streamed token."""
+            nonlocal usage, chunks, skip_blank
+            out = []
+            for line in lines:
+                line = line.removesuffix("\r")
                 if skip_blank and not line:
                     skip_blank = False
                     continue
                 if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                    try:
-                        event = json.loads(line[5:])
-                    except ValueError:
-                        event = None
-                    if isinstance(event, dict):
-                        u = _usage_tokens(event.get("usage"))
-                        if u is not None:
-                            usage = u
-                            if not client_wants_usage and not event.get("choices"):
+                    event = _json_or_none(line[5:]) if _has_usage_object(line) else None
+                    u = _usage_tokens(event.get("usage")) if isinstance(event, dict) else None
+                    if u is not None:
+                        usage = u
+                        if not event.get("choices"):  # type: ignore[union-attr]
+                            if not client_wants_usage:
                                 skip_blank = True  # drop the usage-only event the client did not ask for
                                 continue
-                        if event.get("choices"):
+                        else:
                             chunks += 1
-                yield (line + "\n").encode()
+                    else:
+                        chunks += 1
+                out.append(line + "\n")
+            return "".join(out).encode()
+
+        try:
+            # One write per chunk the replica sent (usually one event), not one per line.
+            async for text in upstream.aiter_text():
+                settle.first()
+                pending += text
+                cut = pending.rfind("\n")
+                if cut < 0:
+                    continue
+                data = relay(pending[:cut].split("\n"))
+                pending = pending[cut + 1:]
+                if data:
+                    yield data
+            if pending:
+                data = relay([pending])
+                if data:
+                    yield data
             outcome = "usage" if usage is not None else "estimated"
         except httpx.HTTPError as e:
             outcome = "failed"
@@ -414,5 +529,29 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
                 actual = float(prompt_tokens + chunks)
             await settle("usage" if usage is not None else outcome, actual)
 
-    return StreamingResponse(passthrough(), status_code=200, headers=headers, media_type="text/event-stream")
+    body_iter = passthrough()
+
+    async def close() -> None:
+        await body_iter.aclose()  # if the relay started, its own finally settles with what it counted
+        await upstream.aclose()
+        await settle("disconnected", float(prompt_tokens))  # it never started: nothing was counted
+
+    return _ClosingStream(body_iter, close, status_code=200, headers=headers, media_type="text/event-stream")
+
+
+class _ClosingStream(StreamingResponse):
+    """A streamed response that runs ``on_close`` however it ends. A client that leaves before the
+    first chunk ends it before the body generator starts, and an unstarted generator never runs its
+    ``finally``: without this the request's seat and reservation would never be given back."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
 

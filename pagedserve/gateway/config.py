@@ -30,6 +30,7 @@ SALT_MODES = ("key", "tier", "shared")
 BUCKET_SCOPES = ("key", "tier")
 LIMITER_POLICIES = ("open", "closed")
 TOKEN_COUNTS = ("tokenize", "bytes")
+LOAD_SOURCES = ("auto", "pagedserve", "vllm", "none")
 
 
 class ConfigError(ValueError):
@@ -71,11 +72,20 @@ class PoolConfig:
     """A named list of engine replica base URLs (``http://host:port``, without ``/v1``).
 
     ``api_key`` is sent as ``Authorization: Bearer`` to replicas started with ``--api-key``.
+    ``load_source`` says where a replica's load comes from: ``pagedserve`` (``GET /load``), ``vllm``
+    (the ``vllm:num_requests_{running,waiting}`` gauges on ``GET /metrics``), ``none`` (``GET
+    /health`` only) or ``auto`` (the first of those that answers). ``seats`` is each replica's
+    number of seats (its ``--max-num-seqs``) where the load source does not say it (vLLM); with it
+    the gateway forwards a request only while a replica has a seat for it and queues the rest
+    itself. ``reserved_seats`` of each replica are kept for the pool's best-priority tier.
     """
 
     name: str
     replicas: list[str]
     api_key: str | None = None
+    load_source: str = "auto"
+    seats: int | None = None
+    reserved_seats: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,7 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
             raise fail(f"pools.{name} must be a table", ("pools",), name)
         replicas = raw.get("replicas")
         for k in raw:
-            if k not in ("replicas", "api_key"):
+            if k not in ("replicas", "api_key", "load_source", "seats", "reserved_seats"):
                 raise fail(f"unknown setting pools.{name}.{k}", ("pools", name), k)
         if not isinstance(raw.get("api_key", ""), str):
             raise fail(f"pools.{name}.api_key must be a string", ("pools", name), "api_key")
@@ -183,9 +193,28 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
                 or not all(isinstance(u, str) and re.match(r"^https?://", u) for u in replicas)):
             raise fail(f"pools.{name}.replicas must be a non-empty list of http(s):// URLs",
                        ("pools", name), "replicas")
-        pools[name] = PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None)
+        if raw.get("load_source", "auto") not in LOAD_SOURCES:
+            raise fail(f"pools.{name}.load_source must be one of {LOAD_SOURCES}, got {raw['load_source']!r}",
+                       ("pools", name), "load_source")
+        seats = raw.get("seats")
+        if seats is not None and not (_int(seats) and seats >= 1):
+            raise fail(f"pools.{name}.seats must be an integer >= 1 (each replica's max_num_seqs)",
+                       ("pools", name), "seats")
+        reserved = raw.get("reserved_seats", 0)
+        if not (_int(reserved) and reserved >= 0) or (seats is not None and reserved >= seats):
+            raise fail(f"pools.{name}.reserved_seats must be an integer >= 0 and below seats",
+                       ("pools", name), "reserved_seats")
+        pools[name] = PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None,
+                                 raw.get("load_source", "auto"), seats, reserved)
     if not pools:
         raise fail("no [pools.NAME] defined: the gateway needs at least one pool", ("pools",))
+    seen_url: dict[str, PoolConfig] = {}
+    for pool in pools.values():  # a URL in two pools is one replica: it cannot have two shapes
+        for u in pool.replicas:
+            other = seen_url.setdefault(u, pool)
+            if (other.load_source, other.seats) != (pool.load_source, pool.seats):
+                raise fail(f"replica {u} is in pools {other.name} and {pool.name} with different "
+                           "load_source or seats", ("pools", pool.name), "replicas")
 
     tier_fields = {f.name: f for f in fields(TierConfig)}
     tiers: dict[str, TierConfig] = {}
@@ -254,6 +283,10 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
 
 def _num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _pos(v: object) -> bool:

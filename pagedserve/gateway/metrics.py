@@ -17,7 +17,7 @@ class GatewayMetrics:
                                 namespace=ns, registry=r)
         self.shed = Counter("shed", "Requests refused before reaching any replica, by reason "
                             "(rate_limited_tokens, rate_limited_requests, too_large, overloaded, "
-                            "limiter_unavailable, no_replica).", ["tier", "pool", "reason"],
+                            "queue_timeout, limiter_unavailable, no_replica).", ["tier", "pool", "reason"],
                             namespace=ns, registry=r)
         self.tokens_reserved = Counter("tokens_reserved", "Tokens reserved from buckets before forwarding.",
                                        ["tier"], namespace=ns, registry=r)
@@ -26,11 +26,16 @@ class GatewayMetrics:
         self.tokens_used = Counter("tokens_used", "Tokens charged after reconciliation (actual usage).",
                                    ["tier"], namespace=ns, registry=r)
         self.reconciled = Counter("reconciled", "Reservations settled, by how the response ended "
-                                  "(usage, failed, disconnected, estimated).", ["tier", "outcome"],
+                                  "(usage, failed, disconnected, estimated, shed).", ["tier", "outcome"],
                                   namespace=ns, registry=r)
         self.queue_wait = Histogram("queue_wait_estimate_seconds", "Estimated queue wait in the chosen pool "
                                     "at the admission decision.", ["tier", "pool"], buckets=_WAIT_BUCKETS,
                                     namespace=ns, registry=r)
+        self.queue_time = Histogram("queue_wait_seconds", "Time a forwarded request waited in the gateway's "
+                                    "queue for a seat.", ["tier", "pool"], buckets=_WAIT_BUCKETS,
+                                    namespace=ns, registry=r)
+        self.queued = Gauge("queued", "Requests waiting in the gateway's queue for a seat.", ["tier", "pool"],
+                            namespace=ns, registry=r)
         self.ttft = Histogram("ttft_seconds", "Time from the gateway receiving a request to the first "
                               "response byte from the replica.", ["tier", "pool"], buckets=_WAIT_BUCKETS,
                               namespace=ns, registry=r)

@@ -1,25 +1,26 @@
-"""Pools of engine replicas: background load polling, health, least-wait routing, prefix affinity.
+"""Pools of engine replicas: background load polling, health, seats, least-wait routing, prefix affinity.
 
-Each replica's ``GET /load`` is polled in the background; a replica that fails a poll or a
+Each replica's load is polled in the background: ``GET /load`` from a pagedserve server, or the
+``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` gauges of ``GET /metrics`` from a
+vLLM server (``load_source``: auto-detected, or set per pool). A replica that fails a poll or a
 forward is taken out of routing and put back when a later poll succeeds (the poll is the probe).
 Between polls the gateway corrects the figures with its own count of requests it has sent.
 
-Queue-wait estimate for a request of priority ``p`` on one replica (``S`` = ``max_num_seqs``)::
+Seats: the gateway forwards a request only while the replica has a seat for it (see
+:mod:`pagedserve.gateway.seats`, which queues the rest). For priority ``p`` on a replica of ``S``
+seats (``max_num_seqs`` from ``/load``, or the pool's ``seats``)::
 
-    depth = running + waiting (last poll) + requests sent since the poll − ended since the poll
-            (never less than this gateway's own requests in flight there)
-    ahead = depth − (this gateway's in-flight requests with priority worse than p)
-    wait  = 0                                   while ahead < S (a seat is free or can be taken)
-          = (ahead − S + 1) × seat_s            seat_s: seconds between two seats freeing up
+    depth    = running + waiting (last poll) + requests sent since − ended since
+               (never less than this gateway's own requests in flight there)
+    occupied = depth − (this gateway's in-flight requests with priority worse than p)
+               (the engine preempts those for p, so they do not hold p's seats)
+    free     = S − reserved − occupied      reserved: seats kept for the pool's best tier, 0 for it
 
-divided by (1 − the share of seats held by better-priority requests), because those keep arriving
-and jumping the queue. ``seat_s`` comes from the engine when it is saturated (its ``est_queue_wait_s`` is
-``(waiting + 1) / finished_per_s``), else from the moving average of observed decode times ÷ S.
-
-The engine serves lower priority values first and lets a waiting request preempt a running one
-of strictly worse priority, so a paid request neither queues behind free requests nor waits for
-their seats; a free request waits behind everyone (and never less than the engine's own
-``est_queue_wait_s``).
+:meth:`Replica.est_wait` is the wait a request would see *inside the engine* if it were sent now
+(0 while a seat is free; else ``(ahead − S + 1) × seat_s``, stretched by the share of seats held by
+better-priority requests, with the engine's own ``est_queue_wait_s`` as a floor for the last in
+line). It is what shedding uses for replicas whose seats are unknown (a vLLM server without
+``seats``), and what ``/metrics`` reports per replica.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +39,16 @@ import httpx
 log = logging.getLogger("pagedserve.gateway.pools")
 
 
+VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
 @dataclass
 class ReplicaLoad:
-    """The fields of an engine's ``GET /load`` the gateway uses."""
+    """The fields of an engine's ``GET /load`` the gateway uses (``max_num_seqs`` None: unknown)."""
 
     running: int
     waiting: int
-    max_num_seqs: int
+    max_num_seqs: int | None
     est_queue_wait_s: float = 0.0
     kv_utilization: float = 0.0
     tokens_per_s: float = 0.0
@@ -55,6 +60,26 @@ class ReplicaLoad:
                    float(d.get("est_queue_wait_s", 0.0)), float(d.get("kv_utilization", 0.0)),
                    float(d.get("tokens_per_s", 0.0)))
 
+    @classmethod
+    def from_vllm_metrics(cls, text: str) -> "ReplicaLoad | None":
+        """Running and waiting from vLLM's Prometheus gauges (summed over their label sets), or None
+        when the text has neither. vLLM does not export its seat count: that comes from the pool."""
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            # A sample line: NAME{labels} VALUE [TIMESTAMP]; '#' lines are HELP/TYPE.
+            if line.startswith((VLLM_RUNNING, VLLM_WAITING)):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in (VLLM_RUNNING, VLLM_WAITING):
+                    value = line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1]
+                    found[name] = found.get(name, 0.0) + float(value)
+        if not found:
+            return None
+        return cls(int(found.get(VLLM_RUNNING, 0)), int(found.get(VLLM_WAITING, 0)), None)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else 0.8 * old + 0.2 * new
+
 
 @dataclass
 class Replica:
@@ -64,53 +89,105 @@ class Replica:
     api_key: str | None = None
     healthy: bool = False
     load: ReplicaLoad | None = None
-    has_load_endpoint: bool = True
-    inflight: Counter[int] = field(default_factory=Counter)  # this gateway's requests by priority
+    load_source: str = "auto"  # configured: auto | pagedserve | vllm | none
+    source: str | None = None  # what answered: pagedserve | vllm | none (None until detected)
+    seats_override: int | None = None  # the pool's ``seats``: wins over what the load source says
+    inflight: Counter[int] = field(default_factory=Counter)  # seats this gateway's requests hold, by priority
     inflight_at_poll: int = 0
-    service_s: float | None = None  # moving average of first-token → end seconds
+    service_s: float | None = None  # moving average of first-token → end seconds (streams)
+    hold_s: float | None = None  # moving average of seconds a request holds its seat (sent → end)
+    first_byte_s: float | None = None  # moving average of sent → first response byte
     last_error: str = ""
 
     @property
     def inflight_total(self) -> int:
-        """Requests this gateway has sent here that have not ended."""
+        """Seats this gateway's requests sent here hold (requests not yet ended, × their ``n``)."""
         return sum(self.inflight.values())
 
-    def est_wait(self, priority: int, default_service_s: float) -> float:
-        """Estimated queue wait for a new request of ``priority`` (see the module docstring)."""
-        if self.load is None:  # no /load (e.g. a plain vLLM server): nothing to estimate from
-            return 0.0
-        seats = self.load.max_num_seqs
+    @property
+    def seats(self) -> int | None:
+        """The replica's seats (max_num_seqs), or None while unknown (no load source says it)."""
+        if self.seats_override is not None:
+            return self.seats_override
+        return self.load.max_num_seqs if self.load is not None else None
+
+    def depth(self) -> int:
+        """Requests running or waiting there now, as far as this gateway can tell."""
+        if self.load is None:
+            return self.inflight_total
         # Our own in-flight requests are a floor: some may not have reached the engine at the last poll.
-        depth = max(self.inflight_total,
-                    self.load.running + self.load.waiting + self.inflight_total - self.inflight_at_poll)
+        return max(self.inflight_total,
+                   self.load.running + self.load.waiting + self.inflight_total - self.inflight_at_poll)
+
+    def _worse(self, priority: int) -> int:
+        return sum(n for p, n in self.inflight.items() if p > priority)
+
+    def _better(self, priority: int) -> int:
+        return sum(n for p, n in self.inflight.items() if p < priority)
+
+    def free_seats(self, priority: int, reserved: int = 0) -> float:
+        """Seats a request of ``priority`` may take now (inf while the seat count is unknown).
+
+        Our in-flight requests of worse priority do not count: the engine preempts them for this one.
+        ``reserved`` seats are off limits (kept for a better tier)."""
+        seats = self.seats
+        if seats is None:
+            return float("inf")
+        return seats - reserved - (self.depth() - self._worse(priority))
+
+    def usable_seats(self, priority: int, reserved: int = 0) -> float:
+        """Seats that serve ``priority``'s queue once they free up: its limit, less the seats
+        better-priority requests hold beyond the reserve (they use the reserved seats first)."""
+        seats = self.seats
+        if seats is None:
+            return float("inf")
+        return max(0, min(seats - reserved, seats - self._better(priority)))
+
+    def est_wait(self, priority: int, default_service_s: float) -> float:
+        """Estimated wait inside the engine for a request of ``priority`` sent now (module docstring)."""
+        if self.load is None:  # health only: nothing to estimate from
+            return 0.0
         load = self.load
+        seats = self.seats
+        if seats is None:  # vLLM without a configured seat count: saturated iff it has a queue
+            if load.waiting == 0:
+                return 0.0
+            seats = max(1, load.running)
+        depth = self.depth()
         if load.est_queue_wait_s > 0 and (load.waiting > 0 or load.running >= seats):
             # The engine measured how fast seats free up: (waiting + 1) / finished_per_s.
             per_seat = load.est_queue_wait_s / (load.waiting + 1)
         else:
             per_seat = (self.service_s if self.service_s is not None else default_service_s) / seats
-        lower = sum(n for p, n in self.inflight.items() if p > priority)
-        better = sum(n for p, n in self.inflight.items() if p < priority)
+        lower = self._worse(priority)
+        better = self._better(priority)
         ahead = max(0, depth - lower)
         est = 0.0 if ahead < seats else (ahead - seats + 1) * per_seat
         # Better-priority traffic keeps arriving and jumping the queue: only the share of seats it
         # leaves free serves this queue (a priority queue's 1 / (1 − ρ_higher) stretch).
         est /= 1.0 - min(0.9, better / seats)
         if lower == 0:  # nobody queued here is behind this request: the engine's own figure applies
-            est = max(est, self.load.est_queue_wait_s)
+            est = max(est, load.est_queue_wait_s)
         return est
 
-    def started(self, priority: int) -> None:
-        """A request was sent here."""
-        self.inflight[priority] += 1
+    def started(self, priority: int, n: int = 1) -> None:
+        """A request taking ``n`` seats was sent here."""
+        self.inflight[priority] += n
 
-    def ended(self, priority: int, service_s: float | None) -> None:
-        """A request sent here ended; ``service_s`` (first token → end) feeds the moving average."""
-        self.inflight[priority] -= 1
+    def ended(self, priority: int, service_s: float | None, n: int = 1, hold_s: float | None = None) -> None:
+        """A request sent here ended; ``service_s`` (first token → end) and ``hold_s`` (sent → end)
+        feed the moving averages when the request completed."""
+        self.inflight[priority] -= n
         if self.inflight[priority] <= 0:
             del self.inflight[priority]
         if service_s is not None:
-            self.service_s = service_s if self.service_s is None else 0.8 * self.service_s + 0.2 * service_s
+            self.service_s = _ewma(self.service_s, service_s)
+        if hold_s is not None:
+            self.hold_s = _ewma(self.hold_s, hold_s)
+
+    def first_byte(self, seconds: float) -> None:
+        """A request's first response byte came ``seconds`` after it was sent here."""
+        self.first_byte_s = _ewma(self.first_byte_s, seconds)
 
     def auth_headers(self) -> dict[str, str]:
         """Headers every request to this replica carries (its API key, if it has one)."""
@@ -120,9 +197,12 @@ class Replica:
 class Pool:
     """A named group of replicas; picks the least-wait replica, preferring the prefix's last one."""
 
-    def __init__(self, name: str, replicas: list[Replica], *, affinity_size: int = 10_000):
+    def __init__(self, name: str, replicas: list[Replica], *, affinity_size: int = 10_000,
+                 reserved_seats: int = 0, best_priority: int = 0):
         self.name = name
         self.replicas = replicas  # shared with other pools that list the same URL
+        self.reserved_seats = reserved_seats  # per replica, kept for best_priority
+        self.best_priority = best_priority  # the best priority of the tiers that use this pool
         self._affinity: OrderedDict[str, str] = OrderedDict()  # prefix key -> replica url (LRU)
         self._affinity_size = affinity_size
         self._rr = 0
@@ -136,11 +216,16 @@ class Pool:
         waits = [r.est_wait(priority, default_service_s) for r in self.healthy()]
         return min(waits) if waits else float("inf")
 
-    def choose(self, priority: int, prefix_key: str | None, *, slack_s: float,
-               default_service_s: float) -> tuple[Replica, float] | None:
+    def reserved_for(self, priority: int) -> int:
+        """Seats per replica a request of ``priority`` may not take (0 for the pool's best tier)."""
+        return self.reserved_seats if priority > self.best_priority else 0
+
+    def choose(self, priority: int, prefix_key: str | None, *, slack_s: float, default_service_s: float,
+               candidates: list[Replica] | None = None) -> tuple[Replica, float] | None:
         """The replica with the least estimated wait, or the one that served ``prefix_key`` before
-        when its wait is within ``slack_s`` of the best (its prefix cache is warm). None if none is up."""
-        healthy = self.healthy()
+        when its wait is within ``slack_s`` of the best (its prefix cache is warm). None if none is up.
+        ``candidates`` restricts the choice (default: every healthy replica)."""
+        healthy = self.healthy() if candidates is None else candidates
         if not healthy:
             return None
         self._rr += 1
@@ -172,21 +257,33 @@ def prefix_key(body: dict[str, Any], salt: str, chars: int = 512) -> str | None:
     return hashlib.blake2b(f"{salt}\0{head}".encode(), digest_size=12).hexdigest()
 
 
-def build_pools(spec: dict[str, list[str]], api_keys: dict[str, str | None] | None = None) -> dict[str, Pool]:
-    """Pools from ``{name: [url, ...]}``; the same URL in several pools is one :class:`Replica`."""
+def build_pools(spec: dict[str, list[str]], api_keys: dict[str, str | None] | None = None,
+                settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Pool]:
+    """Pools from ``{name: [url, ...]}``; the same URL in several pools is one :class:`Replica`.
+
+    ``settings[name]`` may give ``load_source``, ``seats`` (per replica), ``reserved_seats`` and
+    ``best_priority``."""
     by_url: dict[str, Replica] = {}
     keys = api_keys or {}
-    return {name: Pool(name, [by_url.setdefault(u, Replica(u, keys.get(name))) for u in urls])
-            for name, urls in spec.items()}
+    pools = {}
+    for name, urls in spec.items():
+        opts = (settings or {}).get(name, {})
+        replicas = [by_url.setdefault(u, Replica(u, keys.get(name), load_source=opts.get("load_source", "auto"),
+                                                 seats_override=opts.get("seats"))) for u in urls]
+        pools[name] = Pool(name, replicas, reserved_seats=opts.get("reserved_seats", 0),
+                           best_priority=opts.get("best_priority", 0))
+    return pools
 
 
 class LoadPoller:
-    """Polls every replica's ``GET /load`` (or ``GET /health`` where there is none) in the background."""
+    """Polls every replica's load in the background (``/load``, vLLM's ``/metrics`` or ``/health``)."""
 
-    def __init__(self, pools: dict[str, Pool], client: httpx.AsyncClient, interval_s: float):
+    def __init__(self, pools: dict[str, Pool], client: httpx.AsyncClient, interval_s: float,
+                 on_poll: Callable[[], None] | None = None):
         self.pools = pools
         self.client = client
         self.interval_s = interval_s
+        self.on_poll = on_poll  # called after every round: seats may have freed up
         self._task: asyncio.Task[None] | None = None
         self.polls = 0
 
@@ -198,19 +295,48 @@ class LoadPoller:
         """Poll all replicas concurrently and update their health and load."""
         await asyncio.gather(*(self._poll(r) for r in self.replicas()))
         self.polls += 1
+        if self.on_poll is not None:
+            self.on_poll()
+
+    async def _get(self, r: Replica, path: str) -> httpx.Response:
+        return await self.client.get(f"{r.url}{path}", timeout=httpx.Timeout(max(0.5, 4 * self.interval_s)),
+                                     headers=r.auth_headers())
+
+    async def _read_load(self, r: Replica) -> ReplicaLoad | None:
+        """The replica's load from the first source that answers; None for a health-only replica.
+
+        ``auto`` tries ``/load``, then vLLM's gauges on ``/metrics``, then ``/health``, and keeps
+        what answered; a configured source is used alone, and its absence is an error."""
+        source = r.source or r.load_source
+        if source in ("auto", "pagedserve"):
+            resp = await self._get(r, "/load")
+            if resp.status_code != 404 or source == "pagedserve":
+                resp.raise_for_status()
+                load = ReplicaLoad.from_json(resp.json())
+                r.source = "pagedserve"
+                return load
+        if source in ("auto", "vllm"):
+            resp = await self._get(r, "/metrics")
+            if resp.status_code != 404 or source == "vllm":
+                resp.raise_for_status()
+                vllm = ReplicaLoad.from_vllm_metrics(resp.text)
+                if vllm is not None:
+                    r.source = "vllm"
+                    return vllm
+                if source == "vllm":
+                    raise ValueError(f"no {VLLM_RUNNING} / {VLLM_WAITING} gauges on /metrics")
+        resp = await self._get(r, "/health")
+        resp.raise_for_status()
+        if r.source != "none":
+            log.info("replica %s reports no load (no /load, no vLLM gauges): routed by this gateway's "
+                     "own counts", r.url)
+        r.source = "none"
+        return None
 
     async def _poll(self, r: Replica) -> None:
-        timeout = httpx.Timeout(max(0.5, 4 * self.interval_s))
         try:
             at_poll = r.inflight_total
-            if r.has_load_endpoint:
-                resp = await self.client.get(f"{r.url}/load", timeout=timeout, headers=r.auth_headers())
-                if resp.status_code == 404:
-                    r.has_load_endpoint = False
-            if not r.has_load_endpoint:
-                resp = await self.client.get(f"{r.url}/health", timeout=timeout, headers=r.auth_headers())
-            resp.raise_for_status()
-            r.load = ReplicaLoad.from_json(resp.json()) if r.has_load_endpoint else None
+            r.load = await self._read_load(r)
             r.inflight_at_poll = at_poll
             if not r.healthy:
                 log.info("replica %s is up: back in routing", r.url)

@@ -1,4 +1,6 @@
-"""Prometheus metrics, all named ``pagedserve:*`` (documented one by one in docs/SERVER.md).
+"""Prometheus metrics, all named ``pagedserve:*`` (documented one by one in docs/SERVER.md), plus
+``vllm:num_requests_running`` and ``vllm:num_requests_waiting``: the two gauges a gateway or
+autoscaler written for vLLM reads, so such tools work with this server unchanged.
 
 Two sources: the engine's stats snapshot, read at scrape time by a custom collector (gauges and
 the engine's own cumulative counters), and the step thread's outputs, which feed the request
@@ -17,6 +19,7 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 
 NS = "pagedserve:"
+VLLM_NS = "vllm:"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -44,8 +47,8 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(NS + name, doc, labels=["model_name"])
+        def gauge(name: str, doc: str, value: float, ns: str = NS) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(ns + name, doc, labels=["model_name"])
             g.add_metric([self._model], value)
             return g
 
@@ -56,6 +59,11 @@ class _EngineStatsCollector(Collector):
 
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", s.num_waiting)
+        # The same two figures under vLLM's names (see the module docstring).
+        yield gauge("num_requests_running", "Requests in the running batch (vLLM's name).", s.num_running,
+                    ns=VLLM_NS)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", s.num_waiting,
+                    ns=VLLM_NS)
         yield gauge("kv_blocks_total", "KV cache blocks in the pool.", s.kv_blocks_total)
         yield gauge("kv_blocks_used", "KV cache blocks referenced by live requests.", s.kv_blocks_used)
         yield gauge("kv_blocks_cached_free", "Unreferenced blocks kept for prefix reuse (evictable).",
@@ -101,6 +109,10 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram(NS + "request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # Create the served model's series now, so a scrape before the first request already shows
+        # every counter and histogram at zero (dashboards and rate() need the series to exist).
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(model_name)
         self.registry.register(_EngineStatsCollector(stats, model_name))
         self._last_token_time: dict[str, float] = {}
 

@@ -1,7 +1,10 @@
-"""Fixtures for gateway tests: a real ``redis-server`` on a free loopback port (no persistence)."""
+"""Fixtures for gateway tests: a real ``redis-server`` on a free loopback port (no persistence), and
+two real engine replicas of the ``tiny`` model, which must hold no KV block after each test."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import shutil
 import signal
@@ -10,8 +13,15 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
+
+from tests.helpers.servers import run_engine_server
+
+MODEL = "tiny"  # the name the engines serve their model under
+ENGINE_SEATS = 4
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -97,3 +107,41 @@ def redis_server() -> Iterator[RedisServer]:
 def own_redis() -> Iterator[RedisServer]:
     """A Redis of this test's own, for fault tests that kill or freeze it."""
     yield from _running_redis()
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
+    """Two engine replicas started in parallel: one for a provisioned pool, one shared."""
+    args = ("--served-model-name", MODEL, "--max-num-seqs", str(ENGINE_SEATS), "--log-level", "warning")
+    with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        cms = [run_engine_server(tiny_model_dir, *args, timeout=120) for _ in range(2)]
+        futures = [pool.submit(cm.__enter__) for cm in cms]
+        urls = []
+        for cm, f in zip(cms, futures):
+            urls.append(f.result())
+            stack.push(cm.__exit__)
+        yield {"dedicated": urls[0], "shared": urls[1]}
+
+
+def wait_for_idle(url: str, timeout: float = 15.0) -> dict:
+    """Poll an engine's /load until nothing runs or waits and no KV block is used; the last report."""
+    deadline = time.monotonic() + timeout
+    load: dict = {}
+    while time.monotonic() < deadline:
+        load = httpx.get(f"{url}/load", timeout=5).json()
+        if load["running"] == 0 and load["waiting"] == 0 and load["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    return load
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that sent requests through the engines leaves them with 0 KV blocks used (a leak
+    fails the test that caused it, not a later one)."""
+    yield
+    if "engines" in request.fixturenames:
+        for name, url in request.getfixturevalue("engines").items():
+            load = wait_for_idle(url)
+            assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {name} after {request.node.name}: {load}"
+            assert load["running"] == 0 and load["waiting"] == 0, (name, load)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.bench.tiers import FREE_KEY, PAID_KEY, Shot, TiersBenchConfig, _summarise, format_table, gateway_toml
+from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, Shot, TiersBenchConfig, _engine_means, _summarise, format_table,
+                                   gateway_toml)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
 
@@ -14,6 +15,7 @@ def test_gateway_toml_is_valid_and_paid_outranks_free() -> None:
     paid, free = cfg.tiers["paid"], cfg.tiers["free"]
     assert paid.priority < free.priority and paid.pools == free.pools == ["shared"]
     assert (paid.max_queue_wait_s, free.max_queue_wait_s) == (1.0, 5.0)
+    assert cfg.pools["shared"].reserved_seats == TiersBenchConfig().reserved_seats == 2
     ring = KeyRing(cfg.keys)
     assert ring.lookup(PAID_KEY).tier == "paid" and ring.lookup(FREE_KEY).tier == "free"  # type: ignore[union-attr]
 
@@ -30,3 +32,14 @@ def test_summary_counts_shed_and_waits() -> None:
     assert free.shed == {"overloaded": 1, "rate_limit_exceeded": 1}
     table = format_table({"phases": [ph]})
     assert "| paid+free | 8 | free | 3.00 | 4 | 1 | 1 overloaded, 1 rate_limit_exceeded |" in table
+
+
+def test_summary_counts_gateway_queue_and_sheds_after_waiting() -> None:
+    shots = [Shot("free", 200, ttft=3.0, queued=2.9), Shot("free", 200, ttft=0.1, queued=0.0),
+             Shot("free", 429, code="overloaded", queued=4.95), Shot("free", 429, code="overloaded", queued=0.0)]
+    free = _summarise("paid+free", 8, {"free": 3.0}, shots, idle_ttft=0.05).tiers["free"]
+    assert free.shed == {"overloaded": 2} and free.shed_after_wait == 1
+    assert free.gateway_queue["p50"] == pytest.approx(1.45)
+    before = {"queue_s_sum": 1.0, "queue_s_count": 10, "ttft_s_sum": 2.0, "ttft_s_count": 10}
+    after = {"queue_s_sum": 1.5, "queue_s_count": 20, "ttft_s_sum": 3.0, "ttft_s_count": 20}
+    assert _engine_means(before, after) == pytest.approx({"mean_queue_s": 0.05, "mean_ttft_s": 0.1})

@@ -84,3 +84,31 @@ def test_bearer_key() -> None:
     assert bearer_key("Bearer sk-1") == "sk-1"
     assert bearer_key("bearer  sk-1 ") == "sk-1"
     assert bearer_key("Basic abc") is None and bearer_key(None) is None and bearer_key("Bearer ") is None
+
+
+def test_pool_seat_settings() -> None:
+    cfg = parse_config(GOOD.replace('replicas = ["http://127.0.0.1:8002"]',
+                                    'replicas = ["http://127.0.0.1:8002"]\nload_source = "vllm"\nseats = 8\n'
+                                    'reserved_seats = 2'))
+    pool = cfg.pools["shared"]
+    assert (pool.load_source, pool.seats, pool.reserved_seats) == ("vllm", 8, 2)
+    assert (parse_config(GOOD).pools["shared"].load_source, parse_config(GOOD).pools["shared"].seats) == ("auto", None)
+
+
+@pytest.mark.parametrize("setting, line, words", [
+    ('load_source = "triton"', 6, "load_source must be one of"),
+    ("seats = 0", 6, "seats must be an integer >= 1"),
+    ("reserved_seats = -1", 6, "reserved_seats must be an integer >= 0"),
+    ("seats = 4\nreserved_seats = 4", 7, "reserved_seats must be an integer >= 0 and below seats"),
+])
+def test_pool_seat_settings_errors_name_the_line(setting: str, line: int, words: str) -> None:
+    text = GOOD.replace('replicas = ["http://127.0.0.1:8002"]', f'replicas = ["http://127.0.0.1:8002"]\n{setting}')
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, path="gw.toml")
+    assert err.value.line == line and words in str(err.value)
+
+
+def test_a_replica_in_two_pools_has_one_shape() -> None:
+    two = GOOD.replace('[tiers.paid]', '[pools.other]\nreplicas = ["http://127.0.0.1:8002"]\nseats = 4\n\n[tiers.paid]')
+    with pytest.raises(ConfigError, match="different load_source or seats"):
+        parse_config(two)

@@ -5,13 +5,11 @@ by free traffic, exact reconciliation (in-process and Redis buckets)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import math
 import time
-from typing import Any
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -21,24 +19,9 @@ from pagedserve.gateway.admission import token_bucket
 from pagedserve.gateway.config import GatewayConfig, parse_config
 from pagedserve.gateway.keys import KeyRing
 from pagedserve.gateway.limiter_redis import RedisLimiter
+from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_server import GatewayThread
-from tests.helpers.servers import free_port, run_engine_server
-
-MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
-    """Two engine replicas started in parallel: one for a provisioned pool, one shared."""
-    args = ("--served-model-name", MODEL, "--max-num-seqs", "4")
-    with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        cms = [run_engine_server(tiny_model_dir, *args, timeout=120) for _ in range(2)]
-        futures = [pool.submit(cm.__enter__) for cm in cms]
-        urls = []
-        for cm, f in zip(cms, futures):
-            urls.append(f.result())
-            stack.push(cm.__exit__)
-        yield {"dedicated": urls[0], "shared": urls[1]}
+from tests.helpers.servers import free_port
 
 
 def _config(engines: dict[str, str]) -> GatewayConfig:

@@ -16,6 +16,7 @@ GAUGES = ["num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv
           "kv_naive_reserved_tokens", "kv_naive_utilization", "prefix_cache_hit_rate"]
 COUNTERS = ["request_success", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
             "prefix_cache_hits", "num_preemptions"]
+VLLM_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds"]
 
@@ -26,7 +27,8 @@ def scrape(url: str) -> dict[str, float]:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
-        assert family.name.startswith("pagedserve:"), family.name
+        # vLLM's names for the two request gauges are exported too (for tools written for vLLM).
+        assert family.name.startswith("pagedserve:") or family.name in VLLM_GAUGES, family.name
         for s in family.samples:
             key = s.name
             if "finished_reason" in s.labels:
@@ -46,6 +48,8 @@ def test_metrics_parse_and_name_everything(server_url: str) -> None:
             assert f"pagedserve:{name}_total" in values, name
     for name in HISTOGRAMS:
         assert f"pagedserve:{name}_count" in values, name
+    for name in VLLM_GAUGES:
+        assert values[name] == values[name.replace("vllm:", "pagedserve:")], name
     assert values["pagedserve:kv_blocks_total"] == 512
 
 
@@ -71,6 +75,8 @@ def test_kv_gauges_move_during_a_run_and_return_to_zero(server_url: str) -> None
         during = scrape(server_url)
         peak_blocks = max(peak_blocks, during["pagedserve:kv_blocks_used"])
         peak_running = max(peak_running, during["pagedserve:num_requests_running"])
+        for name in VLLM_GAUGES:  # one scrape reads one stats snapshot: vLLM's names agree exactly
+            assert during[name] == during[name.replace("vllm:", "pagedserve:")], name
         peak_util = max(peak_util, during["pagedserve:kv_utilization"])
         load = httpx.get(f"{server_url}/load", timeout=10).json()
         peak_load_blocks = max(peak_load_blocks, load["kv_blocks_used"])

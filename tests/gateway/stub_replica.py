@@ -1,0 +1,77 @@
+"""A stand-in replica on a real loopback port, for what a real engine will not do on demand:
+answer every completion with an error, or expose only vLLM's ``/metrics`` (no ``/load``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tests.helpers.servers import free_port
+
+
+class StubReplica:
+    """``with StubReplica(...) as stub: stub.url``. ``status`` answers every completion (a 400 when the
+    prompt is ``"bad"``); ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load."""
+
+    def __init__(self, status: int = 503, vllm: bool = False, running: int = 0, waiting: int = 0):
+        self.port = free_port()
+        self.status, self.vllm = status, vllm
+        self.running, self.waiting = running, waiting
+        self.completions = 0
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/load")
+        async def load() -> JSONResponse:
+            if self.vllm:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"running": self.running, "waiting": self.waiting, "max_num_seqs": 4})
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            if not self.vllm:
+                return PlainTextResponse("", status_code=404)
+            return PlainTextResponse(
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="stub"}} {self.running}.0\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{model_name="stub"}} {self.waiting}.0\n')
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> JSONResponse:
+            self.completions += 1
+            body = await request.json()
+            status = 400 if body.get("prompt") == "bad" else self.status
+            return JSONResponse({"error": {"message": f"stub answers {status}", "type": "server_error",
+                                           "param": None, "code": None}}, status_code=status)
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "StubReplica":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("stub replica did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
