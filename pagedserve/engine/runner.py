@@ -67,7 +67,8 @@ class ModelRunner:
         decode_mask = None
         if num_decodes:
             max_blocks = int((context_lens[:num_decodes].max() + self.block_size - 1) // self.block_size)
-            decode_tables = decode_tables[:, :max_blocks]
+            # contiguous once here, not in every layer's attention call (the fused kernel needs it)
+            decode_tables = decode_tables[:, :max_blocks].contiguous()
             span = torch.arange(max_blocks * self.block_size)
             decode_mask = (span.unsqueeze(0) < context_lens[:num_decodes].unsqueeze(1))[:, None, None, :]
         prefills = []

@@ -32,6 +32,7 @@ from pagedserve.config import cache_dir
 log = logging.getLogger("pagedserve.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp")]
+_HEADERS = [Path(__file__).with_name("convert.h")]  # part of the build key, not compiled on their own
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
@@ -50,7 +51,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """What the compiled library depends on: sources, compile flags, torch, Python, CPU features."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in _SOURCES), " ".join(_FLAGS).encode(), torch.__version__.encode(),
+    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), torch.__version__.encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]

@@ -5,38 +5,18 @@
 // replace round, so bf16 results are bit-identical to transformers' (tested).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "convert.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
-// Conversions written as plain bit arithmetic so the loops below vectorize (c10's own carry a
-// NaN branch that stops the compiler). bf16 -> float is a shift; float -> bf16 rounds to nearest
-// even, the same result as c10 for every non-NaN value.
-template <typename T>
-inline float f32(T x) { return static_cast<float>(x); }
-template <>
-inline float f32(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T from_f32(float x) { return static_cast<T>(x); }
-template <>
-inline c10::BFloat16 from_f32(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
-}
+using pagedserve::from_float;
+using pagedserve::to_float;
 
 // Rows are independent: split them over torch's threads, a few rows per task.
 template <typename F>
@@ -57,20 +37,20 @@ void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t row
     const T* __restrict xr = x + r * x_stride;
     T* __restrict res = residual ? residual + r * h : nullptr;
     if (res) {  // separate loops, each simple enough for the compiler to vectorize
-      for (int64_t i = 0; i < h; ++i) res[i] = from_f32<T>(f32(xr[i]) + f32(res[i]));
+      for (int64_t i = 0; i < h; ++i) res[i] = from_float<T>(to_float(xr[i]) + to_float(res[i]));
     }
     const T* __restrict src = res ? res : xr;
     float ss = 0.f;
-    for (int64_t i = 0; i < h; ++i) ss += f32(src[i]) * f32(src[i]);
+    for (int64_t i = 0; i < h; ++i) ss += to_float(src[i]) * to_float(src[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     T* __restrict o = out + r * h;
-    for (int64_t i = 0; i < h; ++i) o[i] = from_f32<T>(f32(weight[i]) * f32(from_f32<T>(f32(src[i]) * inv)));
+    for (int64_t i = 0; i < h; ++i) o[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(src[i]) * inv)));
   });
 }
 
 // Rounds to T, as each separate torch op on a T tensor does (a no-op for float).
 template <typename T>
-inline float round_to(float x) { return f32(from_f32<T>(x)); }
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
 // In place on q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rows may be strided, heads
 // contiguous): x' = x * cos + rotate_half(x) * sin, with cos/sin rows [max_pos, head_dim] float32.
@@ -85,11 +65,11 @@ void rotary_impl(T* q, T* k, const int64_t* positions, const float* cos, const f
     const float* s = sin + positions[t] * hd;
     auto rotate = [&](T* x) {
       for (int64_t i = 0; i < half; ++i) {
-        const float a = f32(x[i]), b = f32(x[i + half]);
+        const float a = to_float(x[i]), b = to_float(x[i + half]);
         const float c1 = round_to<T>(c[i]), s1 = round_to<T>(s[i]);
         const float c2 = round_to<T>(c[i + half]), s2 = round_to<T>(s[i + half]);
-        x[i] = from_f32<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
-        x[i + half] = from_f32<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
+        x[i] = from_float<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
+        x[i + half] = from_float<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
       }
     };
     for (int64_t h = 0; h < q_heads; ++h) rotate(q + t * q_stride + h * hd);
@@ -106,8 +86,8 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
     const T* u = g + inter;
     T* o = out + r * inter;
     for (int64_t i = 0; i < inter; ++i) {
-      const float gv = f32(g[i]);
-      o[i] = from_f32<T>(f32(from_f32<T>(gv / (1.f + std::exp(-gv)))) * f32(u[i]));
+      const float gv = to_float(g[i]);
+      o[i] = from_float<T>(to_float(from_float<T>(gv / (1.f + std::exp(-gv)))) * to_float(u[i]));
     }
   });
 }

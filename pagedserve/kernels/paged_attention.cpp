@@ -10,14 +10,13 @@
 // CPU has it; elsewhere plain loops that the compiler vectorizes for what the CPU does have.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "convert.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -26,15 +25,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  // bf16 is the top half of a float32: widening is a shift, which the compiler vectorizes.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using pagedserve::from_float;
+using pagedserve::to_float;
 
 // Scores and weighted sums over one block of n tokens, for the G query heads that share a KV
 // head, loading each key and value row once. HD == 0 means "head_dim known only at run time".
@@ -202,7 +194,7 @@ void decode_impl(T* out, const T* q, const T* k, const T* v, const int64_t* tabl
       }
       T* os = out + (s * heads + h * G) * hd;
       for (int g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = static_cast<T>(acc[g * hd + d] * inv_sum[g]);
+        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
     }
   });
 }
@@ -301,8 +293,8 @@ void causal_softmax_impl(T* scores, int64_t rows, int64_t q_len, int64_t ctx) {
         sum += row[j];
       }
       const float inv = 1.f / sum;
-      for (int64_t j = 0; j < seen; ++j) x[j] = static_cast<T>(row[j] * inv);
-      for (int64_t j = seen; j < ctx; ++j) x[j] = static_cast<T>(0.f);
+      for (int64_t j = 0; j < seen; ++j) x[j] = from_float<T>(row[j] * inv);
+      for (int64_t j = seen; j < ctx; ++j) x[j] = from_float<T>(0.f);
     }
   });
 }

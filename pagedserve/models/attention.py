@@ -130,8 +130,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
     out = torch.empty_like(q)
-    kernel(out, q, k_cache.data, v_cache.data, meta.decode_block_tables.contiguous(),
-           meta.decode_context_lens, scale)
+    kernel(out, q, k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens, scale)
     return out
 
 

@@ -1,0 +1,34 @@
+// float32 <-> storage dtype conversions shared by the kernels, written as plain bit arithmetic so
+// the loops around them vectorize (c10's own carry a NaN branch that stops the compiler).
+// bf16 -> float is a shift; float -> bf16 rounds to nearest even, the same result as c10 for every
+// non-NaN value.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedserve {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+template <>
+inline c10::BFloat16 from_float(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
+}  // namespace pagedserve
