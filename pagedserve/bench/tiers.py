@@ -126,6 +126,15 @@ def gateway_toml(engine_urls: list[str], cfg: TiersBenchConfig, port: int) -> st
     """The gateway config of the run: one shared pool, paid outranks free."""
     replicas = ", ".join(f'"{u}"' for u in engine_urls)
     big = 10_000_000  # the buckets are not what W6 measures: shedding by queue wait is
+    tiers = "".join(f"""
+[tiers.{name}]
+token_rate = {big}
+token_burst = {big}
+pools = ["shared"]
+priority = {priority}
+max_queue_wait_s = {budget}
+bucket = "tier"
+""" for name, priority, budget in (("paid", 0, cfg.paid_budget_s), ("free", 10, cfg.free_budget_s)))
     return f"""
 [gateway]
 port = {port}
@@ -135,23 +144,7 @@ default_service_s = 1.0
 [pools.shared]
 replicas = [{replicas}]
 reserved_seats = {cfg.reserved_seats}
-
-[tiers.paid]
-token_rate = {big}
-token_burst = {big}
-pools = ["shared"]
-priority = 0
-max_queue_wait_s = {cfg.paid_budget_s}
-bucket = "tier"
-
-[tiers.free]
-token_rate = {big}
-token_burst = {big}
-pools = ["shared"]
-priority = 10
-max_queue_wait_s = {cfg.free_budget_s}
-bucket = "tier"
-
+{tiers}
 [keys]
 "{PAID_KEY}" = "paid"
 "{FREE_KEY}" = "free"
