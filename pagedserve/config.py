@@ -48,6 +48,8 @@ class EngineConfig:
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
     ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
+    ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
+    its next output (the first token and the finish always go out at once; 1 = every token).
     """
 
     model: str
@@ -69,6 +71,7 @@ class EngineConfig:
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
+    stream_interval: int = 1  # emit a running request's output every N new tokens (first token: at once)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -93,3 +96,6 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if type(self.stream_interval) is not int or self.stream_interval < 1:  # bool and 2.5 are refused too
+            raise ValueError(f"stream_interval must be an integer >= 1 (1 = emit every token), "
+                             f"got {self.stream_interval!r}")

@@ -14,11 +14,17 @@ would also delay the paid client's own timestamps):
    offered rates.
 
 Per tier: offered, admitted, shed (429, by error code; how many after waiting in the gateway's
-queue), queue wait p50/p95 and TTFT p95. The client cannot see inside the engine, so *queue wait*
-= TTFT − the idle TTFT (prefill and transport of an unqueued request), floored at 0. Beside it:
-the time spent in the gateway's queue (its ``x-pagedserve-queue-wait-ms`` header) and, per phase,
-the engine's own mean queue time and TTFT (its ``/metrics`` histograms, all tiers together).
-Writes ``w6.json`` and ``w6_waits.png`` (per-tier wait distributions).
+queue), queue wait p50/p95 and TTFT p50/p95. Every request carries its own ``request_id``, and the
+replica runs with ``--log-requests``, so each admitted request's figures are joined exactly:
+
+- *queue wait* = time in the gateway's seat queue (its ``x-pagedserve-queue-wait-ms`` header) +
+  time in the engine's waiting queue (the replica's ``queue_ms``: enqueued → first scheduled);
+- *engine TTFT* = the replica's ``ttft_ms``: from the server receiving the request to its first
+  token, so it includes waiting for the step in flight and the prefill;
+- *TTFT* at the client, and *TTFT − idle* (the client TTFT minus an idle request's, floored at 0:
+  what the paid tier feels, queueing or not, CPU contention included).
+
+Writes ``w6.json``, ``w6_waits.png`` (per-tier distributions) and the replicas' request logs.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import logging
 import math
 import multiprocessing
+import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -60,6 +69,7 @@ class TiersBenchConfig:
     paid_budget_s: float = 1.0
     free_budget_s: float = 5.0
     reserved_seats: int = 2   # of the replica's seats, kept for paid (free gets the rest)
+    stream_interval: int = 1  # the replica's --stream-interval: tokens per streamed event after the first
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,6 +81,8 @@ class TiersBenchConfig:
             raise ValueError("duration_s and paid_load must be > 0, free_load >= 0")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError("prompt_len and output_len must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
 
 
 @dataclass
@@ -85,6 +97,9 @@ class Shot:
     est_wait: float | None = None  # the gateway's estimate at admission (x-pagedserve-est-queue-wait-ms)
     queued: float | None = None  # time spent in the gateway's queue, admitted or shed (x-pagedserve-queue-wait-ms)
     sent_at: float = 0.0  # wall-clock time the request was sent
+    request_id: str = ""
+    engine_queue: float | None = None  # the replica's queue time (its --log-requests line)
+    engine_ttft: float | None = None  # the replica's TTFT, from the server receiving the request
 
 
 @dataclass
@@ -95,12 +110,17 @@ class TierResult:
     admitted: int
     shed: dict[str, int]
     errors: int
-    queue_wait: dict[str, float]
-    ttft: dict[str, float]
+    queue_wait: dict[str, float]  # gateway seat queue + engine waiting queue, per request
+    ttft: dict[str, float]  # at the client
     est_wait: dict[str, float]  # the gateway's own estimates at admission, for comparison
     gateway_queue: dict[str, float] = field(default_factory=dict)  # time admitted requests spent queued there
+    engine_queue: dict[str, float] = field(default_factory=dict)
+    engine_ttft: dict[str, float] = field(default_factory=dict)
+    ttft_excess: dict[str, float] = field(default_factory=dict)  # client TTFT − idle TTFT, floored at 0
+    unmatched: int = 0  # admitted requests without a replica log line (should be 0)
     shed_after_wait: int = 0  # 429s answered after waiting in the gateway's queue (the rest at once)
-    waits: list[float] = field(default_factory=list, repr=False)
+    waits: list[float] = field(default_factory=list, repr=False)  # queue waits, for the plot
+    ttfts: list[float] = field(default_factory=list, repr=False)  # client TTFTs, for the plot
 
 
 @dataclass
@@ -151,27 +171,55 @@ reserved_seats = {cfg.reserved_seats}
 """
 
 
+@dataclass
+class Stack:
+    """A running W6 stack: the gateway's and the replica's URLs and the replica's request log."""
+
+    url: str
+    engine_url: str
+    engine_log: Path
+
+
 @contextlib.contextmanager
-def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[tuple[str, str]]:
-    """An engine replica with ``seats`` seats behind a gateway subprocess; yields (gateway, engine) URLs."""
+def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[Stack]:
+    """An engine replica with ``seats`` seats (logging every request) behind a gateway subprocess."""
     eport, gport = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{eport}"
     engine = [sys.executable, "-m", "pagedserve", "serve", "--model",
               str(model_dir), "--host", "127.0.0.1", "--port", str(eport), "--max-num-seqs", str(seats),
-              "--served-model-name", "w6"]
-    with running_process(engine, f"{engine_url}/health"):
+              "--served-model-name", "w6", "--log-requests", "--stream-interval", str(cfg.stream_interval)]
+    log_path = workdir / f"engine-{seats}.log"
+    with open(log_path, "w+") as log, running_process(engine, f"{engine_url}/health", log=log):
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))
         gateway = [sys.executable, "-m", "pagedserve.gateway", "--config", str(toml)]
         with running_process(gateway, f"http://127.0.0.1:{gport}/health"):
-            yield f"http://127.0.0.1:{gport}", engine_url
+            yield Stack(f"http://127.0.0.1:{gport}", engine_url, log_path)
+
+
+_REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
+
+
+def read_request_log(path: Path) -> dict[str, tuple[float, float]]:
+    """request id → (engine queue time, engine TTFT) in seconds, from a replica's --log-requests lines."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = _REQUEST_LINE.search(line)
+        if m and m.group(2) != "-" and m.group(3) != "-":
+            out[m.group(1)] = (float(m.group(2)) / 1000, float(m.group(3)) / 1000)
+    return out
+
+
+_SHOT_IDS = itertools.count()
 
 
 async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_len: int) -> Shot:
     key = PAID_KEY if tier == "paid" else FREE_KEY
+    # Unique across the run's processes: the replica's request log is joined on it.
+    request_id = f"w6-{tier}-{os.getpid()}-{next(_SHOT_IDS)}"
     body = {"model": "w6", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    shot = Shot(tier, sent_at=time.time())
+            "stream": True, "request_id": request_id}
+    shot = Shot(tier, request_id=request_id, sent_at=time.time())
     start = time.perf_counter()
     try:
         async with http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -296,37 +344,48 @@ def _engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     return means
 
 
-def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float) -> PhaseResult:
+def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float,
+               engine_log: dict[str, tuple[float, float]]) -> PhaseResult:
     tiers = {}
     for tier in ("paid", "free"):
         mine = [s for s in shots if s.tier == tier]
         ok = [s for s in mine if s.status == 200 and s.ttft is not None]
+        for s in ok:
+            if s.request_id in engine_log:
+                s.engine_queue, s.engine_ttft = engine_log[s.request_id]
+        joined = [s for s in ok if s.engine_queue is not None]
         shed: dict[str, int] = {}
         for s in mine:
             if s.status == 429:
                 shed[s.code or "429"] = shed.get(s.code or "429", 0) + 1
-        waits = [max(0.0, s.ttft - idle_ttft) for s in ok if s.ttft is not None]
+        waits = [(s.queued or 0.0) + s.engine_queue for s in joined]  # type: ignore[operator]
+        ttfts = [s.ttft for s in ok if s.ttft is not None]
         tiers[tier] = TierResult(
             offered=len(mine), admitted=len(ok), shed=shed,
             errors=len([s for s in mine if s.status not in (200, 429) or (s.status == 200 and s.ttft is None)]),
-            queue_wait=_pcts(waits), ttft=_pcts([s.ttft for s in ok if s.ttft is not None]),
+            queue_wait=_pcts(waits), ttft=_pcts(ttfts),
             est_wait=_pcts([s.est_wait for s in ok if s.est_wait is not None]),
             gateway_queue=_pcts([s.queued for s in ok if s.queued is not None]),
+            engine_queue=_pcts([s.engine_queue for s in joined]),  # type: ignore[misc]
+            engine_ttft=_pcts([s.engine_ttft for s in joined]),  # type: ignore[misc]
+            ttft_excess=_pcts([max(0.0, t - idle_ttft) for t in ttfts]),
+            unmatched=len(ok) - len(joined),
             # The header is whole milliseconds: a shed after < 0.5 ms in the queue counts as at once.
-            shed_after_wait=len([s for s in mine if s.status == 429 and (s.queued or 0) > 0]), waits=waits)
+            shed_after_wait=len([s for s in mine if s.status == 429 and (s.queued or 0) > 0]),
+            waits=waits, ttfts=ttfts)
     return PhaseResult(name, seats, rates.get("paid", 0.0), rates.get("free", 0.0), tiers)
 
 
-def _phase(url: str, engine_url: str, cfg: TiersBenchConfig, name: str, seats: int, rates: dict[str, float],
+def _phase(stack: Stack, cfg: TiersBenchConfig, name: str, seats: int, rates: dict[str, float],
            idle_ttft: float, show_progress: bool) -> PhaseResult:
     from tqdm import tqdm
 
-    before = _engine_sums(engine_url)
+    before = _engine_sums(stack.engine_url)
     with tqdm(total=int(cfg.duration_s), desc=f"W6 {name} ({seats} seats)", unit="s",
               disable=not show_progress, file=sys.stderr) as bar:
-        shots = _open_loop(url, cfg, rates, bar)
-    result = _summarise(name, seats, rates, shots, idle_ttft)
-    result.engine = _engine_means(before, _engine_sums(engine_url))
+        shots = _open_loop(stack.url, cfg, rates, bar)
+    result = _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
+    result.engine = _engine_means(before, _engine_sums(stack.engine_url))
     return result
 
 
@@ -335,69 +394,84 @@ def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_pr
     full = cfg.max_num_seqs
     reduced = max(1, round(full * (1 - cfg.removed_fraction)))
     phases: list[PhaseResult] = []
-    with serving_stack(model_dir, full, cfg, workdir) as (url, engine_url):
-        capacity, idle_ttft = asyncio.run(_calibrate(url, cfg, full))
+    with serving_stack(model_dir, full, cfg, workdir) as stack:
+        capacity, idle_ttft = asyncio.run(_calibrate(stack.url, cfg, full))
         print(f"capacity {capacity:.2f} requests/s with {full} seats; idle TTFT {idle_ttft * 1000:.1f} ms",
               file=sys.stderr)
         rates = {"paid": cfg.paid_load * capacity, "free": cfg.free_load * capacity}
         for name, r in (("paid-only", {"paid": rates["paid"]}), ("paid+free", rates)):
-            phases.append(_phase(url, engine_url, cfg, name, full, r, idle_ttft, show_progress))
-    with serving_stack(model_dir, reduced, cfg, workdir) as (url, engine_url):
+            phases.append(_phase(stack, cfg, name, full, r, idle_ttft, show_progress))
+    with serving_stack(model_dir, reduced, cfg, workdir) as stack:
         for name, r in ((f"paid-only -{cfg.removed_fraction:.0%}", {"paid": rates["paid"]}),
                         (f"paid+free -{cfg.removed_fraction:.0%}", rates)):
-            phases.append(_phase(url, engine_url, cfg, name, reduced, r, idle_ttft, show_progress))
+            phases.append(_phase(stack, cfg, name, reduced, r, idle_ttft, show_progress))
     return {"workload": "W6", "config": asdict(cfg), "capacity_rps": capacity, "idle_ttft_s": idle_ttft,
             "phases": phases}
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds with the precision the figure has: 0.01 ms under 1 ms (engine queue times)."""
+    if math.isnan(seconds):
+        return "–"
+    ms = seconds * 1000
+    return f"{ms:.2f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
 def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
-            "queue wait p95 | TTFT p95 | in gateway queue p95 | shed after queueing |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | TTFT p50 | "
+            "TTFT p95 | TTFT − idle p95 | shed after queueing |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():
             if t.offered == 0:
                 continue
             rate = ph.paid_rate if tier == "paid" else ph.free_rate
             shed = ", ".join(f"{n} {c}" for c, n in sorted(t.shed.items())) or "0"
-            gq = t.gateway_queue.get("p95", math.nan)
             rows.append(f"| {ph.name} | {ph.seats} | {tier} | {rate:.2f} | {t.offered} | {t.admitted} | {shed} | "
-                        f"{t.queue_wait['p50'] * 1000:.0f} ms | {t.queue_wait['p95'] * 1000:.0f} ms | "
-                        f"{t.ttft['p95'] * 1000:.0f} ms | {gq * 1000:.0f} ms | {t.shed_after_wait} |")
+                        f"{_ms(t.queue_wait['p50'])} | {_ms(t.queue_wait['p95'])} | "
+                        f"{_ms(t.gateway_queue.get('p95', math.nan))} | {_ms(t.engine_queue.get('p95', math.nan))} | "
+                        f"{_ms(t.engine_ttft.get('p95', math.nan))} | {_ms(t.ttft['p50'])} | {_ms(t.ttft['p95'])} | "
+                        f"{_ms(t.ttft_excess.get('p95', math.nan))} | {t.shed_after_wait} |")
     return "\n".join(rows)
 
 
 def plot_waits(report: dict, path: Path) -> None:
-    """CDFs of queue wait per tier and phase: full pool on the left, 30% removed on the right."""
+    """Per-tier CDFs, full pool and 30% removed: queue wait on top, TTFT at the client below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey=True)
     cfg = report["config"]
-    for k, (ax, group) in enumerate(zip(axes, (report["phases"][:2], report["phases"][2:]))):
-        for ph in group:
-            for tier, t in ph.tiers.items():
-                if not t.waits:
-                    continue
-                xs = np.sort(np.asarray(t.waits))
-                ys = np.arange(1, len(xs) + 1) / len(xs)
-                style = "-" if "free" in ph.name else "--"
-                ax.step(xs, ys, style, where="post", label=f"{tier} ({ph.name})",
-                        color="tab:blue" if tier == "paid" else "tab:orange")
-        ax.axvline(cfg["paid_budget_s"], color="tab:blue", lw=0.8, ls=":")
-        ax.axvline(cfg["free_budget_s"], color="tab:orange", lw=0.8, ls=":")
-        ax.set_xscale("symlog", linthresh=0.01)
-        ax.set_xlim(left=0)
-        ax.set_xlabel("queue wait (s) = TTFT − idle TTFT")
-        removed = f" ({cfg['removed_fraction']:.0%} of seats removed)" if k else " (full pool)"
-        ax.set_title(f"{group[0].seats} seats{removed}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
-    axes[0].set_ylabel("fraction of admitted requests")
-    fig.suptitle(f"W6: per-tier queue wait; paid {cfg['paid_load']:g}× capacity (budget {cfg['paid_budget_s']:g} s), "
+    groups = (report["phases"][:2], report["phases"][2:])
+    for row, (attr, label) in enumerate((("waits", "queue wait (s): gateway seat queue + engine queue"),
+                                         ("ttfts", "TTFT at the client (s)"))):
+        for k, group in enumerate(groups):
+            ax = axes[row][k]
+            for ph in group:
+                for tier, t in ph.tiers.items():
+                    values = getattr(t, attr)
+                    if not values:
+                        continue
+                    xs = np.sort(np.asarray(values))
+                    ys = np.arange(1, len(xs) + 1) / len(xs)
+                    style = "-" if "free" in ph.name else "--"
+                    ax.step(xs, ys, style, where="post", label=f"{tier} ({ph.name})",
+                            color="tab:blue" if tier == "paid" else "tab:orange")
+            ax.axvline(cfg["paid_budget_s"], color="tab:blue", lw=0.8, ls=":")
+            ax.axvline(cfg["free_budget_s"], color="tab:orange", lw=0.8, ls=":")
+            ax.set_xscale("symlog", linthresh=0.001 if attr == "waits" else 0.01)
+            ax.set_xlim(left=0)
+            ax.set_xlabel(label)
+            removed = f" ({cfg['removed_fraction']:.0%} of seats removed)" if k else " (full pool)"
+            ax.set_title(f"{group[0].seats} seats{removed}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+        axes[row][0].set_ylabel("fraction of admitted requests")
+    fig.suptitle(f"W6 per tier: paid {cfg['paid_load']:g}× capacity (budget {cfg['paid_budget_s']:g} s), "
                  f"free {cfg['free_load']:g}× capacity (budget {cfg['free_budget_s']:g} s)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -420,6 +494,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    "(default 3)")
     p.add_argument("--reserved-seats", type=int, default=2, help="seats of the replica kept for paid; free "
                    "gets the rest (default 2)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the replica's --stream-interval: after the first token, one streamed event per this many "
+                        "tokens (default 1: every token); fewer events is less CPU in the replica, the gateway "
+                        "and the clients, which share this machine's cores")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request, ignore_eos (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
@@ -435,7 +513,7 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the results
     cfg = TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
                            duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
-                           reserved_seats=args.reserved_seats,
+                           reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
                            prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
     if Path(cfg.model).is_dir():
         model_dir = Path(cfg.model)
@@ -451,12 +529,18 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "w6.json").write_text(json.dumps(out, indent=2))
     plot_waits(report, args.out / "w6_waits.png")
     print(format_table(report))
-    paid = {ph.name: ph.tiers["paid"].queue_wait["p95"] for ph in report["phases"]}
     names = [ph.name for ph in report["phases"]]
+    by_name = {ph.name: ph.tiers["paid"] for ph in report["phases"]}
     for base, mixed in ((names[0], names[1]), (names[2], names[3])):
-        ratio = f"{paid[mixed] / paid[base]:.2f}x" if paid[base] > 0 else "ratio n/a"
-        print(f"paid p95 queue wait: {paid[mixed] * 1000:.0f} ms with free traffic vs {paid[base] * 1000:.0f} ms "
-              f"without ({ratio}); budget {cfg.paid_budget_s * 1000:.0f} ms")
+        for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"), ("TTFT", "ttft"),
+                          ("TTFT − idle", "ttft_excess")):
+            b, m = getattr(by_name[base], key)["p95"], getattr(by_name[mixed], key)["p95"]
+            ratio = f"{m / b:.2f}x" if b > 0 else "ratio n/a"
+            print(f"{mixed}: paid p95 {what} {_ms(m)} with free traffic vs {_ms(b)} without ({ratio}); "
+                  f"budget {cfg.paid_budget_s * 1000:.0f} ms")
+    unmatched = sum(t.unmatched for ph in report["phases"] for t in ph.tiers.values())
+    if unmatched:
+        print(f"warning: {unmatched} admitted requests had no line in the replica's request log")
     for ph in report["phases"]:
         e = ph.engine
         print(f"{ph.name}: engine mean queue time {e.get('mean_queue_s', math.nan) * 1000:.1f} ms, "

@@ -40,6 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                    help="paged attention implementation: auto = fused on CPU (native decode kernel, compiled on "
                         "first use; matmul if it cannot be built), sdpa on GPU; reference = plain torch, for checking")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
+    g.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="stream a request's output every N new tokens instead of every token: the first token "
+                        "always goes out at once (TTFT unchanged) and the finish flushes the rest; N > 1 means "
+                        "fewer outputs, SSE events and socket writes per token in server, gateway and clients, "
+                        "at the cost of burstier streams (default 1: every token)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
@@ -51,4 +56,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", "none"))
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", "none"),
+        stream_interval=getattr(args, "stream_interval", 1))

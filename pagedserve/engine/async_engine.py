@@ -84,6 +84,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     admitted: concurrent.futures.Future[None]
+    arrival_time: float  # when the server handed it over: TTFT counts from here, step-boundary wait included
 
 
 @dataclass
@@ -224,7 +225,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, priority, cache_salt, admitted))
+        self._submit(_Add(request_id, prompt, params, priority, cache_salt, admitted, time.monotonic()))
         try:
             await asyncio.wrap_future(admitted)
         except BaseException:
@@ -331,8 +332,8 @@ class AsyncEngine:
             if not cmd.admitted.set_running_or_notify_cancel():
                 continue  # the caller gave up before admission
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                        priority=cmd.priority, cache_salt=cmd.cache_salt)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                                        cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time)
             except Exception as exc:
                 cmd.admitted.set_exception(exc)
             else:

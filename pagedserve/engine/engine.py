@@ -135,8 +135,11 @@ class Engine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; raises a typed error if it can never be served or the queue is full."""
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises a typed error if it can never be served or the queue is full.
+
+        ``arrival_time`` (``time.monotonic``) is when the server received it, if earlier than now:
+        TTFT and end-to-end time count from there; queue time counts from now."""
         if request_id in self.requests:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt:  # checked before tokenizing: a BOS token alone is not a prompt
@@ -161,6 +164,8 @@ class Engine:
         params = dataclasses.replace(params, max_tokens=max_tokens)  # a copy: the caller's stays as it was
         req = Request(request_id, token_ids, params, priority, time.monotonic(), cache_salt,
                       prompt if isinstance(prompt, str) else None)
+        if arrival_time is not None:
+            req.metrics.arrival_time = min(arrival_time, req.arrival_time)
         seq = self._new_sequence(req, 0, list(token_ids))
         self.scheduler.add(seq)  # may raise QueueFull before anything is recorded
         req.seqs.append(seq)
@@ -192,7 +197,12 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and return the outputs of every request it advanced."""
+        """Run one scheduled batch and return the outputs of every request it advanced.
+
+        With ``stream_interval`` N > 1 a running request's output is returned only when due (its
+        first token, then every N tokens, and its finish); skipped steps' tokens arrive in the next
+        output's deltas, so nothing is lost and the step may return no output at all.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -257,13 +267,30 @@ class Engine:
             if req.params.n > 1:
                 req.forked = True
         outputs = []
+        interval = self.config.stream_interval
         for req in touched.values():
             finished = all(s.is_finished for s in req.seqs)
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
+            elif interval > 1 and not self._output_due(req, interval):
+                continue  # held back: the next output's deltas carry these tokens too
             outputs.append(self._request_output(req, finished))
         return outputs
+
+    @staticmethod
+    def _output_due(req: Request, interval: int) -> bool:
+        """Whether a running request's output goes out this step under ``stream_interval`` > 1.
+
+        Due when any of its sequences has its first token unsent (TTFT is never delayed), has
+        ``interval`` or more tokens unsent, or has finished with tokens unsent (an n > 1 choice
+        that ended gets its finish at once, not up to ``interval`` steps later).
+        """
+        for seq in req.seqs:
+            unsent = seq.num_output_tokens - seq.sent_token_len
+            if unsent > 0 and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished):
+                return True
+        return False
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.request.params

@@ -35,9 +35,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.monotonic``) of one request's life."""
+    """Wall-clock timestamps (``time.monotonic``) of one request's life.
+
+    ``arrival_time`` is when the request reached the server (the API layer, before it waited for
+    the step loop to take it); ``queued_time`` is when the engine put it in its waiting queue. TTFT
+    and end-to-end time count from arrival, queue time from ``queued_time`` to the first step that
+    scheduled it (vLLM's definitions).
+    """
 
     arrival_time: float
+    queued_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

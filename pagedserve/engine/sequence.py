@@ -37,7 +37,7 @@ class Request:
     forked: bool = False  # the n > 1 children exist
 
     def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time, queued_time=self.arrival_time)
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, priority={self.priority})"

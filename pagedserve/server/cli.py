@@ -53,6 +53,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
                              "aborted (default 5)")
+    server.add_argument("--log-requests", action="store_true",
+                        help="log one line per finished request: id, priority, finish reason, prompt/output "
+                             "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
+                             "these with what their clients saw by request id)")
     server.add_argument("--default-model", choices=["tiny", "small"], default="tiny",
                         help="standard random-weight model served when --model is not given (default tiny)")
     # Its own dest: the top-level parser has a --log-level too, and a subparser default would clobber it.
@@ -88,7 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                      api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                                     shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights)
+                                     shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights,
+                                     log_requests=args.log_requests)
         engine = Engine(engine_config_from_args(args))
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)

@@ -10,7 +10,8 @@ class ServerConfig:
     """How the OpenAI-compatible server listens and what it accepts.
 
     ``random_weights`` marks the embedded default model, so ``/v1/models`` and the startup log can
-    say that its output is noise and how to serve a real model.
+    say that its output is noise and how to serve a real model. ``log_requests`` logs one line per
+    finished request (off by default: at hundreds of requests a second it is work on the event loop).
     """
 
     host: str = "127.0.0.1"
@@ -21,6 +22,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 5.0
     random_weights: bool = False
     model_description: str | None = None
+    log_requests: bool = False  # one INFO line per finished request: its id, priority, tokens and timings
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

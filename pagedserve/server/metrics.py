@@ -101,13 +101,14 @@ class ServerMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter(NS + "generation_tokens", "Tokens generated.", labels,
                                          registry=self.registry)
-        self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival to first generated token.",
+        self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival at the server to first generated token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between a request's consecutive steps' tokens.",
                              labels, buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to finish.", labels,
+        self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival at the server to finish.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue_time = Histogram(NS + "request_queue_time_seconds", "Arrival to first scheduled.", labels,
+        self.queue_time = Histogram(NS + "request_queue_time_seconds",
+                                    "Entering the engine's waiting queue to first scheduled.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
         # Create the served model's series now, so a scrape before the first request already shows
         # every counter and histogram at zero (dashboards and rate() need the series to exist).
@@ -135,10 +136,19 @@ class ServerMetrics:
                     first = out.metrics.first_token_time or now
                     self.ttft.labels(m).observe(max(0.0, first - out.metrics.arrival_time))
                     if out.metrics.first_scheduled_time is not None:
-                        self.queue_time.labels(m).observe(
-                            max(0.0, out.metrics.first_scheduled_time - out.metrics.arrival_time))
+                        queued = out.metrics.queued_time or out.metrics.arrival_time
+                        self.queue_time.labels(m).observe(max(0.0, out.metrics.first_scheduled_time - queued))
                 else:
-                    self.itl.labels(m).observe(max(0.0, now - last))
+                    # "Time per output token": with --stream-interval N one output can carry up to N
+                    # tokens per sequence, produced over that many steps since the previous output. Split
+                    # the gap evenly and observe it once per step covered, so the histogram's count and
+                    # mean match what per-token streaming would record for the same run. (n > 1: the
+                    # sequences advance together, so the longest delta is the number of steps.)
+                    steps = max(len(c.delta_token_ids) for c in out.outputs)
+                    gap = max(0.0, now - last) / steps
+                    itl = self.itl.labels(m)
+                    for _ in range(steps):
+                        itl.observe(gap)
                 self._last_token_time[out.request_id] = now
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, Shot, TiersBenchConfig, _engine_means, _summarise, format_table,
-                                   gateway_toml)
+                                   gateway_toml, read_request_log)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
 
@@ -21,13 +21,17 @@ def test_gateway_toml_is_valid_and_paid_outranks_free() -> None:
 
 
 def test_summary_counts_shed_and_waits() -> None:
-    shots = [Shot("paid", 200, ttft=0.15), Shot("paid", 200, ttft=0.05),
-             Shot("free", 200, ttft=2.05), Shot("free", 429, code="overloaded"),
+    shots = [Shot("paid", 200, ttft=0.15, queued=0.0, request_id="p1"), Shot("paid", 200, ttft=0.05, request_id="p2"),
+             Shot("free", 200, ttft=2.05, queued=2.0, request_id="f1"), Shot("free", 429, code="overloaded"),
              Shot("free", 429, code="rate_limit_exceeded"), Shot("free", 502, code="replica_unreachable")]
-    ph = _summarise("paid+free", 8, {"paid": 1.0, "free": 3.0}, shots, idle_ttft=0.05)
+    log = {"p1": (0.002, 0.012), "p2": (0.001, 0.004), "f1": (0.0005, 0.03)}
+    ph = _summarise("paid+free", 8, {"paid": 1.0, "free": 3.0}, shots, idle_ttft=0.05, engine_log=log)
     paid, free = ph.tiers["paid"], ph.tiers["free"]
-    assert (paid.offered, paid.admitted, paid.shed) == (2, 2, {})
-    assert paid.waits == pytest.approx([0.1, 0.0])  # TTFT − idle TTFT, floored at 0
+    assert (paid.offered, paid.admitted, paid.shed, paid.unmatched) == (2, 2, {}, 0)
+    assert paid.waits == pytest.approx([0.002, 0.001])  # gateway queue (none) + engine queue
+    assert paid.ttft_excess["p50"] == pytest.approx(0.05)  # TTFT − idle TTFT, floored at 0: median of 0.1 and 0
+    assert paid.engine_ttft["p50"] == pytest.approx(0.008)
+    assert free.waits == pytest.approx([2.0005])
     assert (free.offered, free.admitted, free.errors) == (4, 1, 1)
     assert free.shed == {"overloaded": 1, "rate_limit_exceeded": 1}
     table = format_table({"phases": [ph]})
@@ -37,9 +41,21 @@ def test_summary_counts_shed_and_waits() -> None:
 def test_summary_counts_gateway_queue_and_sheds_after_waiting() -> None:
     shots = [Shot("free", 200, ttft=3.0, queued=2.9), Shot("free", 200, ttft=0.1, queued=0.0),
              Shot("free", 429, code="overloaded", queued=4.95), Shot("free", 429, code="overloaded", queued=0.0)]
-    free = _summarise("paid+free", 8, {"free": 3.0}, shots, idle_ttft=0.05).tiers["free"]
+    free = _summarise("paid+free", 8, {"free": 3.0}, shots, idle_ttft=0.05, engine_log={}).tiers["free"]
     assert free.shed == {"overloaded": 2} and free.shed_after_wait == 1
+    assert free.unmatched == 2 and free.waits == []  # no request log line: not counted as a zero wait
     assert free.gateway_queue["p50"] == pytest.approx(1.45)
     before = {"queue_s_sum": 1.0, "queue_s_count": 10, "ttft_s_sum": 2.0, "ttft_s_count": 10}
     after = {"queue_s_sum": 1.5, "queue_s_count": 20, "ttft_s_sum": 3.0, "ttft_s_count": 20}
     assert _engine_means(before, after) == pytest.approx({"mean_queue_s": 0.05, "mean_ttft_s": 0.1})
+
+
+def test_request_log_lines_are_parsed(tmp_path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "2026-11-29 14:00:00,000 INFO pagedserve.requests: request w6-paid-1-0 finished: priority=0 reason=length "
+        "prompt_tokens=64 output_tokens=64 cached_tokens=0 queue_ms=0.12 ttft_ms=5.40 e2e_ms=250.00\n"
+        "2026-11-29 14:00:00,001 INFO pagedserve.engine: 900 tokens/s computed\n"
+        "2026-11-29 14:00:00,002 INFO pagedserve.requests: request x finished: priority=0 reason=length "
+        "prompt_tokens=1 output_tokens=1 cached_tokens=0 queue_ms=- ttft_ms=- e2e_ms=-\n")
+    assert read_request_log(log) == {"w6-paid-1-0": pytest.approx((0.00012, 0.0054))}

@@ -1,0 +1,219 @@
+"""``stream_interval``: a running request's output every N tokens, the first token at once, nothing lost.
+
+Engine-level checks on the standard `tiny` model, plus one real server started with
+``--stream-interval 4`` (its SSE events, its text and its per-token metrics).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.args import add_engine_args, engine_config_from_args
+from pagedserve.engine.engine import Engine
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from tests.conftest import assert_no_leaks
+from tests.helpers.servers import run_engine_server
+
+PROMPT = "def fibonacci(n):"
+
+
+def make_engine(model_dir, stream_interval: int) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=256,
+                               stream_interval=stream_interval))
+
+
+def stream_one(engine: Engine, prompt, params: SamplingParams) -> tuple[list[RequestOutput], int]:
+    """Run one request alone; return every output it got and how many steps returned nothing."""
+    engine.add_request("r", prompt, params)
+    outs, empty_steps = [], 0
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        assert all(o.request_id == "r" for o in step)
+        outs.extend(step)
+        empty_steps += not step
+    assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    return outs, empty_steps
+
+
+def deltas(outs: list[RequestOutput], index: int = 0) -> list:
+    return [next(c for c in o.outputs if c.index == index) for o in outs]
+
+
+@pytest.fixture
+def engines(tiny_model_dir):
+    """An interval-1 engine and an interval-4 engine; both must end with no KV block in use."""
+    pair = make_engine(tiny_model_dir, 1), make_engine(tiny_model_dir, 4)
+    yield pair
+    for e in pair:
+        assert_no_leaks(e)
+
+
+def test_first_token_at_once_then_every_n_then_the_rest(engines):
+    every, interval4 = engines
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref, ref_empty = stream_one(every, PROMPT, params)
+    outs, empty = stream_one(interval4, PROMPT, params)
+
+    assert [len(c.delta_token_ids) for c in deltas(ref)] == [1] * 10 and ref_empty == 0
+    # Token 1 at once, tokens 2-5 and 6-9 after four steps each, token 10 with the finish.
+    assert [len(c.delta_token_ids) for c in deltas(outs)] == [1, 4, 4, 1]
+    assert empty == 6  # the steps that produced held-back tokens returned nothing
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "length" and len(final.token_ids) == 10
+    assert sum((c.delta_token_ids for c in deltas(outs)), []) == final.token_ids
+    assert "".join(c.delta_text for c in deltas(outs)) == final.text
+    assert final.token_ids == ref[-1].outputs[0].token_ids and final.text == ref[-1].outputs[0].text
+    # The first output is the first token, on time: the engine's clock agrees.
+    assert outs[0].metrics.first_token_time is not None
+
+
+def test_interval_larger_than_the_output_sends_first_token_and_finish(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, 64)
+    outs, _ = stream_one(engine, PROMPT, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    assert [len(c.delta_token_ids) for c in deltas(outs)] == [1, 6]
+    assert_no_leaks(engine)
+
+
+def test_delta_logprobs_add_up_to_the_final_logprobs(engines):
+    every, interval4 = engines
+    params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, logprobs=2)
+    ref, _ = stream_one(every, PROMPT, params)
+    outs, _ = stream_one(interval4, PROMPT, params)
+    assert [len(c.delta_logprobs) for c in deltas(outs)] == [1, 4, 4, 2]
+    streamed = sum((c.delta_logprobs for c in deltas(outs)), [])
+    final = outs[-1].outputs[0].logprobs
+    assert len(final) == 11
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in streamed] == [(lp.token_id, lp.logprob, lp.top)
+                                                                       for lp in final]
+    assert [lp.token_id for lp in final] == outs[-1].outputs[0].token_ids
+    assert [(lp.token_id, lp.logprob) for lp in final] == [(lp.token_id, lp.logprob)
+                                                           for lp in ref[-1].outputs[0].logprobs]
+
+
+def test_n2_choices_match_interval_one(engines):
+    every, interval4 = engines
+    params = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    ref, _ = stream_one(every, PROMPT, params)
+    outs, _ = stream_one(interval4, PROMPT, params)
+    assert len(outs) < len(ref)  # fewer outputs, the same content
+    for i in (0, 1):
+        final = deltas(outs, i)[-1]
+        assert final.text == deltas(ref, i)[-1].text and final.token_ids == deltas(ref, i)[-1].token_ids
+        assert "".join(c.delta_text for c in deltas(outs, i)) == final.text
+        assert sum((c.delta_token_ids for c in deltas(outs, i)), []) == final.token_ids
+    assert [len(c.delta_token_ids) for c in deltas(outs, 0)] == [1, 4, 4, 1]
+    assert outs[0].outputs[0].token_ids != outs[0].outputs[1].token_ids or \
+        outs[-1].outputs[0].token_ids != outs[-1].outputs[1].token_ids  # really two samples
+
+
+def test_stop_string_holdback_still_hides_the_stop(engines):
+    every, interval4 = engines
+    free, _ = stream_one(every, "import os", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    text = free[-1].outputs[0].text
+    assert len(text) > 12
+    stop = text[9:12]  # ends the request several tokens in, past at least one interval
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    ref, _ = stream_one(every, "import os", params)
+    outs, _ = stream_one(interval4, "import os", params)
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == text[:text.index(stop)] == ref[-1].outputs[0].text
+    assert "".join(c.delta_text for c in deltas(outs)) == final.text  # nothing of the stop leaked
+    for o in outs:  # no intermediate output ever showed the stop string
+        assert stop not in o.outputs[0].text
+
+
+def test_abort_with_tokens_held_back_frees_blocks(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, 8)
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    got = [engine.step() for _ in range(4)]
+    assert [len(s) for s in got] == [1, 0, 0, 0]  # first token, then three held back
+    assert engine.abort("a")
+    assert_no_leaks(engine)
+
+
+def test_zero_or_bad_interval_is_refused(tiny_model_dir):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            EngineConfig(model=str(tiny_model_dir), stream_interval=bad)
+    assert EngineConfig(model=str(tiny_model_dir)).stream_interval == 1
+
+
+def test_cli_flag_reaches_the_config(tiny_model_dir):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dir)])).stream_interval == 1
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--stream-interval", "4"])
+    assert engine_config_from_args(args).stream_interval == 4
+    with pytest.raises(ValueError, match="stream_interval"):
+        engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dir), "--stream-interval", "0"]))
+
+
+# ---- through the server ---------------------------------------------------------------------
+
+SERVER_ARGS = ("--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning")
+
+
+def _stream_completion(url: str, body: dict) -> list[dict]:
+    """The data events of a streamed completion, decoded (the final [DONE] left out)."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.name.endswith("_bucket") and "finished_reason" not in s.labels}
+
+
+def _idle(url: str) -> dict:
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        load = httpx.get(f"{url}/load", timeout=5).json()
+        if (load["running"], load["waiting"], load["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)
+
+
+def test_server_streams_every_fourth_token(tiny_model_dir):
+    body = {"prompt": PROMPT, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    with run_engine_server(tiny_model_dir, *SERVER_ARGS, timeout=120) as url:
+        ref = _stream_completion(url, body)
+        assert _idle(url)["kv_blocks_used"] == 0
+    with run_engine_server(tiny_model_dir, *SERVER_ARGS, "--stream-interval", "4", timeout=120) as url:
+        before = _metrics(url)
+        events = _stream_completion(url, body)
+        load = _idle(url)
+        after = _metrics(url)
+    assert load["kv_blocks_used"] == 0 and load["running"] == 0, load
+
+    content = [e for e in events if e.get("choices") and e["choices"][0]["text"]]
+    ref_content = [e for e in ref if e.get("choices") and e["choices"][0]["text"]]
+    assert len(ref_content) == 9  # every token of this greedy run has text of its own
+    assert len(content) == 3  # 1 + 4 + 4 tokens
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["text"] for e in content)
+    assert text == "".join(e["choices"][0]["text"] for e in ref_content)
+
+    def grew(name: str) -> float:
+        return after[f"pagedserve:{name}"] - before.get(f"pagedserve:{name}", 0.0)
+
+    assert grew("generation_tokens_total") == 9  # exact, though only 3 outputs carried them
+    # One inter-token observation per token after the first, as with per-token streaming.
+    assert grew("inter_token_latency_seconds_count") == 8
+    assert grew("time_to_first_token_seconds_count") == 1
