@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import ATTENTION_BACKEND_NAMES, EngineConfig
+from pagedserve.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -15,10 +15,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache precision: auto = the model dtype; fp8 (e4m3), int8 or int4 store each token's "
                         "K/V per head with a float16 scale (int8 about doubles the seats, int4 about quadruples them)")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="weight-only quantization applied at load: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
@@ -56,5 +56,4 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), quantization=getattr(args, "quantization", "none"),
-        stream_interval=getattr(args, "stream_interval", 1))
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, stream_interval=args.stream_interval)

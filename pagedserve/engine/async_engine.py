@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from pagedserve.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
+# log_requests writes here: one key=value line per finished request, easy to grep or parse.
+request_log = logging.getLogger("pagedserve.requests")
 
 # Window over which /load's tokens/s and completion rate are measured.
 RATE_WINDOW_S = 10.0
@@ -103,8 +105,9 @@ class RequestStream:
     way the consumer stops. Cancellation while waiting for an output aborts it too.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine):
+    def __init__(self, request_id: str, engine: AsyncEngine, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority
         self._engine = engine
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
@@ -154,9 +157,10 @@ class AsyncEngine:
     public methods are called from that event loop.
     """
 
-    def __init__(self, engine: Engine, observer: StepObserver | None = None):
+    def __init__(self, engine: Engine, observer: StepObserver | None = None, log_requests: bool = False):
         self.engine = engine
         self.observer = observer
+        self.log_requests = log_requests  # one request_log line per request that runs to its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
@@ -222,7 +226,7 @@ class AsyncEngine:
             raise EngineDeadError("the server is shutting down; send the request to another replica")
         if request_id in self._streams:
             raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, priority)
         self._streams[request_id] = stream
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, priority, cache_salt, admitted, time.monotonic()))
@@ -363,6 +367,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # None: aborted meanwhile, the output is dropped
                 stream._put(out)
+                if out.finished and self.log_requests:
+                    _log_finished(out, stream.priority)
 
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:
@@ -380,3 +386,18 @@ class AsyncEngine:
 
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail_streams)
+
+
+def _log_finished(out: RequestOutput, priority: int) -> None:
+    """The ``log_requests`` line of a request that ran to its end (aborted ones are not logged)."""
+    m = out.metrics
+
+    def ms(start: float | None, end: float | None) -> str:
+        return f"{(end - start) * 1000:.2f}" if start is not None and end is not None else "-"
+    request_log.info(
+        "request %s finished: priority=%d reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
+        "queue_ms=%s ttft_ms=%s e2e_ms=%s", out.request_id, priority,
+        out.outputs[0].finish_reason if out.outputs else "-", len(out.prompt_token_ids),
+        sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
+        ms(m.queued_time, m.first_scheduled_time), ms(m.arrival_time, m.first_token_time),
+        ms(m.arrival_time, m.finished_time))

@@ -41,7 +41,7 @@ def _resolve_attention_backend(name: str, device: torch.device) -> str:
             return "sdpa"
         name = "fused" if paged_decode_kernel() is not None else "matmul"
         logger.info("attention backend: %s%s", name,
-                 "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
+                    "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
     elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
         raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
                          f"{kernel_error() or 'device is not a CPU'}")

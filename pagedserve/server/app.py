@@ -40,7 +40,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(engine)
+        async_engine = AsyncEngine(engine, log_requests=config.log_requests)
         metrics = ServerMetrics(model_name, async_engine.stats)
         async_engine.observer = metrics
         async_engine.start()

@@ -26,8 +26,6 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
-# --log-requests writes here: one key=value line per finished request, easy to grep or parse.
-request_log = logging.getLogger("pagedserve.requests")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # apply_chat_template arguments a client must not override through chat_template_kwargs.
@@ -222,10 +220,9 @@ class OpenAIServing:
         stream = await self.engine.add_request(request_id, prompt_ids, params, req.priority, req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._completion_events(stream, request_id, req.logprobs is not None, include_usage,
-                                                       req.priority), stream)
+            return SSEResponse(self._completion_events(stream, request_id, req.logprobs is not None, include_usage),
+                               stream)
         choices, final = await self._collect(stream, http)
-        self._log_finished(req.priority, final)
         resp = p.CompletionResponse(
             id=request_id, model=self.model_name,
             choices=[p.CompletionChoice(index=i, text=c.latest.text if c.latest else "",
@@ -250,10 +247,8 @@ class OpenAIServing:
         stream = await self.engine.add_request(request_id, prompt_ids, params, req.priority, req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._chat_events(stream, request_id, req.n, req.logprobs, include_usage, req.priority),
-                               stream)
+            return SSEResponse(self._chat_events(stream, request_id, req.n, req.logprobs, include_usage), stream)
         choices, final = await self._collect(stream, http)
-        self._log_finished(req.priority, final)
         resp = p.ChatCompletionResponse(
             id=request_id, model=self.model_name,
             choices=[p.ChatChoice(index=i, message=p.ChatResponseMessage(content=c.latest.text if c.latest else ""),
@@ -321,22 +316,6 @@ class OpenAIServing:
                        total_tokens=prompt_tokens + completion_tokens,
                        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
-    def _log_finished(self, priority: int, final: RequestOutput | None) -> None:
-        """The --log-requests line of a request that ran to its end (aborted ones are not logged)."""
-        if not self.config.log_requests or final is None or not final.finished:
-            return
-        m = final.metrics
-
-        def ms(start: float | None, end: float | None) -> str:
-            return f"{(end - start) * 1000:.2f}" if start is not None and end is not None else "-"
-        request_log.info(
-            "request %s finished: priority=%d reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
-            "queue_ms=%s ttft_ms=%s e2e_ms=%s", final.request_id, priority,
-            final.outputs[0].finish_reason if final.outputs else "-", len(final.prompt_token_ids),
-            sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens,
-            ms(m.queued_time, m.first_scheduled_time), ms(m.arrival_time, m.first_token_time),
-            ms(m.arrival_time, m.finished_time))
-
     # ---- logprobs --------------------------------------------------------------------------
 
     def _token_text(self, token_id: int) -> str:
@@ -366,7 +345,7 @@ class OpenAIServing:
     # ---- streamed --------------------------------------------------------------------------
 
     async def _completion_events(self, stream: RequestStream, request_id: str, want_logprobs: bool,
-                                 include_usage: bool, priority: int) -> AsyncIterator[str]:
+                                 include_usage: bool) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         offsets: dict[int, int] = {}
         final: RequestOutput | None = None
@@ -390,7 +369,6 @@ class OpenAIServing:
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
-            self._log_finished(priority, final)
             if include_usage:
                 usage = self._usage(final, choices)
                 yield _sse({"id": request_id, "object": "text_completion", "created": _now(),
@@ -402,7 +380,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _chat_events(self, stream: RequestStream, request_id: str, n: int, want_logprobs: bool,
-                           include_usage: bool, priority: int) -> AsyncIterator[str]:
+                           include_usage: bool) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         final: RequestOutput | None = None
 
@@ -428,7 +406,6 @@ class OpenAIServing:
                     if c.finished and not choice.finish_sent:
                         choice.finish_sent = True
                         yield chunk(c.index, p.ChatDelta(), finish=c.finish_reason, stop_reason=c.stop_reason)
-            self._log_finished(priority, final)
             if include_usage:
                 body = p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                              usage=self._usage(final, choices))
