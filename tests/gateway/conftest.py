@@ -15,10 +15,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers.servers import run_engine_server
+from tests.helpers.servers import run_engine_server, wait_for_idle
 
 MODEL = "tiny"  # the name the engines serve their model under
 ENGINE_SEATS = 4
@@ -123,18 +122,6 @@ def engines(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
         yield {"dedicated": urls[0], "shared": urls[1]}
 
 
-def wait_for_idle(url: str, timeout: float = 15.0) -> dict:
-    """Poll an engine's /load until nothing runs or waits and no KV block is used; the last report."""
-    deadline = time.monotonic() + timeout
-    load: dict = {}
-    while time.monotonic() < deadline:
-        load = httpx.get(f"{url}/load", timeout=5).json()
-        if load["running"] == 0 and load["waiting"] == 0 and load["kv_blocks_used"] == 0:
-            break
-        time.sleep(0.05)
-    return load
-
-
 @pytest.fixture(autouse=True)
 def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test that sent requests through the engines leaves them with 0 KV blocks used (a leak
@@ -142,6 +129,6 @@ def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "engines" in request.fixturenames:
         for name, url in request.getfixturevalue("engines").items():
-            load = wait_for_idle(url)
+            load = wait_for_idle(url, timeout=15.0)
             assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {name} after {request.node.name}: {load}"
             assert load["running"] == 0 and load["waiting"] == 0, (name, load)

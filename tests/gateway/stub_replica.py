@@ -3,23 +3,17 @@ answer every completion with an error, or expose only vLLM's ``/metrics`` (no ``
 
 from __future__ import annotations
 
-import threading
-import time
-from types import TracebackType
-
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tests.helpers.servers import free_port
+from tests.helpers.servers import AppThread
 
 
-class StubReplica:
+class StubReplica(AppThread):
     """``with StubReplica(...) as stub: stub.url``. ``status`` answers every completion (a 400 when the
     prompt is ``"bad"``); ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load."""
 
     def __init__(self, status: int = 503, vllm: bool = False, running: int = 0, waiting: int = 0):
-        self.port = free_port()
         self.status, self.vllm = status, vllm
         self.running, self.waiting = running, waiting
         self.completions = 0
@@ -53,25 +47,4 @@ class StubReplica:
             return JSONResponse({"error": {"message": f"stub answers {status}", "type": "server_error",
                                            "param": None, "code": None}}, status_code=status)
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "StubReplica":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("stub replica did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
+        super().__init__(app)

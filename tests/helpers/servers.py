@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from types import TracebackType
+from typing import IO, Any
+
+import httpx
+import uvicorn
 
 from pagedserve.bench.processes import free_port, running_process
 
-__all__ = ["free_port", "run_engine_server"]
+__all__ = ["AppThread", "free_port", "run_engine_server", "wait_for_idle"]
 
 
 @contextmanager
@@ -28,3 +34,46 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
            "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with running_process(cmd, f"{url}/health", timeout, log=log):
         yield url
+
+
+def wait_for_idle(url: str, timeout: float = 5.0) -> dict:
+    """Poll an engine's /load until nothing runs or waits and no KV block is used; the last report."""
+    deadline = time.monotonic() + timeout
+    load: dict = {}
+    while time.monotonic() < deadline:
+        load = httpx.get(f"{url}/load", timeout=5).json()
+        if load["running"] == 0 and load["waiting"] == 0 and load["kv_blocks_used"] == 0:
+            return load
+        time.sleep(0.05)
+    return load
+
+
+class AppThread:
+    """``with AppThread(app) as t: t.url`` — an ASGI app served by uvicorn on a free loopback port
+    in a background thread, stopped on exit."""
+
+    def __init__(self, app: Any, **uvicorn_kwargs: Any):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **uvicorn_kwargs))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Any:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"{type(self).__name__} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -6,14 +6,13 @@ caused it, not a later one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers.servers import run_engine_server
+from tests.helpers.servers import run_engine_server, wait_for_idle
 
 # Small enough that "longer than the context" is cheap to send, big enough for real prompts.
 MAX_MODEL_LEN = 256
@@ -39,18 +38,6 @@ def client(server_url: str) -> Iterator[openai.OpenAI]:
     """The official OpenAI client pointed at the shared server."""
     with openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-def wait_for_idle(url: str, timeout: float = 5.0) -> dict:
-    """Poll /load until nothing runs or waits and no KV block is used; return the last report."""
-    deadline = time.monotonic() + timeout
-    load: dict = {}
-    while time.monotonic() < deadline:
-        load = httpx.get(f"{url}/load", timeout=5).json()
-        if load["running"] == 0 and load["waiting"] == 0 and load["kv_blocks_used"] == 0:
-            return load
-        time.sleep(0.05)
-    return load
 
 
 @pytest.fixture(autouse=True)

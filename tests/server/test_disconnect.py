@@ -7,7 +7,7 @@ import re
 
 import httpx
 
-from tests.server.conftest import wait_for_idle
+from tests.helpers.servers import wait_for_idle
 
 N_CLIENTS = 20
 

@@ -9,7 +9,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import wait_for_idle
+from tests.helpers.servers import wait_for_idle
 
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used",
           "kv_blocks_cached_free", "kv_tokens_in_use", "kv_slots_allocated", "kv_utilization",
