@@ -56,9 +56,7 @@ def add_parser(bench) -> None:
     p.add_argument("--max-model-len", type=int, default=1024, help="context length one seat reserves")
     p.add_argument("--decode-tokens", type=int, default=128, help="output tokens of the decode-speed run (0: skip)")
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs per combination (median reported)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's); on a busy machine 1 can be much faster than 2")
-    p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    _add_threads_and_json(p)
     p.set_defaults(func=run_quality)
 
     d = bench.add_parser(
@@ -71,10 +69,15 @@ def add_parser(bench) -> None:
                    help="weight precisions (none = the checkpoint's bf16)")
     d.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round (median reported)")
     d.add_argument("--output-len", type=int, default=256, help="output tokens per run (W2: 256)")
-    d.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's); on a busy machine 1 can be much faster than 2")
-    d.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    _add_threads_and_json(d)
     d.set_defaults(func=run_quant_decode)
+
+
+def _add_threads_and_json(p: argparse.ArgumentParser) -> None:
+    """The two options both quality commands share."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); on a busy machine 1 can be much faster than 2")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
 
 
 # ---- measurements -------------------------------------------------------------------------------

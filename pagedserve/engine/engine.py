@@ -14,8 +14,8 @@ from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestOutp
 from pagedserve.engine.runner import ModelRunner
 from pagedserve.engine.sampler import SamplingRow, sample
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
+from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.sequence import Request, Sequence
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
