@@ -1,13 +1,13 @@
 # The two commands of the README:
 #   make serve   install into .venv and serve the embedded default model on 127.0.0.1:8000
-#   make test    install into .venv (and redis-server if missing) and run the whole test suite
+#   make test    install into .venv (and redis-server and g++ if missing) and run the whole test suite
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test redis bench clean
+.PHONY: install serve test system-deps bench clean
 
 install: $(VENV)/.installed
 
@@ -22,13 +22,17 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
-# The Redis tests start their own redis-server on a loopback port; this makes sure it exists.
-redis:
-	@command -v redis-server >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
-	  else echo "redis-server is missing: sudo apt-get install redis-server" >&2; exit 1; fi; }
+# Debian packages the tests need: redis-server (the limiter tests start their own on a loopback
+# port) and g++ (the native kernels compile on first use; a test checks that they build here).
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v g++ >/dev/null || missing="$$missing g++"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "missing:$$missing (sudo apt-get install$$missing)" >&2; exit 1; fi; fi
 
-test: install redis
+test: install system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

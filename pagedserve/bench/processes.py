@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -63,3 +64,14 @@ def running_process(cmd: list[str], ready_url: str, timeout_s: float = 300.0,
                 proc.wait()
         if own_log:
             out.close()
+
+
+@contextmanager
+def engine_server(*args: str, log: IO | None = None, timeout_s: float = 300.0) -> Iterator[str]:
+    """``python -m pagedserve serve ARGS`` on a free 127.0.0.1 port; yields its URL once ``/health``
+    answers, stops it on exit (``log`` as in :func:`running_process`)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with running_process(cmd, f"{url}/health", timeout_s, log=log):
+        yield url

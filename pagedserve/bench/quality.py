@@ -28,7 +28,9 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from pagedserve.bench.common import machine_summary, resolve_model, write_result
+from pagedserve.bench.common import machine_summary, resolve_model, run_engine, write_result
+from pagedserve.bench.workloads import BenchRequest
+from pagedserve.planner.sizing import seats_at_max_len
 
 FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
 
@@ -144,14 +146,8 @@ def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[lis
     from pagedserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"q{i}"] for i in range(len(prompts))]
+    outs, _ = run_engine(engine, [BenchRequest(p, max_tokens) for p in prompts], lambda _: params)
+    return [outs[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def top1_agreement(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
@@ -223,7 +219,8 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
             top1_agreement=top1_agreement(ref_lp, lp),
             greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.weight_bytes,
             kv_bytes_per_token=engine.kv_bytes_per_token,
-            seats=engine.num_kv_blocks * engine.config.block_size // args.max_model_len, decode_tok_s=speed))
+            seats=seats_at_max_len(engine.num_kv_blocks, engine.config.block_size, args.max_model_len),
+            decode_tok_s=speed))
         del engine
     return rows
 

@@ -6,7 +6,7 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from pagedserve.bench.common import machine_summary, resolve_model, run_engine, write_result
+from pagedserve.bench.common import machine_summary, write_result
 from pagedserve.bench.workloads import w3_seats
 
 

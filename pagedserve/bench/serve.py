@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.bench.processes import free_port, running_process
+from pagedserve.bench.processes import engine_server
 from pagedserve.bench.workloads import BenchRequest, random_prompt
 
 DEFAULT_RATES = "1,2,4,inf"
@@ -325,9 +325,6 @@ def main(args: argparse.Namespace) -> int:
 @contextmanager
 def started_server(model: str | None, extra: list[str], timeout_s: float = 300.0) -> Iterator[str]:
     """Run `python -m pagedserve serve` on a free loopback port; yield its URL; stop it on exit."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--log-level", "warning",
-           *(["--model", model] if model else []), *extra]
-    url = f"http://127.0.0.1:{port}"
-    with running_process(cmd, f"{url}/health", timeout_s):
+    with engine_server("--log-level", "warning", *(["--model", model] if model else []), *extra,
+                       timeout_s=timeout_s) as url:
         yield url

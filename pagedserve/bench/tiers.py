@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pagedserve.bench.processes import free_port, running_process
+from pagedserve.bench.processes import engine_server, free_port, running_process
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 
@@ -72,10 +72,15 @@ class TiersBenchConfig:
     stream_interval: int = 1  # the replica's --stream-interval: tokens per streamed event after the first
     seed: int = 0
 
+    @property
+    def reduced_seats(self) -> int:
+        """The replica's seats in the phases with ``removed_fraction`` of them removed."""
+        return max(1, round(self.max_num_seqs * (1 - self.removed_fraction)))
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 2 or not 0 < self.removed_fraction < 1:
             raise ValueError("max_num_seqs must be >= 2 and removed_fraction in (0, 1)")
-        if not 0 <= self.reserved_seats < max(1, round(self.max_num_seqs * (1 - self.removed_fraction))):
+        if not 0 <= self.reserved_seats < self.reduced_seats:
             raise ValueError("reserved_seats must be >= 0 and leave free at least one seat in every phase")
         if self.duration_s <= 0 or self.paid_load <= 0 or self.free_load < 0:
             raise ValueError("duration_s and paid_load must be > 0, free_load >= 0")
@@ -93,10 +98,8 @@ class Shot:
     status: int = 0
     code: str | None = None
     ttft: float | None = None
-    e2e: float | None = None
     est_wait: float | None = None  # the gateway's estimate at admission (x-pagedserve-est-queue-wait-ms)
     queued: float | None = None  # time spent in the gateway's queue, admitted or shed (x-pagedserve-queue-wait-ms)
-    sent_at: float = 0.0  # wall-clock time the request was sent
     request_id: str = ""
     engine_queue: float | None = None  # the replica's queue time (its --log-requests line)
     engine_ttft: float | None = None  # the replica's TTFT, from the server receiving the request
@@ -132,7 +135,6 @@ class PhaseResult:
     paid_rate: float
     free_rate: float
     tiers: dict[str, TierResult]
-    engine: dict[str, float] = field(default_factory=dict)  # the engine's mean queue time and TTFT (s), all tiers
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
@@ -173,28 +175,25 @@ reserved_seats = {cfg.reserved_seats}
 
 @dataclass
 class Stack:
-    """A running W6 stack: the gateway's and the replica's URLs and the replica's request log."""
+    """A running W6 stack: the gateway's URL and the replica's request log."""
 
     url: str
-    engine_url: str
     engine_log: Path
 
 
 @contextlib.contextmanager
 def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: Path) -> Iterator[Stack]:
     """An engine replica with ``seats`` seats (logging every request) behind a gateway subprocess."""
-    eport, gport = free_port(), free_port()
-    engine_url = f"http://127.0.0.1:{eport}"
-    engine = [sys.executable, "-m", "pagedserve", "serve", "--model",
-              str(model_dir), "--host", "127.0.0.1", "--port", str(eport), "--max-num-seqs", str(seats),
-              "--served-model-name", "w6", "--log-requests", "--stream-interval", str(cfg.stream_interval)]
     log_path = workdir / f"engine-{seats}.log"
-    with open(log_path, "w+") as log, running_process(engine, f"{engine_url}/health", log=log):
+    with open(log_path, "w+") as log, engine_server(
+            "--model", str(model_dir), "--max-num-seqs", str(seats), "--served-model-name", "w6", "--log-requests",
+            "--stream-interval", str(cfg.stream_interval), log=log) as engine_url:
+        gport = free_port()
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))
         gateway = [sys.executable, "-m", "pagedserve.gateway", "--config", str(toml)]
         with running_process(gateway, f"http://127.0.0.1:{gport}/health"):
-            yield Stack(f"http://127.0.0.1:{gport}", engine_url, log_path)
+            yield Stack(f"http://127.0.0.1:{gport}", log_path)
 
 
 _REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
@@ -219,7 +218,7 @@ async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_le
     request_id = f"w6-{tier}-{os.getpid()}-{next(_SHOT_IDS)}"
     body = {"model": "w6", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "request_id": request_id}
-    shot = Shot(tier, request_id=request_id, sent_at=time.time())
+    shot = Shot(tier, request_id=request_id)
     start = time.perf_counter()
     try:
         async with http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -237,7 +236,6 @@ async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_le
             async for line in r.aiter_lines():
                 if shot.ttft is None and line.startswith("data: {"):
                     shot.ttft = time.perf_counter() - start
-        shot.e2e = time.perf_counter() - start
     except httpx.HTTPError as e:
         shot.code = type(e).__name__
     return shot
@@ -319,31 +317,6 @@ async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float
         return done / (time.perf_counter() - t0), float(np.median(idle)) if idle else 0.0
 
 
-_ENGINE_HISTOGRAMS = {"queue_s": "pagedserve:request_queue_time_seconds",
-                      "ttft_s": "pagedserve:time_to_first_token_seconds"}
-
-
-def _engine_sums(engine_url: str) -> dict[str, float]:
-    """Sum and count of the engine's queue-time and TTFT histograms (all requests so far)."""
-    text = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for key, name in _ENGINE_HISTOGRAMS.items():
-            for part in ("sum", "count"):
-                if line.startswith(f"{name}_{part}"):
-                    out[f"{key}_{part}"] = out.get(f"{key}_{part}", 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean engine queue time and TTFT over the requests between two :func:`_engine_sums`."""
-    means = {}
-    for key in _ENGINE_HISTOGRAMS:
-        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
-        means[f"mean_{key}"] = (after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)) / n if n else math.nan
-    return means
-
-
 def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float,
                engine_log: dict[str, tuple[float, float]]) -> PhaseResult:
     tiers = {}
@@ -380,19 +353,16 @@ def _phase(stack: Stack, cfg: TiersBenchConfig, name: str, seats: int, rates: di
            idle_ttft: float, show_progress: bool) -> PhaseResult:
     from tqdm import tqdm
 
-    before = _engine_sums(stack.engine_url)
     with tqdm(total=int(cfg.duration_s), desc=f"W6 {name} ({seats} seats)", unit="s",
               disable=not show_progress, file=sys.stderr) as bar:
         shots = _open_loop(stack.url, cfg, rates, bar)
-    result = _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
-    result.engine = _engine_means(before, _engine_sums(stack.engine_url))
-    return result
+    return _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
 
 
 def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_progress: bool = True) -> dict:
     """Run the calibration and the four phases; returns the report (also the plot's data)."""
     full = cfg.max_num_seqs
-    reduced = max(1, round(full * (1 - cfg.removed_fraction)))
+    reduced = cfg.reduced_seats
     phases: list[PhaseResult] = []
     with serving_stack(model_dir, full, cfg, workdir) as stack:
         capacity, idle_ttft = asyncio.run(_calibrate(stack.url, cfg, full))
@@ -523,7 +493,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir = ensure_standard_model(cfg.model)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run_benchmark(cfg, model_dir, args.out, show_progress=not args.no_progress)
-    out = {**report, "phases": [{**asdict(ph), "tiers": {t: {k: v for k, v in asdict(r).items() if k != "waits"}
+    out = {**report, "phases": [{**asdict(ph), "tiers": {t: {k: v for k, v in asdict(r).items() if k not in ("waits", "ttfts")}
                                                            for t, r in ph.tiers.items()}}
                                 for ph in report["phases"]]}
     (args.out / "w6.json").write_text(json.dumps(out, indent=2))
@@ -541,10 +511,6 @@ def main(args: argparse.Namespace) -> int:
     unmatched = sum(t.unmatched for ph in report["phases"] for t in ph.tiers.values())
     if unmatched:
         print(f"warning: {unmatched} admitted requests had no line in the replica's request log")
-    for ph in report["phases"]:
-        e = ph.engine
-        print(f"{ph.name}: engine mean queue time {e.get('mean_queue_s', math.nan) * 1000:.1f} ms, "
-              f"mean TTFT {e.get('mean_ttft_s', math.nan) * 1000:.1f} ms (all tiers)")
     for ph in report["phases"][1::2]:
         free = ph.tiers["free"]
         print(f"{ph.name}: free offered {free.offered}, shed {sum(free.shed.values())} "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.helpers.servers import free_port, run_engine_server, wait_for_idle
 
 MODEL = "tiny"  # the name the engines serve their model under
 ENGINE_SEATS = 4
@@ -25,17 +25,11 @@ ENGINE_SEATS = 4
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A redis-server child process the tests can kill, restart, freeze (SIGSTOP) and thaw."""
 
     def __init__(self, port: int | None = None):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from typing import IO, Any
 import httpx
 import uvicorn
 
-from pagedserve.bench.processes import free_port, running_process
+from pagedserve.bench.processes import engine_server, free_port
 
 __all__ = ["AppThread", "free_port", "run_engine_server", "wait_for_idle"]
 
@@ -28,11 +27,7 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
     The server's output goes to ``log`` (a temporary file when not given), quoted in the error if
     it fails to start.
     """
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    with running_process(cmd, f"{url}/health", timeout, log=log):
+    with engine_server("--model", str(model_dir), *extra_args, log=log, timeout_s=timeout) as url:
         yield url
 
 
