@@ -264,9 +264,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
             code="overloaded", headers=headers | retry_headers(wait))
 
     asked = gw.dispatcher.peek(route.pool, tier.priority)
-    if asked is None:  # the pool's last replica went down since the routing decision
-        return error_response(503, "No replica of this tier's pools is up; retry shortly.",
-                              code="no_replica_available", headers=retry_headers(1.0))
+    assert asked is not None  # _route found a healthy replica in this pool, and nothing awaited since
     prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count)
     cost = prompt_tokens + n * cap
     decision = await gw.admission.admit(tier, entry, cost)
@@ -289,7 +287,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         gw.metrics.limiter_fail_open.labels(tier.name).inc()
     else:
         gw.metrics.tokens_reserved.labels(tier.name).inc(cost)
-    gw.metrics.queue_wait.labels(tier.name, route.pool.name).observe(route.est_wait_s)
+    gw.metrics.queue_wait_estimate.labels(tier.name, route.pool.name).observe(route.est_wait_s)
     headers["x-pagedserve-pool"] = route.pool.name
     headers["x-pagedserve-est-queue-wait-ms"] = str(round(route.est_wait_s * 1000))
 
@@ -321,7 +319,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
             f"Please try again in {retry:.2f}s.", code="overloaded", headers=headers | retry_headers(retry))
     route.seat = got
     gw.metrics.admitted.labels(tier.name, pool.name).inc()
-    gw.metrics.queue_time.labels(tier.name, pool.name).observe(got.queued_s)
+    gw.metrics.queue_wait.labels(tier.name, pool.name).observe(got.queued_s)
     headers["x-pagedserve-queue-wait-ms"] = str(round(got.queued_s * 1000))
     _log_decision("admit", decision.reason, tier.name, entry.name, pool=pool.name, replica=got.replica.url,
                   cost=cost, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s,
@@ -365,17 +363,21 @@ class _Settle:
         m = self.gw.metrics
         m.reconciled.labels(self.tier.name, outcome).inc()
         res, req = self.decision.tokens, self.decision.requests
-        try:
-            # Shielded: a client that disconnected cancels the stream, but its refund must still land.
-            with anyio.CancelScope(shield=True):
-                if no_work and req is not None:
+        # Shielded: a client that disconnected cancels the stream, but its refunds must still land.
+        # The two refunds are separate calls: losing one must not lose the other.
+        with anyio.CancelScope(shield=True):
+            if no_work and req is not None:
+                try:
                     await req.settle(0)
-                delta = await res.settle(actual) if res is not None else 0.0
-        except LimiterUnavailable as e:
-            log.warning("reconcile of %s lost: %s", f"{res.cost - actual:g} tokens" if res else "a request", e)
-            return
-        if res is None:
-            return
+                except LimiterUnavailable as e:
+                    log.warning("refund of a request slot lost: %s", e)
+            if res is None:
+                return
+            try:
+                delta = await res.settle(actual)
+            except LimiterUnavailable as e:
+                log.warning("reconcile of %g tokens lost: %s", res.cost - actual, e)
+                return
         m.tokens_used.labels(self.tier.name).inc(actual)
         if delta > 0:
             m.tokens_returned.labels(self.tier.name).inc(delta)
@@ -405,6 +407,10 @@ def _usage_tokens(usage: Any) -> float | None:
     return None
 
 
+# Errors raised before the request could have reached a replica.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
 async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: dict[str, Any],
                   decision: Decision, prompt_tokens: int, headers: dict[str, str], t0: float) -> Response:
     """Send ``body`` to the chosen replica and pass its answer (streamed or not) back."""
@@ -421,9 +427,15 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         upstream = await gw.client.send(request, stream=True)
     except httpx.HTTPError as e:
         LoadPoller.mark_down(route.replica, f"{type(e).__name__}: {e}")
-        await settle("failed", 0.0, no_work=True)
-        return error_response(502, f"The replica could not be reached ({type(e).__name__}); retry.",
-                              code="replica_unreachable", headers=headers | retry_headers(1.0))
+        if isinstance(e, _NOT_SENT):  # nothing reached the replica: give back tokens and the request slot
+            await settle("failed", 0.0, no_work=True)
+            return error_response(502, f"The replica could not be reached ({type(e).__name__}); retry.",
+                                  code="replica_unreachable", headers=headers | retry_headers(1.0))
+        # Sent, then no answer (a timeout, a crash mid-generation): the replica may have worked on it,
+        # so the request slot stays spent and the prompt is charged, as for a client that left.
+        await settle("failed", float(prompt_tokens))
+        return error_response(502, f"The replica failed before answering ({type(e).__name__}); retry.",
+                              code="replica_error", headers=headers | retry_headers(1.0))
     except BaseException:  # cancelled while waiting for the replica: its seat must not stay taken
         with anyio.CancelScope(shield=True):
             await settle("disconnected", float(prompt_tokens))

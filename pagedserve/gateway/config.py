@@ -212,9 +212,9 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     for pool in pools.values():  # a URL in two pools is one replica: it cannot have two shapes
         for u in pool.replicas:
             other = seen_url.setdefault(u, pool)
-            if (other.load_source, other.seats) != (pool.load_source, pool.seats):
+            if (other.load_source, other.seats, other.api_key) != (pool.load_source, pool.seats, pool.api_key):
                 raise fail(f"replica {u} is in pools {other.name} and {pool.name} with different "
-                           "load_source or seats", ("pools", pool.name), "replicas")
+                           "load_source, seats or api_key", ("pools", pool.name), "replicas")
 
     tier_fields = {f.name: f for f in fields(TierConfig)}
     tiers: dict[str, TierConfig] = {}
@@ -307,11 +307,11 @@ def _check_tier(t: TierConfig, pools: dict[str, PoolConfig], fail: Any) -> None:
     for p in t.pools:
         if p not in pools:
             raise fail(f"tiers.{t.name}.pools names unknown pool {p!r} (known: {sorted(pools)})", "pools")
-    if not isinstance(t.priority, int) or isinstance(t.priority, bool):
+    if not _int(t.priority):
         raise fail(f"tiers.{t.name}.priority must be an integer (lower is served sooner)", "priority")
     if not _pos(t.max_queue_wait_s):
         raise fail(f"tiers.{t.name}.max_queue_wait_s must be a number > 0", "max_queue_wait_s")
-    if not isinstance(t.default_max_tokens, int) or t.default_max_tokens < 1:
+    if not _int(t.default_max_tokens) or t.default_max_tokens < 1:
         raise fail(f"tiers.{t.name}.default_max_tokens must be an integer >= 1", "default_max_tokens")
     if t.default_max_tokens > t.token_burst:
         raise fail(f"tiers.{t.name}.default_max_tokens exceeds token_burst: no request could ever pass",

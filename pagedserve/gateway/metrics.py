@@ -28,10 +28,10 @@ class GatewayMetrics:
         self.reconciled = Counter("reconciled", "Reservations settled, by how the response ended "
                                   "(usage, failed, disconnected, estimated, shed).", ["tier", "outcome"],
                                   namespace=ns, registry=r)
-        self.queue_wait = Histogram("queue_wait_estimate_seconds", "Estimated queue wait in the chosen pool "
-                                    "at the admission decision.", ["tier", "pool"], buckets=_WAIT_BUCKETS,
-                                    namespace=ns, registry=r)
-        self.queue_time = Histogram("queue_wait_seconds", "Time a forwarded request waited in the gateway's "
+        self.queue_wait_estimate = Histogram("queue_wait_estimate_seconds", "Estimated queue wait in the chosen "
+                                             "pool at the admission decision.", ["tier", "pool"],
+                                             buckets=_WAIT_BUCKETS, namespace=ns, registry=r)
+        self.queue_wait = Histogram("queue_wait_seconds", "Time a forwarded request waited in the gateway's "
                                     "queue for a seat.", ["tier", "pool"], buckets=_WAIT_BUCKETS,
                                     namespace=ns, registry=r)
         self.queued = Gauge("queued", "Requests waiting in the gateway's queue for a seat.", ["tier", "pool"],

@@ -41,7 +41,6 @@ from pagedserve.gateway.pools import Pool, Replica
 class Seat:
     """A seat on ``replica`` held by one request from dispatch until :meth:`Dispatcher.release`."""
 
-    pool: Pool
     replica: Replica
     priority: int
     n: int
@@ -87,8 +86,7 @@ class Dispatcher:
 
     def hold_s(self, pool: Pool) -> float:
         """Seconds a request holds a seat in ``pool``: the healthy replicas' measured average."""
-        held = [r.hold_s if r.hold_s is not None else r.service_s for r in pool.healthy()]
-        measured = [h for h in held if h is not None]
+        measured = [r.hold_s for r in pool.healthy() if r.hold_s is not None]
         return sum(measured) / len(measured) if measured else self.default_service_s
 
     def first_byte_s(self, pool: Pool) -> float:
@@ -148,7 +146,7 @@ class Dispatcher:
             replica = self._pick(pool, priority, n, prefix_key)
             if replica is not None:
                 replica.started(priority, n)
-                return Seat(pool, replica, priority, n, start, 0.0)
+                return Seat(replica, priority, n, start, 0.0)
         queue = self._queues[pool.name]
         waiter = _Waiter(priority, next(self._order), n, tier, prefix_key, asyncio.get_running_loop().create_future())
         heapq.heappush(queue, waiter)
@@ -164,16 +162,21 @@ class Dispatcher:
                     outcome = "gone"
                     break
         except BaseException:  # cancelled while waiting: leave the queue, give back a seat just granted
-            self._leave(queue, waiter)
-            if waiter.future.done() and not waiter.future.cancelled():
-                waiter.future.result().ended(priority, None, n)
-                self.pump()
+            self._give_back(queue, waiter)
             raise
-        if waiter.future.done():
+        if waiter.future.done() and outcome != "gone":
             now = time.monotonic()
-            return Seat(pool, waiter.future.result(), priority, n, now, now - start)
-        self._leave(queue, waiter)
+            return Seat(waiter.future.result(), priority, n, now, now - start)
+        # Timed out, or the client left (a seat granted while gone() was being asked goes back).
+        self._give_back(queue, waiter)
         return outcome
+
+    def _give_back(self, queue: list[_Waiter], waiter: _Waiter) -> None:
+        """Take ``waiter`` out of the queue; a seat it was granted meanwhile goes to the next one."""
+        self._leave(queue, waiter)
+        if waiter.future.done() and not waiter.future.cancelled():
+            waiter.future.result().ended(waiter.priority, None, waiter.n)
+            self.pump()
 
     @staticmethod
     def _leave(queue: list[_Waiter], waiter: _Waiter) -> None:

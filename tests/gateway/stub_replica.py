@@ -3,6 +3,8 @@ answer every completion with an error, or expose only vLLM's ``/metrics`` (no ``
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -11,9 +13,10 @@ from tests.helpers.servers import AppThread
 
 class StubReplica(AppThread):
     """``with StubReplica(...) as stub: stub.url``. ``status`` answers every completion (a 400 when the
-    prompt is ``"bad"``); ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load."""
+    prompt is ``"bad"``) after ``delay_s``; ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load."""
 
-    def __init__(self, status: int = 503, vllm: bool = False, running: int = 0, waiting: int = 0):
+    def __init__(self, status: int = 503, vllm: bool = False, running: int = 0, waiting: int = 0,
+                 delay_s: float = 0.0):
         self.status, self.vllm = status, vllm
         self.running, self.waiting = running, waiting
         self.completions = 0
@@ -43,6 +46,7 @@ class StubReplica(AppThread):
         async def completions(request: Request) -> JSONResponse:
             self.completions += 1
             body = await request.json()
+            await asyncio.sleep(delay_s)  # longer than the gateway's request timeout: sent, never answered
             status = 400 if body.get("prompt") == "bad" else self.status
             return JSONResponse({"error": {"message": f"stub answers {status}", "type": "server_error",
                                            "param": None, "code": None}}, status_code=status)

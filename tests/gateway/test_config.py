@@ -110,5 +110,8 @@ def test_pool_seat_settings_errors_name_the_line(setting: str, line: int, words:
 
 def test_a_replica_in_two_pools_has_one_shape() -> None:
     two = GOOD.replace('[tiers.paid]', '[pools.other]\nreplicas = ["http://127.0.0.1:8002"]\nseats = 4\n\n[tiers.paid]')
-    with pytest.raises(ConfigError, match="different load_source or seats"):
+    with pytest.raises(ConfigError, match="different load_source, seats or api_key"):
         parse_config(two)
+    keyed = GOOD.replace('[tiers.paid]', '[pools.other]\nreplicas = ["http://127.0.0.1:8002"]\napi_key = "k"\n\n[tiers.paid]')
+    with pytest.raises(ConfigError, match="different load_source, seats or api_key"):
+        parse_config(keyed)

@@ -4,7 +4,6 @@ by free traffic, exact reconciliation (in-process and Redis buckets)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
@@ -15,12 +14,10 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.gateway.admission import token_bucket
 from pagedserve.gateway.config import GatewayConfig, parse_config
-from pagedserve.gateway.keys import KeyRing
 from pagedserve.gateway.limiter_redis import RedisLimiter
-from tests.gateway.conftest import MODEL
-from tests.gateway.gateway_server import GatewayThread
+from tests.gateway.conftest import ENGINE_SEATS, MODEL
+from tests.gateway.gateway_server import GatewayThread, bucket_levels, metric
 from tests.helpers.servers import free_port
 
 
@@ -88,36 +85,9 @@ def gateway(engines: dict[str, str]) -> Iterator[GatewayThread]:
         yield gw
 
 
-def _level(gw: GatewayThread, key: str) -> float:
-    """The bucket level of ``key`` right now, read from the gateway's store."""
-    g = gw.gateway
-    entry = KeyRing(g.config.keys).lookup(key)
-    assert entry is not None
-    bucket = token_bucket(g.config.tiers[entry.tier], entry)
-    if not isinstance(g.limiter, RedisLimiter):
-        return asyncio.run(g.limiter.peek(bucket))
-
-    async def peek() -> float:  # a client of our own: the gateway's is bound to its event loop
-        lim = RedisLimiter(g.limiter.url, timeout_s=2.0)
-        try:
-            return await lim.peek(bucket)
-        finally:
-            await lim.close()
-    return asyncio.run(peek())
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_openai_client_through_the_gateway(gateway: GatewayThread) -> None:
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-meter", max_retries=0)
-    before = _level(gateway, "sk-meter")
+    before = bucket_levels(gateway, "sk-meter")[0]
     r = client.completions.create(model=MODEL, prompt="The paging of memory", max_tokens=8,
                                   extra_body={"ignore_eos": True})
     assert r.usage is not None and r.usage.completion_tokens == 8
@@ -142,10 +112,10 @@ def test_openai_client_through_the_gateway(gateway: GatewayThread) -> None:
     # Reconciled exactly: the bucket lost what was used, no more (rate 0.001/s: refill is noise).
     used = r.usage.total_tokens + chat.usage.total_tokens + streamed_usage + uncapped.usage.total_tokens
     time.sleep(0.2)
-    after = _level(gateway, "sk-meter")
+    after = bucket_levels(gateway, "sk-meter")[0]
     plain_used = before - after - used
     assert 0 < plain_used < 40  # the unseen stream's usage: its prompt + 4 tokens
-    assert _metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="usage") == 5
+    assert metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="usage") == 5
 
 
 def test_unknown_or_missing_key_is_401(gateway: GatewayThread) -> None:
@@ -197,7 +167,7 @@ def test_openai_client_sees_rate_limit_error(gateway: GatewayThread) -> None:
 
 
 def test_client_disconnect_refunds_once_and_engine_stops(gateway: GatewayThread, engines: dict[str, str]) -> None:
-    before = _level(gateway, "sk-meter")
+    before = bucket_levels(gateway, "sk-meter")[0]
     with httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer sk-meter"}, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "leave early", "max_tokens": 3000,
                                                        "ignore_eos": True, "stream": True}) as r:
@@ -206,10 +176,10 @@ def test_client_disconnect_refunds_once_and_engine_stops(gateway: GatewayThread,
                 if i >= 6:
                     break
     deadline = time.monotonic() + 10
-    while _metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="disconnected") < 1:
+    while metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="disconnected") < 1:
         assert time.monotonic() < deadline, "the disconnect was never reconciled"
         time.sleep(0.05)
-    used = before - _level(gateway, "sk-meter")
+    used = before - bucket_levels(gateway, "sk-meter")[0]
     assert 0 < used < 200  # charged its prompt + the chunks it got, not the 3,000 reserved
     while httpx.get(f"{engines['dedicated']}/load").json()["running"] > 0:
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
@@ -217,20 +187,20 @@ def test_client_disconnect_refunds_once_and_engine_stops(gateway: GatewayThread,
 
 
 def test_engine_error_is_passed_through_and_refunded(gateway: GatewayThread) -> None:
-    before = _level(gateway, "sk-meter")
+    before = bucket_levels(gateway, "sk-meter")[0]
     r = httpx.post(f"{gateway.url}/v1/completions", headers={"Authorization": "Bearer sk-meter"},
                    json={"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    assert _level(gateway, "sk-meter") == pytest.approx(before, abs=0.01)
+    assert bucket_levels(gateway, "sk-meter")[0] == pytest.approx(before, abs=0.01)
 
 
 def test_overload_sheds_free_while_paid_is_served(gateway: GatewayThread) -> None:
-    """Free's budget is ~0: once its 4 seats are taken, the next free request is shed with 429
+    """Free's budget is ~0: once the engine's ENGINE_SEATS seats are taken, the next free request is shed with 429
     ('overloaded', no engine work); paid, with better priority, still goes straight in."""
     free = {"Authorization": "Bearer sk-free"}
     long_body = {"model": MODEL, "prompt": "long", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with contextlib.ExitStack() as stack, httpx.Client(base_url=gateway.url, timeout=30) as c:
-        for _ in range(4):
+        for _ in range(ENGINE_SEATS):
             r = stack.enter_context(c.stream("POST", "/v1/completions", json=long_body, headers=free))
             assert r.status_code == 200
         shed = c.post("/v1/completions", json={"model": MODEL, "prompt": "one more"}, headers=free)
@@ -241,26 +211,28 @@ def test_overload_sheds_free_while_paid_is_served(gateway: GatewayThread) -> Non
         paid = c.post("/v1/completions", json={"model": MODEL, "prompt": "vip", "max_tokens": 4},
                       headers={"Authorization": "Bearer sk-paidshared"})
         assert paid.status_code == 200 and paid.headers["x-pagedserve-pool"] == "shared"
-    assert _metric(gateway.url, "pagedserve_gateway_shed_total", tier="free", reason="overloaded") >= 1
+    assert metric(gateway.url, "pagedserve_gateway_shed_total", tier="free", reason="overloaded") >= 1
 
 
 def test_provisioned_pool_untouched_by_free_traffic(gateway: GatewayThread, engines: dict[str, str]) -> None:
     def prompt_tokens(url: str) -> float:
-        return _metric(url, "pagedserve:prompt_tokens_total")
+        return metric(url, "pagedserve:prompt_tokens_total")
     dedicated_before = prompt_tokens(engines["dedicated"])
     shared_before = prompt_tokens(engines["shared"])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-free", max_retries=0)
-    for i in range(6):
-        # Free's budget is ~0: while the shared pool still drains an earlier test's streams (as the
-        # gateway's last /load poll sees it), free is shed. It must never spill into 'dedicated'.
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.completions.create(model=MODEL, prompt=f"free request {i}", max_tokens=2)
-                break
-            except openai.RateLimitError:
-                assert time.monotonic() < deadline, "free traffic was still shed 20 s after the pool drained"
-                time.sleep(0.2)
+    # Free's budget is ~0: while the shared pool still drains an earlier test's streams (as the
+    # gateway's last /load poll sees it), free is shed; only the first request may meet that stale
+    # view. It must never spill into 'dedicated'.
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.completions.create(model=MODEL, prompt="free request 0", max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "free traffic was still shed 20 s after the pool drained"
+            time.sleep(0.2)
+    for i in range(1, 6):  # one at a time into an idle pool: none may be shed
+        client.completions.create(model=MODEL, prompt=f"free request {i}", max_tokens=2)
     assert prompt_tokens(engines["dedicated"]) == dedicated_before
     assert prompt_tokens(engines["shared"]) > shared_before
     paid = httpx.post(f"{gateway.url}/v1/completions", headers={"Authorization": "Bearer sk-paid"},
@@ -277,7 +249,7 @@ def test_redis_backed_gateway_reconciles_exactly(engines: dict[str, str], redis_
     config.redis_url = redis_server.url
     with GatewayThread(config) as gw:
         assert isinstance(gw.gateway.limiter, RedisLimiter)
-        before = _level(gw, "sk-meter")
+        before = bucket_levels(gw, "sk-meter")[0]
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-meter", max_retries=0)
         chunks = list(client.completions.create(model=MODEL, prompt="through redis", max_tokens=7, stream=True,
                                                 stream_options={"include_usage": True},
@@ -285,8 +257,8 @@ def test_redis_backed_gateway_reconciles_exactly(engines: dict[str, str], redis_
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens == 7
         time.sleep(0.2)
-        assert before - _level(gw, "sk-meter") == pytest.approx(usage.total_tokens, abs=0.05)
-        assert _metric(gw.url, "pagedserve_gateway_limiter_up") == 1
+        assert before - bucket_levels(gw, "sk-meter")[0] == pytest.approx(usage.total_tokens, abs=0.05)
+        assert metric(gw.url, "pagedserve_gateway_limiter_up") == 1
 
 
 def test_redis_down_policy_at_the_http_edge(engines: dict[str, str]) -> None:
@@ -307,6 +279,6 @@ def test_redis_down_policy_at_the_http_edge(engines: dict[str, str]) -> None:
             opened = c.post("/v1/completions", headers={"Authorization": "Bearer sk-paid"},
                             json={"model": MODEL, "prompt": "x", "max_tokens": 2})
             assert opened.status_code == 200
-        assert _metric(gw.url, "pagedserve_gateway_limiter_fail_open_total", tier="paid") == 5
-        assert _metric(gw.url, "pagedserve_gateway_limiter_up") == 0
-        assert _metric(gw.url, "pagedserve_gateway_limiter_errors_total") >= 3
+        assert metric(gw.url, "pagedserve_gateway_limiter_fail_open_total", tier="paid") == 5
+        assert metric(gw.url, "pagedserve_gateway_limiter_up") == 0
+        assert metric(gw.url, "pagedserve_gateway_limiter_errors_total") >= 3

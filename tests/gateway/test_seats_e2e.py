@@ -5,7 +5,6 @@ vLLM's gauges on /metrics stand in for /load."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
@@ -15,31 +14,12 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.gateway.admission import request_bucket, token_bucket
 from pagedserve.gateway.config import parse_config
-from pagedserve.gateway.keys import KeyRing
 from tests.gateway.conftest import MODEL
-from tests.gateway.gateway_server import GatewayThread
+from tests.gateway.gateway_server import GatewayThread, bucket_levels, metric
 from tests.gateway.stub_replica import StubReplica
 
 LONG = {"model": MODEL, "prompt": "hold a seat", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-
-
-def _levels(gw: GatewayThread, key: str) -> tuple[float, float | None]:
-    """(token bucket, request bucket) levels of ``key`` now."""
-    g = gw.gateway
-    entry = KeyRing(g.config.keys).lookup(key)
-    assert entry is not None
-    tier = g.config.tiers[entry.tier]
-    req = request_bucket(tier, entry)
-    return (asyncio.run(g.limiter.peek(token_bucket(tier, entry))),
-            asyncio.run(g.limiter.peek(req)) if req is not None else None)
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
 def _wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
@@ -69,7 +49,7 @@ default_service_s = 0.5
 
 [pools.q]
 replicas = ["{engines['shared']}"]
-seats = 2             # fewer than the engine's 4: the gateway gates at 2
+seats = 2             # fewer than the engine's ENGINE_SEATS (4): the gateway gates at 2
 reserved_seats = 1    # one of them kept for paid
 
 [tiers.paid]
@@ -102,14 +82,14 @@ bucket = "tier"
         assert held.status_code == 200 and held.headers["x-pagedserve-queue-wait-ms"] == "0"
         lines = held.iter_lines()  # kept: a dropped iterator would close the stream
         next(lines)  # it is running
-        tokens_before, requests_before = _levels(gw, "sk-q-free")
+        tokens_before, requests_before = bucket_levels(gw, "sk-q-free")
 
         # Free's only seat is taken: the next free request waits in the gateway, not in the engine.
         shed_thread, shed = _in_thread(lambda: c.post("/v1/completions", json=short, headers=free))
         _wait_until(lambda: gw.gateway.dispatcher.queued("q") == {"free": 1}, "the free request is queued")
         load = httpx.get(f"{engines['shared']}/load").json()
         assert (load["running"], load["waiting"]) == (1, 0)
-        assert _metric(gw.url, "pagedserve_gateway_queued", tier="free", pool="q") == 1
+        assert metric(gw.url, "pagedserve_gateway_queued", tier="free", pool="q") == 1
         # Paid has a reserved seat: straight in, while free still waits.
         p = c.post("/v1/completions", json=short, headers=paid)
         assert p.status_code == 200 and p.headers["x-pagedserve-queue-wait-ms"] == "0"
@@ -123,19 +103,19 @@ bucket = "tier"
         assert 1.0 < shed["elapsed"] < 3.0 and int(r.headers["x-pagedserve-queue-wait-ms"]) >= 1000
         assert r.headers["x-ratelimit-limit-tokens"] == "100000"
         # Its reservation came back exactly once: tokens (refill is 0.001/s) and the request slot.
-        tokens_after, requests_after = _levels(gw, "sk-q-free")
+        tokens_after, requests_after = bucket_levels(gw, "sk-q-free")
         assert tokens_after == pytest.approx(tokens_before, abs=0.05)
         assert requests_after == pytest.approx(requests_before, abs=0.01)
-        assert _metric(gw.url, "pagedserve_gateway_shed_total", tier="free", reason="queue_timeout") == 1
-        assert _metric(gw.url, "pagedserve_gateway_reconciled_total", tier="free", outcome="shed") == 1
+        assert metric(gw.url, "pagedserve_gateway_shed_total", tier="free", reason="queue_timeout") == 1
+        assert metric(gw.url, "pagedserve_gateway_reconciled_total", tier="free", outcome="shed") == 1
 
         # A client that gives up while queued leaves the queue, and its reservation comes back.
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=short, headers=free, timeout=0.3)
         _wait_until(lambda: not gw.gateway.dispatcher.queued("q"), "the abandoned request left the queue", 3)
-        _wait_until(lambda: _metric(gw.url, "pagedserve_gateway_reconciled_total", tier="free", outcome="shed") == 2,
+        _wait_until(lambda: metric(gw.url, "pagedserve_gateway_reconciled_total", tier="free", outcome="shed") == 2,
                     "the abandoned request was settled", 3)
-        assert _levels(gw, "sk-q-free")[1] == pytest.approx(requests_before, abs=0.01)
+        assert bucket_levels(gw, "sk-q-free")[1] == pytest.approx(requests_before, abs=0.01)
 
         # A queued request goes as soon as the seat frees up.
         waiting_thread, waiting = _in_thread(lambda: c.post("/v1/completions", json=short, headers=free))
@@ -177,16 +157,48 @@ pools = ["stub"]
                 r = c.post("/v1/completions", json=body)
                 assert r.status_code == 503 and r.json()["error"]["message"] == "stub answers 503"
             assert stub.completions == 3
-            assert _levels(gw, "sk-stub")[1] == pytest.approx(2, abs=0.01)
+            assert bucket_levels(gw, "sk-stub")[1] == pytest.approx(2, abs=0.01)
             # A 4xx is the request's own fault: the replica looked at it, and the slot stays spent.
             assert c.post("/v1/completions", json={**body, "prompt": "bad"}).status_code == 400
-            assert _levels(gw, "sk-stub")[1] == pytest.approx(1, abs=0.01)
+            assert bucket_levels(gw, "sk-stub")[1] == pytest.approx(1, abs=0.01)
             stub.stop()  # unreachable now, though the last poll said it was up
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 502 and r.json()["error"]["code"] == "replica_unreachable"
-            assert _levels(gw, "sk-stub")[1] == pytest.approx(1, abs=0.01)
-            assert _metric(gw.url, "pagedserve_gateway_reconciled_total", tier="t", outcome="failed") == 5
+            assert bucket_levels(gw, "sk-stub")[1] == pytest.approx(1, abs=0.01)
+            assert metric(gw.url, "pagedserve_gateway_reconciled_total", tier="t", outcome="failed") == 5
 
+
+def test_request_slot_stays_spent_when_the_replica_took_the_request_and_never_answered() -> None:
+    """Sent, then a read timeout: the replica may have worked on it, so unlike an unreachable
+    replica the request slot is not given back and the prompt is charged."""
+    with StubReplica(status=200, delay_s=3.0) as stub:
+        config = parse_config(f"""
+[gateway]
+request_timeout_s = 0.5
+
+[pools.slow]
+replicas = ["{stub.url}"]
+
+[tiers.t]
+token_rate = 0.001
+token_burst = 1000
+request_rate = 0.001
+request_burst = 2
+pools = ["slow"]
+
+[keys]
+"sk-slow" = "t"
+""")
+        with GatewayThread(config) as gw, httpx.Client(base_url=gw.url, timeout=10,
+                                                       headers={"Authorization": "Bearer sk-slow"}) as c:
+            tokens_before, requests_before = bucket_levels(gw, "sk-slow")
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})
+            assert r.status_code == 502 and r.json()["error"]["code"] == "replica_error"
+            assert stub.completions == 1
+            tokens_after, requests_after = bucket_levels(gw, "sk-slow")
+            assert requests_after == pytest.approx(requests_before - 1, abs=0.01)
+            assert tokens_before - tokens_after == pytest.approx(3, abs=0.05)  # the prompt, not the reservation
+            assert metric(gw.url, "pagedserve_gateway_reconciled_total", tier="t", outcome="failed") == 1
 
 def test_vllm_gauges_on_metrics_stand_in_for_load(engines: dict[str, str]) -> None:
     """A pagedserve engine read as if it were vLLM (/load unused): requests another client holds
