@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.gateway.admission import Admission, Decision, bucket_views
@@ -38,6 +38,7 @@ from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, pre
 from pagedserve.gateway.responses import error_response, ratelimit_headers, retry_headers
 from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.tokens import count_prompt_tokens
+from pagedserve.streaming import ClosingStreamingResponse
 
 log = logging.getLogger("pagedserve.gateway")
 decisions = logging.getLogger("pagedserve.gateway.decisions")
@@ -548,22 +549,5 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         await upstream.aclose()
         await settle("disconnected", float(prompt_tokens))  # it never started: nothing was counted
 
-    return _ClosingStream(body_iter, close, status_code=200, headers=headers, media_type="text/event-stream")
-
-
-class _ClosingStream(StreamingResponse):
-    """A streamed response that runs ``on_close`` however it ends. A client that leaves before the
-    first chunk ends it before the body generator starts, and an unstarted generator never runs its
-    ``finally``: without this the request's seat and reservation would never be given back."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
-
+    return ClosingStreamingResponse(body_iter, close, status_code=200, headers=headers,
+                                    media_type="text/event-stream")

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from pagedserve import errors
 from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -24,6 +23,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
+from pagedserve.streaming import ClosingStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +39,14 @@ class ClientDisconnected(Exception):
     """The client hung up before the answer was ready."""
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events of one engine request; the request is aborted however the response ends.
-
-    The event generator aborts in its own ``finally``, but a generator that was never started
-    (the client left before the first event) runs no ``finally``: this covers that case too.
-    """
+class SSEResponse(ClosingStreamingResponse):
+    """Server-sent events of one engine request; the request is aborted however the response ends
+    (also when the client left before the first event: see :mod:`pagedserve.streaming`)."""
 
     def __init__(self, events: AsyncIterator[str], stream: RequestStream):
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._request_stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._request_stream.abort()
+        async def abort() -> None:
+            stream.abort()
+        super().__init__(events, abort, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @dataclass
