@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.common import machine_summary, resolve_model, run_engine, write_result
 from pagedserve.bench.workloads import BenchRequest
+from pagedserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.planner.sizing import seats_at_max_len
 
 FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
@@ -45,9 +46,9 @@ def add_parser(bench) -> None:
     p.add_argument("--model", default="trained",
                    help="'trained' (the stdlib-trained model, built on first use) or a directory of a model from "
                         "pagedserve.models.trained (it must carry heldout_tokens.pt)")
-    p.add_argument("--weights", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"],
+    p.add_argument("--weights", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS,
                    help="weight precisions to compare (none = the checkpoint's dtype)")
-    p.add_argument("--kv", nargs="+", default=["auto", "fp8", "int8", "int4"], choices=["auto", "fp8", "int8", "int4"],
+    p.add_argument("--kv", nargs="+", default=list(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES,
                    help="KV cache precisions to compare (auto = the model dtype)")
     p.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity and KL")
     p.add_argument("--window-len", type=int, default=256, help="tokens per perplexity window")
@@ -67,7 +68,7 @@ def add_parser(bench) -> None:
                     "precision on each model, runs interleaved round by round; reports medians and ratios to bf16.")
     d.add_argument("--models", nargs="+", default=["small", "qwen05-shape"],
                    help="standard model names or model directories")
-    d.add_argument("--weights", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"],
+    d.add_argument("--weights", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS,
                    help="weight precisions (none = the checkpoint's bf16)")
     d.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round (median reported)")
     d.add_argument("--output-len", type=int, default=256, help="output tokens per run (W2: 256)")
@@ -181,7 +182,6 @@ class QualityRow:
 
 def _decode_speed(engine, prompt: list[int], tokens: int, repeats: int) -> float:
     from pagedserve.bench.decode import decode_rate
-    from pagedserve.bench.workloads import BenchRequest
 
     if tokens <= 0:
         return float("nan")

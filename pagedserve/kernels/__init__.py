@@ -6,7 +6,7 @@
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 
-The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~10 s) into
+The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~20 s) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``, keyed by the source, the torch version and the CPU's
 instruction-set flags (the build uses ``-march=native``), so each machine builds once and later
 processes only load the library. Without a compiler, or with ``PAGEDSERVE_KERNELS=0``, nothing is

@@ -1,6 +1,6 @@
 """Paged attention: write new K/V into their slots, then attend through each block table.
 
-The flat batch holds ``num_decodes`` one-token sequences first, then prompt chunks. Two
+The flat batch holds ``num_decodes`` one-token sequences first, then prompt chunks. Four
 backends compute the same thing:
 
 * ``reference`` — plain torch, one sequence at a time, explicit masked softmax in float32.
@@ -17,8 +17,10 @@ backends compute the same thing:
 
 The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCache` pools, plain
 ``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
-(int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write, and every
-backend reads blocks through ``gather_blocks``, which dequantizes only the blocks gathered.
+(int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
+gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
+blocks gathered), except the fused decode kernel, which reads model-dtype head-major pools in place;
+with quantized pools ``fused`` decodes go through the ``matmul`` path (the engine logs so).
 """
 
 from __future__ import annotations
@@ -178,8 +180,10 @@ def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Batched decodes through ``decode``, then each prompt chunk through ``prefill``."""
-    out = torch.empty_like(q)
     d = meta.num_decodes
+    if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
+        return decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     if d:
         out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
     for start, q_len, ctx_len, block_ids in meta.prefills:

@@ -115,10 +115,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         quantize_model(model, quantization)
         logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
-    else:
-        if os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
-            pack_linears(model)  # CPU: oneDNN-prepacked weights, faster small-batch matmuls
-        logger.info("weights: %.1f MiB in %s", weight_bytes(model) / 2**20, str(dtype).removeprefix("torch."))
+    elif os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
+        pack_linears(model)  # CPU: oneDNN-prepacked weights, faster small-batch matmuls
     if device.type == "cpu":
         model.use_native_ops(native_ops())  # None (torch paths) where the kernels can't be built
     return model

@@ -19,6 +19,8 @@ import logging
 import torch
 from torch import nn
 
+from pagedserve.models.replace import replace_linears
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,17 +61,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every float ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place, where this
     machine can; returns how many were packed (0 where it can't)."""
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and can_pack(m.weight.dtype, m.weight.device)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear.from_linear(linear))
-    embed = getattr(model, "embed_tokens", None)
-    if ("lm_head" in vars(model) and model.lm_head is None and isinstance(embed, nn.Embedding)
-            and can_pack(embed.weight.dtype, embed.weight.device)):
-        model.lm_head = PackedLinear(embed.weight, None)  # the tied head's logits matmul
-        targets.append(("lm_head", None))
-    if targets:
-        logger.info("prepacked %d linear layers for oneDNN", len(targets))
-    return len(targets)
+    packed = replace_linears(model, PackedLinear.from_linear, lambda m: can_pack(m.weight.dtype, m.weight.device))
+    if packed:
+        logger.info("prepacked %d linear layers for oneDNN", packed)
+    return packed

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.models.replace import replace_linears
+
 INT4_GROUP_SIZE = 32
 _INT4_INNER_K_TILES = 2  # the CPU packing's tile parameter (K must be a multiple of 16 × this)
 
@@ -151,19 +153,8 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_G
     def twin(linear: nn.Linear) -> nn.Module:
         return Int8Linear.from_linear(linear) if quantization == "int8" else Int4Linear.from_linear(linear, group_size)
 
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, twin(linear))
-    embed = getattr(model, "embed_tokens", None)
-    if "lm_head" in vars(model) and model.lm_head is None and isinstance(embed, nn.Embedding):
-        # A tied LM head reads the whole embedding matrix every decode step (57 MiB in bf16 for
-        # qwen05-shape): give the logits matmul its own quantized copy; lookups keep the table.
-        head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device=embed.weight.device,
-                         dtype=embed.weight.dtype)
-        head.weight = embed.weight
-        model.lm_head = twin(head)
+    # A tied LM head gets its own quantized copy (57 MiB of bf16 read every step for qwen05-shape).
+    replace_linears(model, twin)
     return model
 
 

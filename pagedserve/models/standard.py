@@ -75,15 +75,16 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
     return fast
 
 
-def shared_tokenizer_dir() -> Path:
-    """The BPE tokenizer, trained once per cache and copied into every standard model."""
-    out = cache_dir() / "tokenizer-bpe-32000"
+def shared_tokenizer_dir(vocab_size: int = 32000) -> Path:
+    """The stdlib BPE tokenizer with ``vocab_size`` tokens, trained once per cache (the default one
+    is copied into every standard model; the trained model uses a smaller one)."""
+    out = cache_dir() / f"tokenizer-bpe-{vocab_size}"
     if not (out / "tokenizer.json").exists():
         with _build_lock(out):
             if not (out / "tokenizer.json").exists():
-                logger.info("training the standard BPE tokenizer (vocab 32,000) on the stdlib sources")
+                logger.info("training the BPE tokenizer (vocab %d) on the stdlib sources", vocab_size)
                 tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-                train_tokenizer(tmp)
+                train_tokenizer(tmp, vocab_size=vocab_size)
                 tmp.rename(out)
     return out
 

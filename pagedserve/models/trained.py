@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.models.standard import _build_lock, _stdlib_sources, cache_dir, train_tokenizer
+from pagedserve.models.standard import _build_lock, _stdlib_sources, cache_dir, shared_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +60,6 @@ class TrainSpec:
 
 
 DEFAULT_SPEC = TrainSpec()
-
-
-def tokenizer_dir(vocab_size: int) -> Path:
-    """The stdlib BPE tokenizer with ``vocab_size`` tokens, trained once per cache."""
-    out = cache_dir() / f"tokenizer-bpe-{vocab_size}"
-    if not (out / "tokenizer.json").exists():
-        with _build_lock(out):
-            if not (out / "tokenizer.json").exists():
-                tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-                train_tokenizer(tmp, vocab_size=vocab_size)
-                tmp.rename(out)
-    return out
 
 
 def split_sources(heldout_every: int) -> tuple[list[str], list[str]]:
@@ -130,7 +118,7 @@ def train_model(spec: TrainSpec, out_dir: Path, progress: bool = True) -> dict:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     t0 = time.monotonic()
-    tok_dir = tokenizer_dir(spec.vocab_size)
+    tok_dir = shared_tokenizer_dir(spec.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     train_files, heldout_files = split_sources(spec.heldout_every)
     train_tokens = tokenize_files(tokenizer, train_files)
