@@ -265,7 +265,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "rate in turn; prints a markdown table, writes JSON and a latency-CDF PNG. Either point it at "
                     "a running server (--url) or let it start one (--model).",
         epilog="examples:\n  pagedserve bench serve --url http://127.0.0.1:8000 --rates 1,2,4,inf\n"
-               "  pagedserve bench serve --model ~/.cache/pagedserve/tiny --num-requests 32",
+               "  pagedserve bench serve --model ~/.cache/pagedserve/models/tiny --num-requests 32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")

@@ -30,12 +30,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (args.steps is not None and args.steps < 1) or (args.max_seconds is not None and args.max_seconds <= 0):
+        raise SystemExit("--steps must be >= 1 and --max-seconds > 0")
     spec = DEFAULT_SPEC
-    if args.steps is not None or args.max_seconds is not None:
-        steps = args.steps or spec.steps
-        seconds = args.max_seconds if args.max_seconds is not None else spec.max_seconds
+    steps = args.steps if args.steps is not None else spec.steps
+    seconds = args.max_seconds if args.max_seconds is not None else spec.max_seconds
+    if (steps, seconds) != (spec.steps, spec.max_seconds):
         # Another recipe is another model: it gets its own cache directory.
-        spec = dataclasses.replace(spec, name=f"{spec.name}-{steps}steps-{seconds or 0:.0f}s", steps=steps,
+        spec = dataclasses.replace(spec, name=f"{spec.name}-{steps}steps-{seconds:.0f}s", steps=steps,
                                    max_seconds=seconds)
     out = ensure_trained_model(spec)
     print(out)
