@@ -216,9 +216,10 @@ def _route(gw: Gateway, tier: TierConfig, n: int) -> Route | tuple[str, float]:
         wait = gw.dispatcher.estimate(pool, tier.priority, n)
         if wait is None:
             continue
-        if wait <= tier.max_queue_wait_s:
+        allowance = gw.dispatcher.allowance_s(pool, tier.max_queue_wait_s)
+        if wait <= allowance:
             return Route(pool, wait)
-        over.append(wait - tier.max_queue_wait_s)
+        over.append(wait - allowance)
     if not over:
         return "no_replica", 1.0
     return "overloaded", min(over)
@@ -292,12 +293,10 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
     headers["x-pagedserve-pool"] = route.pool.name
     headers["x-pagedserve-est-queue-wait-ms"] = str(round(route.est_wait_s * 1000))
 
-    # Wait for a seat. The deadline leaves room for the time from dispatch to the first byte, so
-    # that the whole wait, not only the part spent here, fits the budget; at most half of it, so
-    # that slow prefills cannot leave a queued request no time at all.
+    # Wait for a seat, until the time the tier's budget leaves for the queue (see allowance_s).
     pool = route.pool
-    budget = tier.max_queue_wait_s
-    deadline = t0 + budget - min(gw.dispatcher.first_byte_s(pool), budget / 2)
+    allowance = gw.dispatcher.allowance_s(pool, tier.max_queue_wait_s)
+    deadline = t0 + allowance
     got = await gw.dispatcher.acquire(pool, tier.priority, n, tier.name, prefix_key(body, body["cache_salt"]),
                                       deadline, request.is_disconnected)
     if not isinstance(got, Seat):
@@ -308,7 +307,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         if got == "gone":
             _log_decision("drop", "client_gone_while_queued", tier.name, entry.name, pool=pool.name, waited_s=waited)
             return error_response(499, "The client closed the request while it was queued.", code="client_closed")
-        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - tier.max_queue_wait_s,
+        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - allowance,
                     gw.dispatcher.turnover_s(pool, tier.priority))
         gw.metrics.shed.labels(tier.name, pool.name, "queue_timeout").inc()
         _log_decision("shed", "queue_timeout", tier.name, entry.name, pool=pool.name, waited_s=waited,

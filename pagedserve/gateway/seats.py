@@ -95,6 +95,13 @@ class Dispatcher:
         measured = [r.first_byte_s for r in pool.healthy() if r.first_byte_s is not None]
         return sum(measured) / len(measured) if measured else 0.0
 
+    def allowance_s(self, pool: Pool, budget_s: float) -> float:
+        """The part of a tier's queue-wait budget a request may spend in ``pool``'s queue: the budget
+        less the time from dispatch to the first byte (at most half of it, so that slow prefills
+        cannot leave a queued request no time at all). Admission and the queue deadline both use it,
+        so a request admitted on its estimate is not shed later for the same wait."""
+        return budget_s - min(self.first_byte_s(pool), budget_s / 2)
+
     def turnover_s(self, pool: Pool, priority: int) -> float:
         """Seconds between two seats that serve ``priority``'s queue freeing up."""
         usable = sum(min(r.usable_seats(priority, pool.reserved_for(priority)), 1e6) for r in pool.healthy())
