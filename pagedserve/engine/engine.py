@@ -185,6 +185,13 @@ class Engine:
         self.detokenizer.start(seq)
         return seq
 
+    def unsent_tokens(self, request_id: str) -> int:
+        """Tokens a live request generated that no output has carried yet (with ``stream_interval``
+        N > 1, fewer than N per sequence; 0 for an unknown request). Read before :meth:`abort` to
+        count what an aborted request generated but never returned."""
+        req = self.requests.get(request_id)
+        return 0 if req is None else sum(s.num_output_tokens - s.sent_token_len for s in req.seqs)
+
     def abort(self, request_id: str) -> bool:
         """Drop a request now, freeing its blocks. False if it is unknown or already done."""
         req = self.requests.pop(request_id, None)
@@ -210,14 +217,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        now = time.monotonic()
-        for seq, _ in plan.scheduled:
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
         model_input = self.runner.prepare(plan)
         logits = self.runner.execute(model_input, plan.copies)
         self.scheduler.update_after_step(plan)
         self._tokens_since_log += plan.num_batched_tokens
+        now = time.monotonic()
         if now - self._last_log >= self.log_interval_s:
             self._log_stats(now)
         return self._sample_and_finish(model_input.sampled_seqs, logits)

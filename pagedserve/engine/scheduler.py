@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -111,6 +112,10 @@ class Scheduler:
 
     # ---- the step plan -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # A request's first scheduling is stamped with the time this plan started, as vLLM V1
+        # does: its queue time ends when the step that admits it begins planning, so planning
+        # the running batch first is not counted as waiting.
+        now = time.monotonic()
         out = SchedulerOutput()
         planned: dict[Sequence, int] = {}
         budget = self.config.max_num_batched_tokens
@@ -164,6 +169,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             bm.record_prefix_lookup(seq.num_tokens, num_cached)
             if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
                 seq.request.num_cached_tokens = num_cached
             self.add_running(seq)
             planned[seq] = num_new

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -47,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.gateway.app import create_app
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=level,
+    app = create_app(config)
+    gc.collect()  # startup objects live until exit: keep them out of the cyclic GC's walks
+    gc.freeze()
+    uvicorn.run(app, host=config.host, port=config.port, log_level=level,
                 access_log=False, timeout_graceful_shutdown=5)
     return 0
 

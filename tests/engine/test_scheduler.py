@@ -167,3 +167,32 @@ def test_prefix_hits_skip_computed_tokens():
     assert plan.scheduled == [(b, 18 - 16)]
     assert b.request.num_cached_tokens == 16
     drain(sched)
+
+
+def test_first_scheduling_is_stamped_when_the_plan_starts_and_kept_after_preemption(monkeypatch):
+    # vLLM's queue time: enqueued → the start of the schedule() call that admits the request.
+    # Planning the running batch first is not waiting, so everything admitted by one plan
+    # carries that plan's start time, however many running sequences were planned before it.
+    import pagedserve.engine.scheduler as scheduler_module
+    ticks = itertools.count(100.0, 100.0)
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: next(ticks))
+    sched = make_scheduler(num_blocks=64, budget=64, max_num_seqs=4)
+    running = [make_seq(4, 8) for _ in range(2)]
+    for seq in running:
+        sched.add(seq)
+    run_step(sched)  # plan 1 starts at t=100
+    assert [s.request.metrics.first_scheduled_time for s in running] == [100.0, 100.0]
+    late = [make_seq(4, 8), make_seq(4, 8)]
+    for seq in late:
+        sched.add(seq)
+    run_step(sched)  # plan 2 (t=200): the two running decode first, then both newcomers join
+    assert [s.request.metrics.first_scheduled_time for s in late] == [200.0, 200.0]
+    urgent = make_seq(4, 8, priority=-1)
+    sched.add(urgent)
+    plan, _ = run_step(sched)  # plan 3 (t=300): all seats taken, so the newest running one is preempted
+    assert late[-1].status is SequenceStatus.WAITING and late[-1].num_preemptions == 1
+    assert urgent.request.metrics.first_scheduled_time == 300.0
+    drain(sched)
+    # Rescheduled after its preemption, it still reports when it was first scheduled.
+    assert late[-1].request.metrics.first_scheduled_time == 200.0
+    assert [s.request.metrics.first_scheduled_time for s in running] == [100.0, 100.0]
