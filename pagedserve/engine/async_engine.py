@@ -51,8 +51,9 @@ class StepObserver(Protocol):
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         """Called after every step with that step's outputs."""
 
-    def on_abort(self, request_id: str, now: float) -> None:
-        """Called when a live request is aborted (client gone, shutdown)."""
+    def on_abort(self, request_id: str, now: float, unsent_tokens: int) -> None:
+        """Called when a live request is aborted (client gone, shutdown), with the tokens it had
+        generated that no output carried (held back by ``stream_interval``)."""
 
 
 class EngineDeadError(errors.PagedServeError):
@@ -330,8 +331,9 @@ class AsyncEngine:
         now = time.monotonic()
         for cmd in commands:
             if isinstance(cmd, _Abort):
+                unsent = self.engine.unsent_tokens(cmd.request_id)
                 if self.engine.abort(cmd.request_id) and self.observer is not None:
-                    self.observer.on_abort(cmd.request_id, now)
+                    self.observer.on_abort(cmd.request_id, now, unsent)
                 continue
             if not cmd.admitted.set_running_or_notify_cancel():
                 continue  # the caller gave up before admission

@@ -157,7 +157,10 @@ class ServerMetrics:
                 end = out.metrics.finished_time or now
                 self.e2e.labels(m).observe(max(0.0, end - out.metrics.arrival_time))
 
-    def on_abort(self, request_id: str, now: float) -> None:
-        """Count an aborted request (client gone or shutdown)."""
+    def on_abort(self, request_id: str, now: float, unsent_tokens: int) -> None:
+        """Count an aborted request (client gone or shutdown), and the tokens it generated that
+        were never streamed, so ``generation_tokens`` counts every token the engine computed."""
         self._last_token_time.pop(request_id, None)
+        if unsent_tokens:
+            self.generation_tokens.labels(self.model_name).inc(unsent_tokens)
         self.requests_finished.labels(self.model_name, "abort").inc()

@@ -6,6 +6,7 @@ Engine-level checks on the standard `tiny` model, plus one real server started w
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -14,9 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
+from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.server.metrics import ServerMetrics
 from tests.conftest import assert_no_leaks
 from tests.helpers.servers import run_engine_server
 
@@ -134,7 +137,35 @@ def test_abort_with_tokens_held_back_frees_blocks(tiny_model_dir):
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     got = [engine.step() for _ in range(4)]
     assert [len(s) for s in got] == [1, 0, 0, 0]  # first token, then three held back
+    assert engine.unsent_tokens("a") == 3 and engine.unsent_tokens("unknown") == 0
     assert engine.abort("a")
+    assert_no_leaks(engine)
+
+
+def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
+    # generation_tokens_total counts what the engine computed, streamed or not: an aborted request's
+    # held-back tokens are added when it is aborted.
+    engine = make_engine(tiny_model_dir, 10_000)  # nothing after the first token goes out before the end
+    metrics = ServerMetrics("tiny", engine.stats)
+
+    async def main() -> int:
+        ae = AsyncEngine(engine, observer=metrics)
+        ae.start()
+        stream = await ae.add_request("a", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await stream.__anext__()
+        req = engine.requests["a"]
+        while req.seqs[0].num_output_tokens < 4:  # a few tokens generated and held back
+            await asyncio.sleep(0.005)
+        stream.abort()
+        await ae.shutdown()
+        assert len(first.outputs[0].delta_token_ids) == 1
+        return req.seqs[0].num_output_tokens
+
+    generated = asyncio.run(main())
+    counted = metrics.registry.get_sample_value("pagedserve:generation_tokens_total", {"model_name": "tiny"})
+    assert generated >= 4 and counted == generated
+    assert metrics.registry.get_sample_value("pagedserve:request_success_total",
+                                             {"model_name": "tiny", "finished_reason": "abort"}) == 1
     assert_no_leaks(engine)
 
 
