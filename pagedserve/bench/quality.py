@@ -169,6 +169,7 @@ class QualityRow:
 
     weights: str
     kv: str
+    model_dtype: str  # what "none" weights and "auto" KV mean for this checkpoint, e.g. bfloat16
     perplexity: float
     ppl_change: float  # relative to the full-precision run
     mean_kl: float
@@ -215,7 +216,7 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
             ref_lp, ref_greedy, ref_ppl = lp, greedy, ppl
         speed = _decode_speed(engine, prompts[0][:16], args.decode_tokens, args.repeats)
         rows.append(QualityRow(
-            weights=w, kv=k, perplexity=ppl, ppl_change=ppl / ref_ppl - 1, mean_kl=mean_kl(ref_lp, lp),
+            weights=w, kv=k, model_dtype=str(engine.dtype).removeprefix("torch."), perplexity=ppl, ppl_change=ppl / ref_ppl - 1, mean_kl=mean_kl(ref_lp, lp),
             top1_agreement=top1_agreement(ref_lp, lp),
             greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.weight_bytes,
             kv_bytes_per_token=engine.kv_bytes_per_token,
@@ -225,10 +226,6 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
     return rows
 
 
-def _label(w: str, k: str, dtype: str = "bf16") -> tuple[str, str]:
-    return (dtype if w == "none" else w), (dtype if k == "auto" else k)
-
-
 def format_table(rows: list[QualityRow]) -> str:
     """The quality table as markdown."""
     ref = rows[0]
@@ -236,7 +233,8 @@ def format_table(rows: list[QualityRow]) -> str:
              "KV B/token | seats | seats × | decode tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        w, k = _label(r.weights, r.kv)
+        w = r.model_dtype if r.weights == "none" else r.weights
+        k = r.model_dtype if r.kv == "auto" else r.kv
         lines.append(f"| {w} | {k} | {r.perplexity:.3f} | {100 * r.ppl_change:+.2f}% | {r.mean_kl:.4f} | "
                      f"{100 * r.top1_agreement:.1f}% | {100 * r.greedy_agreement:.1f}% | {r.weight_bytes / 2**20:.2f} | {r.kv_bytes_per_token} | "
                      f"{r.seats} | {r.seats / ref.seats:.2f} | {r.decode_tok_s:.1f} |")

@@ -75,6 +75,8 @@ def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
     text = capsys.readouterr().out
     assert "| weights | KV | perplexity" in text and "| int8 | int8 |" in text
     rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    dtype = rows[0]["model_dtype"]  # "none" and "auto" are labelled with the checkpoint's own dtype
+    assert dtype in ("bfloat16", "float32") and f"| {dtype} | {dtype} |" in text and f"| {dtype} | int8 |" in text
     assert [(r["weights"], r["kv"]) for r in rows] == [("none", "auto"), ("none", "int8"), ("int8", "auto"),
                                                       ("int8", "int8")]
     ref = rows[0]
