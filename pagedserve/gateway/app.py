@@ -89,12 +89,7 @@ def make_limiter(config: GatewayConfig, metrics: GatewayMetrics) -> Limiter:
 def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI:
     """The gateway app for ``config``; ``limiter`` overrides the one the config implies."""
     metrics = GatewayMetrics()
-    settings = {name: {"load_source": p.load_source, "seats": p.seats, "reserved_seats": p.reserved_seats,
-                       "best_priority": min((t.priority for t in config.tiers.values() if name in t.pools),
-                                            default=0)}
-                for name, p in config.pools.items()}
-    pools = build_pools({name: p.replicas for name, p in config.pools.items()},
-                        {name: p.api_key for name, p in config.pools.items()}, settings)
+    pools = build_pools(config.pools.values())
     dispatcher = Dispatcher(pools, default_service_s=config.default_service_s,
                             affinity_slack_s=config.affinity_slack_s)
 

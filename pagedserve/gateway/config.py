@@ -78,6 +78,10 @@ class PoolConfig:
     number of seats (its ``--max-num-seqs``) where the load source does not say it (vLLM); with it
     the gateway forwards a request only while a replica has a seat for it and queues the rest
     itself. ``reserved_seats`` of each replica are kept for the pool's best-priority tier.
+
+    ``best_priority`` is not a setting: :func:`parse_config` derives it from the tiers (the best
+    priority of those that use the pool, 0 if none), so that a pool's config is all
+    :func:`~pagedserve.gateway.pools.build_pools` needs.
     """
 
     name: str
@@ -86,6 +90,7 @@ class PoolConfig:
     load_source: str = "auto"
     seats: int | None = None
     reserved_seats: int = 0
+    best_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,8 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         tiers[name] = tier
     if not tiers:
         raise fail("no [tiers.NAME] defined", ("tiers",))
+    for pool in pools.values():  # the tier its reserved seats are kept for
+        pool.best_priority = min((t.priority for t in tiers.values() if pool.name in t.pools), default=0)
 
     keys: list[KeyEntry] = []
     seen: set[bytes] = set()

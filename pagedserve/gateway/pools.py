@@ -30,11 +30,13 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from pagedserve.gateway.config import PoolConfig
 
 log = logging.getLogger("pagedserve.gateway.pools")
 
@@ -257,21 +259,17 @@ def prefix_key(body: dict[str, Any], salt: str, chars: int = 512) -> str | None:
     return hashlib.blake2b(f"{salt}\0{head}".encode(), digest_size=12).hexdigest()
 
 
-def build_pools(spec: dict[str, list[str]], api_keys: dict[str, str | None] | None = None,
-                settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Pool]:
-    """Pools from ``{name: [url, ...]}``; the same URL in several pools is one :class:`Replica`.
-
-    ``settings[name]`` may give ``load_source``, ``seats`` (per replica), ``reserved_seats`` and
-    ``best_priority``."""
+def build_pools(specs: Iterable[PoolConfig]) -> dict[str, Pool]:
+    """Pools by name from their configs; the same URL in several pools is one :class:`Replica`
+    (polled once, its seats counted once), made from the first pool that lists it: the config
+    refuses a URL whose pools disagree on ``api_key``, ``load_source`` or ``seats``."""
     by_url: dict[str, Replica] = {}
-    keys = api_keys or {}
     pools = {}
-    for name, urls in spec.items():
-        opts = (settings or {}).get(name, {})
-        replicas = [by_url.setdefault(u, Replica(u, keys.get(name), load_source=opts.get("load_source", "auto"),
-                                                 seats_override=opts.get("seats"))) for u in urls]
-        pools[name] = Pool(name, replicas, reserved_seats=opts.get("reserved_seats", 0),
-                           best_priority=opts.get("best_priority", 0))
+    for spec in specs:
+        replicas = [by_url.setdefault(u, Replica(u, spec.api_key, load_source=spec.load_source,
+                                                 seats_override=spec.seats)) for u in spec.replicas]
+        pools[spec.name] = Pool(spec.name, replicas, reserved_seats=spec.reserved_seats,
+                                best_priority=spec.best_priority)
     return pools
 
 

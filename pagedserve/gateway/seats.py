@@ -128,13 +128,18 @@ class Dispatcher:
 
     # ---- seats --------------------------------------------------------------------------------
 
-    def _pick(self, pool: Pool, priority: int, n: int, prefix_key: str | None) -> Replica | None:
+    def _take(self, pool: Pool, priority: int, n: int, prefix_key: str | None) -> Replica | None:
+        """Take ``n`` seats for ``priority`` on the replica :meth:`Pool.choose` prefers among those with
+        room (None: none has). The seats count as held at once, so the next pick (later in the same
+        :meth:`pump`, or a newcomer's :meth:`acquire`) sees them gone."""
         candidates = self._candidates(pool, priority, n)
-        if not candidates:
-            return None
         choice = pool.choose(priority, prefix_key, slack_s=self.affinity_slack_s,
-                             default_service_s=self.default_service_s, candidates=candidates)
-        return choice[0] if choice else None
+                             default_service_s=self.default_service_s, candidates=candidates) if candidates else None
+        if choice is None:
+            return None
+        replica, _ = choice
+        replica.started(priority, n)
+        return replica
 
     def peek(self, pool: Pool, priority: int) -> Replica | None:
         """A healthy replica of ``pool`` to ask things of (tokenize) before a seat is taken."""
@@ -150,9 +155,8 @@ class Dispatcher:
         passes first, ``"gone"`` when ``gone()`` says the client left while it waited."""
         start = time.monotonic()
         if self._ahead(pool, priority) == 0:
-            replica = self._pick(pool, priority, n, prefix_key)
+            replica = self._take(pool, priority, n, prefix_key)
             if replica is not None:
-                replica.started(priority, n)
                 return Seat(replica, priority, n, start, 0.0)
         queue = self._queues[pool.name]
         waiter = _Waiter(priority, next(self._order), n, tier, prefix_key, asyncio.get_running_loop().create_future())
@@ -213,9 +217,8 @@ class Dispatcher:
                 if head.future.done():  # cancelled
                     heapq.heappop(queue)
                     continue
-                replica = self._pick(pool, head.priority, head.n, head.prefix_key)
+                replica = self._take(pool, head.priority, head.n, head.prefix_key)
                 if replica is None:
                     break
                 heapq.heappop(queue)
-                replica.started(head.priority, head.n)
                 head.future.set_result(replica)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.gateway.config import PoolConfig, parse_config
 from pagedserve.gateway.pools import Pool, Replica, ReplicaLoad, build_pools, prefix_key
 
 
@@ -93,8 +94,45 @@ def test_prefix_key_is_scoped_by_salt() -> None:
 
 
 def test_same_url_in_two_pools_is_one_replica() -> None:
-    pools = build_pools({"x": ["http://h:1"], "y": ["http://h:1", "http://h:2"]})
+    pools = build_pools([PoolConfig("x", ["http://h:1"]), PoolConfig("y", ["http://h:1", "http://h:2"])])
     assert pools["x"].replicas[0] is pools["y"].replicas[0]
+
+
+def test_pools_take_their_settings_and_best_tier_from_the_config() -> None:
+    config = parse_config("""
+[pools.shared]
+replicas = ["http://h:1", "http://h:2"]
+api_key = "k"
+load_source = "vllm"
+seats = 8
+reserved_seats = 2
+
+[pools.idle]
+replicas = ["http://h:3"]
+
+[tiers.paid]
+token_rate = 100
+token_burst = 1000
+pools = ["shared"]
+priority = 3
+
+[tiers.free]
+token_rate = 10
+token_burst = 500
+pools = ["shared"]
+priority = 7
+
+[keys]
+"sk-1" = "free"
+""")
+    pools = build_pools(config.pools.values())
+    shared, idle = pools["shared"], pools["idle"]
+    assert [(r.url, r.api_key, r.load_source, r.seats) for r in shared.replicas] == [
+        ("http://h:1", "k", "vllm", 8), ("http://h:2", "k", "vllm", 8)]
+    # The reserve is kept for the best tier that uses the pool (priority 3), not for priority 0.
+    assert (shared.reserved_seats, shared.best_priority) == (2, 3)
+    assert shared.reserved_for(3) == 0 and shared.reserved_for(7) == 2
+    assert (idle.best_priority, idle.reserved_for(5), idle.replicas[0].api_key) == (0, 0, None)
 
 
 def test_better_priority_traffic_stretches_the_wait_of_worse() -> None:
