@@ -34,7 +34,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
+def _resolve_attention_backend(name: str, device: torch.device) -> str:
     """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
     if name == "auto":
         if device.type == "cuda":
@@ -45,9 +45,6 @@ def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: 
     elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
         raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
                          f"{kernel_error() or 'device is not a CPU'}")
-    if name == "fused" and kv_cache_dtype != "auto":
-        logger.info("attention backend fused: decodes go through the matmul path, the native kernel reads "
-                    "model-dtype KV pools only (kv_cache_dtype %s)", kv_cache_dtype)
     return name
 
 
@@ -85,8 +82,7 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
         if config.max_num_batched_tokens is None:
             config.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
-        config.attention_backend = _resolve_attention_backend(config.attention_backend, self.device,
-                                                              config.kv_cache_dtype)
+        config.attention_backend = _resolve_attention_backend(config.attention_backend, self.device)
         self.config = config
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)

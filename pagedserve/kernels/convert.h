@@ -1,10 +1,13 @@
-// float32 <-> storage dtype conversions shared by the kernels, written as plain bit arithmetic so
-// the loops around them vectorize (c10's own carry a NaN branch that stops the compiler).
+// What the kernels share: float32 <-> model dtype conversions, written as plain bit arithmetic so
+// the loops around them vectorize (c10's own carry a NaN branch that stops the compiler), and the
+// one switch from a tensor's dtype to its C++ type.
 // bf16 -> float is a shift; float -> bf16 rounds to nearest even, the same result as c10 for every
 // non-NaN value.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -29,6 +32,18 @@ inline c10::BFloat16 from_float(float x) {
   std::memcpy(&bits, &x, sizeof(bits));
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
+// Calls f(T{}) with T the C++ type of a model dtype (float32, bfloat16, float16); any other dtype
+// is refused with `op`'s name. Every kernel entry point dispatches through this one switch.
+template <typename F>
+void dispatch_model_dtype(c10::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return f(float{});
+    case c10::ScalarType::BFloat16: return f(c10::BFloat16{});
+    case c10::ScalarType::Half: return f(c10::Half{});
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
 }
 
 }  // namespace pagedserve

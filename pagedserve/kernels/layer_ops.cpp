@@ -15,6 +15,7 @@
 
 namespace {
 
+using pagedserve::dispatch_model_dtype;
 using pagedserve::from_float;
 using pagedserve::to_float;
 
@@ -92,14 +93,6 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
   });
 }
 
-#define LAYER_OPS_DISPATCH(dtype, NAME, ...)                                        \
-  switch (dtype) {                                                                \
-    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }              \
-    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }   \
-    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }           \
-    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);              \
-  }
-
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
@@ -113,11 +106,11 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tens
                     residual->scalar_type() == x.scalar_type(),
                 "rms_norm: residual must be a contiguous tensor like x");
   }
-  LAYER_OPS_DISPATCH(x.scalar_type(), "rms_norm",
-                     rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
-                                             residual ? residual->data_ptr<scalar_t>() : nullptr,
-                                             weight.data_ptr<scalar_t>(), rows, h, x.stride(0),
-                                             static_cast<float>(eps)));
+  dispatch_model_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(out.data_ptr<T>(), x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr,
+                     weight.data_ptr<T>(), rows, h, x.stride(0), static_cast<float>(eps));
+  });
 }
 
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
@@ -137,10 +130,11 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < positions.numel(); ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_embedding: position ", pos[t], " out of range");
-  LAYER_OPS_DISPATCH(q.scalar_type(), "rotary_embedding",
-                     rotary_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), pos,
-                                           cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
-                                           k.size(1), hd, q.stride(0), k.stride(0)));
+  dispatch_model_dtype(q.scalar_type(), "rotary_embedding", [&](auto tag) {
+    using T = decltype(tag);
+    rotary_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0),
+                   q.size(1), k.size(1), hd, q.stride(0), k.stride(0));
+  });
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
@@ -148,9 +142,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
                   out.scalar_type() == x.scalar_type(),
               "silu_and_mul: out must be a contiguous [rows, I] of x's dtype");
-  LAYER_OPS_DISPATCH(x.scalar_type(), "silu_and_mul",
-                     silu_and_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0),
-                                                 out.size(1)));
+  dispatch_model_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul_impl<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), out.size(1));
+  });
 }
 
 }  // namespace

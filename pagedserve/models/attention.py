@@ -19,8 +19,9 @@ The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCach
 ``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
 (int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
 gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
-blocks gathered), except the fused decode kernel, which reads model-dtype head-major pools in place;
-with quantized pools ``fused`` decodes go through the ``matmul`` path (the engine logs so).
+blocks gathered), except the fused decode kernel, which reads head-major and quantized pools in
+place, dequantizing each K and V vector with its scale as it goes (only plain-tensor pools send
+``fused`` decodes through the ``matmul`` path).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import native_ops, paged_decode_kernel
+from pagedserve.kernels import native_ops, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
-from pagedserve.kv.quant import gather_blocks
+from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
 
 
 @dataclass
@@ -123,8 +124,16 @@ def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
-    """Decodes through the native kernel, reading each block in place from the head-major pools;
-    pools it cannot read (quantized, or plain tensors) go through :func:`_decode_matmul`."""
+    """Decodes through the native kernel, reading each block in place from the head-major or the
+    quantized pools (dequantizing as it reads); pools it cannot read (plain tensors) go through
+    :func:`_decode_matmul`."""
+    if q.device.type == "cpu" and isinstance(k_cache, QuantizedKVCache):
+        kernel = paged_decode_quantized_kernel()
+        if kernel is not None:
+            out = torch.empty_like(q)
+            kernel(out, q.contiguous(), k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
+                   meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype)
+            return out
     kernel = paged_decode_kernel()
     if kernel is None or not isinstance(k_cache, HeadMajorKVCache) or q.device.type != "cpu":
         return _decode_matmul(q, k_cache, v_cache, meta, scale)

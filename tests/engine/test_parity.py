@@ -9,6 +9,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models import attention
 from tests.checkpoints import ARCHITECTURES, load_hf
 from tests.conftest import assert_no_leaks
 
@@ -104,6 +105,32 @@ def test_logits_match_transformers(arch, backend, checkpoint_dir):
         assert [t for t, _ in lp.top] == top_ids.tolist()
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_vals, atol=1e-4)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
+def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch):
+    """The fused kernel reads the quantized pools in place, matmul gathers and dequantizes them:
+    the same greedy tokens (prompts over many blocks of 8, some ending mid-block)."""
+    kernel = attention.paged_decode_quantized_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return kernel(*args)
+
+    monkeypatch.setattr(attention, "paged_decode_quantized_kernel", lambda: counted)
+    model_dir = checkpoint_dir("llama")
+    prompts = _prompts([5, 37, 70, 16, 9], seed=10)
+    tokens = {}
+    for backend in ("fused", "matmul"):
+        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8,
+                                     kv_cache_dtype=kv, attention_backend=backend))
+        tokens[backend] = [out.outputs[0].token_ids for out in _run(engine, prompts, GREEDY)]
+        assert_no_leaks(engine)
+    assert calls  # fused decodes went through the kernel, not the matmul fallback
+    assert tokens["fused"] == tokens["matmul"]
 
 
 def test_bfloat16_close_to_float32(checkpoint_dir):

@@ -1,0 +1,313 @@
+// The fused paged decode kernel's machinery, shared by its two entry points: the model-dtype
+// pools (paged_attention.cpp) and the quantized ones (paged_attention_quantized.cpp), compiled
+// as separate translation units so the build runs them in parallel.
+//
+// The kernel is written once over a storage kind E, which says how a pool stores one row (one
+// token's head_dim values for one KV head):
+//   E::Store           the stored element type
+//   E::Model           the dtype of q and out
+//   E::kQuantized      whether rows carry a float16 scale each (then also E::kValueScale)
+//   E::kValuesPerElem  values per stored element (2 for int4)
+//   E::get(row, d)     value d of a row as a float; E::load16(row, d) values d..d+15 (AVX-512)
+// Quantized kinds read the value on their grid: times the row's scale and kValueScale, that is the
+// real value.
+//
+// Compiled on the machine that runs it (-march=native), so the AVX-512 path is used where the
+// CPU has it; elsewhere plain loops that the compiler vectorizes for what the CPU does have.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "convert.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve::decode {
+
+// Scores and weighted sums over one block of n tokens, for the G query heads that share a KV
+// head, loading each key and value row once; rows are `rs` stored elements apart. HD == 0 means
+// "head_dim known only at run time". Quantized rows give grid values: the caller scales.
+template <typename E, int G, int HD>
+struct BlockMath {
+  using S = typename E::Store;
+  static void scores(const float* q, const S* k, int64_t rs, int hd, int n, float* out, int64_t stride) {
+    for (int t = 0; t < n; ++t) {
+      const S* kt = k + t * rs;
+      float acc[G] = {};
+      for (int d = 0; d < hd; ++d) {
+        const float kv = E::get(kt, d);
+        for (int g = 0; g < G; ++g) acc[g] += q[g * hd + d] * kv;
+      }
+      for (int g = 0; g < G; ++g) out[g * stride + t] = acc[g];
+    }
+  }
+  static void accumulate(const float* probs, int64_t stride, const S* v, int64_t rs, int hd, int n, float* acc) {
+    for (int t = 0; t < n; ++t) {
+      const S* vt = v + t * rs;
+      float p[G];
+      for (int g = 0; g < G; ++g) p[g] = probs[g * stride + t];
+      for (int d = 0; d < hd; ++d) {
+        const float vv = E::get(vt, d);
+        for (int g = 0; g < G; ++g) acc[g * hd + d] += p[g] * vv;
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// The sums of the 16 lanes of a, b, c and d, as one 4-lane vector.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // fold 512 -> 256 bits: 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3], and the same for c, d
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // fold again: lane i holds four partial sums of vector i (a, b, c, d)
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  // sum within each 128-bit lane, then take element 0 of each lane
+  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), x));
+}
+
+// head_dim a multiple of 16 known at compile time: the query (and the output accumulator) live
+// in registers, HD / 16 vectors per query head.
+template <typename E, int G, int HD>
+  requires(HD > 0 && HD % 16 == 0)
+struct BlockMath<E, G, HD> {
+  using S = typename E::Store;
+  static constexpr int V = HD / 16;
+  static void scores(const float* q, const S* k, int64_t rs, int, int n, float* out, int64_t stride) {
+    __m512 qv[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
+    int t = 0;
+    // Four keys at a time: their four dot products per query head are summed across lanes
+    // together (reduce4), a quarter of the shuffles of reducing each one on its own.
+    for (; t + 4 <= n; t += 4) {
+      __m512 acc[4][G];
+      for (int j = 0; j < 4; ++j)
+        for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512 kv = E::load16(k + (t + j) * rs, 16 * i);
+          for (int g = 0; g < G; ++g) acc[j][g] = _mm512_fmadd_ps(qv[g][i], kv, acc[j][g]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm_storeu_ps(out + g * stride + t, reduce4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+    }
+    for (; t < n; ++t) {
+      const S* kt = k + t * rs;
+      __m512 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        const __m512 kv = E::load16(kt, 16 * i);
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][i], kv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) out[g * stride + t] = _mm512_reduce_add_ps(acc[g]);
+    }
+  }
+  static void accumulate(const float* probs, int64_t stride, const S* v, int64_t rs, int, int n, float* acc_mem) {
+    __m512 acc[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + g * HD + 16 * i);
+    for (int t = 0; t < n; ++t) {
+      const S* vt = v + t * rs;
+      __m512 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * stride + t]);
+      for (int i = 0; i < V; ++i) {
+        const __m512 vv = E::load16(vt, 16 * i);
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * HD + 16 * i, acc[g][i]);
+  }
+};
+#endif
+
+// Ask for cache lines ahead of use. Blocks sit at random places in the pool and are only a few
+// KiB each, too short for the hardware prefetcher to ramp up: without this the loops stall on
+// memory latency (measured: ~5 GB/s of KV read against ~25 GB/s the memory can give).
+// On x86-64 the instruction is written out: GCC counts __builtin_prefetch as free of side effects
+// and deletes calls to an out-of-line helper made only of prefetches (seen: a build with none).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + bytes; a += 64) {  // every line the range touches
+    const char* line = reinterpret_cast<const char*>(a);
+#if defined(__x86_64__) && defined(__GNUC__)
+    asm volatile("prefetcht0 %0" : : "m"(*line));
+#elif defined(__GNUC__)
+    __builtin_prefetch(line, 0, 3);
+#endif
+  }
+}
+
+// Where one pool keeps the rows (and, quantized, the scales) of KV head h's block b; strides in
+// stored elements (scales).
+template <typename E>
+struct Pool {
+  using S = typename E::Store;
+  const S* data;
+  const c10::Half* scales;  // quantized kinds only
+  int64_t block_size, width;  // tokens per block, stored elements per row
+  int64_t head_stride, block_stride, row_stride;
+  int64_t scale_head_stride, scale_block_stride, scale_row_stride;
+
+  const S* rows(int64_t h, int64_t b) const { return data + h * head_stride + b * block_stride; }
+  const c10::Half* row_scales(int64_t h, int64_t b) const {
+    return scales + h * scale_head_stride + b * scale_block_stride;
+  }
+  void prefetch(int64_t h, int64_t b) const {
+    const S* r = rows(h, b);
+    const int64_t row_bytes = width * static_cast<int64_t>(sizeof(S));
+    if (row_stride == width) {  // head-major: the block is one run
+      prefetch_bytes(r, block_size * row_bytes);
+    } else {  // token-major: this head's rows, between the other heads'
+      for (int64_t t = 0; t < block_size; ++t) prefetch_bytes(r + t * row_stride, row_bytes);
+    }
+    if constexpr (E::kQuantized)
+      prefetch_bytes(row_scales(h, b), ((block_size - 1) * scale_row_stride + 1) * sizeof(c10::Half));
+  }
+};
+
+// Multiplies entry t of each of the G rows (`stride` apart) by token t's scale: for quantized K,
+// the scores (dot products over grid values); for quantized V, the softmax weights, before the
+// value rows they weight are summed.
+template <typename E, int G>
+inline void apply_scales(float* rows, int64_t stride, const c10::Half* scales, int64_t scale_stride, int n) {
+  for (int t = 0; t < n; ++t) {
+    const float s = static_cast<float>(scales[t * scale_stride]) * E::kValueScale;
+    for (int g = 0; g < G; ++g) rows[g * stride + t] *= s;
+  }
+}
+
+struct Shapes {
+  int64_t num_seqs, max_blocks, kv_heads, num_blocks, block_size, hd;
+  float scale;
+};
+
+template <typename E>
+struct Batch {
+  using T = typename E::Model;
+  T* out;
+  const T* q;
+  Pool<E> k, v;
+  const int64_t* tables;
+  const int64_t* lens;
+  Shapes sh;
+};
+
+template <typename E, int G, int HD>
+void decode_impl(const Batch<E>& b) {
+  using M = BlockMath<E, G, HD>;
+  using T = typename E::Model;
+  const Shapes& sh = b.sh;
+  const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
+  at::parallel_for(0, sh.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * hd), acc(G * hd), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t len = b.lens[s];
+      const int64_t* table = b.tables + s * sh.max_blocks;
+      const T* qs = b.q + (s * heads + h * G) * hd;
+      for (int64_t i = 0; i < G * hd; ++i) qf[i] = to_float(qs[i]) * sh.scale;
+      scores.resize(G * len);
+      b.k.prefetch(h, table[0]);
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t j = start / bs;
+        const int n = static_cast<int>(std::min(bs, len - start));
+        if (start + bs < len) b.k.prefetch(h, table[j + 1]);
+        b.v.prefetch(h, table[j]);
+        M::scores(qf.data(), b.k.rows(h, table[j]), b.k.row_stride, hd, n, scores.data() + start, len);
+        if constexpr (E::kQuantized)
+          apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
+      }
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {  // softmax in place; exp over whole rows so it vectorizes
+        float* row = scores.data() + g * len;
+        float m = row[0];  // len >= 1; no infinities, which -ffast-math assumes away
+        for (int64_t t = 1; t < len; ++t) m = std::max(m, row[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          row[t] = std::exp(row[t] - m);
+          sum += row[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += bs) {
+        const int64_t blk = table[start / bs];
+        const int n = static_cast<int>(std::min(bs, len - start));
+        if constexpr (E::kQuantized)
+          apply_scales<E, G>(scores.data() + start, len, b.v.row_scales(h, blk), b.v.scale_row_stride, n);
+        M::accumulate(scores.data() + start, len, b.v.rows(h, blk), b.v.row_stride, hd, n, acc.data());
+      }
+      T* os = b.out + (s * heads + h * G) * hd;
+      for (int g = 0; g < G; ++g)
+        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
+    }
+  });
+}
+
+template <typename E, int G>
+void dispatch_head_dim(const Batch<E>& b) {
+  switch (b.sh.hd) {
+    case 64: return decode_impl<E, G, 64>(b);
+    case 128: return decode_impl<E, G, 128>(b);
+    default: return decode_impl<E, G, 0>(b);
+  }
+}
+
+template <typename E>
+void dispatch_group(int64_t group, const Batch<E>& b) {
+  switch (group) {
+    case 1: return dispatch_head_dim<E, 1>(b);
+    case 2: return dispatch_head_dim<E, 2>(b);
+    case 3: return dispatch_head_dim<E, 3>(b);
+    case 4: return dispatch_head_dim<E, 4>(b);
+    case 5: return dispatch_head_dim<E, 5>(b);
+    case 6: return dispatch_head_dim<E, 6>(b);
+    case 7: return dispatch_head_dim<E, 7>(b);
+    case 8: return dispatch_head_dim<E, 8>(b);
+    default: TORCH_CHECK(false, "paged_decode_attention: query heads per KV head must be 1..8, got ", group);
+  }
+}
+
+// Checks what both decode ops take besides the pools: out, q [seqs, heads, head_dim] sharing a
+// model dtype; block_tables [seqs, max_blocks] and context_lens [seqs], int64. A table naming a
+// block outside the pool would read outside it: refused.
+inline Shapes check_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
+                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [seqs, heads, head_dim]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "tensors must be contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and lengths must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "block tables must be a contiguous [seqs, max_blocks]");
+  Shapes sh{q.size(0), block_tables.size(1), kv_heads, num_blocks, block_size, q.size(2), static_cast<float>(scale)};
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(block_tables.size(0) == sh.num_seqs && context_lens.size(0) == sh.num_seqs,
+              "one table row and one length per sequence");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < sh.num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= sh.max_blocks * sh.block_size, "context length out of range");
+    for (int64_t j = 0; j < (lens[s] + sh.block_size - 1) / sh.block_size; ++j) {
+      const int64_t b = tables[s * sh.max_blocks + j];
+      TORCH_CHECK(b >= 0 && b < sh.num_blocks, "block id ", b, " out of range");
+    }
+  }
+  return sh;
+}
+
+}  // namespace pagedserve::decode
