@@ -19,8 +19,8 @@ from pagedserve.engine.sequence import Request, Sequence
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
-from pagedserve.kv.cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
-from pagedserve.kv.quant import kv_dtype_name
+from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
@@ -95,7 +95,7 @@ class Engine:
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                                           self.dtype, config.kv_cache_dtype)
+                                                           config.kv_cache_dtype, self.dtype)
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory, config.block_size, self.kv_bytes_per_token)
         if self.num_kv_blocks < 1:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kv.quant import QuantizedKVCache, quantized_kv_bytes_per_token
-
+from pagedserve.kv.quant import QuantizedKVCache
 
 
 class HeadMajorKVCache:
@@ -60,13 +59,6 @@ class HeadMajorKVCache:
 
 
 KVCache = torch.Tensor | HeadMajorKVCache | QuantizedKVCache  # one layer's K (or V) pool
-
-
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                             kv_cache_dtype: str = "auto") -> int:
-    """Real bytes one token's K and V take across all layers: model ``dtype`` for ``auto``, else the
-    quantized precision plus its per-token, per-head scales."""
-    return quantized_kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_cache_dtype, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:

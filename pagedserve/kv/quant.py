@@ -54,7 +54,7 @@ def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
     return 2 * num_layers * num_kv_heads * SCALE_BYTES
 
 
-def quantized_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                                  model_dtype: torch.dtype) -> int:
     """The real bytes one token's K and V take across all layers, scales included.
 

@@ -67,11 +67,12 @@ def test_blocks_and_seats_equal_the_engines_pool_rule_for_standard_models(name: 
                                                                          block_size: int) -> None:
     import torch
 
-    from pagedserve.kv.cache import kv_cache_bytes_per_token, num_blocks_for_budget
+    from pagedserve.kv.cache import num_blocks_for_budget
+    from pagedserve.kv.quant import kv_cache_bytes_per_token
 
     shape = standard_shape(name)
     for dtype in (torch.bfloat16, torch.float32):
-        engine_bpt = kv_cache_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+        engine_bpt = kv_cache_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, "auto", dtype)
         planner_bpt = shape.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
         assert planner_bpt == engine_bpt
         engine_blocks = num_blocks_for_budget(budget, block_size, engine_bpt)

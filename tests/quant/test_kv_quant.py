@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kv.cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
-from pagedserve.kv.quant import (QuantizedKVCache, dequantize_kv, kv_dtype_name, quantize_kv,
-                                 quantized_kv_bytes_per_token)
+from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv, kv_cache_bytes_per_token, kv_dtype_name, quantize_kv
 from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, reference_attention, write_kv
 
 QUANTIZED = ["fp8", "int8", "int4"]
@@ -56,24 +55,24 @@ def test_write_puts_each_token_in_its_slot_and_copies_are_exact(kind):
 
 def test_bytes_per_token_include_the_scales():
     # The `small` shape: 12 layers, 4 KV heads, head_dim 64.
-    bf16 = quantized_kv_bytes_per_token(12, 4, 64, "auto", torch.bfloat16)
+    bf16 = kv_cache_bytes_per_token(12, 4, 64, "auto", torch.bfloat16)
     assert bf16 == 12 * 1024
-    assert quantized_kv_bytes_per_token(12, 4, 64, "int8", torch.bfloat16) == 2 * 12 * 4 * (64 + 2)
-    assert quantized_kv_bytes_per_token(12, 4, 64, "fp8", torch.bfloat16) == 2 * 12 * 4 * (64 + 2)
-    assert quantized_kv_bytes_per_token(12, 4, 64, "int4", torch.bfloat16) == 2 * 12 * 4 * (32 + 2)
-    assert kv_cache_bytes_per_token(12, 4, 64, torch.bfloat16, "int8") == 2 * 12 * 4 * 66
+    assert kv_cache_bytes_per_token(12, 4, 64, "int8", torch.bfloat16) == 2 * 12 * 4 * (64 + 2)
+    assert kv_cache_bytes_per_token(12, 4, 64, "fp8", torch.bfloat16) == 2 * 12 * 4 * (64 + 2)
+    assert kv_cache_bytes_per_token(12, 4, 64, "int4", torch.bfloat16) == 2 * 12 * 4 * (32 + 2)
+    assert kv_cache_bytes_per_token(12, 4, 64, "int8", torch.bfloat16) == 2 * 12 * 4 * 66
     budget = 8 * 4096 * bf16
     base = num_blocks_for_budget(budget, 16, bf16)
     assert num_blocks_for_budget(budget, 16, 2 * 12 * 4 * 66) / base > 1.9
     assert num_blocks_for_budget(budget, 16, 2 * 12 * 4 * 34) / base > 3.7
     with pytest.raises(ValueError):
-        quantized_kv_bytes_per_token(12, 4, 64, "int3", torch.bfloat16)
+        kv_cache_bytes_per_token(12, 4, 64, "int3", torch.bfloat16)
 
 
 def test_allocated_pool_holds_exactly_the_bytes_the_formula_says():
     caches = allocate_kv_caches(3, 10, 16, 2, 64, torch.bfloat16, torch.device("cpu"), "int8")
     held = sum(k.nbytes + v.nbytes for k, v in caches)
-    assert held == 10 * 16 * kv_cache_bytes_per_token(3, 2, 64, torch.bfloat16, "int8")
+    assert held == 10 * 16 * kv_cache_bytes_per_token(3, 2, 64, "int8", torch.bfloat16)
     assert kv_dtype_name("auto", torch.bfloat16) == "bfloat16" and kv_dtype_name("int4", torch.bfloat16) == "int4"
 
 
