@@ -18,7 +18,8 @@ queue), queue wait p50/p95 and TTFT p50/p95. Every request carries its own ``req
 replica runs with ``--log-requests``, so each admitted request's figures are joined exactly:
 
 - *queue wait* = time in the gateway's seat queue (its ``x-pagedserve-queue-wait-ms`` header) +
-  time in the engine's waiting queue (the replica's ``queue_ms``: enqueued → first scheduled);
+  time in the engine's waiting queue (the replica's ``queue_ms``: enqueued → the start of the
+  scheduling pass that admits it, vLLM V1's stamps);
 - *engine TTFT* = the replica's ``ttft_ms``: from the server receiving the request to its first
   token, so it includes waiting for the step in flight and the prefill;
 - *TTFT* at the client, and *TTFT − idle* (the client TTFT minus an idle request's, floored at 0:
