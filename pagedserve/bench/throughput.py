@@ -8,7 +8,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from pagedserve.config import ATTENTION_BACKEND_NAMES
+from pagedserve.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES
 from pagedserve.bench.common import machine_summary, median, resolve_model, write_result
 from pagedserve.bench.workloads import w1_offline
 
@@ -27,6 +27,8 @@ def add_parser(bench) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine sequence cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
     p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV pool budget")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="pagedserve's KV cache precision (auto = the model dtype; the HF baseline keeps its own)")
     p.add_argument("--dtype", default="auto", help="model dtype for both engines (auto = checkpoint's, bf16)")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                    help="pagedserve's paged attention implementation (auto = fused on CPU)")
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     out_tokens = sum(r.output_len for r in reqs)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype)
     run_pagedserve(llm, reqs[:8])  # warm-up
     times = []
     for _ in range(args.repeats):
@@ -86,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
               "pagedserve": {"seconds": ps_seconds, "output_tok_s": out_tokens / ps_seconds,
                              "total_tok_s": (out_tokens + prompt_tokens) / ps_seconds, "runs": times,
                              "dtype": str(llm.engine.dtype),
-                             "attention_backend": llm.engine.config.attention_backend}}
+                             "attention_backend": llm.engine.config.attention_backend,
+                             "kv_cache_dtype": llm.engine.kv_dtype}}
     print(f"\nW1 on {args.model}: {len(reqs)} requests, {prompt_tokens} prompt + {out_tokens} output tokens "
-          f"({machine_summary()}; pagedserve attention backend: {llm.engine.config.attention_backend})")
+          f"({machine_summary()}; pagedserve attention backend: {llm.engine.config.attention_backend}, "
+          f"KV {llm.engine.kv_dtype})")
     print(f"  pagedserve LLM.generate : {ps_seconds:7.1f} s  {out_tokens / ps_seconds:7.1f} output tok/s  "
           f"{(out_tokens + prompt_tokens) / ps_seconds:7.1f} total tok/s")
     if not args.no_hf:
