@@ -395,7 +395,7 @@ def _log_finished(out: RequestOutput, priority: int) -> None:
     m = out.metrics
 
     def ms(start: float | None, end: float | None) -> str:
-        return f"{(end - start) * 1000:.2f}" if start is not None and end is not None else "-"
+        return f"{(end - start) * 1000:.3f}" if start is not None and end is not None else "-"
     request_log.info(
         "request %s finished: priority=%d reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
         "queue_ms=%s ttft_ms=%s e2e_ms=%s", out.request_id, priority,

@@ -79,7 +79,7 @@ class PoolConfig:
     the gateway forwards a request only while a replica has a seat for it and queues the rest
     itself. ``reserved_seats`` of each replica are kept for the pool's best-priority tier.
 
-    ``best_priority`` is not a setting: :func:`parse_config` derives it from the tiers (the best
+    ``best_priority`` is not a setting: :class:`GatewayConfig` derives it from the tiers (the best
     priority of those that use the pool, 0 if none), so that a pool's config is all
     :func:`~pagedserve.gateway.pools.build_pools` needs.
     """
@@ -120,6 +120,10 @@ class GatewayConfig:
     token_count: str = "tokenize"
     affinity_slack_s: float = 0.25
     default_service_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for pool in self.pools.values():  # the tier its reserved seats are kept for
+            pool.best_priority = min((t.priority for t in self.tiers.values() if pool.name in t.pools), default=0)
 
     def provisioned(self, pool: str) -> bool:
         """A pool is provisioned when exactly one tier may use it."""
@@ -241,9 +245,6 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         tiers[name] = tier
     if not tiers:
         raise fail("no [tiers.NAME] defined", ("tiers",))
-    for pool in pools.values():  # the tier its reserved seats are kept for
-        pool.best_priority = min((t.priority for t in tiers.values() if pool.name in t.pools), default=0)
-
     keys: list[KeyEntry] = []
     seen: set[bytes] = set()
     for i, (key, raw) in enumerate(doc.get("keys", {}).items()):

@@ -55,7 +55,7 @@ def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                                 model_dtype: torch.dtype) -> int:
+                             model_dtype: torch.dtype) -> int:
     """The real bytes one token's K and V take across all layers, scales included.
 
     The element part is the planner's formula (``kv_bytes_per_token``); quantized precisions add

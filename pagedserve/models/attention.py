@@ -122,22 +122,29 @@ def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return torch.matmul(probs, v).transpose(0, 1).reshape(d, heads, hd)
 
 
+# The native decode kernel keeps one KV head's query group in registers: up to this many query
+# heads per KV head (Llama 3 70B has 8). Wider groups decode through the matmul path.
+FUSED_DECODE_MAX_GROUP = 8
+
+
 def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
     """Decodes through the native kernel, reading each block in place from the head-major or the
-    quantized pools (dequantizing as it reads); pools it cannot read (plain tensors) go through
-    :func:`_decode_matmul`."""
-    if q.device.type == "cpu" and isinstance(k_cache, QuantizedKVCache):
+    quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
+    :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
+    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+        return _decode_matmul(q, k_cache, v_cache, meta, scale)
+    q = q.contiguous()
+    if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()
         if kernel is not None:
             out = torch.empty_like(q)
-            kernel(out, q.contiguous(), k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
+            kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                    meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype)
             return out
     kernel = paged_decode_kernel()
-    if kernel is None or not isinstance(k_cache, HeadMajorKVCache) or q.device.type != "cpu":
+    if kernel is None or not isinstance(k_cache, HeadMajorKVCache):
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
-    q = q.contiguous()
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
     out = torch.empty_like(q)

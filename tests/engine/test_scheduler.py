@@ -173,9 +173,11 @@ def test_first_scheduling_is_stamped_when_the_plan_starts_and_kept_after_preempt
     # vLLM's queue time: enqueued → the start of the schedule() call that admits the request.
     # Planning the running batch first is not waiting, so everything admitted by one plan
     # carries that plan's start time, however many running sequences were planned before it.
+    import types
+
     import pagedserve.engine.scheduler as scheduler_module
-    ticks = itertools.count(100.0, 100.0)
-    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: next(ticks))
+    ticks = itertools.count(100.0, 100.0)  # the scheduler's clock only: each schedule() reads it once
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
     sched = make_scheduler(num_blocks=64, budget=64, max_num_seqs=4)
     running = [make_seq(4, 8) for _ in range(2)]
     for seq in running:

@@ -145,13 +145,16 @@ def test_abort_with_tokens_held_back_frees_blocks(tiny_model_dir):
 def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
     # generation_tokens_total counts what the engine computed, streamed or not: an aborted request's
     # held-back tokens are added when it is aborted.
-    engine = make_engine(tiny_model_dir, 10_000)  # nothing after the first token goes out before the end
+    # Nothing after the first token goes out before the end; 4,000 tokens to generate leave the
+    # abort seconds to land however slowly this thread gets scheduled.
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=300, max_model_len=4096,
+                                 stream_interval=10_000))
     metrics = ServerMetrics("tiny", engine.stats)
 
     async def main() -> int:
         ae = AsyncEngine(engine, observer=metrics)
         ae.start()
-        stream = await ae.add_request("a", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = await ae.add_request("a", PROMPT, SamplingParams(max_tokens=4000, ignore_eos=True))
         first = await stream.__anext__()
         req = engine.requests["a"]
         while req.seqs[0].num_output_tokens < 4:  # a few tokens generated and held back

@@ -184,6 +184,19 @@ def test_fused_kernel_dequantizes_every_stored_value_exactly(kind, hd):
     assert torch.equal(out, want.unsqueeze(1).expand(rows, 2, hd))
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_fused_backend_decodes_wider_query_groups_through_matmul(kind):
+    # 16 query heads on one KV head: more than the kernel's register-held group, so the fused
+    # backend must answer through the matmul path, not fail inside the step loop.
+    from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP
+    heads = 2 * FUSED_DECODE_MAX_GROUP
+    q, k, v, meta = _paged_batch([1, 17, 40], [(5, 30)], block_size=16, kvh=1, heads=heads, hd=64)
+    k_pool, v_pool = (_head_major(k), _head_major(v)) if kind == "auto" else (_quantized(k, kind), _quantized(v, kind))
+    want = reference_attention(q, k_pool if kind != "auto" else k, v_pool if kind != "auto" else v, meta, 0.125)
+    got = fused_attention(q, k_pool, v_pool, meta, 0.125)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_fused_kernel_refuses_mismatched_quantized_pools():
     if paged_decode_quantized_kernel() is None:
         pytest.skip(f"native kernel unavailable: {kernel_error()}")
