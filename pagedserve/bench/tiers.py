@@ -381,11 +381,12 @@ def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_pr
 
 
 def _ms(seconds: float) -> str:
-    """Milliseconds with the precision the figure has: 0.01 ms under 1 ms (engine queue times)."""
+    """Milliseconds with the precision the figure has: 0.001 ms under 1 ms (engine queue times,
+    logged to the microsecond)."""
     if math.isnan(seconds):
         return "–"
     ms = seconds * 1000
-    return f"{ms:.2f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
 def format_table(report: dict) -> str:
