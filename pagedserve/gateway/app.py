@@ -3,7 +3,7 @@
 One request, in order (each refusal costs no engine work)::
 
     key → tier ─(401)            body → output cap, priority, cache_salt written in
-    pools in the tier's order: estimated wait > budget → next pool ─(429 overloaded)
+    pools in the tier's order: estimated wait > the budget's queue allowance → next pool ─(429 overloaded)
     prompt tokens (replica's /tokenize) + n × cap → buckets ─(429 rate_limit_exceeded / 400 / 503)
     a seat on a replica: at once, or queued in the gateway by priority until one frees up;
         budget spent before that → 429 overloaded, reservation refunded
@@ -65,10 +65,13 @@ class Gateway:
 
 @dataclass
 class Route:
-    """Where an admitted request goes: its pool, the wait estimated there, and (once taken) its seat."""
+    """Where an admitted request goes: its pool, the wait estimated there, the part of the tier's
+    budget it may spend queueing there (admission and the queue deadline share this one value),
+    and (once taken) its seat."""
 
     pool: Pool
     est_wait_s: float
+    allowance_s: float
     seat: Seat | None = None
 
     @property
@@ -152,11 +155,10 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
         gw: Gateway = request.app.state.gateway
         m = gw.metrics
         m.limiter_up.set(1 if gw.limiter.healthy else 0)
-        best = min((t.priority for t in gw.config.tiers.values()), default=0)
         for name, pool in gw.pools.items():
-            for r in pool.replicas:
+            for r in pool.replicas:  # the wait the pool's best tier would see there
                 m.replica_up.labels(name, r.url).set(1 if r.healthy else 0)
-                m.replica_wait.labels(name, r.url).set(r.est_wait(best, gw.config.default_service_s))
+                m.replica_wait.labels(name, r.url).set(r.est_wait(pool.best_priority, gw.config.default_service_s))
             queued = gw.dispatcher.queued(name)
             for tier in gw.config.tiers.values():
                 if name in tier.pools:
@@ -213,7 +215,7 @@ def _route(gw: Gateway, tier: TierConfig, n: int) -> Route | tuple[str, float]:
             continue
         allowance = gw.dispatcher.allowance_s(pool, tier.max_queue_wait_s)
         if wait <= allowance:
-            return Route(pool, wait)
+            return Route(pool, wait, allowance)
         over.append(wait - allowance)
     if not over:
         return "no_replica", 1.0
@@ -290,8 +292,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
 
     # Wait for a seat, until the time the tier's budget leaves for the queue (see allowance_s).
     pool = route.pool
-    allowance = gw.dispatcher.allowance_s(pool, tier.max_queue_wait_s)
-    deadline = t0 + allowance
+    deadline = t0 + route.allowance_s
     got = await gw.dispatcher.acquire(pool, tier.priority, n, tier.name, prefix_key(body, body["cache_salt"]),
                                       deadline, request.is_disconnected)
     if not isinstance(got, Seat):
@@ -302,7 +303,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         if got == "gone":
             _log_decision("drop", "client_gone_while_queued", tier.name, entry.name, pool=pool.name, waited_s=waited)
             return error_response(499, "The client closed the request while it was queued.", code="client_closed")
-        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - allowance,
+        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - route.allowance_s,
                     gw.dispatcher.turnover_s(pool, tier.priority))
         gw.metrics.shed.labels(tier.name, pool.name, "queue_timeout").inc()
         _log_decision("shed", "queue_timeout", tier.name, entry.name, pool=pool.name, waited_s=waited,
@@ -444,8 +445,8 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         try:
             content = await upstream.aread()
             settle.first()
-        except httpx.HTTPError as e:
-            await settle("failed", 0.0)
+        except httpx.HTTPError as e:  # it answered, then broke off: it took the request, so the prompt is paid
+            await settle("failed", float(prompt_tokens))
             return error_response(502, f"The replica failed mid-response ({type(e).__name__}).",
                                   code="replica_error", headers=headers)
         except BaseException:  # cancelled mid-read
@@ -528,12 +529,9 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
-            if usage is not None:
-                actual = usage
-            elif chunks == 0 and outcome == "failed":
-                actual = 0.0
-            else:  # usage unknown after output began: each chunk carried at least one token
-                actual = float(prompt_tokens + chunks)
+            # Usage unknown: the replica took the request (the prompt is paid, as for any request sent
+            # and not answered in full) and each chunk it streamed carried at least one token.
+            actual = usage if usage is not None else float(prompt_tokens + chunks)
             await settle("usage" if usage is not None else outcome, actual)
 
     body_iter = passthrough()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ class PoolConfig:
     load_source: str = "auto"
     seats: int | None = None
     reserved_seats: int = 0
-    best_priority: int = 0
+    best_priority: int = field(default=0, init=False)  # derived by GatewayConfig
 
 
 @dataclass(frozen=True)

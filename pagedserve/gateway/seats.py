@@ -62,6 +62,12 @@ class _Waiter:
         return (self.priority, self.order) < (other.priority, other.order)
 
 
+def _finite(seats: float) -> float:
+    """A seat count for sums and comparisons: a replica whose seats are unknown (not gated, ``inf``)
+    counts as a large finite number, so arithmetic on it stays finite."""
+    return min(seats, 1e6)
+
+
 class Dispatcher:
     """One priority queue per pool; hands out seats on the pool's replicas (see the module docstring)."""
 
@@ -104,7 +110,7 @@ class Dispatcher:
 
     def turnover_s(self, pool: Pool, priority: int) -> float:
         """Seconds between two seats that serve ``priority``'s queue freeing up."""
-        usable = sum(min(r.usable_seats(priority, pool.reserved_for(priority)), 1e6) for r in pool.healthy())
+        usable = sum(_finite(r.usable_seats(priority, pool.reserved_for(priority))) for r in pool.healthy())
         return self.hold_s(pool) / max(1.0, usable)
 
     def _candidates(self, pool: Pool, priority: int, n: int) -> list[Replica]:
@@ -122,7 +128,7 @@ class Dispatcher:
             if candidates:  # goes at once; what is left is the engine's own queue, if it has one
                 return min(r.est_wait(priority, self.default_service_s) for r in candidates)
         reserved = pool.reserved_for(priority)
-        free_now = sum(max(0.0, min(r.free_seats(priority, reserved), 1e6)) for r in healthy)
+        free_now = sum(max(0.0, _finite(r.free_seats(priority, reserved))) for r in healthy)
         need = max(1.0, ahead + n - free_now)
         return need * self.turnover_s(pool, priority)
 
@@ -147,7 +153,7 @@ class Dispatcher:
         if not healthy:
             return None
         reserved = pool.reserved_for(priority)
-        return max(healthy, key=lambda r: min(r.free_seats(priority, reserved), 1e6))
+        return max(healthy, key=lambda r: _finite(r.free_seats(priority, reserved)))
 
     async def acquire(self, pool: Pool, priority: int, n: int, tier: str, prefix_key: str | None,
                       deadline: float, gone: Callable[[], Awaitable[bool]] | None = None) -> Seat | str:

@@ -1,8 +1,8 @@
 """Prompt token counts for the reservation: the engine's ``POST /tokenize``, or a byte bound.
 
 The reservation only has to be an upper bound the gateway can afford to compute before
-forwarding; the response's ``usage`` corrects it afterwards. ``tokenize`` asks the replica the
-request is about to go to (exact, one loopback round trip); ``bytes`` counts UTF-8 bytes of the
+forwarding; the response's ``usage`` corrects it afterwards. ``tokenize`` asks a healthy replica of
+the chosen pool (exact, one loopback round trip); ``bytes`` counts UTF-8 bytes of the
 text (a byte-level BPE token covers at least one byte) plus a margin per chat message for the
 template — no network call, but a reservation several times the real prompt.
 """
