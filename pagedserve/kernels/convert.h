@@ -34,6 +34,10 @@ inline c10::BFloat16 from_float(float x) {
   return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
 
+// Rounds to T, as each separate torch op on a T tensor does (a no-op for float).
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
 // Calls f(T{}) with T the C++ type of a model dtype (float32, bfloat16, float16); any other dtype
 // is refused with `op`'s name. Every kernel entry point dispatches through this one switch.
 template <typename F>

@@ -17,6 +17,7 @@ namespace {
 
 using pagedserve::dispatch_model_dtype;
 using pagedserve::from_float;
+using pagedserve::round_to;
 using pagedserve::to_float;
 
 // Rows are independent: split them over torch's threads, a few rows per task.
@@ -45,13 +46,9 @@ void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t row
     for (int64_t i = 0; i < h; ++i) ss += to_float(src[i]) * to_float(src[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     T* __restrict o = out + r * h;
-    for (int64_t i = 0; i < h; ++i) o[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(src[i]) * inv)));
+    for (int64_t i = 0; i < h; ++i) o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(src[i]) * inv));
   });
 }
-
-// Rounds to T, as each separate torch op on a T tensor does (a no-op for float).
-template <typename T>
-inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
 // In place on q [T, heads, head_dim] and k [T, kv_heads, head_dim] (rows may be strided, heads
 // contiguous): x' = x * cos + rotate_half(x) * sin, with cos/sin rows [max_pos, head_dim] float32.
@@ -88,7 +85,7 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
     T* o = out + r * inter;
     for (int64_t i = 0; i < inter; ++i) {
       const float gv = to_float(g[i]);
-      o[i] = from_float<T>(to_float(from_float<T>(gv / (1.f + std::exp(-gv)))) * to_float(u[i]));
+      o[i] = from_float<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_float(u[i]));
     }
   });
 }

@@ -48,7 +48,6 @@ struct Plain {  // the model dtype itself: rows of T, no scales
   using Store = T;
   using Model = T;  // the dtype of q and out
   static constexpr bool kQuantized = false;
-  static constexpr int kValuesPerElem = 1;
   static float get(const T* row, int64_t d) { return to_float(row[d]); }
 #if defined(__AVX512F__)
   static __m512 load16(const T* row, int64_t d) { return ::load16(row + d); }

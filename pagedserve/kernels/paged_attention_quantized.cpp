@@ -14,22 +14,24 @@
 #include <cstdint>
 #include <string_view>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace pagedserve::decode;
 
-// Quantized kinds compute in float32: q and out are converted once per call (they are tiny next to
-// the pools), so each kind is compiled once rather than once per model dtype.
-struct Int8KV {
-  using Store = int8_t;
+// What every quantized kind shares: stored elements S holding ValuesPerElem values each, a float16
+// scale per row, and ValueScale folded into that scale. They compute in float32: q and out are
+// converted once per call (they are tiny next to the pools), so each kind is compiled once rather
+// than once per model dtype.
+template <typename S, int ValuesPerElem = 1, int ValueScale = 1>
+struct QuantizedKV {
+  using Store = S;
   using Model = float;
   static constexpr bool kQuantized = true;
-  static constexpr int kValuesPerElem = 1;
-  static constexpr float kValueScale = 1.f;
+  static constexpr int kValuesPerElem = ValuesPerElem;  // the entry point's width check uses it
+  static constexpr float kValueScale = ValueScale;
+};
+
+struct Int8KV : QuantizedKV<int8_t> {
   static float get(const int8_t* row, int64_t d) { return row[d]; }
 #if defined(__AVX512F__)
   static __m512 load16(const int8_t* row, int64_t d) {
@@ -41,12 +43,7 @@ struct Int8KV {
 // fp8 e4m3 (bias 7) moved bit for bit into float16's fields (bias 15) reads as exactly 2^-8 times
 // its value, subnormals included; the CPU converts float16 16 lanes at a time, and the 2^8 rides
 // on the row's scale.
-struct Fp8KV {
-  using Store = uint8_t;
-  using Model = float;
-  static constexpr bool kQuantized = true;
-  static constexpr int kValuesPerElem = 1;
-  static constexpr float kValueScale = 256.f;
+struct Fp8KV : QuantizedKV<uint8_t, 1, 256> {
   static float get(const uint8_t* row, int64_t d) {
     const auto bits = static_cast<uint16_t>(((row[d] & 0x7F) << 7) | ((row[d] & 0x80) << 8));
     return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
@@ -63,12 +60,7 @@ struct Fp8KV {
 };
 
 // int4: value + 8 in a nibble, two per byte, value 2i in byte i's low nibble.
-struct Int4KV {
-  using Store = uint8_t;
-  using Model = float;
-  static constexpr bool kQuantized = true;
-  static constexpr int kValuesPerElem = 2;
-  static constexpr float kValueScale = 1.f;
+struct Int4KV : QuantizedKV<uint8_t, 2> {
   static float get(const uint8_t* row, int64_t d) {
     return static_cast<float>(((row[d >> 1] >> (4 * (d & 1))) & 0xF) - 8);
   }

@@ -7,7 +7,6 @@
 //   E::Store           the stored element type
 //   E::Model           the dtype of q and out
 //   E::kQuantized      whether rows carry a float16 scale each (then also E::kValueScale)
-//   E::kValuesPerElem  values per stored element (2 for int4)
 //   E::get(row, d)     value d of a row as a float; E::load16(row, d) values d..d+15 (AVX-512)
 // Quantized kinds read the value on their grid: times the row's scale and kValueScale, that is the
 // real value.
@@ -277,7 +276,8 @@ void dispatch_group(int64_t group, const Batch<E>& b) {
     case 6: return dispatch_head_dim<E, 6>(b);
     case 7: return dispatch_head_dim<E, 7>(b);
     case 8: return dispatch_head_dim<E, 8>(b);
-    default: TORCH_CHECK(false, "paged_decode_attention: query heads per KV head must be 1..8, got ", group);
+    // models/attention.py's FUSED_DECODE_MAX_GROUP routes wider groups to the matmul path.
+    default: TORCH_CHECK(false, "paged decode attention: query heads per KV head must be 1..8, got ", group);
   }
 }
 

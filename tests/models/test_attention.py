@@ -10,8 +10,11 @@ import torch
 from pagedserve.kernels import kernel_error, native_ops, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
-from pagedserve.models.attention import (ATTENTION_BACKENDS, AttentionMetadata, fused_attention, reference_attention,
-                                         write_kv)
+from pagedserve.models.attention import (ATTENTION_BACKENDS, FUSED_DECODE_MAX_GROUP, AttentionMetadata,
+                                         fused_attention, reference_attention, write_kv)
+
+# Both decode entry points live in the one native library: built, or neither is.
+needs_kernels = pytest.mark.skipif(paged_decode_kernel() is None, reason=f"native kernel unavailable: {kernel_error()}")
 
 
 def _paged_batch(decode_ctx, prefills, block_size=4, kvh=2, heads=6, hd=8, dtype=torch.float32, seed=0):
@@ -89,11 +92,10 @@ def test_native_kernel_builds_here():
 
 
 # head_dim 64 and 128 take the kernel's register-blocked path; 8 and 24 its generic loops.
+@needs_kernels
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, atol):
-    if paged_decode_kernel() is None:
-        pytest.skip(f"native kernel unavailable: {kernel_error()}")
     ctx = [1, 5, 16, 17, 33, 100, 250]
     q, k, v, meta = _paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
     k_pool, v_pool = _head_major(k), _head_major(v)
@@ -107,9 +109,8 @@ def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, a
     assert torch.equal(direct, got[:len(ctx)])
 
 
+@needs_kernels
 def test_fused_kernel_refuses_a_block_outside_the_pool():
-    if paged_decode_kernel() is None:
-        pytest.skip(f"native kernel unavailable: {kernel_error()}")
     q, k, v, meta = _paged_batch([20], [], block_size=16, kvh=2, heads=4, hd=64)
     bad = meta.decode_block_tables.clone()
     bad[0, 1] = k.shape[0]  # one past the last block
@@ -136,12 +137,11 @@ def _in_float32(pool: QuantizedKVCache) -> QuantizedKVCache:
 # summation order. bf16: the reference's own rounding of each K/V value to bf16 dominates their
 # difference (the existing bf16 tolerance), so the kernel's decodes are also held to the float32
 # reference over the same stored bits: off by their output's bf16 rounding alone (2^-8 relative).
+@needs_kernels
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol,rtol_exact", [(torch.float32, 1e-5, 0), (torch.bfloat16, 3e-2, 2 ** -8)])
 def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh, hd, dtype, atol, rtol_exact):
-    if paged_decode_quantized_kernel() is None:
-        pytest.skip(f"native kernel unavailable: {kernel_error()}")
     ctx = [1, 5, 16, 17, 33, 100, 250]
     d = len(ctx)
     q, k, v, meta = _paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
@@ -159,13 +159,12 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
     assert torch.equal(direct, got[:d])
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("hd", [64, 24])  # the AVX-512 loaders and the generic ones
 def test_fused_kernel_dequantizes_every_stored_value_exactly(kind, hd):
     """A one-token context returns its value row: every stored bit pattern (fp8 subnormals, the
     int4 nibbles of both halves of a byte) times its scale, exactly as dequantize_kv gives it."""
-    if paged_decode_quantized_kernel() is None:
-        pytest.skip(f"native kernel unavailable: {kernel_error()}")
     g = torch.Generator().manual_seed(3)
     width = hd // 2 if kind == "int4" else hd
     rows = -(-256 // width)  # one row per block, together holding all 256 byte values
@@ -188,7 +187,6 @@ def test_fused_kernel_dequantizes_every_stored_value_exactly(kind, hd):
 def test_fused_backend_decodes_wider_query_groups_through_matmul(kind):
     # 16 query heads on one KV head: more than the kernel's register-held group, so the fused
     # backend must answer through the matmul path, not fail inside the step loop.
-    from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP
     heads = 2 * FUSED_DECODE_MAX_GROUP
     q, k, v, meta = _paged_batch([1, 17, 40], [(5, 30)], block_size=16, kvh=1, heads=heads, hd=64)
     k_pool, v_pool = (_head_major(k), _head_major(v)) if kind == "auto" else (_quantized(k, kind), _quantized(v, kind))
@@ -197,9 +195,8 @@ def test_fused_backend_decodes_wider_query_groups_through_matmul(kind):
     assert torch.allclose(got, want, atol=1e-5)
 
 
+@needs_kernels
 def test_fused_kernel_refuses_mismatched_quantized_pools():
-    if paged_decode_quantized_kernel() is None:
-        pytest.skip(f"native kernel unavailable: {kernel_error()}")
     q, k, v, meta = _paged_batch([20], [], block_size=16, kvh=2, heads=4, hd=64)
     pool = _quantized(k, "int8")
     args = (meta.decode_block_tables, meta.decode_context_lens, 0.1)
