@@ -34,15 +34,13 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import json
 import logging
 import math
 import multiprocessing
-import os
-import re
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +49,7 @@ import httpx
 import numpy as np
 
 from pagedserve.bench.processes import engine_server, free_port, running_process
+from pagedserve.engine.async_engine import read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 
@@ -197,26 +196,10 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
             yield Stack(f"http://127.0.0.1:{gport}", log_path)
 
 
-_REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
-
-
-def read_request_log(path: Path) -> dict[str, tuple[float, float]]:
-    """request id → (engine queue time, engine TTFT) in seconds, from a replica's --log-requests lines."""
-    out = {}
-    for line in path.read_text(errors="replace").splitlines():
-        m = _REQUEST_LINE.search(line)
-        if m and m.group(2) != "-" and m.group(3) != "-":
-            out[m.group(1)] = (float(m.group(2)) / 1000, float(m.group(3)) / 1000)
-    return out
-
-
-_SHOT_IDS = itertools.count()
-
-
 async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_len: int) -> Shot:
     key = PAID_KEY if tier == "paid" else FREE_KEY
-    # Unique across the run's processes: the replica's request log is joined on it.
-    request_id = f"w6-{tier}-{os.getpid()}-{next(_SHOT_IDS)}"
+    # Unique across the run's phases and processes: the replica's request log is joined on it.
+    request_id = f"w6-{tier}-{uuid.uuid4().hex}"
     body = {"model": "w6", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "request_id": request_id}
     shot = Shot(tier, request_id=request_id)

@@ -22,9 +22,11 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve import errors
@@ -51,9 +53,8 @@ class StepObserver(Protocol):
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         """Called after every step with that step's outputs."""
 
-    def on_abort(self, request_id: str, now: float, unsent_tokens: int) -> None:
-        """Called when a live request is aborted (client gone, shutdown), with the tokens it had
-        generated that no output carried (held back by ``stream_interval``)."""
+    def on_abort(self, request_id: str, now: float) -> None:
+        """Called when a live request is aborted (client gone, shutdown)."""
 
 
 class EngineDeadError(errors.PagedServeError):
@@ -331,9 +332,8 @@ class AsyncEngine:
         now = time.monotonic()
         for cmd in commands:
             if isinstance(cmd, _Abort):
-                unsent = self.engine.unsent_tokens(cmd.request_id)
                 if self.engine.abort(cmd.request_id) and self.observer is not None:
-                    self.observer.on_abort(cmd.request_id, now, unsent)
+                    self.observer.on_abort(cmd.request_id, now)
                 continue
             if not cmd.admitted.set_running_or_notify_cancel():
                 continue  # the caller gave up before admission
@@ -388,6 +388,20 @@ class AsyncEngine:
 
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail_streams)
+
+
+_REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
+
+
+def read_request_log(path: Path) -> dict[str, tuple[float, float]]:
+    """request id → (engine queue time, engine TTFT) in seconds, from the ``log_requests`` lines
+    :func:`_log_finished` writes (the format and its reader kept together)."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = _REQUEST_LINE.search(line)
+        if m and m.group(2) != "-" and m.group(3) != "-":
+            out[m.group(1)] = (float(m.group(2)) / 1000, float(m.group(3)) / 1000)
+    return out
 
 
 def _log_finished(out: RequestOutput, priority: int) -> None:

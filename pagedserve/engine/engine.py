@@ -115,6 +115,7 @@ class Engine:
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
         self._last_log, self._tokens_since_log = time.monotonic(), 0
@@ -180,13 +181,6 @@ class Engine:
             seq.logprobs = []
         self.detokenizer.start(seq)
         return seq
-
-    def unsent_tokens(self, request_id: str) -> int:
-        """Tokens a live request generated that no output has carried yet (with ``stream_interval``
-        N > 1, fewer than N per sequence; 0 for an unknown request). Read before :meth:`abort` to
-        count what an aborted request generated but never returned."""
-        req = self.requests.get(request_id)
-        return 0 if req is None else sum(s.num_output_tokens - s.sent_token_len for s in req.seqs)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now, freeing its blocks. False if it is unknown or already done."""
@@ -305,6 +299,7 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         seq.token_ids.append(token)
+        self.num_generated_tokens += 1  # counted here, streamed or not (stream_interval, aborts)
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         p = seq.request.params
@@ -361,4 +356,5 @@ class Engine:
             kv_slots_allocated=bm.num_used_blocks * bs,
             naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
             prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
-            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token)
+            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
+            generation_tokens=self.num_generated_tokens)

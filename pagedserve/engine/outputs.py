@@ -44,7 +44,7 @@ class RequestMetrics:
     """
 
     arrival_time: float
-    queued_time: float | None = None
+    queued_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -83,6 +83,7 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     kv_bytes_per_token: int
+    generation_tokens: int  # cumulative: every token sampled, whether or not an output carried it yet
 
     @property
     def kv_utilization(self) -> float:

@@ -20,8 +20,9 @@ The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCach
 (int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
 gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
 blocks gathered), except the fused decode kernel, which reads head-major and quantized pools in
-place, dequantizing each K and V vector with its scale as it goes (only plain-tensor pools send
-``fused`` decodes through the ``matmul`` path).
+place, dequantizing each K and V vector with its scale as it goes. ``fused`` decodes go through
+the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
+``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 """
 
 from __future__ import annotations
@@ -145,11 +146,10 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     kernel = paged_decode_kernel()
     if kernel is None or not isinstance(k_cache, HeadMajorKVCache):
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
-    if q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
-    out = torch.empty_like(q)
-    kernel(out, q, k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens, scale)
-    return out
+    out = torch.empty_like(q, dtype=k_cache.dtype)
+    kernel(out, q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
+           scale)
+    return out.to(q.dtype)  # no-op for the engine's pools, which hold the model dtype
 
 
 def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

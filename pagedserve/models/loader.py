@@ -95,8 +95,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
     quantized one (embeddings and norms stay in ``dtype``); without it, on CPU, linear weights are
     prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``PAGEDSERVE_PACK_WEIGHTS=0`` turns that
-    off). On CPU the native layer kernels are switched on where they build. The log states the
-    weight bytes.
+    off). On CPU the native layer kernels are switched on where they build. The engine's load log
+    line states the resulting weight bytes.
     """
     arch = ModelArchitecture.from_hf_config(hf_config)
     with torch.device(device):

@@ -82,6 +82,8 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hit_tokens)
         yield counter("num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
                       s.num_preemptions)
+        yield counter("generation_tokens", "Tokens generated, streamed or not (an aborted request's included).",
+                      s.generation_tokens)
 
 
 class ServerMetrics:
@@ -99,8 +101,6 @@ class ServerMetrics:
                                          labels + ["finished_reason"], registry=self.registry)
         self.prompt_tokens = Counter(NS + "prompt_tokens", "Prompt tokens prefilled.", labels,
                                      registry=self.registry)
-        self.generation_tokens = Counter(NS + "generation_tokens", "Tokens generated.", labels,
-                                         registry=self.registry)
         self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival at the server to first generated token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between a request's consecutive steps' tokens.",
@@ -112,7 +112,7 @@ class ServerMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
         # Create the served model's series now, so a scrape before the first request already shows
         # every counter and histogram at zero (dashboards and rate() need the series to exist).
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+        for metric in (self.prompt_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
             metric.labels(model_name)
         self.registry.register(_EngineStatsCollector(stats, model_name))
         self._last_token_time: dict[str, float] = {}
@@ -130,14 +130,13 @@ class ServerMetrics:
             new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
             last = self._last_token_time.get(out.request_id)
             if new_tokens:
-                self.generation_tokens.labels(m).inc(new_tokens)
                 if last is None:
                     self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
                     first = out.metrics.first_token_time or now
                     self.ttft.labels(m).observe(max(0.0, first - out.metrics.arrival_time))
                     if out.metrics.first_scheduled_time is not None:
-                        queued = out.metrics.queued_time or out.metrics.arrival_time
-                        self.queue_time.labels(m).observe(max(0.0, out.metrics.first_scheduled_time - queued))
+                        self.queue_time.labels(m).observe(
+                            max(0.0, out.metrics.first_scheduled_time - out.metrics.queued_time))
                 else:
                     # "Time per output token": with --stream-interval N one output can carry up to N
                     # tokens per sequence, produced over that many steps since the previous output. Split
@@ -157,10 +156,7 @@ class ServerMetrics:
                 end = out.metrics.finished_time or now
                 self.e2e.labels(m).observe(max(0.0, end - out.metrics.arrival_time))
 
-    def on_abort(self, request_id: str, now: float, unsent_tokens: int) -> None:
-        """Count an aborted request (client gone or shutdown), and the tokens it generated that
-        were never streamed, so ``generation_tokens`` counts every token the engine computed."""
+    def on_abort(self, request_id: str, now: float) -> None:
+        """Count an aborted request (client gone or shutdown)."""
         self._last_token_time.pop(request_id, None)
-        if unsent_tokens:
-            self.generation_tokens.labels(self.model_name).inc(unsent_tokens)
         self.requests_finished.labels(self.model_name, "abort").inc()
