@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -58,3 +60,12 @@ def write_result(path: str | None, result: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=2))
+
+
+def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
+    """p50/p95/p99 and mean, scaled (e.g. 1000 for ms); NaN when there is nothing to measure."""
+    if not values:
+        return {"p50": math.nan, "p95": math.nan, "p99": math.nan, "mean": math.nan}
+    a = np.asarray(values) * scale
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}

@@ -16,14 +16,13 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server
 from pagedserve.bench.workloads import BenchRequest, random_prompt
 
@@ -100,15 +99,6 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
-
-
-def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
-    """p50/p95/p99 and mean, scaled (e.g. 1000 for ms); NaN when there is nothing to measure."""
-    if not values:
-        return {"p50": math.nan, "p95": math.nan, "p99": math.nan, "mean": math.nan}
-    a = np.asarray(values) * scale
-    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
-            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
 async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
@@ -307,7 +297,8 @@ def main(args: argparse.Namespace) -> int:
     if args.url:
         results = run_benchmark(cfg, show_progress=not args.no_progress)
     else:
-        with started_server(args.server_model, args.server_arg) as url:
+        model = ["--model", args.server_model] if args.server_model else []
+        with engine_server("--log-level", "warning", *model, *args.server_arg, timeout_s=300.0) as url:
             cfg.url = url
             results = run_benchmark(cfg, show_progress=not args.no_progress)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -321,10 +312,3 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nwrote {args.out / 'w4.json'} and {args.out / 'w4_latency_cdf.png'}")
     return 1 if any(r.failed for r in results) else 0
 
-
-@contextmanager
-def started_server(model: str | None, extra: list[str], timeout_s: float = 300.0) -> Iterator[str]:
-    """Run `python -m pagedserve serve` on a free loopback port; yield its URL; stop it on exit."""
-    with engine_server("--log-level", "warning", *(["--model", model] if model else []), *extra,
-                       timeout_s=timeout_s) as url:
-        yield url

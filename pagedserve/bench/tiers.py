@@ -48,6 +48,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
 from pagedserve.engine.async_engine import read_request_log
 
@@ -135,13 +136,6 @@ class PhaseResult:
     paid_rate: float
     free_rate: float
     tiers: dict[str, TierResult]
-
-
-def _pcts(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": math.nan, "p95": math.nan}
-    a = np.asarray(values)
-    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95))}
 
 
 def gateway_toml(engine_urls: list[str], cfg: TiersBenchConfig, port: int) -> str:
@@ -320,12 +314,12 @@ def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot]
         tiers[tier] = TierResult(
             offered=len(mine), admitted=len(ok), shed=shed,
             errors=len([s for s in mine if s.status not in (200, 429) or (s.status == 200 and s.ttft is None)]),
-            queue_wait=_pcts(waits), ttft=_pcts(ttfts),
-            est_wait=_pcts([s.est_wait for s in ok if s.est_wait is not None]),
-            gateway_queue=_pcts([s.queued for s in ok if s.queued is not None]),
-            engine_queue=_pcts([s.engine_queue for s in joined]),  # type: ignore[misc]
-            engine_ttft=_pcts([s.engine_ttft for s in joined]),  # type: ignore[misc]
-            ttft_excess=_pcts([max(0.0, t - idle_ttft) for t in ttfts]),
+            queue_wait=percentiles(waits), ttft=percentiles(ttfts),
+            est_wait=percentiles([s.est_wait for s in ok if s.est_wait is not None]),
+            gateway_queue=percentiles([s.queued for s in ok if s.queued is not None]),
+            engine_queue=percentiles([s.engine_queue for s in joined]),  # type: ignore[misc]
+            engine_ttft=percentiles([s.engine_ttft for s in joined]),  # type: ignore[misc]
+            ttft_excess=percentiles([max(0.0, t - idle_ttft) for t in ttfts]),
             unmatched=len(ok) - len(joined),
             # The header is whole milliseconds: a shed after < 0.5 ms in the queue counts as at once.
             shed_after_wait=len([s for s in mine if s.status == 429 and (s.queued or 0) > 0]),
