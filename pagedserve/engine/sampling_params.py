@@ -1,10 +1,44 @@
-"""Per-request sampling parameters, validated once when the request is built."""
+"""Per-request sampling parameters, validated once when the request is built.
+
+Every field is bounded to what the engine can hold, whoever builds the parameters (the server's
+schema checks the same bounds first, from the constants below, so an HTTP client gets the
+schema's message; the offline ``LLM`` gets these):
+
+- integers that reach the sampler's tensors or torch's generators (``top_k``, ``seed``, token
+  ids) stay in the ranges those hold: a ``top_k`` of 2**70 does not fit an int64 tensor;
+- counts and lengths (``max_tokens``, ``min_tokens``) stay int32, far above any context length;
+- floats are finite (NaN fails every range check, but is named here as what it is);
+- lists (stop strings, stop token ids) are short enough that per-step stop checks stay cheap.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.errors import InvalidRequest
+
+MAX_N = 128
+# max_tokens / min_tokens: int32, so they are safe in any tensor; no model has a longer context.
+MAX_TOKENS_LIMIT = 2**31 - 1
+# top_k at or above the vocabulary size cuts nothing (the sampler keeps the whole vocabulary);
+# the bound only keeps the value inside the sampler's int64 tensors with room to spare.
+MAX_TOP_K = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_STOP_CHARS = 512  # per stop string: streamed text holds back the longest one's length
+MAX_STOP_TOKEN_IDS = 128
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; the engine compares ids with its own vocab
+# Any int64. Completion i of a request is seeded with seed + i (i < MAX_N), which stays within
+# the range torch's generators accept ([-2**63, 2**64 - 1]).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+TEMPERATURE_MAX = 100.0
+PENALTY_MAX = 2.0  # presence and frequency: [-2, 2] (OpenAI)
+REPETITION_PENALTY_MAX = 10.0
 
 
 @dataclass
@@ -20,7 +54,7 @@ class SamplingParams:
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: int = 0  # 0 or -1: disabled; >= the vocabulary size: no cut either
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -36,7 +70,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
+        if isinstance(self.stop, (list, tuple)):
+            self.stop = [s for s in self.stop if s]
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -46,39 +83,60 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """Raise :class:`InvalidRequest` naming the first field outside what the engine can hold."""
         def bad(param: str, msg: str) -> InvalidRequest:
             return InvalidRequest(msg, param=param)
 
-        if not 1 <= self.n <= 128:
-            raise bad("n", f"n must be between 1 and 128, got {self.n}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}.")
+        def integer(name: str, value: object, lo: int, hi: int, what: str) -> None:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise bad(name, f"{name} must be an integer, got {value!r}.")
+            if not lo <= value <= hi:
+                raise bad(name, f"{name} must be {what}, got {value}.")
+
+        def real(name: str, value: Any, ok: Callable[[float], bool], what: str) -> None:
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise bad(name, f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value):
+                raise bad(name, f"{name} must be a finite number, got {value}.")
+            if not ok(value):
+                raise bad(name, f"{name} must be {what}, got {value}.")
+
+        integer("n", self.n, 1, MAX_N, f"between 1 and {MAX_N}")
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT, f"between 1 and {MAX_TOKENS_LIMIT}")
+        integer("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT, f"between 0 and {MAX_TOKENS_LIMIT}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", f"temperature must be in [0, 100], got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise bad("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"logprobs / top_logprobs must be between 0 and 20, got {self.logprobs}.")
-        if self.seed is not None and not 0 <= self.seed < 2**63 - 256:
-            raise bad("seed", f"seed must be in [0, 2**63 - 256), got {self.seed}.")  # room for seed + index
-        if len(self.stop) > 16:
-            raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids.")
+        real("temperature", self.temperature, lambda v: 0.0 <= v <= TEMPERATURE_MAX,
+             f"in [0, {TEMPERATURE_MAX:g}]")
+        real("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        integer("top_k", self.top_k, 0, MAX_TOP_K,
+                f"-1 or 0 (disabled) or a positive count up to {MAX_TOP_K} (a count at or above the "
+                "vocabulary size keeps every token)")
+        real("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            real(name, getattr(self, name), lambda v: -PENALTY_MAX <= v <= PENALTY_MAX,
+                 f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]")
+        real("repetition_penalty", self.repetition_penalty, lambda v: 0.0 < v <= REPETITION_PENALTY_MAX,
+             f"in (0, {REPETITION_PENALTY_MAX:g}]")
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS} (logprobs / top_logprobs)")
+        if self.seed is not None:
+            integer("seed", self.seed, SEED_MIN, SEED_MAX, "a 64-bit signed integer ([-2**63, 2**63 - 1])")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "stop must be a string or a list of strings.")
+        if len(self.stop) > MAX_STOP:
+            raise bad("stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}.")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise bad("stop", f"stop strings may be at most {MAX_STOP_CHARS} characters long, got one of {longest}.")
+        if not isinstance(self.stop_token_ids, list):
+            raise bad("stop_token_ids", "stop_token_ids must be a list of token ids.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}.")
+        for t in self.stop_token_ids:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+                raise bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}], got {t!r}.")
 
     @property
     def needs_penalties(self) -> bool:

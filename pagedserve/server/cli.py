@@ -33,6 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``serve`` (engine flags from ``pagedserve.engine.args`` plus the server's own)."""
     from pagedserve.engine.args import add_engine_args
 
+    def _seconds(text: str) -> float:  # a positive, finite number of seconds
+        value = float(text)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        return value
+
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
@@ -54,6 +60,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
                              "aborted (default 5)")
+    server.add_argument("--request-timeout", type=_seconds, default=None, metavar="S",
+                        help="abort a request still running S seconds after it arrived: one not answered yet "
+                             "gets 504 (code request_timeout), a stream gets an error event then 'data: [DONE]'; "
+                             "its engine request is aborted (default: no limit)")
+    server.add_argument("--read-timeout", type=_seconds, default=10.0, metavar="S",
+                        help="a request's headers, then its body, must each arrive within S seconds (a short "
+                             "body sent with a long Content-Length, a stalled client); else 408 and the "
+                             "connection is closed (default 10)")
+    server.add_argument("--keep-alive-timeout", type=_seconds, default=5.0, metavar="S",
+                        help="close a connection idle (no request in progress) for S seconds, also before its "
+                             "first request (default 5)")
+    server.add_argument("--max-header-bytes", type=parse_bytes, default="32KiB",
+                        help="refuse a request line plus headers larger than this with 431 (a URL alone: 414) "
+                             "and close the connection (default 32KiB)")
+    server.add_argument("--max-headers", type=int, default=100,
+                        help="refuse a request with more header lines than this with 431 (default 100)")
     server.add_argument("--log-requests", action="store_true",
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
@@ -77,6 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.server.app import build_app
     from pagedserve.server.config import ServerConfig
+    from pagedserve.server.limits import uvicorn_limits
 
     log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -94,7 +117,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                      api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                                      shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights,
-                                     log_requests=args.log_requests)
+                                     log_requests=args.log_requests, request_timeout_s=args.request_timeout,
+                                     read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                                     max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
         engine = Engine(engine_config_from_args(args))
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)
@@ -104,7 +129,8 @@ def run_serve(args: argparse.Namespace) -> int:
     _log_startup(engine, server_config)
     app = build_app(engine, server_config)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
-                                    timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+                                    timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
+                                    **uvicorn_limits(server_config))
     # Uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; after that
     # clean shutdown, exit with 0 instead of a traceback (Ctrl-C) or death by signal (SIGTERM).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -23,6 +24,12 @@ class ServerConfig:
     random_weights: bool = False
     model_description: str | None = None
     log_requests: bool = False  # one INFO line per finished request: its id, priority, tokens and timings
+    # HTTP limits (pagedserve.server.limits): what one connection may hold and for how long.
+    request_timeout_s: float | None = None  # whole request, arrival to last byte; None = no limit
+    read_timeout_s: float = 10.0  # the request head, then the body, each within this (else 408)
+    keep_alive_timeout_s: float = 5.0  # an idle connection (no request in progress) is closed after this
+    max_header_bytes: int = 32 * 1024  # request line + headers (else 431; a longer URL alone: 414)
+    max_headers: int = 100  # header lines (else 431)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -31,5 +38,17 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.request_timeout_s is not None and not (math.isfinite(self.request_timeout_s)
+                                                       and self.request_timeout_s > 0):
+            raise ValueError(f"request_timeout_s must be a positive number of seconds (or None: no limit), "
+                             f"got {self.request_timeout_s}")
+        for name in ("read_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if self.max_headers < 8:
+            raise ValueError(f"max_headers must be at least 8, got {self.max_headers}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")

@@ -25,10 +25,14 @@ _HTTP_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     503: "server_overloaded",
+    504: "server_error",
 }
 
 
@@ -88,6 +92,11 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return "".join(parts) or None
 
 
+def _is_type_mismatch(e: dict[str, Any]) -> bool:
+    kind = str(e.get("type", ""))
+    return kind.endswith("_type") or kind == "none_required"
+
+
 def validation_message(errs: list[dict[str, Any]]) -> tuple[str, str | None, str]:
     """Summarise pydantic errors as (message, param, code) telling the client what to fix."""
     if any(e.get("type") == "json_invalid" for e in errs):
@@ -97,6 +106,7 @@ def validation_message(errs: list[dict[str, Any]]) -> tuple[str, str | None, str
         where = f" at character {pos}" if pos is not None else ""
         return f"The request body is not valid JSON ({detail}{where}); send a JSON object.", None, "invalid_json"
     seen: dict[str | None, str] = {}
+    mismatch_only: set[str | None] = set()
     for e in errs:
         param = _param_from_loc(tuple(e.get("loc", ())))
         if e.get("type") == "extra_forbidden":
@@ -107,8 +117,20 @@ def validation_message(errs: list[dict[str, Any]]) -> tuple[str, str | None, str
             text = e.get("msg", "is invalid")
             text = text.removeprefix("Value error, ")
             text = text[0].lower() + text[1:] if text else text
-        seen.setdefault(param, text)  # first complaint per field: union members repeat themselves
-    items = list(seen.items())
+        # First complaint per field (union members repeat themselves), except that one about the
+        # value (a bound) says more than "should be a valid string" from a member whose type did
+        # not match, whichever member pydantic tried first.
+        if param not in seen or (param in mismatch_only and not _is_type_mismatch(e)):
+            seen[param] = text
+            if _is_type_mismatch(e):
+                mismatch_only.add(param)
+            else:
+                mismatch_only.discard(param)
+    # A type mismatch of a field whose element has its own complaint ('stop' is not a string, and
+    # 'stop[0]' is too long) is the union talking: the element's complaint is the one to fix.
+    items = [(p, t) for p, t in seen.items()
+             if not (p in mismatch_only and p is not None
+                     and any(q is not None and q.startswith((p + "[", p + ".")) for q in seen))]
     summary = "; ".join(f"'{p}' {t}" if p else t for p, t in items[:3])
     if len(items) > 3:
         summary += f" (and {len(items) - 3} more)"

@@ -2,8 +2,12 @@
 
 Requests are validated strictly at the edge: JSON types must match (``"5"`` is not an integer),
 unknown fields are refused with their name, and every piece of text a client sends (prompts,
-message contents, stop strings) must be valid Unicode without control characters. The schemas
-also make the app's OpenAPI document, which the fuzz test drives.
+message contents, stop strings) must be valid Unicode without control characters. Every field is
+bounded to what the engine can hold (the bounds of :mod:`pagedserve.engine.sampling_params`, so
+a value the sampler could not take is a 400 here, never a fault in a step): integers to their
+ranges, floats finite (``NaN`` and ``Infinity``, which Python's JSON parser accepts, are refused),
+strings and lists to a length. The schemas also make the app's OpenAPI document, which the fuzz
+test drives.
 """
 
 from __future__ import annotations
@@ -14,11 +18,37 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pagedserve.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+)
+
 # Control characters a prompt may legitimately contain.
 _ALLOWED_CONTROL = {"\t", "\n", "\r"}
-MAX_LOGPROBS = 20
-MAX_N = 128
-MAX_STOP = 16
+# Lengths of what is not a sampling parameter. The body limit (--max-body-bytes, 4 MiB by
+# default) is what usually binds; these hold whatever that limit is raised to.
+MAX_TEXT_CHARS = 2**24          # one prompt, message content or text part (16 Mi characters)
+MAX_PROMPT_TOKENS = 2**24       # a prompt sent as token ids
+MAX_PROMPTS = 64                # a list of prompts (only one is served: the handler says so)
+MAX_MESSAGES = 2048             # messages in one conversation
+MAX_CONTENT_PARTS = 1024        # text parts of one message
+MAX_NAME_CHARS = 256            # user, message name, tool_call_id, cache_salt
+MAX_MODEL_CHARS = 1024          # a model name (a served path can be long)
+MAX_TEMPLATE_KWARGS = 32        # chat_template_kwargs entries
+MAX_TEMPLATE_KEY_CHARS = 64
+MAX_TEMPLATE_VALUE_CHARS = 4096
+MAX_REQUEST_ID_CHARS = 128
 
 
 def _check_text(text: str) -> str:
@@ -33,8 +63,15 @@ def _check_text(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_check_text)]
-TokenId = Annotated[int, Field(ge=0)]
+# The length is checked before the characters are (cheaply, and with pydantic's "characters" message).
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_check_text)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(_check_text)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_check_text)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+ModelName = Annotated[str, Field(max_length=MAX_MODEL_CHARS)]
+TemplateValue = Annotated[str, Field(max_length=MAX_TEMPLATE_VALUE_CHARS)] | int | Finite | bool | None
 
 
 class _Strict(BaseModel):
@@ -51,48 +88,59 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = Field(None, description="Served model name (see GET /v1/models); default: the one model.")
-    n: int = Field(1, ge=1, le=MAX_N, description="Completions to generate for the prompt.")
-    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy; default 1.0.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    # int64, as vLLM: the engine seeds completion i with seed + i, which must stay in torch's range.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request sampling seed.")
-    stop: Text | list[Text] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
-    stop_token_ids: list[TokenId] | None = None
+    model: ModelName | None = Field(None, description="Served model name (see GET /v1/models); default: the one model.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Completions to generate for the prompt (at most the server's "
+                                                   "max_num_seqs, which run side by side).")
+    temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False,
+                                      description="0 = greedy; default 1.0.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
+                              description="-1 or 0 disables; a value at or above the vocabulary size keeps every token.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-PENALTY_MAX, le=PENALTY_MAX, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_MAX, le=PENALTY_MAX, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)
+    # int64, as vLLM: the engine seeds completion i with seed + i, which stays in torch's range.
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="Per-request sampling seed (any int64).")
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"Up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters.")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end the output.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token (benchmarks).")
-    min_tokens: int = Field(0, ge=0, description="Tokens to generate before EOS/stop may end the output.")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT,
+                            description="Tokens to generate before EOS/stop may end the output.")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1,
                           description="Engine priority: lower is served sooner (vLLM's convention).")
-    cache_salt: Text | None = Field(None, min_length=1, max_length=256,
+    cache_salt: Name | None = Field(None, min_length=1,
                                     description="Prefix-cache namespace: only requests with the same salt share cached blocks.")
-    user: str | None = Field(None, description="End-user id (accepted for compatibility; logged only).")
-    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+    user: Name | None = Field(None, description="End-user id (accepted for compatibility; logged only).")
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$",
                                    description="Caller-chosen request id (default: generated).")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {} is accepted.")
-    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], Finite], Field(max_length=300)] | None = Field(
+        None, description="Not supported: only null or {} is accepted.")
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = Field(None, description="Accepted and ignored.")
     store: bool | None = Field(None, description="Accepted and ignored.")
-    service_tier: str | None = Field(None, description="Accepted and ignored.")
+    service_tier: str | None = Field(None, max_length=32, description="Accepted and ignored.")
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``prompt`` is text or token ids (one prompt per request)."""
 
-    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(
-        ..., description="Text or a list of token ids; a list of one prompt is accepted too.")
-    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate; null = up to max_model_len.")
+    prompt: Text | TokenIds | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] \
+        | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)] = Field(
+            ..., description="Text or a list of token ids; a list of one prompt is accepted too.")
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT,
+                                   description="Tokens to generate; null = up to max_model_len.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
     echo: bool = Field(False, description="Not supported: only false is accepted.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only best_of == n is supported.")
-    suffix: str | None = Field(None, description="Not supported: only null or empty is accepted.")
+    suffix: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="Not supported: only null or empty is accepted.")
 
 
 class TextPart(_Strict):
@@ -106,16 +154,19 @@ class ChatMessage(_Strict):
     """One chat message; ``content`` is text or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
+    tool_call_id: Name | None = None
     # Fields the openai client sends back when a response message is appended to the conversation;
     # accepted when empty (tool calls are not supported).
-    refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_CONTENT_PARTS)
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
-    annotations: list[Any] | None = None
+    annotations: list[Any] | None = Field(None, max_length=MAX_CONTENT_PARTS)
+
+
+Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
 class ResponseFormat(_Strict):
@@ -127,26 +178,29 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: the tokenizer's chat template turns ``messages`` into a prompt."""
 
-    messages: list[ChatMessage] = Field(..., description="The conversation; must not be empty.")
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Tokens to generate; null = up to max_model_len.")
+    messages: Messages = Field(..., description=f"The conversation; must not be empty (at most {MAX_MESSAGES} messages).")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT,
+                                              description="Tokens to generate; null = up to max_model_len.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: only null or [] is accepted.")
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="Not supported: only null or [] is accepted.")
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(
-        None, description="Extra variables for the chat template (e.g. enable_thinking).")
+    chat_template_kwargs: Annotated[dict[Annotated[str, Field(max_length=MAX_TEMPLATE_KEY_CHARS)], TemplateValue],
+                                    Field(max_length=MAX_TEMPLATE_KWARGS)] | None = Field(
+        None, description=f"Extra variables for the chat template (e.g. enable_thinking): up to {MAX_TEMPLATE_KWARGS} "
+                          f"scalars, strings up to {MAX_TEMPLATE_VALUE_CHARS} characters.")
 
 
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM's): count the tokens of a prompt or of chat messages."""
 
-    model: str | None = None
+    model: ModelName | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.engine.sampler import SamplingRow, sample
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.errors import InvalidRequest
 
 
 def row(gen=None, out=(), prompt=(), banned=(), **kw):
@@ -65,3 +67,53 @@ def test_logprobs_are_of_the_raw_distribution():
     assert res.logprobs[0].token_id == 2
     assert abs(res.logprobs[0].logprob - float(lp[2])) < 1e-6
     assert [t for t, _ in res.logprobs[0].top] == [2, 1]
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    logits = torch.tensor([[3.0, 2.9, 2.8, 2.7]]).repeat(400, 1)
+    rows = [row(temperature=1.0, top_k=2**31 - 1)] * 400
+    toks = sample(logits, rows, torch.Generator().manual_seed(4)).token_ids
+    assert set(toks) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"top_k": 1180591620717411303424}, "top_k"),  # issue 13: overflowed the sampler's int64 tensor
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("inf")}, "min_p"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": 2**40, "max_tokens": None}, "min_tokens"),
+    ({"n": 129}, "n"),
+    ({"n": True}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"stop": ["s" * 513]}, "stop"),
+    ({"stop_token_ids": list(range(129))}, "stop_token_ids"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"temperature": "hot"}, "temperature"),
+])
+def test_sampling_params_refuse_what_the_engine_cannot_hold(kw, param):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param, info.value
+    assert str(info.value)
+
+
+def test_sampling_params_at_the_bounds_are_accepted():
+    import numpy as np
+
+    SamplingParams(top_k=2**31 - 1, seed=-(2**63), n=128, max_tokens=2**31 - 1, min_tokens=2**31 - 1,
+                   stop=["s" * 512] * 16, stop_token_ids=list(range(128)), logprobs=20)
+    SamplingParams(seed=2**63 - 1, temperature=100, top_p=1e-9, repetition_penalty=10,
+                   presence_penalty=-2, frequency_penalty=2, min_p=1)
+    p = SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5), top_k=-1, stop_token_ids=(1, 2))
+    assert p.top_k == 0 and p.stop_token_ids == [1, 2]

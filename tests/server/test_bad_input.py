@@ -72,7 +72,7 @@ CASES = [
     Case("escape char in message", CHAT, js({"messages": [{"role": "user", "content": "x\u001by"}]}), 400,
          "messages[0].content"),
     Case("lone surrogate", CMPL, b'{"prompt": "a\\ud800b"}', 400, "prompt"),
-    Case("control char in stop", CMPL, js({"prompt": "hi", "stop": ["\u0007"]}), 400, "stop"),
+    Case("control char in stop", CMPL, js({"prompt": "hi", "stop": ["\u0007"]}), 400, "stop[0]"),
     Case("body over the limit", CMPL, js({"prompt": "x" * 300_000}), 413, code="body_too_large"),
     Case("echo unsupported", CMPL, js({"prompt": "hi", "echo": True}), 400, "echo"),
     Case("tools unsupported", CHAT, js({"messages": USER, "tools": [{"type": "function"}]}), 400, "tools"),
@@ -84,6 +84,55 @@ CASES = [
          "chat_template_kwargs"),
     Case("tool calls in history", CHAT, js({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "x"}]}]}),
          400, "messages[1].tool_calls"),
+    # Every field bounded to what the engine can hold (issue 13's probe cases first): a value the
+    # sampler could not take is a 400 here, never a fault in a step.
+    Case("top_k 2**70", CMPL, js({"prompt": "x", "max_tokens": 3, "top_k": 1180591620717411303424}), 400, "top_k"),
+    Case("top_k 2**31", CHAT, js({"messages": USER, "top_k": 2**31}), 400, "top_k"),
+    Case("n over max_num_seqs", CMPL, js({"prompt": "hi", "n": 100, "max_tokens": 2}), 400, "n"),
+    Case("temperature NaN", CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    Case("top_p Infinity", CMPL, b'{"prompt": "hi", "top_p": Infinity}', 400, "top_p"),
+    Case("min_p NaN", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "min_p": NaN}', 400, "min_p"),
+    Case("presence_penalty -Infinity", CMPL, b'{"prompt": "hi", "presence_penalty": -Infinity}', 400,
+         "presence_penalty"),
+    Case("frequency_penalty NaN", CMPL, b'{"prompt": "hi", "frequency_penalty": NaN}', 400, "frequency_penalty"),
+    Case("repetition_penalty Infinity", CMPL, b'{"prompt": "hi", "repetition_penalty": Infinity}', 400,
+         "repetition_penalty"),
+    Case("seed 2**64", CMPL, js({"prompt": "hi", "seed": 2**64}), 400, "seed"),
+    Case("seed below int64", CMPL, js({"prompt": "hi", "seed": -(2**63) - 1}), 400, "seed"),
+    Case("max_tokens 2**70", CMPL, js({"prompt": "hi", "max_tokens": 2**70}), 400, "max_tokens"),
+    Case("max_completion_tokens 2**64", CHAT, js({"messages": USER, "max_completion_tokens": 2**64}), 400,
+         "max_completion_tokens"),
+    Case("min_tokens 2**70", CMPL, js({"prompt": "hi", "min_tokens": 2**70}), 400, "min_tokens"),
+    Case("logprobs 2**70", CMPL, js({"prompt": "hi", "logprobs": 2**70}), 400, "logprobs"),
+    Case("priority 2**40", CMPL, js({"prompt": "hi", "priority": 2**40}), 400, "priority"),
+    Case("huge stop list", CMPL, js({"prompt": "hi", "stop": [f"s{i}" for i in range(5000)]}), 400, "stop"),
+    Case("stop string too long", CMPL, js({"prompt": "hi", "stop": "s" * 600}), 400, "stop"),
+    Case("stop list string too long", CMPL, js({"prompt": "hi", "stop": ["ok", "s" * 600]}), 400, "stop[1]"),
+    Case("too many stop_token_ids", CMPL, js({"prompt": "hi", "stop_token_ids": list(range(200))}), 400,
+         "stop_token_ids"),
+    Case("stop_token_id 2**40", CMPL, js({"prompt": "hi", "stop_token_ids": [2**40]}), 400, "stop_token_ids[0]"),
+    Case("prompt token id 2**70", CMPL, js({"prompt": [1, 2**70]}), 400, "prompt[1]"),
+    Case("request_id charset", CMPL, js({"prompt": "hi", "request_id": "a b\n"}), 400, "request_id"),
+    Case("request_id too long", CMPL, js({"prompt": "hi", "request_id": "r" * 129}), 400, "request_id"),
+    Case("cache_salt too long", CMPL, js({"prompt": "hi", "cache_salt": "s" * 300}), 400, "cache_salt"),
+    Case("user too long", CMPL, js({"prompt": "hi", "user": "u" * 300}), 400, "user"),
+    Case("control char in user", CHAT, js({"messages": USER, "user": "a\u001bb"}), 400, "user"),
+    Case("model name too long", CMPL, js({"model": "m" * 2000, "prompt": "hi"}), 400, "model"),
+    Case("too many messages", CHAT, js({"messages": USER * 3000}), 400, "messages"),
+    Case("too many content parts", CHAT,
+         js({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1100}]}), 400,
+         "messages[0].content"),
+    Case("message name too long", CHAT, js({"messages": [{"role": "user", "content": "hi", "name": "n" * 300}]}),
+         400, "messages[0].name"),
+    Case("too many template kwargs", CHAT, js({"messages": USER, "chat_template_kwargs": {f"k{i}": 1 for i in range(40)}}),
+         400, "chat_template_kwargs"),
+    Case("template kwarg too long", CHAT, js({"messages": USER, "chat_template_kwargs": {"k": "v" * 5000}}), 400,
+         "chat_template_kwargs.k"),
+    Case("template kwarg Infinity", CHAT,
+         b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": Infinity}}', 400,
+         "chat_template_kwargs.k"),
+    Case("too much metadata", CMPL, js({"prompt": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}), 400,
+         "metadata"),
 ]
 
 
@@ -112,3 +161,28 @@ def test_unknown_path_and_method_use_the_error_body(server_url: str) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(f"{server_url}/v1/completions", timeout=10)
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_issue_13_top_k_probe_leaves_the_server_serving(server_url: str) -> None:
+    """The request that used to overflow in the sampler and kill the step loop for good."""
+    with httpx.Client(base_url=server_url, timeout=30) as http:
+        for _ in range(3):
+            r = http.post(CMPL, json={"prompt": "x", "max_tokens": 3, "top_k": 1180591620717411303424})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+        assert http.get("/health").status_code == 200
+        ok = http.post(CMPL, json={"prompt": "x", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "max_tokens": 3, "top_k": 2**31 - 1},  # larger than the vocabulary: no cut
+    {"prompt": "x", "max_tokens": 3, "seed": -1},  # any int64 (vLLM's range)
+    {"prompt": "x", "max_tokens": 3, "seed": 2**63 - 1, "n": 2},  # seed + i past int64 is still a torch seed
+    {"prompt": "x", "max_tokens": 3, "stop": ["s" * 512], "stop_token_ids": list(range(128))},
+    {"prompt": "x", "max_tokens": 3, "temperature": 100, "presence_penalty": -2, "frequency_penalty": 2,
+     "repetition_penalty": 10, "min_p": 1, "top_p": 1e-9},
+], ids=["top_k int32 max", "negative seed", "int64 max seed", "longest stops", "extreme floats"])
+def test_values_at_the_bounds_are_served(server_url: str, body: dict) -> None:
+    r = httpx.post(f"{server_url}{CMPL}", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert all(c["finish_reason"] for c in r.json()["choices"]), r.text
