@@ -50,7 +50,7 @@ import numpy as np
 
 from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
-from pagedserve.engine.async_engine import read_request_log
+from pagedserve.engine.client import read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from pagedserve.engine.sequence import Sequence
+from dataclasses import dataclass, field
 
 # Tokens of prompt context decoded with the output, so tokenizers that drop a leading space at
 # the start of a decode (SentencePiece) still produce the right first word.
 _CONTEXT_TOKENS = 5
 
 
+@dataclass(eq=False)
+class TextState:
+    """One completion's text so far: its token ids (prompt included) and the decoding window."""
+
+    token_ids: list[int]
+    skip_special_tokens: bool = True
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
 class Detokenizer:
-    """Turns each sequence's new token ids into new text, one step at a time.
+    """Turns each completion's new token ids into new text, one step at a time.
 
     It decodes a small window ``token_ids[prefix_offset:]`` and emits only what lies past the
     text of ``token_ids[prefix_offset:read_offset]``; while the window ends in an incomplete
@@ -25,30 +36,30 @@ class Detokenizer:
         self._decode = backend.decode if backend is not None else (
             lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def start(self, seq: Sequence) -> None:
-        seq.read_offset = seq.num_prompt_tokens
-        seq.prefix_offset = max(0, seq.num_prompt_tokens - _CONTEXT_TOKENS)
+    @staticmethod
+    def start(prompt_token_ids: list[int], skip_special_tokens: bool = True) -> TextState:
+        n = len(prompt_token_ids)
+        return TextState(list(prompt_token_ids), skip_special_tokens, "", max(0, n - _CONTEXT_TOKENS), n)
 
-    def update(self, seq: Sequence) -> str:
-        """Append the newly decodable text to ``seq.output_text`` and return it."""
-        skip = seq.request.params.skip_special_tokens
-        ids = seq.token_ids
-        prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-        new_text = self._decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    def update(self, state: TextState) -> str:
+        """Append the newly decodable text (of tokens already appended to ``state.token_ids``) to
+        ``state.output_text`` and return it."""
+        skip = state.skip_special_tokens
+        ids = state.token_ids
+        prefix_text = self._decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
+        new_text = self._decode(ids[state.prefix_offset:], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        seq.output_text += delta
+        state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+        state.output_text += delta
         return delta
 
 
-def find_stop_string(seq: Sequence, num_new_chars: int) -> tuple[str, int] | None:
-    """The first stop string that now occurs in the output (searching only where it can be new)."""
-    stops = seq.request.params.stop
+def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, int] | None:
+    """The first stop string that now occurs in ``text`` (searching only where it can be new)."""
     if not stops or not num_new_chars:
         return None
-    text = seq.output_text
     best: tuple[str, int] | None = None
     for stop in stops:
         start = max(0, len(text) - num_new_chars - len(stop) + 1)

@@ -1,135 +1,31 @@
-"""The engine: ``add_request``, ``step``, ``abort``. One step = schedule → run the model → sample."""
+"""The in-process engine: an :class:`EngineCore` plus the tokenizer and the output processor.
+
+``add_request`` takes text or token ids, ``step`` returns :class:`RequestOutput` s with text. The
+offline :class:`~pagedserve.engine.llm.LLM` and the in-process client use it; the server's
+multiprocess client puts the same two halves in two processes instead (the core in its own,
+tokenizer and :class:`OutputProcessor` in the front end).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
-
-import torch
-
 from pagedserve.config import EngineConfig
-from pagedserve.engine.detokenizer import Detokenizer, find_stop_string
-from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from pagedserve.engine.runner import ModelRunner
-from pagedserve.engine.sampler import SamplingRow, sample
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
-from pagedserve.engine.sequence import Request, Sequence
-from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
-from pagedserve.kernels import kernel_error, paged_decode_kernel
-from pagedserve.kv.block_manager import BlockManager
-from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
-from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
-from pagedserve.models.llama import ModelArchitecture
-from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
-from pagedserve.models.quant import weight_bytes
-
-logger = logging.getLogger(__name__)
+from pagedserve.errors import InvalidRequest
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
-    if name == "auto":
-        if device.type == "cuda":
-            return "sdpa"
-        name = "fused" if paged_decode_kernel() is not None else "matmul"
-        logger.info("attention backend: %s%s", name,
-                    "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
-    elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
-        raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
-                         f"{kernel_error() or 'device is not a CPU'}")
-    return name
-
-
-def _eos_token_ids(tokenizer, model_dir) -> set[int]:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        from transformers import GenerationConfig
-
-        gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer's EOS is all there is
-    return ids
-
-
-class Engine:
-    """A paged-KV, continuously batched inference engine for one model. Not thread-safe."""
+class Engine(EngineCore):
+    """A paged-KV, continuously batched inference engine for one model, text in and out. Not thread-safe."""
 
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
 
-        self.device = resolve_device(config.device)
-        model_dir = resolve_model_dir(config.model, config.revision)
-        hf_config = load_hf_config(model_dir)
-        self.arch = ModelArchitecture.from_hf_config(hf_config)
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:  # attention beyond the window is not implemented: cap instead
-            limit = min(limit, self.arch.sliding_window)
-        if config.max_model_len is None:
-            config.max_model_len = limit
-        elif config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
-        if config.max_num_batched_tokens is None:
-            config.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 1024
-        config.attention_backend = _resolve_attention_backend(config.attention_backend, self.device)
-        self.config = config
-        self.model_name = config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, model_dir)
+        super().__init__(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_source)
+        self.output_processor = OutputProcessor(self.tokenizer)
 
-        t0 = time.monotonic()
-        model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
-                           config.attention_backend, config.quantization)
-        arch = self.arch
-        self.weight_bytes = weight_bytes(model)
-        self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                                           config.kv_cache_dtype, self.dtype)
-        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            config.kv_cache_memory, config.block_size, self.kv_bytes_per_token)
-        if self.num_kv_blocks < 1:
-            raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
-                             f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
-        kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
-                                       arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            max_waiting=config.max_waiting,
-            reserve_max_model_len=config.kv_reservation == "max",
-            kv_cache_dtype=self.kv_dtype,
-        ), self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
-        self.detokenizer = Detokenizer(self.tokenizer)
-        self.requests: dict[str, Request] = {}
-        self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
-        self._last_log, self._tokens_since_log = time.monotonic(), 0
-        pool_tokens = self.num_kv_blocks * config.block_size
-        logger.info(
-            "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
-            "tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",
-            config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers,
-            config.quantization if config.quantization != "none" else "unquantized", self.weight_bytes / 2**20,
-            self.device, time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks, config.block_size, pool_tokens,
-            pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
-            pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
-
-    # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -137,224 +33,22 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; raises a typed error if it can never be served or the queue is full.
-
-        ``arrival_time`` (``time.monotonic``) is when the server received it, if earlier than now:
-        TTFT and end-to-end time count from there; queue time counts from now."""
-        if request_id in self.requests:
-            raise DuplicateRequestId(f"request id {request_id!r} is already in use", param="request_id")
+        """Queue a request (text or token ids); raises a typed error if it can never be served or
+        the queue is full."""
         if not prompt:  # checked before tokenizing: a BOS token alone is not a prompt
             raise InvalidRequest("the prompt is empty", param="prompt")
         token_ids = self.tokenize(prompt)
-        cfg = self.config
-        if min(token_ids) < 0 or max(token_ids) >= self.arch.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size})", param="prompt")
-        if len(token_ids) >= cfg.max_model_len:
-            raise RequestTooLong(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                                 f"{cfg.max_model_len} tokens (prompt plus at least one output token); "
-                                 "shorten the prompt", param="prompt")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > cfg.max_model_len:
-            raise RequestTooLong(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                                 f"{len(token_ids) + params.max_tokens} tokens exceeds max_model_len "
-                                 f"{cfg.max_model_len}; lower max_tokens or shorten the prompt", param="max_tokens")
-        max_tokens = params.max_tokens or cfg.max_model_len - len(token_ids)
-        final_len = cfg.max_model_len if cfg.kv_reservation == "max" else len(token_ids) + max_tokens
-        if self.block_manager.num_blocks_for(final_len) > self.num_kv_blocks:
-            raise RequestTooLong(f"the request needs {final_len} tokens of KV cache but the whole pool holds "
-                                 f"{self.num_kv_blocks * cfg.block_size}; lower max_tokens", param="max_tokens")
-        params = dataclasses.replace(params, max_tokens=max_tokens)  # a copy: the caller's stays as it was
-        req = Request(request_id, token_ids, params, priority, time.monotonic(), cache_salt,
-                      prompt if isinstance(prompt, str) else None)
-        if arrival_time is not None:
-            req.metrics.arrival_time = min(arrival_time, req.arrival_time)
-        seq = self._new_sequence(req, 0, list(token_ids))
-        self.scheduler.add(seq)  # may raise QueueFull before anything is recorded
-        req.seqs.append(seq)
-        self.requests[request_id] = req
+        super().add_request(request_id, token_ids, params, priority, cache_salt, arrival_time)
+        self.output_processor.add(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        gen = None
-        if req.params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(req.params.seed + index)
-        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=gen)
-        if req.params.logprobs is not None:
-            seq.logprobs = []
-        self.detokenizer.start(seq)
-        return seq
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        if index is None:
+            self.output_processor.abort(request_id)
+        return super().abort(request_id, index)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request now, freeing its blocks. False if it is unknown or already done."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-        logger.debug("aborted request %s", request_id)
-        return True
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and return the outputs of every request it advanced.
-
-        With ``stream_interval`` N > 1 a running request's output is returned only when due (its
-        first token, then every N tokens, and its finish); skipped steps' tokens arrive in the next
-        output's deltas, so nothing is lost and the step may return no output at all.
-        """
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        model_input = self.runner.prepare(plan)
-        logits = self.runner.execute(model_input, plan.copies)
-        self.scheduler.update_after_step(plan)
-        self._tokens_since_log += plan.num_batched_tokens
-        now = time.monotonic()
-        if now - self._last_log >= self.log_interval_s:
-            self._log_stats(now)
-        return self._sample_and_finish(model_input.sampled_seqs, logits)
-
-    def _log_stats(self, now: float) -> None:
-        st = self.stats()
-        logger.info("%.0f tokens/s computed; running %d, waiting %d; KV blocks %d/%d used (%d cached free), "
-                    "utilization %.2f; prefix-cache hit rate %.1f%%; %d preemptions so far",
-                    self._tokens_since_log / (now - self._last_log), st.num_running, st.num_waiting,
-                    st.kv_blocks_used, st.kv_blocks_total, st.kv_blocks_cached_free, st.kv_utilization,
-                    100 * st.prefix_hit_rate, st.num_preemptions)
-        self._last_log, self._tokens_since_log = now, 0
-
-    def _sample_and_finish(self, sampled: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        # A prompt of an n > 1 request that just finished prefill samples n rows from one logits row.
-        rows: list[SamplingRow] = []
-        targets: list[Sequence] = []
-        row_index: list[int] = []
-        for i, seq in enumerate(sampled):
-            req = seq.request
-            branch = [seq]
-            if req.params.n > 1 and not req.forked:
-                branch += [self._new_sequence(req, k, list(seq.token_ids)) for k in range(1, req.params.n)]
-            for s in branch:
-                rows.append(self._sampling_row(s))
-                targets.append(s)
-                row_index.append(i)
-        if len(row_index) != logits.shape[0]:
-            logits = logits[torch.tensor(row_index, device=logits.device)]
-        result = sample(logits, rows, self.generator)
-
-        # Fork the new n > 1 branches before any token is appended (a parent may finish at once).
-        for seq in targets:
-            req = seq.request
-            if seq.index > 0 and not req.forked:
-                parent = req.seqs[0]
-                seq.num_computed_tokens = parent.num_computed_tokens
-                self.block_manager.fork(parent.seq_id, seq.seq_id)
-                self.scheduler.add_running(seq)
-                req.seqs.append(seq)
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for seq, token, lp in zip(targets, result.token_ids, result.logprobs):
-            req = seq.request
-            self._append_token(seq, token, lp)
-            touched[req.request_id] = req
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-        for req in touched.values():
-            if req.params.n > 1:
-                req.forked = True
-        outputs = []
-        interval = self.config.stream_interval
-        for req in touched.values():
-            finished = all(s.is_finished for s in req.seqs)
-            if finished:
-                req.metrics.finished_time = now
-                del self.requests[req.request_id]
-            elif interval > 1 and not self._output_due(req, interval):
-                continue  # held back: the next output's deltas carry these tokens too
-            outputs.append(self._request_output(req, finished))
-        return outputs
-
-    @staticmethod
-    def _output_due(req: Request, interval: int) -> bool:
-        """Whether a running request's output goes out this step under ``stream_interval`` > 1.
-
-        Due when any of its sequences has its first token unsent (TTFT is never delayed), has
-        ``interval`` or more tokens unsent, or has finished with tokens unsent (an n > 1 choice
-        that ended gets its finish at once, not up to ``interval`` steps later).
-        """
-        for seq in req.seqs:
-            unsent = seq.num_output_tokens - seq.sent_token_len
-            if unsent > 0 and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished):
-                return True
-        return False
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        p = seq.request.params
-        banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(self.eos_token_ids | set(p.stop_token_ids))
-        return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, seq.output_token_ids, banned)
-
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        seq.token_ids.append(token)
-        self.num_generated_tokens += 1  # counted here, streamed or not (stream_interval, aborts)
-        if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append(logprob)
-        p = seq.request.params
-        new_text = self.detokenizer.update(seq)
-        reason: tuple[str, str | int | None] | None = None
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
-            reason = ("stop", None)
-        elif token in p.stop_token_ids:
-            reason = ("stop", token)
-        elif (hit := find_stop_string(seq, len(new_text))) is not None:
-            stop, idx = hit
-            seq.output_text = seq.output_text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
-            reason = ("stop", stop)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            reason = ("length", None)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason
-            self.scheduler.finish(seq)
-
-    def _request_output(self, req: Request, finished: bool) -> RequestOutput:
-        holdback = max((len(s) for s in req.params.stop), default=1) - 1
-        outputs = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            visible = len(seq.output_text) if seq.is_finished else max(seq.sent_text_len,
-                                                                        len(seq.output_text) - holdback)
-            out_ids = seq.output_token_ids
-            delta_lp = None
-            if seq.logprobs is not None:
-                delta_lp = seq.logprobs[seq.sent_logprob_len:]
-                seq.sent_logprob_len = len(seq.logprobs)
-            outputs.append(CompletionOutput(
-                index=seq.index, text=seq.output_text[:visible], token_ids=out_ids,  # already a fresh slice
-                delta_text=seq.output_text[seq.sent_text_len:visible],
-                delta_token_ids=out_ids[seq.sent_token_len:], logprobs=seq.logprobs, delta_logprobs=delta_lp,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            seq.sent_text_len, seq.sent_token_len = visible, len(out_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids, outputs, finished, req.num_cached_tokens,
-                             req.metrics, req.prompt)
-
-    # ---- reporting -----------------------------------------------------------------------
-    def stats(self) -> EngineStats:
-        bm, sched, bs = self.block_manager, self.scheduler, self.config.block_size
-        filled: dict[int, int] = {}
-        for seq in sched.running:
-            for i, block_id in enumerate(bm.block_ids(seq.seq_id)):
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                if n > filled.get(block_id, 0):
-                    filled[block_id] = n
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len, block_size=bs,
-            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_cached_free=bm.num_cached_free_blocks, kv_tokens_in_use=sum(filled.values()),
-            kv_slots_allocated=bm.num_used_blocks * bs,
-            naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
-            prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
-            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
-            generation_tokens=self.num_generated_tokens)
+    def step(self) -> list[RequestOutput]:  # type: ignore[override]
+        """One core step, turned into text outputs (see :meth:`EngineCore.step`)."""
+        processed = self.output_processor.process(super().step())
+        for request_id, index in processed.finish_in_core:
+            super().abort(request_id, index)
+        return processed.outputs

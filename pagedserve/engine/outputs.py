@@ -62,6 +62,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     prompt: str | None = None
+    error: str | None = None  # set when the request failed in the engine (its outputs are then empty)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class EngineStats:
     num_preemptions: int
     kv_bytes_per_token: int
     generation_tokens: int  # cumulative: every token sampled, whether or not an output carried it yet
+    failed_requests: int = 0  # cumulative: requests ended by an error in their own processing
 
     @property
     def kv_utilization(self) -> float:

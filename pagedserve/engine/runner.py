@@ -92,13 +92,16 @@ class ModelRunner:
                           sample_indices.to(dev), [seqs[i] for i in sampled])
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput, copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run copy-on-write copies, then the model; float32 logits for the sampled rows."""
-        if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Run the plan's copy-on-write copies (``(src, dst)`` blocks), before its model pass."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        """Run the model; float32 logits for the sampled rows."""
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
         return self.model.compute_logits(hidden[model_input.sample_indices])

@@ -30,7 +30,6 @@ class Request:
     priority: int
     arrival_time: float
     cache_salt: str | None = None
-    prompt: str | None = None
     metrics: RequestMetrics = field(init=False)
     seqs: list["Sequence"] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -63,16 +62,12 @@ class Sequence:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    output_text: str = ""
     logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
-    # Incremental detokenization state (see Detokenizer).
-    prefix_offset: int = 0
-    read_offset: int = 0
-    # How much of output_text / output tokens the client has already been sent.
-    sent_text_len: int = 0
+    # How much of the output has gone out in a CoreOutput already (tokens, logprobs, the finish).
     sent_token_len: int = 0
     sent_logprob_len: int = 0
+    finish_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ built and :func:`paged_decode_kernel` returns ``None``: callers fall back to the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -81,13 +82,19 @@ def _build() -> object:
     build_dir = cache_dir() / "kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "pagedserve_kernels"
-    if not (build_dir / f"{name}.so").exists():
-        log.info("compiling the native kernels into %s (once per machine, ~30 s)", build_dir)
     t0 = time.monotonic()
-    # Loads the library into this process (registering torch.ops.pagedserve.*); rebuilds only if
-    # the source changed. Concurrent processes wait on a lock file in build_dir.
-    cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    # One build at a time per build directory, under a lock the kernel releases if its holder dies:
+    # torch's own lock is a plain file that a killed build leaves behind, and every later start
+    # would wait on it forever. Holding ours, any torch lock file there is such a leftover.
+    with open(build_dir / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            log.info("compiling the native kernels into %s (once per machine, ~30 s)", build_dir)
+        # Loads the library into this process (registering torch.ops.pagedserve.*); rebuilds only
+        # if the source changed.
+        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
     log.info("native kernels ready in %.1f s", time.monotonic() - t0)
     return torch.ops.pagedserve
 

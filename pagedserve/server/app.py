@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, lifespan (AsyncEngine start / graceful stop), middleware, errors.
+"""The FastAPI app: routes, lifespan (EngineClient start / graceful stop), middleware, errors.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``GET /health``, ``GET /metrics``, ``GET /load``. See docs/SERVER.md.
@@ -10,22 +10,19 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client import EngineClient
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import GuardMiddleware
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
-
-if TYPE_CHECKING:
-    from pagedserve.engine.engine import Engine
+from pagedserve.server.tokenization import TokenizerWorker
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +30,27 @@ _ERRORS = {400: {"model": p.ErrorResponse}, 401: {"model": p.ErrorResponse}, 404
            413: {"model": p.ErrorResponse}, 503: {"model": p.ErrorResponse}}
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """An app serving ``engine``. The step thread starts with the app's lifespan and stops with it,
-    after in-flight requests finished (up to ``config.shutdown_timeout_s``) or were aborted."""
-    model_name = config.served_model_name or engine.model_name
+def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+    """An app serving through ``client`` (in-process or the engine core's process). The client
+    starts with the app's lifespan and stops with it, after in-flight requests finished (up to
+    ``config.shutdown_timeout_s``) or were aborted. The app knows the engine only through it."""
+    model_name = config.served_model_name or client.facts.model_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(engine, log_requests=config.log_requests)
-        metrics = ServerMetrics(model_name, async_engine.stats)
-        async_engine.observer = metrics
-        async_engine.start()
-        app.state.async_engine = async_engine
+        metrics = ServerMetrics(model_name, client.stats)
+        client.observer = metrics
+        tokenizers = TokenizerWorker(client.facts.tokenizer)
+        await client.start()
+        app.state.engine = client
         app.state.metrics = metrics
-        app.state.serving = OpenAIServing(async_engine, config)
+        app.state.serving = OpenAIServing(client, config, tokenizers)
         try:
             yield
         finally:
-            await async_engine.shutdown(drain_timeout_s=config.shutdown_timeout_s)
-            stats = async_engine.stats()
+            await client.shutdown(drain_timeout_s=config.shutdown_timeout_s)
+            tokenizers.close()
+            stats = client.stats()
             logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
                         stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
@@ -81,7 +80,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
         """Token ids and count of a prompt or conversation, and the model's max_model_len."""
-        return serving(request).tokenize(body)
+        return await serving(request).tokenize(body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> p.ModelList:
@@ -91,30 +90,35 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if config.random_weights and description is None:
             description = ("RANDOM WEIGHTS: this is pagedserve's built-in test model and its output is noise. "
                            "Serve a real model with: pagedserve serve --model <hf-dir-or-hub-id>")
-        return p.ModelList(data=[p.ModelCard(id=s.model_name, root=engine.config.model, max_model_len=s.max_model_len,
+        return p.ModelList(data=[p.ModelCard(id=s.model_name, root=client.facts.model_name, max_model_len=s.max_model_len,
                                              random_weights=config.random_weights, description=description)])
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while the engine's step loop is alive, 503 otherwise."""
-        async_engine: AsyncEngine = request.app.state.async_engine
-        if async_engine.is_running:
+        """200 while the engine serves, 503 once it died or is shutting down."""
+        if client.is_running:
             return JSONResponse({"status": "ok"})
-        return error_response(503, "the engine is not running", "server_error", code="engine_unavailable")
+        return _engine_unavailable()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus exposition text; every name starts with ``pagedserve:``."""
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/load")
-    async def load(request: Request) -> p.LoadResponse:
-        """Running/waiting requests, KV blocks, tokens/s and the estimated queue wait (for the gateway)."""
-        async_engine: AsyncEngine = request.app.state.async_engine
-        report = async_engine.load()
+    @app.get("/load", response_model=p.LoadResponse, responses={503: {"model": p.ErrorResponse}})
+    async def load(request: Request) -> Response:
+        """Running/waiting requests, KV blocks, tokens/s and the estimated queue wait (for the gateway);
+        503 when the engine is not running, so a gateway stops routing here at once."""
+        if not client.is_running:
+            return _engine_unavailable()
+        report = client.load()
         fields = dataclasses.asdict(report)
         fields["tokens_per_s"] = round(report.tokens_per_s, 3)
         fields["est_queue_wait_s"] = round(report.est_queue_wait_s, 3)
         return p.LoadResponse(model=model_name, **fields)
 
     return app
+
+
+def _engine_unavailable() -> JSONResponse:
+    return error_response(503, "the engine is not running", "server_error", code="engine_unavailable")

@@ -7,13 +7,16 @@ import gc
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedserve.config import parse_bytes
 
 if TYPE_CHECKING:
-    from pagedserve.engine.engine import Engine
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.client import EngineClient
+    from pagedserve.engine.core import ModelFacts
     from pagedserve.server.config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -82,6 +85,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "these with what their clients saw by request id)")
     server.add_argument("--default-model", choices=["tiny", "small"], default="tiny",
                         help="standard random-weight model served when --model is not given (default tiny)")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine core (scheduler, KV blocks, model, sampler) in its own process, "
+                             "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
+                             "GIL and a crash of the core fails open requests fast instead of hanging them "
+                             "(default); --no-engine-process runs it on a thread of the server process")
     # Its own dest: the top-level parser has a --log-level too, and a subparser default would clobber it.
     server.add_argument("--log-level", dest="serve_log_level", type=str.lower, default=None,
                         choices=["debug", "info", "warning", "error"],
@@ -95,8 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedserve.engine.args import engine_config_from_args
-    from pagedserve.engine.engine import Engine
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
+    from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient
     from pagedserve.server.app import build_app
     from pagedserve.server.config import ServerConfig
     from pagedserve.server.limits import uvicorn_limits
@@ -120,14 +128,16 @@ def run_serve(args: argparse.Namespace) -> int:
                                      log_requests=args.log_requests, request_timeout_s=args.request_timeout,
                                      read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                                      max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
-        engine = Engine(engine_config_from_args(args))
-    except (ValueError, OSError) as exc:
+        engine_config = engine_config_from_args(args)
+        _check_port_free(args.host, args.port)
+        client = _start_engine(engine_config, args.engine_process, log_level, server_config.log_requests)
+    except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
     if default_model and server_config.served_model_name is None:
         server_config.served_model_name = f"pagedserve-{args.default_model}-random"
-    _log_startup(engine, server_config)
-    app = build_app(engine, server_config)
+    _log_startup(client.facts, server_config, args.engine_process)
+    app = build_app(client, server_config)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                     timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
                                     **uvicorn_limits(server_config))
@@ -138,13 +148,52 @@ def run_serve(args: argparse.Namespace) -> int:
     # does), so collections during serving walk only per-request objects and pause less.
     gc.collect()
     gc.freeze()
+    server = uvicorn.Server(uvicorn_config)
+    engine_died = False
+
+    def on_engine_death() -> None:  # the core process is gone: stop, and exit non-zero for a supervisor
+        nonlocal engine_died
+        engine_died = True
+        server.should_exit = True
+
+    if isinstance(client, MPEngineClient):
+        client.on_death = on_engine_death
     try:
-        uvicorn.Server(uvicorn_config).run()
+        server.run()
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if isinstance(client, MPEngineClient):
+            client.core.kill()  # whatever happened above, no core process outlives the server
+    if engine_died:
+        logger.error("exiting with status 1: the engine core process died (restart the server)")
+        return 1
     return 0
+
+
+def _start_engine(config: EngineConfig, own_process: bool, log_level: str, log_requests: bool) -> EngineClient:
+    """The engine, loaded: in its own core process (the default), or on a thread of this one."""
+    from pagedserve.engine.mp_client import MPEngineClient, start_core_process
+
+    if own_process:
+        core = start_core_process(config, log_level)
+        logger.info("engine core running in process %d", core.process.pid)
+        return MPEngineClient(core, log_requests=log_requests)
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.engine import Engine
+
+    return AsyncEngine(Engine(config), log_requests=log_requests)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before loading a model when the port is taken (uvicorn would find out only after)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port") from None
 
 
 class _Terminated(Exception):
@@ -155,16 +204,15 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
-def _log_startup(engine: Engine, config: ServerConfig) -> None:
+def _log_startup(facts: ModelFacts, config: ServerConfig, own_process: bool) -> None:
     """One block that says what is served, how much KV it has and where it listens."""
-    c = engine.config
-    tokens = engine.num_kv_blocks * c.block_size
-    kv_bytes = tokens * engine.kv_bytes_per_token
-    logger.info("model: %s (served as '%s'), dtype %s, device %s, max_model_len %d",
-                c.model, config.served_model_name or engine.model_name, getattr(engine, "dtype", c.dtype),
-                getattr(engine, "device", c.device), c.max_model_len)
+    tokens = facts.num_kv_blocks * facts.block_size
+    kv_bytes = tokens * facts.kv_bytes_per_token
+    logger.info("model: %s (served as '%s'), dtype %s, device %s, max_model_len %d; engine core %s",
+                facts.model_name, config.served_model_name or facts.model_name, facts.dtype, facts.device,
+                facts.max_model_len, "in its own process" if own_process else "on a thread of the server process")
     logger.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d B/token); seats at max_model_len: %d; "
-                "max_num_seqs %d", engine.num_kv_blocks, c.block_size, tokens, kv_bytes / 2**20,
-                engine.kv_bytes_per_token, tokens // c.max_model_len, c.max_num_seqs)
+                "max_num_seqs %d", facts.num_kv_blocks, facts.block_size, tokens, kv_bytes / 2**20,
+                facts.kv_bytes_per_token, tokens // facts.max_model_len, facts.max_num_seqs)
     logger.info("listening on http://%s:%d (API key %s)", config.host, config.port,
                 "required" if config.api_key else "not required")

@@ -151,7 +151,7 @@ class ServerMetrics:
                 self._last_token_time[out.request_id] = now
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
-                reason = out.outputs[0].finish_reason if out.outputs else None
+                reason = "error" if out.error is not None else (out.outputs[0].finish_reason if out.outputs else None)
                 self.requests_finished.labels(m, reason or "stop").inc()
                 end = out.metrics.finished_time or now
                 self.e2e.labels(m).observe(max(0.0, end - out.metrics.arrival_time))

@@ -17,12 +17,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve import errors
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedserve.engine.client import EngineClient, EngineDeadError, RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
+from pagedserve.server.tokenization import TokenizerWorker, encode
 from pagedserve.streaming import ClosingStreamingResponse
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,16 @@ class _Choice:
 class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+    def __init__(self, engine: EngineClient, config: ServerConfig, tokenizers: TokenizerWorker):
+        from transformers import AutoTokenizer
+
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.engine.tokenizer
-        self.model_name = config.served_model_name or engine.engine.model_name
-        self.max_model_len: int = engine.engine.config.max_model_len
+        self.tokenizers = tokenizers  # prompts and chat templates: on the worker thread
+        # The event loop's own instance, for the per-token text of logprobs (never shared across threads).
+        self.tokenizer = AutoTokenizer.from_pretrained(engine.facts.tokenizer)
+        self.model_name = config.served_model_name or engine.facts.model_name
+        self.max_model_len: int = engine.facts.max_model_len
         self.vocab_size = len(self.tokenizer)
 
     # ---- validation ------------------------------------------------------------------------
@@ -78,7 +83,7 @@ class OpenAIServing:
                                 f"'{self.model_name}' (see GET /v1/models).",
                            error_type="invalid_request_error", param="model", code="model_not_found")
 
-    def completion_prompt(self, req: p.CompletionRequest) -> list[int]:
+    async def completion_prompt(self, req: p.CompletionRequest) -> list[int]:
         """Token ids of a completions prompt (text is tokenized the way the model expects)."""
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -90,7 +95,8 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if not prompt:
                 raise errors.InvalidRequest("prompt must not be empty.", param="prompt")
-            ids: list[int] = self.tokenizer(prompt)["input_ids"]
+            self.tokenizers.check_fits(prompt, self.max_model_len, "prompt")
+            ids: list[int] = await self.tokenizers.run(encode, prompt)
         else:
             ids = list(prompt)
             if not ids:
@@ -104,8 +110,8 @@ class OpenAIServing:
             raise errors.InvalidRequest("prompt must not be empty (it tokenized to no tokens).", param="prompt")
         return ids
 
-    def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the tokenizer's chat template."""
         if not messages:
             raise errors.InvalidRequest("messages must not be empty: send at least one message.", param="messages")
@@ -130,12 +136,8 @@ class OpenAIServing:
             raise errors.InvalidRequest(
                 "This model's tokenizer has no chat template; use /v1/completions with a plain prompt.",
                 param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                rendered, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
-        except Exception as exc:  # a template's own raise_exception("roles must alternate ...")
-            raise errors.InvalidRequest(f"The chat template refused these messages: {exc}", param="messages") from exc
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.tokenizers.check_fits("".join(m["content"] for m in rendered), self.max_model_len, "messages")
+        ids = await self.tokenizers.run(_render_chat, rendered, add_generation_prompt, template_kwargs or {})
         if not ids:
             raise errors.InvalidRequest("messages rendered to an empty prompt.", param="messages")
         return ids
@@ -205,7 +207,7 @@ class OpenAIServing:
         """``POST /v1/completions``."""
         self.check_model(req.model)
         self.check_unsupported(req)
-        prompt_ids = self.completion_prompt(req)
+        prompt_ids = await self.completion_prompt(req)
         self.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -229,7 +231,7 @@ class OpenAIServing:
         """``POST /v1/chat/completions``."""
         self.check_model(req.model)
         self.check_unsupported(req)
-        prompt_ids = self.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        prompt_ids = await self.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self.check_length(len(prompt_ids), max_tokens, "messages", param)
@@ -251,15 +253,15 @@ class OpenAIServing:
             usage=self._usage(final, choices))
         return JSONResponse(resp.model_dump())
 
-    def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
+    async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         """``POST /tokenize``: the prompt's token ids as the engine would see them."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise errors.InvalidRequest("send exactly one of prompt or messages.", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await self.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            ids = await self.tokenizers.run(encode, req.prompt, req.add_special_tokens)
         return p.TokenizeResponse(count=len(ids), tokens=ids, max_model_len=self.max_model_len)
 
     # ---- non-streamed ----------------------------------------------------------------------
@@ -407,6 +409,17 @@ class OpenAIServing:
         finally:
             stream.abort()
         yield "data: [DONE]\n\n"
+
+
+def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
+                 template_kwargs: dict[str, Any]) -> list[int]:
+    """Render and tokenize a conversation (on the tokenizer worker's thread)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except Exception as exc:  # a template's own raise_exception("roles must alternate ...")
+        raise errors.InvalidRequest(f"The chat template refused these messages: {exc}", param="messages") from exc
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 async def _wait_for_disconnect(http: Request) -> None:

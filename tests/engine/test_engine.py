@@ -146,15 +146,12 @@ def test_detokenizer_never_emits_broken_utf8(engine):
     tok = engine.tokenizer
     ids = tok.encode("é😀ü", add_special_tokens=False)
     from pagedserve.engine.detokenizer import Detokenizer
-    from pagedserve.engine.sequence import Request, Sequence
 
-    req = Request("d", [1], SamplingParams(), 0, 0.0)
-    seq = Sequence(req, 0, [1], 1)
     det = Detokenizer(tok)
-    det.start(seq)
+    state = det.start([1])
     pieces = []
     for t in ids:
-        seq.token_ids.append(t)
-        pieces.append(det.update(seq))
+        state.token_ids.append(t)
+        pieces.append(det.update(state))
     assert "".join(pieces) == "é😀ü"
     assert all("\ufffd" not in p for p in pieces)

@@ -153,7 +153,7 @@ def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
 
     async def main() -> int:
         ae = AsyncEngine(engine, observer=metrics)
-        ae.start()
+        await ae.start()
         stream = await ae.add_request("a", PROMPT, SamplingParams(max_tokens=4000, ignore_eos=True))
         first = await stream.__anext__()
         req = engine.requests["a"]

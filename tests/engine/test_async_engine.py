@@ -33,7 +33,7 @@ def fresh(engine: Engine) -> Iterator[Engine]:
 def test_streams_deltas_until_finished(fresh: Engine) -> None:
     async def main() -> tuple[list[int], str]:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         stream = await ae.add_request("r1", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
         deltas: list[int] = []
         final = None
@@ -52,7 +52,7 @@ def test_streams_deltas_until_finished(fresh: Engine) -> None:
 def test_leaving_early_aborts_and_frees_blocks(fresh: Engine) -> None:
     async def main() -> None:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         stream = await ae.add_request("r2", [5, 6, 7], LONG)
         async with stream:
             async for out in stream:
@@ -71,7 +71,7 @@ def test_leaving_early_aborts_and_frees_blocks(fresh: Engine) -> None:
 def test_admission_errors_reach_the_caller(fresh: Engine) -> None:
     async def main() -> None:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         with pytest.raises(errors.RequestTooLong):
             await ae.add_request("too-long", [5] * 600, SamplingParams(max_tokens=1))
         with pytest.raises(errors.InvalidRequest):
@@ -104,7 +104,7 @@ def test_idle_loop_does_not_step(fresh: Engine, monkeypatch: pytest.MonkeyPatch)
 
     async def main() -> None:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         stream = await ae.add_request("short", [5], SamplingParams(max_tokens=3, ignore_eos=True))
         async with stream:
             async for _ in stream:
@@ -123,7 +123,7 @@ def test_idle_loop_does_not_step(fresh: Engine, monkeypatch: pytest.MonkeyPatch)
 def test_shutdown_aborts_in_flight_requests(fresh: Engine) -> None:
     async def main() -> list[int]:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         streams = [await ae.add_request(f"inflight{i}", [5, 6, 7], LONG) for i in range(2)]
         await streams[0].__anext__()
         await ae.shutdown(drain_timeout_s=0.0)
@@ -147,7 +147,7 @@ def test_a_crashing_step_fails_streams_and_refuses_new_work(fresh: Engine, monke
 
     async def main() -> None:
         ae = AsyncEngine(fresh)
-        ae.start()
+        await ae.start()
         stream = await ae.add_request("doomed", [5, 6], LONG)
         with pytest.raises(EngineDeadError, match="simulated kernel failure"):
             async for _ in stream:

@@ -1,0 +1,323 @@
+"""EngineClient: all a server (or anything else that serves) knows of the engine.
+
+```
+ server process                                               engine core
+ ──────────────                                               ───────────
+ HTTP, validation, tokenizer + chat template (worker thread)
+      │ token ids + SamplingParams
+      ▼
+ EngineClient.add_request() ─────────────────────────────────▶ scheduler, blocks, model, sampler
+ RequestStream (async iterator) ◀── OutputProcessor (text) ◀── new token ids per step
+ EngineClient.abort() / load() / stats() / facts
+```
+
+Two implementations with this one interface:
+
+- :class:`~pagedserve.engine.async_engine.AsyncEngine` — in-process: the whole
+  :class:`~pagedserve.engine.engine.Engine` (core and output processor) on a step thread of the
+  server's own process. For tests and embedding; it shares the process's GIL and fate.
+- :class:`~pagedserve.engine.mp_client.MPEngineClient` — the core in its own process (pyzmq +
+  msgspec in between), the output processor on the server's event loop. A request's fault ends
+  that request; the core's death ends every open stream with an error at once.
+
+Every method is called from the one event loop that consumes the streams.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pagedserve import errors
+from pagedserve.engine.core import ModelFacts
+from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# log_requests writes here: one key=value line per finished request, easy to grep or parse.
+request_log = logging.getLogger("pagedserve.requests")
+
+# Window over which /load's tokens/s and completion rate are measured.
+RATE_WINDOW_S = 10.0
+
+
+class StepObserver(Protocol):
+    """Hooks the client calls on its event loop as outputs arrive (metrics use them); quick, never raising."""
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Called with each batch of outputs delivered to the streams."""
+
+    def on_abort(self, request_id: str, now: float) -> None:
+        """Called when a live request is aborted (client gone, shutdown)."""
+
+
+class EngineDeadError(errors.PagedServeError):
+    """The engine stopped (crashed, or shut down); the server cannot take new requests."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+
+
+class RequestFailed(errors.PagedServeError):
+    """This request's own processing raised inside the engine; it alone was ended, the rest go on."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "request_failed"
+
+
+@dataclass
+class LoadReport:
+    """The engine's load as the gateway sees it (``GET /load``)."""
+
+    running: int
+    waiting: int
+    max_num_seqs: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_total: int
+    kv_utilization: float
+    tokens_per_s: float
+    est_queue_wait_s: float
+
+
+_END = object()  # put on a stream's queue when its request was aborted
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`RequestOutput` s, ending after the finished one.
+
+    Use it as ``async with stream: async for out in stream: ...``: leaving the block early (a
+    ``break``, an exception, cancellation) aborts the request, so its KV blocks are freed whichever
+    way the consumer stops. An output carrying an error raises :class:`RequestFailed`.
+    """
+
+    def __init__(self, request_id: str, client: StreamingClient, priority: int = 0):
+        self.request_id = request_id
+        self.priority = priority
+        self._client = client
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if item is _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            self._client._forget(self.request_id)
+            if item.error is not None:
+                raise RequestFailed(f"the engine failed while processing this request ({item.error}); "
+                                    "other requests were not affected, retry it")
+        return item
+
+    def abort(self) -> None:
+        """Abort the request if it is still running (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._client.abort(self.request_id)
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+
+class EngineClient(abc.ABC):
+    """The engine as a server sees it: submit, stream, abort, load, stats and the model's facts."""
+
+    facts: ModelFacts
+    observer: StepObserver | None
+    dead_error: BaseException | None
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start serving; call from the event loop that will consume the streams."""
+
+    @abc.abstractmethod
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt: str | None = None) -> RequestStream:
+        """Submit a tokenized request and wait until the engine admits it.
+
+        Raises the engine's typed errors (``InvalidRequest``, ``RequestTooLong``, ``QueueFull``,
+        ``DuplicateRequestId``) or :class:`EngineDeadError`.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already ended); its blocks are freed before the next step."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """The engine's latest stats snapshot (never waits for a step)."""
+
+    @abc.abstractmethod
+    def load(self) -> LoadReport:
+        """Running/waiting requests, KV blocks, tokens/s and the queue wait a new request would see."""
+
+    @property
+    @abc.abstractmethod
+    def is_running(self) -> bool:
+        """True while the engine serves."""
+
+    @abc.abstractmethod
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the
+        rest, stop the engine. Afterwards it holds no KV blocks."""
+
+
+class StreamingClient(EngineClient):
+    """What both clients share: the per-request streams, their delivery, the load report."""
+
+    def __init__(self, observer: StepObserver | None = None, log_requests: bool = False):
+        self.observer = observer
+        self.log_requests = log_requests  # one request_log line per request that runs to its end
+        self.dead_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._accepting = True
+        # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.
+        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._recent_e2e: collections.deque[float] = collections.deque(maxlen=64)
+
+    def _check_accepting(self, request_id: str) -> RequestStream:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down; send the request to another replica")
+        if request_id in self._streams:
+            raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
+        return RequestStream(request_id, self)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream._put(_END)
+        self._abort_in_engine(request_id)
+
+    @abc.abstractmethod
+    def _abort_in_engine(self, request_id: str) -> None:
+        """Tell the engine to drop a request whose stream was just closed."""
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a batch of outputs to their streams (on the event loop); feed the rates and observer."""
+        now = time.monotonic()
+        new_tokens = finished = 0
+        for out in outputs:
+            new_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
+            if out.finished:
+                finished += 1
+                self._recent_e2e.append(now - out.metrics.arrival_time)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: aborted meanwhile, the output is dropped
+                stream._put(out)
+                if out.finished and self.log_requests and out.error is None:
+                    _log_finished(out, stream.priority)
+        self._history.append((now, new_tokens, finished))
+        while self._history and now - self._history[0][0] > RATE_WINDOW_S:
+            self._history.popleft()
+        if self.observer is not None:
+            self.observer.on_outputs(outputs, now)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream._put(error)
+        self._streams.clear()
+
+    async def _drain(self, drain_timeout_s: float) -> None:
+        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self.dead_error is None:
+            await asyncio.sleep(0.02)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    def load(self) -> LoadReport:
+        s = self.stats()
+        now = time.monotonic()
+        history = [h for h in list(self._history) if now - h[0] <= RATE_WINDOW_S]
+        span = max(now - history[0][0], 1.0) if history else RATE_WINDOW_S
+        tokens_per_s = sum(h[1] for h in history) / span if history else 0.0
+        finished_per_s = sum(h[2] for h in history) / span if history else 0.0
+        return LoadReport(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            max_num_seqs=s.max_num_seqs,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_cached=s.kv_blocks_cached_free,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_utilization=s.kv_utilization,
+            tokens_per_s=tokens_per_s,
+            est_queue_wait_s=self._estimate_queue_wait(s, finished_per_s),
+        )
+
+    def _estimate_queue_wait(self, s: EngineStats, finished_per_s: float) -> float:
+        """Queue wait for a request arriving now: the requests ahead of it divided by the rate at
+        which seats free up (Little's law). Zero when a seat is free and nobody waits."""
+        if s.num_waiting == 0 and s.num_running < s.max_num_seqs:
+            return 0.0
+        ahead = s.num_waiting + 1
+        if finished_per_s > 0:
+            return ahead / finished_per_s
+        # Nothing finished lately: fall back to the mean end-to-end time of recent requests.
+        mean_e2e = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
+        return ahead * mean_e2e / max(s.max_num_seqs, 1)
+
+
+_REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
+
+
+def read_request_log(path: Path) -> dict[str, tuple[float, float]]:
+    """request id → (engine queue time, engine TTFT) in seconds, from the ``log_requests`` lines
+    :func:`_log_finished` writes (the format and its reader kept together)."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = _REQUEST_LINE.search(line)
+        if m and m.group(2) != "-" and m.group(3) != "-":
+            out[m.group(1)] = (float(m.group(2)) / 1000, float(m.group(3)) / 1000)
+    return out
+
+
+def _log_finished(out: RequestOutput, priority: int) -> None:
+    """The ``log_requests`` line of a request that ran to its end (aborted ones are not logged)."""
+    m = out.metrics
+
+    def ms(start: float | None, end: float | None) -> str:
+        return f"{(end - start) * 1000:.3f}" if start is not None and end is not None else "-"
+    request_log.info(
+        "request %s finished: priority=%d reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
+        "queue_ms=%s ttft_ms=%s e2e_ms=%s", out.request_id, priority,
+        out.outputs[0].finish_reason if out.outputs else "-", len(out.prompt_token_ids),
+        sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
+        ms(m.queued_time, m.first_scheduled_time), ms(m.arrival_time, m.first_token_time),
+        ms(m.arrival_time, m.finished_time))

@@ -1,0 +1,509 @@
+"""EngineCore: token ids in, token ids out. One step = schedule → run the model → sample.
+
+The core owns the scheduler, the block manager, the model runner and the sampler. It never sees
+text: prompts arrive tokenized, outputs leave as new token ids per completion, and whoever holds
+the tokenizer (the in-process :class:`~pagedserve.engine.engine.Engine`, or the server's front
+end when the core runs in its own process) turns them into text and applies stop strings.
+
+A request's fault is that request's alone: when a step raises, the core runs the step's
+requests one at a time to find which one raised, fails only that one (its blocks are freed and
+its output carries the error), and the rest of the batch goes on as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import msgspec
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
+from pagedserve.engine.runner import ModelRunner
+from pagedserve.engine.sampler import SampleResult, SamplingRow, sample
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.sequence import Request, Sequence
+from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
+from pagedserve.kernels import kernel_error, paged_decode_kernel
+from pagedserve.kv.block_manager import BlockManager
+from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
+from pagedserve.models.llama import ModelArchitecture
+from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
+from pagedserve.models.quant import weight_bytes
+
+logger = logging.getLogger(__name__)
+
+# Test hook: ``PAGEDSERVE_FAULT_INJECTION=execute:PREFIX`` (or ``sample:PREFIX``) makes every step
+# whose batch holds a request with an id starting with PREFIX raise in that stage, as a kernel or
+# sampler bug would. The fault-isolation tests use it; nothing else should.
+FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection test hook."""
+
+
+class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one completion gained in a step: new token ids (and their logprobs), and its end."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length"; None while running
+    stop_reason: int | None = None  # the stop token id that ended it
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's progress after a step (token ids only). ``error`` set: the request failed."""
+
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What a front end needs to know of the engine it talks to (sent by the core at start-up)."""
+
+    model_name: str
+    model_dir: str
+    tokenizer: str  # where the front end loads its own tokenizer from
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+    kv_dtype: str
+    dtype: str
+    device: str
+    attention_backend: str
+    weight_bytes: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "sdpa"
+        name = "fused" if paged_decode_kernel() is not None else "matmul"
+        logger.info("attention backend: %s%s", name,
+                    "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
+    elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
+        raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
+                         f"{kernel_error() or 'device is not a CPU'}")
+    return name
+
+
+def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
+    """The ids that end a completion: the tokenizer's EOS plus generation_config.json's."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids = set()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the tokenizer's EOS is all there is
+    return ids
+
+
+def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, device: torch.device) -> EngineConfig:
+    """A copy of ``config`` with every ``None``/``auto`` that the model decides filled in (the
+    caller's object is left as it was)."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:  # attention beyond the window is not implemented: cap instead
+        limit = min(limit, arch.sliding_window)
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
+    batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
+                               attention_backend=_resolve_attention_backend(config.attention_backend, device))
+
+
+class EngineCore:
+    """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        model_dir = resolve_model_dir(config.model, config.revision)
+        hf_config = load_hf_config(model_dir)
+        self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.config = config = resolve_config(config, hf_config, arch, self.device)
+        self.model_name = config.model
+        self.model_dir = str(model_dir)
+        self.tokenizer_source = str(config.tokenizer or model_dir)
+        self.eos_token_ids = eos_token_ids(self.tokenizer_source, self.model_dir)
+
+        t0 = time.monotonic()
+        model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
+                           config.attention_backend, config.quantization)
+        self.weight_bytes = weight_bytes(model)
+        self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                                           config.kv_cache_dtype, self.dtype)
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            config.kv_cache_memory, config.block_size, self.kv_bytes_per_token)
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
+                             f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
+        kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
+                                       arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            max_waiting=config.max_waiting,
+            reserve_max_model_len=config.kv_reservation == "max",
+            kv_cache_dtype=self.kv_dtype,
+        ), self.block_manager)
+        self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
+        self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
+        self.num_failed_requests = 0
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
+        self._last_log, self._tokens_since_log = time.monotonic(), 0
+        stage, _, prefix = os.environ.get(FAULT_INJECTION_ENV, "").partition(":")
+        self._fault = (stage, prefix) if stage in ("execute", "sample") and prefix else None
+        pool_tokens = self.num_kv_blocks * config.block_size
+        logger.info(
+            "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
+            "tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",
+            config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers,
+            config.quantization if config.quantization != "none" else "unquantized", self.weight_bytes / 2**20,
+            self.device, time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks, config.block_size, pool_tokens,
+            pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
+            pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
+
+    def facts(self) -> ModelFacts:
+        c = self.config
+        return ModelFacts(
+            model_name=self.model_name, model_dir=self.model_dir, tokenizer=self.tokenizer_source,
+            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, vocab_size=self.arch.vocab_size,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)), block_size=c.block_size,
+            num_kv_blocks=self.num_kv_blocks, kv_bytes_per_token=self.kv_bytes_per_token, kv_dtype=self.kv_dtype,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            attention_backend=c.attention_backend, weight_bytes=self.weight_bytes)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a tokenized request; raises a typed error if it can never be served or the queue is full.
+
+        ``arrival_time`` (``time.monotonic``) is when the server received it, if earlier than now:
+        TTFT and end-to-end time count from there; queue time counts from now."""
+        if request_id in self.requests:
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = list(prompt_token_ids)
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        cfg = self.config
+        if min(token_ids) < 0 or max(token_ids) >= self.arch.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size})", param="prompt")
+        if params.n > cfg.max_num_seqs:
+            raise InvalidRequest(f"n={params.n} completions need {params.n} seats, but this engine runs at most "
+                                 f"max_num_seqs={cfg.max_num_seqs} sequences; lower n", param="n")
+        if len(token_ids) >= cfg.max_model_len:
+            raise RequestTooLong(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                                 f"{cfg.max_model_len} tokens (prompt plus at least one output token); "
+                                 "shorten the prompt", param="prompt")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > cfg.max_model_len:
+            raise RequestTooLong(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                                 f"{len(token_ids) + params.max_tokens} tokens exceeds max_model_len "
+                                 f"{cfg.max_model_len}; lower max_tokens or shorten the prompt", param="max_tokens")
+        max_tokens = params.max_tokens or cfg.max_model_len - len(token_ids)
+        final_len = cfg.max_model_len if cfg.kv_reservation == "max" else len(token_ids) + max_tokens
+        if self.block_manager.num_blocks_for(final_len) > self.num_kv_blocks:
+            raise RequestTooLong(f"the request needs {final_len} tokens of KV cache but the whole pool holds "
+                                 f"{self.num_kv_blocks * cfg.block_size}; lower max_tokens", param="max_tokens")
+        params = dataclasses.replace(params, max_tokens=max_tokens)  # a copy: the caller's stays as it was
+        req = Request(request_id, token_ids, params, priority, time.monotonic(), cache_salt)
+        if arrival_time is not None:
+            req.metrics.arrival_time = min(arrival_time, req.arrival_time)
+        seq = self._new_sequence(req, 0, list(token_ids))
+        self.scheduler.add(seq)  # may raise QueueFull before anything is recorded
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        gen = None
+        if req.params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(req.params.seed + index)
+        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=gen)
+        if req.params.logprobs is not None:
+            seq.logprobs = []
+        return seq
+
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Drop a request (or, with ``index``, one of its completions) now, freeing its blocks.
+
+        False if it is unknown or already done. A request whose last completion is dropped is gone.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished and (index is None or seq.index == index):
+                self.scheduler.finish(seq)
+        if index is None or all(s.is_finished for s in req.seqs):  # (an unforked n > 1 has one seq)
+            del self.requests[request_id]
+            logger.debug("aborted request %s", request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """Run one scheduled batch and return the outputs of every request it advanced.
+
+        With ``stream_interval`` N > 1 a running request's output is returned only when due (its
+        first token, then every N tokens, and its finish); skipped steps' tokens arrive in the next
+        output's deltas, so nothing is lost and the step may return no output at all.
+        """
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        failed: dict[str, str] = {}
+        if plan.copies:
+            self.runner.copy_blocks(plan.copies)
+        try:
+            sampled, logits = self._execute(plan)
+        except Exception as exc:  # someone in this batch broke it: find who, run the rest
+            logger.warning("a step of %d sequences raised (%s: %s); running its requests one at a time to "
+                           "find the one that fails", len(plan.scheduled), type(exc).__name__, exc)
+            sampled, logits = self._execute_isolated(plan, failed)
+        self.scheduler.update_after_step(plan)
+        self._tokens_since_log += plan.num_batched_tokens
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval_s:
+            self._log_stats(now)
+        outputs = self._sample_and_finish(sampled, logits, failed)
+        return [self._fail(rid, msg) for rid, msg in failed.items()] + outputs
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+        self._maybe_inject("execute", (s for s, _ in plan.scheduled))
+        model_input = self.runner.prepare(plan)
+        return model_input.sampled_seqs, self.runner.execute(model_input)
+
+    def _execute_isolated(self, plan: SchedulerOutput, failed: dict[str, str]) -> tuple[list[Sequence], torch.Tensor]:
+        """Run each request of a failed plan on its own; the ones that still raise are failed (their
+        sequences taken out of the plan), the others' logits are returned as the batch would have."""
+        by_request: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, n in plan.scheduled:
+            by_request.setdefault(seq.request.request_id, []).append((seq, n))
+        sampled: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        for request_id, part in by_request.items():
+            try:
+                seqs, logits = self._execute(SchedulerOutput(scheduled=part))
+            except Exception as exc:
+                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            sampled += seqs
+            rows.append(logits)
+        plan.scheduled = [(s, n) for s, n in plan.scheduled if s.request.request_id not in failed]
+        logits = torch.cat(rows) if rows else torch.empty(0, self.arch.vocab_size)
+        return sampled, logits
+
+    def _maybe_inject(self, stage: str, seqs) -> None:
+        if self._fault is not None and self._fault[0] == stage:
+            hit = next((s for s in seqs if s.request.request_id.startswith(self._fault[1])), None)
+            if hit is not None:
+                raise InjectedFault(f"injected {stage} fault for request {hit.request.request_id}")
+
+    def _fail(self, request_id: str, message: str) -> CoreOutput:
+        """End a request whose processing raised: free its blocks, report the error to its owner."""
+        req = self.requests.pop(request_id)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        self.num_failed_requests += 1
+        req.metrics.finished_time = time.monotonic()
+        logger.error("request %s failed and was ended alone (the rest of its batch goes on): %s", request_id, message)
+        return CoreOutput(request_id, [], True, req.num_cached_tokens, req.metrics, error=message)
+
+    def _log_stats(self, now: float) -> None:
+        st = self.stats()
+        logger.info("%.0f tokens/s computed; running %d, waiting %d; KV blocks %d/%d used (%d cached free), "
+                    "utilization %.2f; prefix-cache hit rate %.1f%%; %d preemptions so far",
+                    self._tokens_since_log / (now - self._last_log), st.num_running, st.num_waiting,
+                    st.kv_blocks_used, st.kv_blocks_total, st.kv_blocks_cached_free, st.kv_utilization,
+                    100 * st.prefix_hit_rate, st.num_preemptions)
+        self._last_log, self._tokens_since_log = now, 0
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], targets: list[Sequence],
+                failed: dict[str, str]) -> SampleResult:
+        """Sample every row at once; if that raises, row by row, failing the requests whose rows raise."""
+        try:
+            self._maybe_inject("sample", targets)
+            return sample(logits, rows, self.generator)
+        except Exception:
+            pass
+        result = SampleResult([], [])
+        for i, (row, seq) in enumerate(zip(rows, targets)):
+            request_id = seq.request.request_id
+            if request_id in failed:
+                token, lp = -1, None
+            else:
+                try:
+                    self._maybe_inject("sample", [seq])
+                    one = sample(logits[i:i + 1], [row], self.generator)
+                    token, lp = one.token_ids[0], one.logprobs[0]
+                except Exception as exc:
+                    failed[request_id] = f"{type(exc).__name__}: {exc}"
+                    token, lp = -1, None
+            result.token_ids.append(token)
+            result.logprobs.append(lp)
+        return result
+
+    def _sample_and_finish(self, sampled: list[Sequence], logits: torch.Tensor,
+                           failed: dict[str, str]) -> list[CoreOutput]:
+        # A prompt of an n > 1 request that just finished prefill samples n rows from one logits row.
+        rows: list[SamplingRow] = []
+        targets: list[Sequence] = []
+        row_index: list[int] = []
+        for i, seq in enumerate(sampled):
+            req = seq.request
+            branch = [seq]
+            if req.params.n > 1 and not req.forked:
+                branch += [self._new_sequence(req, k, list(seq.token_ids)) for k in range(1, req.params.n)]
+            for s in branch:
+                rows.append(self._sampling_row(s))
+                targets.append(s)
+                row_index.append(i)
+        if len(row_index) != logits.shape[0]:
+            logits = logits[torch.tensor(row_index, dtype=torch.long, device=logits.device)]
+        result = self._sample(logits, rows, targets, failed) if rows else SampleResult([], [])
+
+        # Fork the new n > 1 branches before any token is appended (a parent may finish at once).
+        for seq in targets:
+            req = seq.request
+            if seq.index > 0 and not req.forked and req.request_id not in failed:
+                parent = req.seqs[0]
+                seq.num_computed_tokens = parent.num_computed_tokens
+                self.block_manager.fork(parent.seq_id, seq.seq_id)
+                self.scheduler.add_running(seq)
+                req.seqs.append(seq)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(targets, result.token_ids, result.logprobs):
+            req = seq.request
+            if req.request_id in failed:
+                continue
+            self._append_token(seq, token, lp)
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+        for req in touched.values():
+            if req.params.n > 1:
+                req.forked = True
+        outputs = []
+        interval = self.config.stream_interval
+        for req in touched.values():
+            finished = all(s.is_finished for s in req.seqs)
+            if finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            elif interval > 1 and not self._output_due(req, interval):
+                continue  # held back: the next output's deltas carry these tokens too
+            outputs.append(self._request_output(req, finished))
+        return outputs
+
+    @staticmethod
+    def _output_due(req: Request, interval: int) -> bool:
+        """Whether a running request's output goes out this step under ``stream_interval`` > 1.
+
+        Due when any of its sequences has its first token unsent (TTFT is never delayed), has
+        ``interval`` or more tokens unsent, or has finished with tokens unsent (an n > 1 choice
+        that ended gets its finish at once, not up to ``interval`` steps later).
+        """
+        for seq in req.seqs:
+            unsent = seq.num_output_tokens - seq.sent_token_len
+            if unsent > 0 and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished):
+                return True
+        return False
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.request.params
+        banned: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(self.eos_token_ids | set(p.stop_token_ids))
+        return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, seq.output_token_ids, banned)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1  # counted here, streamed or not (stream_interval, aborts)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.request.params
+        reason: tuple[str, int | None] | None = None
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+            reason = ("stop", None)
+        elif token in p.stop_token_ids:
+            reason = ("stop", token)
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            reason = ("length", None)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            self.scheduler.finish(seq)
+
+    def _request_output(self, req: Request, finished: bool) -> CoreOutput:
+        deltas = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            new = seq.token_ids[seq.num_prompt_tokens + seq.sent_token_len:]
+            if not new and (seq.finish_sent or not seq.is_finished):
+                continue  # nothing new for this completion
+            seq.finish_sent = seq.is_finished
+            lps = None
+            if seq.logprobs is not None:
+                lps = seq.logprobs[seq.sent_logprob_len:]
+                seq.sent_logprob_len = len(seq.logprobs)
+            seq.sent_token_len += len(new)
+            deltas.append(SeqDelta(seq.index, new, lps, seq.finish_reason, seq.stop_reason))
+        return CoreOutput(req.request_id, deltas, finished, req.num_cached_tokens, req.metrics)
+
+    # ---- reporting -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm, sched, bs = self.block_manager, self.scheduler, self.config.block_size
+        filled: dict[int, int] = {}
+        for seq in sched.running:
+            for i, block_id in enumerate(bm.block_ids(seq.seq_id)):
+                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                if n > filled.get(block_id, 0):
+                    filled[block_id] = n
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len, block_size=bs,
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached_free=bm.num_cached_free_blocks, kv_tokens_in_use=sum(filled.values()),
+            kv_slots_allocated=bm.num_used_blocks * bs,
+            naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
+            prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
+            generation_tokens=self.num_generated_tokens, failed_requests=self.num_failed_requests)

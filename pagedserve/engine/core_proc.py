@@ -1,0 +1,159 @@
+"""The engine core's own process: a busy loop of apply commands → step → send outputs.
+
+```
+ front end (server process)                      core process (this module)
+ ──────────────────────────                      ──────────────────────────
+ PUSH  ipc://…/input  ── AddRequest / Abort / Shutdown ──▶ PULL   (drained between steps)
+ PULL  ipc://…/output ◀── CoreBatch: admissions, outputs, stats ── PUSH  (one per step)
+ multiprocessing Pipe ◀── ("ready", ModelFacts) | ("error", message) ── once, at start-up
+```
+
+Messages are msgspec structs in msgpack: token ids and sampling parameters in, token ids out.
+ZMQ does its socket I/O on its own threads, so the loop never waits on a socket while it has
+work; with none, it blocks on the input socket, waking every second to check that its parent
+is alive (an orphaned core exits instead of holding memory forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedserve import errors
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreOutput, EngineCore
+from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# While busy, send the stats snapshot at most this often (and whenever a request finishes).
+STATS_INTERVAL_S = 0.02
+_IDLE_POLL_MS = 1000
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    index: int | None = None  # one completion of an n > 1 request (a stop string ended it)
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = AddRequest | Abort | Shutdown
+
+
+class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The answer to one AddRequest: admitted (``error_class`` None) or refused with a typed error."""
+
+    request_id: str
+    error_class: str | None = None
+    message: str = ""
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    def to_exception(self) -> errors.PagedServeError:
+        cls = getattr(errors, self.error_class or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.PagedServeError)):
+            cls = errors.InvalidRequest
+        if cls is errors.QueueFull:
+            return errors.QueueFull(self.message, retry_after_s=self.retry_after_s or 1.0)
+        return cls(self.message, param=self.param)
+
+
+class CoreBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything the core says after one pass of its loop."""
+
+    admissions: list[Admission] = []
+    aborted: list[str] = []  # requests the core dropped on request (for the abort counter)
+    outputs: list[CoreOutput] = []
+    stats: EngineStats | None = None
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
+    """The child process's entry point (spawned): build the core, report ready, serve until told to stop."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    parent = os.getppid()
+    try:
+        core = EngineCore(config)
+    except Exception as exc:  # a bad model path, a budget that holds no block, ...: one line for the user
+        ready.send(("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
+                    else str(exc)))
+        raise SystemExit(2) from None
+    ctx = zmq.Context(io_threads=1)
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(input_addr)
+    results = ctx.socket(zmq.PUSH)
+    results.connect(output_addr)
+    ready.send(("ready", core.facts()))
+    ready.close()
+    try:
+        _serve(core, commands, results, parent)
+    finally:
+        commands.close(linger=0)
+        results.close(linger=1000)
+        ctx.term()
+
+
+def _serve(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: int) -> None:
+    decoder = msgspec.msgpack.Decoder(list[Command])
+    encoder = msgspec.msgpack.Encoder()
+    last_stats = 0.0
+    while True:
+        batch = CoreBatch()
+        received: list[bytes] = []
+        if not core.has_unfinished_requests():
+            if not commands.poll(_IDLE_POLL_MS):
+                if os.getppid() != parent:
+                    logger.warning("the server process is gone: engine core exiting")
+                    return
+                continue
+        while commands.poll(0):
+            received.append(commands.recv(copy=False).bytes)
+        for frame in received:
+            for cmd in decoder.decode(frame):
+                if isinstance(cmd, Shutdown):
+                    results.send(encoder.encode(CoreBatch(stats=core.stats())))
+                    return
+                _apply(core, cmd, batch)
+        if core.has_unfinished_requests():
+            batch.outputs = core.step()
+        now = time.monotonic()
+        idle = not core.has_unfinished_requests()
+        if idle or any(o.finished for o in batch.outputs) or now - last_stats >= STATS_INTERVAL_S:
+            batch.stats, last_stats = core.stats(), now
+        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None:
+            results.send(encoder.encode(batch), copy=False)
+
+
+def _apply(core: EngineCore, cmd: AddRequest | Abort, batch: CoreBatch) -> None:
+    if isinstance(cmd, Abort):
+        if core.abort(cmd.request_id, cmd.index) and cmd.index is None:
+            batch.aborted.append(cmd.request_id)
+        return
+    try:
+        core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.cache_salt,
+                         cmd.arrival_time)
+    except errors.PagedServeError as exc:
+        batch.admissions.append(Admission(cmd.request_id, type(exc).__name__, exc.message, exc.param,
+                                          getattr(exc, "retry_after_s", None)))
+    except Exception as exc:  # a bug, not the client's fault: refuse this one request, keep serving
+        logger.exception("adding request %s failed", cmd.request_id)
+        batch.admissions.append(Admission(cmd.request_id, "InvalidRequest", f"{type(exc).__name__}: {exc}"))
+    else:
+        batch.admissions.append(Admission(cmd.request_id))

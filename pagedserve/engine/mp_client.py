@@ -1,0 +1,261 @@
+"""MPEngineClient: the engine core in its own process, the text side on the server's event loop.
+
+```
+ server process: event loop                                     core process (core_proc.py)
+ ──────────────────────────                                     ───────────────────────────
+ add_request() ── AddRequest ──▶ PUSH ════ ipc ════▶ PULL ──▶ EngineCore.add_request
+   awaits its Admission ◀──────────────────────┐
+ output task: PULL ◀════ ipc ════ PUSH ◀── CoreBatch (admissions, token-id outputs, stats)
+   OutputProcessor: text, stop strings ──▶ RequestStream queues; stop string hit ──▶ Abort(index)
+ death watch: the process's sentinel fd on the loop ──▶ every stream fails at once, on_death()
+```
+
+The core is started with :func:`start_core_process` (blocking: it waits until the model is
+loaded, and raises :class:`EngineStartupError` with the core's own one-line reason if it is
+not), then the client attaches to it inside the event loop with :meth:`MPEngineClient.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
+from pagedserve.engine.core import ModelFacts
+from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, run_engine_core
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The core process could not build the engine (its message says why, in one line)."""
+
+
+@dataclass
+class CoreProcess:
+    """A started core process and the addresses its sockets connect to."""
+
+    process: BaseProcess
+    input_addr: str
+    output_addr: str
+    facts: ModelFacts
+    socket_dir: tempfile.TemporaryDirectory
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+
+
+def start_core_process(config: EngineConfig, log_level: str = "info") -> CoreProcess:
+    """Spawn the core and wait until it has loaded the model (or failed to)."""
+    socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
+    input_addr = f"ipc://{socket_dir.name}/input"
+    output_addr = f"ipc://{socket_dir.name}/output"
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_engine_core, name="pagedserve-core", daemon=True,
+                          args=(config, input_addr, output_addr, sender, log_level))
+    process.start()
+    sender.close()
+    try:
+        while True:  # wait for the first message, or for the process to die without one
+            ready = multiprocessing.connection.wait([receiver, process.sentinel])
+            if receiver in ready:
+                try:
+                    kind, payload = receiver.recv()
+                except EOFError:
+                    kind, payload = "error", None
+                break
+            if process.sentinel in ready and not receiver.poll():
+                kind, payload = "error", None
+                break
+    finally:
+        receiver.close()
+    if kind != "ready":
+        process.join(5)
+        socket_dir.cleanup()
+        raise EngineStartupError(payload or f"the engine core process exited with code {process.exitcode} "
+                                            "while loading the model (see its log above)")
+    return CoreProcess(process, input_addr, output_addr, payload, socket_dir)
+
+
+class MPEngineClient(StreamingClient):
+    """The :class:`EngineClient` over a core process. All methods run on one event loop."""
+
+    def __init__(self, core: CoreProcess, observer: StepObserver | None = None, log_requests: bool = False,
+                 on_death: Callable[[], None] | None = None):
+        from transformers import AutoTokenizer
+
+        super().__init__(observer, log_requests)
+        self.core = core
+        self.facts = core.facts
+        self.on_death = on_death  # called once if the core process dies while serving
+        # The front end's own tokenizer instance (for detokenization on the event loop); the
+        # server tokenizes prompts with another one, on its worker thread.
+        self.output_processor = OutputProcessor(AutoTokenizer.from_pretrained(core.facts.tokenizer))
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreBatch)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._input: zmq.asyncio.Socket | None = None
+        self._output: zmq.asyncio.Socket | None = None
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._stats = EngineStats(0, 0, core.facts.max_num_seqs, core.facts.max_model_len, core.facts.block_size,
+                                  core.facts.num_kv_blocks, 0, 0, 0, 0, 0, 0, 0, 0, core.facts.kv_bytes_per_token, 0)
+        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutting_down = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(self.core.input_addr)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(self.core.output_addr)
+        self._loop.add_reader(self.core.process.sentinel, self._core_exited)
+        self._reader = asyncio.create_task(self._read_outputs(), name="pagedserve-core-outputs")
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        await self._drain(drain_timeout_s)
+        self._shutting_down = True
+        process = self.core.process
+        if process.is_alive() and self.dead_error is None:
+            self._send(Shutdown())
+            deadline = time.monotonic() + 10
+            while process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        if self._loop is not None:
+            self._loop.remove_reader(process.sentinel)
+        self.core.kill()
+        if self._reader is not None:
+            self._reader.cancel()
+        for sock in (self._input, self._output):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self.core.socket_dir.cleanup()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and self.core.process.is_alive() and not self._shutting_down
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt: str | None = None) -> RequestStream:
+        stream = self._check_accepting(request_id)
+        stream.priority = priority
+        assert self._loop is not None, "start() the client first"
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._admissions[request_id] = admitted
+        self._streams[request_id] = stream
+        self.output_processor.add(request_id, prompt_token_ids, params, prompt)
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
+        try:
+            await admitted
+        except BaseException:
+            # Refused, or the caller gave up while waiting: take it back out (a no-op if refused).
+            self._admissions.pop(request_id, None)
+            self._streams.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            if self.dead_error is None:
+                self._send(Abort(request_id))
+            raise
+        return stream
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        self.output_processor.abort(request_id)
+        if self.dead_error is None and not self._shutting_down:
+            self._send(Abort(request_id))
+
+    def _send(self, command: AddRequest | Abort | Shutdown) -> None:
+        assert self._input is not None
+        # A batch of one: the core decodes list[Command] frames. PUSH never blocks here (the
+        # high-water mark is far above anything one server holds in flight).
+        self._input.send(self._encoder.encode([command]), copy=False)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        assert self._output is not None
+        try:
+            while True:
+                frame = await self._output.recv(copy=False)
+                self._handle(self._decoder.decode(frame.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a message we cannot read: the core and we disagree, stop serving
+            logger.exception("reading the engine core's outputs failed")
+            self._die(EngineDeadError(f"lost the engine core's output stream: {exc}"))
+
+    def _handle(self, batch: CoreBatch) -> None:
+        for admission in batch.admissions:
+            future = self._admissions.pop(admission.request_id, None)
+            if future is None or future.done():
+                continue
+            if admission.error_class is None:
+                future.set_result(None)
+            else:
+                future.set_exception(admission.to_exception())
+        if batch.stats is not None:
+            self._stats = batch.stats
+        if self.observer is not None and batch.aborted:
+            now = time.monotonic()
+            for request_id in batch.aborted:
+                self.observer.on_abort(request_id, now)
+        if batch.outputs:
+            processed = self.output_processor.process(batch.outputs)
+            for request_id, index in processed.finish_in_core:
+                self._send(Abort(request_id, index))
+            if processed.outputs:
+                self._deliver(processed.outputs)
+
+    # ---- the core's death ------------------------------------------------------------------
+
+    def _core_exited(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.core.process.sentinel)
+        if self._shutting_down:
+            return
+        self.core.process.join(1)
+        code = self.core.process.exitcode
+        logger.error("the engine core process died (exit code %s): failing %d open requests, refusing new ones",
+                     code, len(self._streams))
+        self._die(EngineDeadError(f"the engine core process died (exit code {code}); "
+                                  "this server is restarting, retry on another replica"))
+
+    def _die(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        for future in self._admissions.values():
+            if not future.done():
+                future.set_exception(error)
+        self._admissions.clear()
+        self._fail_streams(error)
+        if self.on_death is not None:
+            self.on_death()
+
