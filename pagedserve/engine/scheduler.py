@@ -99,6 +99,12 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
 
     @property
+    def seats_in_use(self) -> int:
+        """Running sequences plus the seats an n > 1 request holds for the completions it forks
+        after its prompt (they join the batch without another admission, so they are counted now)."""
+        return len(self.running) + sum(s.request.params.n - 1 for s in self.running if not s.request.forked)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -149,7 +155,7 @@ class Scheduler:
             if out.preempted and seq.priority >= min(p.priority for p in out.preempted):
                 break
             seats = seq.request.params.n if not seq.request.forked else 1
-            if len(self.running) + seats > self.config.max_num_seqs:
+            if self.seats_in_use + seats > self.config.max_num_seqs:
                 if not self._preempt_worse_than(seq, planned, out):
                     break
                 budget = self.config.max_num_batched_tokens - sum(planned.values())

@@ -77,8 +77,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         """Chat completion (OpenAI), prompt built with the tokenizer's chat template."""
         return await serving(request).chat(body, request)
 
-    @app.post("/tokenize", responses=_ERRORS)
-    async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:
         """Token ids and count of a prompt or conversation, and the model's max_model_len."""
         return await serving(request).tokenize(body)
 

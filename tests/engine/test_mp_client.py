@@ -1,0 +1,109 @@
+"""The multiprocess client end to end: Hugging Face parity, prefix hits, priority, stop strings and
+aborts through a real core process, and nothing left in the pool afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pagedserve import errors
+from pagedserve.config import EngineConfig
+from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient, start_core_process
+from pagedserve.engine.sampling_params import SamplingParams
+from tests.checkpoints import load_hf
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _hf_greedy(hf, prompt: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+async def _collect(client: MPEngineClient, request_id: str, prompt: list[int], params: SamplingParams,
+                   priority: int = 0):
+    stream = await client.add_request(request_id, prompt, params, priority)
+    final = None
+    async with stream:
+        async for out in stream:
+            final = out
+    return final
+
+
+async def _idle(client: MPEngineClient) -> None:
+    for _ in range(200):
+        s = client.stats()
+        if s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
+def test_parity_prefix_and_priority_through_the_core_process(checkpoint_dir):
+    model_dir = checkpoint_dir("llama")
+    hf = load_hf(model_dir)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 32000, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 32000, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    core = start_core_process(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8))
+
+    async def main():
+        client = MPEngineClient(core)
+        await client.start()
+        try:
+            first = await _collect(client, "warm", prompts[0], GREEDY)
+            rest = await asyncio.gather(*(_collect(client, f"p{i}", p, GREEDY, priority=i % 2)
+                                          for i, p in enumerate(prompts)))
+            await _idle(client)
+            return first, rest, client.stats()
+        finally:
+            await client.shutdown()
+
+    first, rest, stats = asyncio.run(main())
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    assert first.outputs[0].token_ids == expected[0]
+    assert [out.outputs[0].token_ids for out in rest] == expected
+    assert all(out.num_cached_tokens >= 40 - 8 for out in rest)  # the shared prefix came from the cache
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
+    assert not core.process.is_alive()
+
+
+def test_stop_strings_aborts_and_refusals_through_the_core_process(tiny_model_dir):
+    core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           max_model_len=256, max_num_seqs=4))
+
+    async def main():
+        client = MPEngineClient(core)
+        await client.start()
+        try:
+            params = SamplingParams(n=2, max_tokens=24, temperature=0.0, ignore_eos=True)
+            probe = await _collect(client, "probe", [5, 6, 7, 8], params)
+            stop = probe.outputs[0].text[4:7]
+            stopped = await _collect(client, "stopped", [5, 6, 7, 8],
+                                     SamplingParams(n=2, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
+            stream = await client.add_request("left", [9, 9, 9], SamplingParams(max_tokens=200, ignore_eos=True))
+            async with stream:
+                async for out in stream:
+                    if len(out.outputs[0].token_ids) >= 3:
+                        break
+            with pytest.raises(errors.InvalidRequest, match="max_num_seqs"):
+                await client.add_request("too-many", [1, 2], SamplingParams(n=5))
+            with pytest.raises(errors.RequestTooLong):
+                await client.add_request("too-long", list(range(3, 300)), GREEDY)
+            await _idle(client)
+            return probe, stop, stopped, client.stats()
+        finally:
+            await client.shutdown()
+
+    probe, stop, stopped, stats = asyncio.run(main())
+    assert stop and all(c.finish_reason == "stop" and c.stop_reason == stop for c in stopped.outputs)
+    assert [c.text for c in stopped.outputs] == [c.text[:c.text.index(stop)] for c in probe.outputs]
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path):
+    with pytest.raises(EngineStartupError) as info:
+        start_core_process(EngineConfig(model=str(tmp_path / "no-such-model")))
+    assert "\n" not in str(info.value) and "no-such-model" in str(info.value)

@@ -1,0 +1,158 @@
+"""The engine core in its own process, tried as a hostile client would: a request that breaks a
+step fails alone, the core's death ends every open stream at once and the server exits non-zero,
+huge prompts never stall /health, n beyond the seats is a 400."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.bench.processes import free_port, running_process
+from pagedserve.engine.core import FAULT_INJECTION_ENV
+from tests.helpers.servers import wait_for_idle
+
+ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning")
+
+
+def _serve(model_dir: Path, *extra: str) -> tuple[list[str], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", str(model_dir), *ARGS, *extra]
+    return cmd, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def fault_server(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A server whose core raises in any step batching a request whose id starts with 'poison'."""
+    cmd, url = _serve(tiny_model_dir, "--max-body-bytes", "8MiB")
+    os.environ[FAULT_INJECTION_ENV] = "execute:poison"
+    try:
+        with running_process(cmd, f"{url}/health", timeout_s=300):
+            os.environ.pop(FAULT_INJECTION_ENV, None)
+            yield url
+    finally:
+        os.environ.pop(FAULT_INJECTION_ENV, None)
+
+
+def _stream(url: str, body: dict) -> tuple[str | None, list[str]]:
+    """Stream a completion; (the error event's message or None, the raw data lines)."""
+    lines = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+    error = next((json.loads(x)["error"]["message"] for x in lines if x.startswith('{"error"')), None)
+    return error, lines
+
+
+def _texts(url: str, n: int, prefix: str) -> dict[str, str]:
+    def one(i: int) -> tuple[str, str]:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": f"request number {i} says", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "request_id": f"{prefix}-{i}"})
+        assert r.status_code == 200, r.text
+        return f"{i}", r.json()["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return dict(pool.map(one, range(n)))
+
+
+def test_a_request_that_breaks_its_step_fails_alone(fault_server):
+    clean = _texts(fault_server, 8, "clean")
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        others = pool.submit(_texts, fault_server, 8, "again")
+        poisoned = pool.submit(httpx.post, f"{fault_server}/v1/completions", timeout=60, json={
+            "prompt": "x y z", "max_tokens": 16, "request_id": "poison-plain"})
+        streamed = pool.submit(_stream, fault_server, {"prompt": "x y z", "max_tokens": 16,
+                                                       "request_id": "poison-stream"})
+        assert others.result() == clean  # the rest of the batch: identical output
+        r = poisoned.result()
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+        message, lines = streamed.result()
+        assert isinstance(message, str) and "injected" in message and lines[-1] == "[DONE]"
+    assert wait_for_idle(fault_server)["kv_blocks_used"] == 0
+    assert httpx.get(f"{fault_server}/health", timeout=5).status_code == 200
+
+
+def test_more_completions_than_seats_is_a_400(fault_server):
+    r = httpx.post(f"{fault_server}/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 3, "n": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "max_num_seqs" in r.json()["error"]["message"]
+
+
+def test_health_stays_fast_while_huge_prompts_are_tokenized(fault_server):
+    big = "word " * 780_000  # 3.9 MB
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(httpx.post, f"{fault_server}/tokenize", json={"prompt": big}, timeout=120)
+                for _ in range(2)]
+        refused = pool.submit(httpx.post, f"{fault_server}/v1/completions", json={"prompt": big, "max_tokens": 4},
+                              timeout=60)
+        latencies = []
+        with httpx.Client(base_url=fault_server, timeout=10) as http:
+            time.sleep(0.3)  # let both tokenizations start
+            while not all(j.done() for j in jobs) and len(latencies) < 2000:
+                t0 = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+        counts = [j.result().json()["count"] for j in jobs]
+        assert refused.result().status_code == 400
+    assert counts[0] == counts[1] > 500_000
+    assert len(latencies) >= 20, "tokenizing finished before /health could be probed"
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    worst = sorted(latencies)[-5:]
+    assert p99 < 0.05, f"/health p99 {p99 * 1000:.1f} ms while tokenizing (n={len(latencies)}, worst {worst})"
+
+
+def _core_pid(server_pid: int) -> int:
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"no engine core among {children}")
+
+
+def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits_non_zero(tiny_model_dir):
+    cmd, url = _serve(tiny_model_dir)
+    with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
+        body = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
+        opened: list[httpx.Response] = []
+        ended: dict[int, float] = {}
+        with httpx.Client(timeout=30) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
+            def consume(i: int) -> list[str]:
+                lines = []
+                with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                    opened.append(r)
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+                ended[i] = time.monotonic()
+                return lines
+            futures = [pool.submit(consume, i) for i in range(3)]
+            while len(opened) < 3:
+                time.sleep(0.01)
+            time.sleep(0.3)  # every stream is producing tokens
+            os.kill(_core_pid(proc.pid), signal.SIGKILL)
+            killed = time.monotonic()
+            results = [f.result(timeout=10) for f in futures]
+        for lines in results:
+            assert lines[-1] == "[DONE]" and '"engine_unavailable"' in lines[-2], lines[-3:]
+        assert max(ended.values()) - killed < 1.0
+        # Never a 200 again: 503 while it drains, then nothing listens.
+        while proc.poll() is None:
+            try:
+                assert httpx.get(f"{url}/health", timeout=2).status_code == 503
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert proc.wait(timeout=30) == 1
