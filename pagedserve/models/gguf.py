@@ -1,0 +1,570 @@
+"""GGUF files (llama.cpp's and Ollama's format) as models: metadata, tokenizer and weights.
+
+A ``.gguf`` file (or a directory holding exactly one) is turned once into a prepared Hugging
+Face-style directory in the project cache (:func:`prepare_gguf_dir`): ``config.json`` from the
+GGUF metadata, the tokenizer (``tokenizer.json``, its config and the chat template, converted by
+transformers' GGUF tokenizer converter), ``generation_config.json`` with the EOS ids, and
+``gguf_source.json`` pointing back at the file. The engine then sees an ordinary model directory;
+:func:`load_gguf_model` reads the weights straight from the (memory-mapped) GGUF file.
+
+Weights, by GGUF tensor type:
+
+* ``F32``, ``F16``, ``BF16`` → the model dtype.
+* ``Q8_0`` (32 int8 values and one float16 scale per block) → :class:`Int8GroupedLinear`
+  (``w = q × s`` per group of 32 input columns), the int8 values as stored.
+* ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d + m``), q in [0, 15], 32 per block →
+  :class:`Int4Linear` with group 32, the project's asymmetric int4 format ``w = (q − 8) × s + z``:
+  the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d`` (Q4_1). Scales and zeros are
+  held in the model dtype, which the CPU kernels take: in float32 they are the GGUF's exactly;
+  in bfloat16 they are rounded to bfloat16 (8 significant bits; the nibbles are unchanged).
+* Other types the ``gguf`` package can dequantize (K-quants, Q5_0, ...) → dequantized to the
+  model dtype, with a warning naming them; any other type is an error naming it.
+
+Quantized tensors are kept quantized when ``keep_quantized`` (the engine's default: ``--dtype
+auto`` and ``--quantization none``): no full-precision copy is ever made. With an explicit
+``--dtype`` they are dequantized to it, and with ``--quantization int8|int4`` the dequantized
+model is then quantized the project's way, as for any checkpoint.
+
+llama.cpp's converter permutes the rows of Llama's Q and K projections (its rotary pairs are
+interleaved, Hugging Face's are halves); the loader undoes it, on quantized rows too (blocks run
+along the input dimension, so a row permutation moves whole blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.config import cache_dir
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
+from pagedserve.models.quant import INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILE = "gguf_source.json"
+_PREPARED_FORMAT = 1  # bump when the prepared directory's contents change
+
+# GGUF architecture → (Hugging Face config class, model_type, Q/K rows permuted by llama.cpp's converter)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "llama", True),
+    "qwen2": ("Qwen2Config", "qwen2", False),
+    "qwen3": ("Qwen3Config", "qwen3", False),
+}
+# Types loaded as they are: floats to the model dtype; these quantized ones into the project's formats.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+class GGUFError(ValueError):
+    """A GGUF file this loader cannot use (architecture, tensor type, missing tensor), said in one line."""
+
+
+# ---- finding and preparing ----------------------------------------------------------------
+
+def find_gguf_file(path: Path) -> Path | None:
+    """``path`` if it is a ``.gguf`` file; the one ``.gguf`` in a directory without Hugging Face
+    weights; None otherwise. Several candidates or a split file are errors."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            return None
+        candidates = [path]
+    elif path.is_dir():
+        if any(path.glob("*.safetensors")):
+            return None
+        candidates = sorted(path.glob("*.gguf"))
+        if not candidates:
+            return None
+        if len(candidates) > 1:
+            raise GGUFError(f"{path} holds {len(candidates)} GGUF files ({', '.join(c.name for c in candidates[:4])}"
+                            f"{', ...' if len(candidates) > 4 else ''}): pass the one to load")
+    else:
+        return None
+    gguf = candidates[0]
+    if "-of-" in gguf.stem and gguf.stem.rsplit("-of-", 1)[-1].isdigit():
+        raise GGUFError(f"{gguf.name} is one part of a split GGUF, which is not supported: merge it first "
+                        "(llama.cpp's llama-gguf-split --merge)")
+    return gguf
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file behind a prepared directory, or None for an ordinary checkpoint directory."""
+    src = Path(model_dir) / SOURCE_FILE
+    if not src.exists():
+        return None
+    return Path(json.loads(src.read_text())["gguf_file"])
+
+
+def prepare_gguf_dir(gguf_path: Path) -> Path:
+    """The prepared Hugging Face-style directory of ``gguf_path``, built once into the cache
+    (``$PAGEDSERVE_CACHE/gguf/<name>-<key>``, keyed by the file's path, size and mtime)."""
+    from pagedserve.models.standard import _build_lock
+
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}:{st.st_size}:{st.st_mtime_ns}:{_PREPARED_FORMAT}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (out / SOURCE_FILE).exists():
+        return out
+    with _build_lock(out):
+        if not (out / SOURCE_FILE).exists():
+            logger.info("preparing %s: config, tokenizer and chat template from its metadata, into %s (once)",
+                        gguf_path.name, out)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _write_prepared_dir(gguf_path, tmp)
+            tmp.rename(out)
+    return out
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped), one per file and process: parsing the
+    metadata of a 50k-token vocabulary takes the reader seconds, so it is done once."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return _open_gguf(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _write_prepared_dir(gguf_path: Path, out: Path) -> None:
+    reader = open_gguf(gguf_path)
+    config = hf_config_from_gguf(reader)
+    config.save_pretrained(out)
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": _eos_ids(reader)}
+    (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
+    tok_dir = _prepared_tokenizer(gguf_path, reader)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    (out / SOURCE_FILE).write_text(json.dumps({
+        "gguf_file": str(gguf_path), "name": _field(reader, "general.name", gguf_path.stem),
+        "file_type": _field(reader, "general.file_type", None),
+        "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "tensor_bytes": int(sum(int(t.n_bytes) for t in reader.tensors)),
+    }, indent=2))
+
+
+def _prepared_tokenizer(gguf_path: Path, reader) -> Path:
+    """transformers' conversion of the GGUF tokenizer, saved once per distinct tokenizer (it takes
+    seconds for a 50k vocabulary; GGUF files sharing a tokenizer share the result)."""
+    from pagedserve.models.standard import _build_lock
+
+    h = hashlib.sha256()
+    for name in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
+        field = reader.fields[name]
+        h.update(name.encode())
+        for part in field.parts:
+            h.update(part.tobytes())
+    out = cache_dir() / "gguf" / "tokenizers" / h.hexdigest()[:16]
+    if (out / "tokenizer_config.json").exists():
+        return out
+    with _build_lock(out):
+        if not (out / "tokenizer_config.json").exists():
+            if "tokenizer.ggml.model" not in reader.fields:
+                raise GGUFError(f"{gguf_path.name} has no tokenizer in its metadata")
+            from transformers import AutoTokenizer
+
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            except Exception as e:  # noqa: BLE001 - transformers raises many kinds; say which tokenizer
+                raise GGUFError(f"cannot convert the {_field(reader, 'tokenizer.ggml.model', '?')!r} tokenizer of "
+                                f"{gguf_path.name}: {e}") from e
+            tok.save_pretrained(tmp)
+            tmp.rename(out)
+    return out
+
+
+# ---- metadata -----------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(reader, key: str, default=_MISSING):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise GGUFError(f"GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def gguf_architecture(reader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return arch
+
+
+def _eos_ids(reader) -> list[int] | int | None:
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = _field(reader, key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def hf_config_from_gguf(reader):
+    """A transformers config (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``) from GGUF metadata."""
+    import transformers
+
+    arch = gguf_architecture(reader)
+    config_cls, model_type, _ = ARCHITECTURES[arch]
+    tensors = {t.name: t for t in reader.tensors}
+    meta = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    rotary_dim = int(meta("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise GGUFError(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError("GGUF file lacks tensor 'token_embd.weight'")
+    vocab = int(meta("vocab_size", None) or int(embed.shape[1]))
+    kw = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_eos_ids(reader),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
+        architectures=[config_cls.replace("Config", "ForCausalLM")],
+    )
+    rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    scaling = meta("rope.scaling.type", None)
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise GGUFError(f"unsupported GGUF rope scaling {scaling!r} (supported: none, linear, Llama 3's rope_freqs)")
+    if "rope_freqs.weight" in tensors:
+        rope.update(_llama3_rope_from_factors(_float_array(tensors["rope_freqs.weight"]), rope["rope_theta"],
+                                              head_dim))
+    if arch == "llama":
+        kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    kw["dtype"] = "bfloat16" if types - set(FLOAT_TYPES) else {"F32": "float32", "F16": "float16",
+                                                               "BF16": "bfloat16"}[embed.tensor_type.name]
+    config = getattr(transformers, config_cls)(**kw)
+    config.rope_parameters = rope  # set after: transformers 5 validates and may rewrite the constructor's
+    return config
+
+
+def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict:
+    """Llama 3's rope scaling parameters from llama.cpp's ``rope_freqs`` tensor (one divisor per
+    rotary frequency). In the smoothed band ``1/f`` is linear in ``1/wavelength``, which fixes the
+    band's ends; every (low, high, original length) with those ends gives the same divisors, so
+    low_freq_factor = 1 is chosen and the rest follows. The result is checked against the tensor."""
+    import math
+
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / inv
+    f = factors.astype(np.float64)
+    factor = float(f.max())
+    band = (f > 1.0 + 1e-6) & (f < factor - 1e-6 * factor)
+    if factor <= 1.0 + 1e-6:
+        return {}
+    if band.sum() >= 2:
+        # 1/f = 1/factor + s (1 - 1/factor), s = (L/λ - low) / (high - low): fit a = L/(high-low), b = low/(high-low)
+        s = (1.0 / f[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, c = np.polyfit(1.0 / wavelen[band], s, 1)  # s = a/λ - b
+        b = -c
+        low, high, orig = 1.0, 1.0 + 1.0 / b, a / b
+    else:  # a sharp step: any band inside the gap between the last 1 and the first ``factor`` fits
+        first_scaled = float(wavelen[f > 1.0 + 1e-6].min())
+        last_plain = float(wavelen[f <= 1.0 + 1e-6].max()) if (f <= 1.0 + 1e-6).any() else first_scaled / 2
+        low, orig = 1.0, first_scaled * 0.999
+        high = orig / (last_plain * 1.001)
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
+              "original_max_position_embeddings": float(orig)}
+    from pagedserve.models.llama import rope_inv_freq
+
+    probe = ModelArchitecture(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1,
+                              num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6,
+                              rope_theta=theta, rope_scaling=params, max_position_embeddings=1,
+                              tie_word_embeddings=False, qkv_bias=False, qk_norm=False, sliding_window=None)
+    got = rope_inv_freq(probe).double().numpy()
+    if not np.allclose(inv / got, f, rtol=1e-4):
+        raise GGUFError("rope_freqs tensor is not of Llama 3's scaling form; unsupported")
+    return params
+
+
+# ---- tensors --------------------------------------------------------------------------------
+
+def can_load(qtype) -> bool:
+    """Whether tensors of this GGML type load (natively, or dequantized by the ``gguf`` package)."""
+    from gguf import quants
+
+    return qtype.name in FLOAT_TYPES + KEPT_TYPES or qtype in quants._type_traits
+
+
+def _raw(t) -> torch.Tensor:
+    """A tensor's bytes (a copy out of the memory map), rows first."""
+    return torch.from_numpy(np.array(t.data, copy=True))
+
+
+def _float_array(t) -> np.ndarray:
+    return _dequantize(t).numpy()
+
+
+def _rows(t) -> tuple[int, int]:
+    """``(rows, row length)`` of a GGUF tensor (its ``shape`` is ggml's, innermost first)."""
+    dims = [int(d) for d in t.shape]
+    if len(dims) == 1:
+        return 1, dims[0]
+    if len(dims) != 2:
+        raise GGUFError(f"tensor {t.name!r} has {len(dims)} dimensions; only 1 and 2 are supported")
+    return dims[1], dims[0]
+
+
+def _dequantize(t) -> torch.Tensor:
+    """The tensor as float32, ``[rows, row length]`` (1-D tensors stay 1-D)."""
+    kind = t.tensor_type.name
+    n, k = _rows(t)
+    if kind in ("F32", "F16"):
+        w = torch.from_numpy(np.array(t.data, dtype=np.float32))
+    elif kind == "BF16":
+        w = _raw(t).view(torch.bfloat16).float()
+    elif kind == "Q8_0":
+        q, d = _unpack_q8_0(t)
+        w = (q.float().view(n, -1, 32) * d.unsqueeze(-1)).view(n, k)
+    elif kind in ("Q4_0", "Q4_1"):
+        q, d, m = _unpack_q4(t)
+        w = (q.float() - 8).view(n, -1, 32) * d.unsqueeze(-1) if m is None else \
+            q.float().view(n, -1, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)
+        w = w.view(n, k)
+    else:
+        from gguf import quants
+
+        if not can_load(t.tensor_type):
+            raise GGUFError(f"unsupported GGUF tensor type {kind} (tensor {t.name!r})")
+        w = torch.from_numpy(np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    return w.reshape(k) if len(t.shape) == 1 else w.reshape(n, k)
+
+
+def _unpack_q8_0(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (float16 d, 32 × int8) → (q int8 ``[N, K]``, d float32 ``[N, K/32]``)."""
+    n, k = _rows(t)
+    b = _raw(t).view(n, k // 32, 34)
+    d = b[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
+    q = b[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+    return q, d
+
+
+def _unpack_q4(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Q4_0 (float16 d, 16 bytes) / Q4_1 (d, float16 m, 16 bytes) blocks → (q uint8 in [0, 15]
+    ``[N, K]``, d ``[N, K/32]``, m or None), float32. In a block, byte j holds element j in its low
+    nibble and element j + 16 in its high one."""
+    n, k = _rows(t)
+    with_min = t.tensor_type.name == "Q4_1"
+    size = 20 if with_min else 18
+    b = _raw(t).view(n, k // 32, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if with_min else None
+    qs = b[..., size - 16:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)
+    return q, d, m
+
+
+def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs → Hugging Face's halves)."""
+    rows = x.shape[0]
+    return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+class _Part:
+    """One GGUF tensor feeding (part of) a layer, with the head count to unpermute its rows by."""
+
+    def __init__(self, tensor, heads: int | None = None):
+        self.tensor, self.heads = tensor, heads
+
+    def fix(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.heads is None else _unpermute_rows(x, self.heads)
+
+
+class _Builder:
+    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded."""
+
+    def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
+                 keep_quantized: bool, permuted: bool):
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.arch, self.dtype, self.device = arch, dtype, device
+        self.keep, self.permuted = keep_quantized, permuted
+        self.packed_for_cpu = device.type == "cpu"  # int4 layout: the CPU kernel's, or the portable one
+        self.used: set[str] = set()
+        self.loaded: Counter = Counter()  # "Q4_1 -> int4" etc., for the log line
+        self.dequantized: Counter = Counter()  # types with no native format here, dequantized
+
+    def get(self, name: str, optional: bool = False):
+        t = self.tensors.get(name)
+        if t is None:
+            if optional:
+                return None
+            raise GGUFError(f"GGUF file lacks tensor {name!r}")
+        self.used.add(name)
+        return t
+
+    def _check(self, t, shape: tuple[int, ...]) -> None:
+        n, k = _rows(t)
+        got = (k,) if len(t.shape) == 1 else (n, k)
+        if got != shape:
+            raise GGUFError(f"tensor {t.name!r} has shape {list(got)}, the metadata implies {list(shape)}")
+
+    def float_tensor(self, name: str, shape: tuple[int, ...], heads: int | None = None) -> torch.Tensor:
+        t = self.get(name)
+        self._check(t, shape)
+        self._count(t, str(self.dtype).removeprefix("torch."), dequantize=True)
+        return _Part(t, heads).fix(_dequantize(t)).to(device=self.device, dtype=self.dtype)
+
+    def _count(self, t, target: str, dequantize: bool) -> None:
+        kind = t.tensor_type.name
+        self.loaded[f"{kind} -> {target}"] += 1
+        if dequantize and kind not in FLOAT_TYPES and not (kind in KEPT_TYPES and not self.keep):
+            self.dequantized[kind] += 1
+
+    def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
+               packed_for_cpu: bool | None = None) -> nn.Module:
+        """One (fused) linear layer from ``parts`` stacked along the output dimension."""
+        for p, rows in zip(parts, out_sizes):
+            self._check(p.tensor, (rows, in_features))
+        b = None
+        if bias is not None:
+            b = torch.cat([p.fix(_dequantize(p.tensor)) for p in bias]).to(device=self.device, dtype=self.dtype)
+        kinds = {p.tensor.tensor_type.name for p in parts}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if self.keep and kind == "Q8_0":
+            qs, scales = [], []
+            for p in parts:
+                q, d = _unpack_q8_0(p.tensor)
+                qs.append(p.fix(q))
+                scales.append(p.fix(d))
+                self._count(p.tensor, "int8 groups of 32", dequantize=False)
+            return Int8GroupedLinear(torch.cat(qs).to(self.device), torch.cat(scales).to(self.device), b, 32,
+                                     self.dtype)
+        if self.keep and kind in ("Q4_0", "Q4_1"):
+            qs, scales, zeros = [], [], []
+            for p in parts:
+                q, d, m = _unpack_q4(p.tensor)
+                qs.append(p.fix(q))
+                scales.append(p.fix(d))
+                zeros.append(p.fix(torch.zeros_like(d) if m is None else m + 8 * d))  # exact in float32
+                self._count(p.tensor, "int4 groups of 32", dequantize=False)
+            if packed_for_cpu is None:
+                packed_for_cpu = self.packed_for_cpu
+            return Int4Linear(torch.cat(qs).to(self.device, torch.int32), torch.cat(scales).to(self.device),
+                              torch.cat(zeros).to(self.device), b, INT4_GROUP_SIZE, self.dtype, packed_for_cpu)
+        weight = torch.cat([p.fix(_dequantize(p.tensor)) for p in parts]).to(device=self.device, dtype=self.dtype)
+        for p in parts:
+            self._count(p.tensor, str(self.dtype).removeprefix("torch."), dequantize=True)
+        linear = nn.Linear(in_features, weight.shape[0], bias=b is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if b is not None:
+            linear.bias = nn.Parameter(b, requires_grad=False)
+        return linear
+
+    def quantized_table(self, t) -> nn.Module | None:
+        """A kept-quantized embedding table as a lookup-capable layer, or None for a float one."""
+        kind = t.tensor_type.name
+        if not self.keep or kind not in KEPT_TYPES:
+            return None
+        return self.linear([_Part(t)], [self.arch.vocab_size], self.arch.hidden_size, packed_for_cpu=False)
+
+
+def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
+                    max_positions: int, attention_backend: str, keep_quantized: bool = True,
+                    packed_for_cpu: bool | None = None) -> LlamaForCausalLM:
+    """Build the model from a GGUF file's tensors, without ever materializing random weights.
+
+    ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
+    (module docstring); otherwise every tensor is dequantized to ``dtype``. ``packed_for_cpu``
+    (default: on a CPU) lays int4 weights out for the CPU kernel; False keeps the portable,
+    readable layout (tests compare it with the GGUF's values).
+    """
+    reader = open_gguf(gguf_path)
+    gguf_arch = gguf_architecture(reader)
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2])
+    b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
+    for t in reader.tensors:
+        if not can_load(t.tensor_type):
+            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
+    a = arch
+    hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+    with torch.device("meta"):
+        model = LlamaForCausalLM(a, max_positions, attention_backend)
+    with torch.device(device):
+        rotary = RotaryEmbedding(a, max_positions)
+    b.used.add("rope_freqs.weight")  # read into config.json's rope parameters
+    q_heads, k_heads = (hq, hkv) if b.permuted else (None, None)
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.rotary = rotary
+        layer.input_layernorm.weight = nn.Parameter(b.float_tensor(p + "attn_norm.weight", (a.hidden_size,)))
+        layer.post_attention_layernorm.weight = nn.Parameter(b.float_tensor(p + "ffn_norm.weight", (a.hidden_size,)))
+        qkv = [_Part(b.get(p + "attn_q.weight"), q_heads), _Part(b.get(p + "attn_k.weight"), k_heads),
+               _Part(b.get(p + "attn_v.weight"))]
+        bias = None
+        if a.qkv_bias:
+            bias = [_Part(b.get(p + "attn_q.bias"), q_heads), _Part(b.get(p + "attn_k.bias"), k_heads),
+                    _Part(b.get(p + "attn_v.bias"))]
+        attn.qkv_proj = b.linear(qkv, [hq * hd, hkv * hd, hkv * hd], a.hidden_size, bias)
+        attn.o_proj = b.linear([_Part(b.get(p + "attn_output.weight"))], [a.hidden_size], hq * hd)
+        if a.qk_norm:
+            attn.q_norm.weight = nn.Parameter(b.float_tensor(p + "attn_q_norm.weight", (hd,)))
+            attn.k_norm.weight = nn.Parameter(b.float_tensor(p + "attn_k_norm.weight", (hd,)))
+        mlp.gate_up_proj = b.linear([_Part(b.get(p + "ffn_gate.weight")), _Part(b.get(p + "ffn_up.weight"))],
+                                    [a.intermediate_size] * 2, a.hidden_size)
+        mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [a.hidden_size], a.intermediate_size)
+    model.norm.weight = nn.Parameter(b.float_tensor("output_norm.weight", (a.hidden_size,)))
+
+    embed = b.get("token_embd.weight")
+    table = b.quantized_table(embed)
+    if table is not None:
+        model.embed_tokens = QuantizedEmbedding(table, dtype)
+        if a.tie_word_embeddings:
+            if isinstance(table, Int4Linear) and b.packed_for_cpu:
+                # The lookups read the portable nibbles; the logits matmul wants the CPU kernel's layout.
+                model.lm_head = b.linear([_Part(embed)], [a.vocab_size], a.hidden_size)
+                logger.info("tied %s embedding: a second int4 copy in the CPU kernel's layout for the logits",
+                            embed.tensor_type.name)
+            else:
+                model.lm_head = table  # one table for lookups and logits
+    else:
+        model.embed_tokens.weight = nn.Parameter(b.float_tensor("token_embd.weight", (a.vocab_size, a.hidden_size)))
+    if not a.tie_word_embeddings:
+        model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
+
+    if isinstance(model.lm_head, Int8GroupedLinear):
+        model.lm_head.float_output = True  # compute_logits wants float32 anyway
+    unused = sorted(set(b.tensors) - b.used)
+    if unused:
+        raise GGUFError(f"GGUF file has tensors this model does not use: {unused[:5]}")
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise GGUFError(f"not filled from the GGUF file: {left[:5]}")
+    if b.dequantized:
+        logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
+                       str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
+    logger.info("loaded %s: %s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())))
+    return model.eval().requires_grad_(False)
