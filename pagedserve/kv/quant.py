@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import KV_CACHE_DTYPES
-from pagedserve.planner.sizing import kv_bytes_per_token, kv_element_bytes
+from pagedserve.kv.sizing import kv_bytes_per_token, kv_element_bytes, kv_scale_bytes_per_token
 
 QUANTIZED_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
-SCALE_DTYPE = torch.float16
-SCALE_BYTES = 2
+SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest stored magnitude; fp8 is e4m3's finite max
 _MIN_SCALE = 1e-6  # an all-zero vector still gets a finite, float16-representable scale
 
@@ -47,11 +46,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
     """The real KV storage precision: ``auto`` resolves to the model dtype (e.g. ``bfloat16``)."""
     return str(model_dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
-
-
-def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
-    """Bytes of scales one token adds to a quantized cache: one per K and V vector, per layer."""
-    return 2 * num_layers * num_kv_heads * SCALE_BYTES
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Bytes per stored element for each KV precision (int4 packs two values in a byte).
-KV_ELEMENT_BYTES = {"float32": 4.0, "fp32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0,
-                    "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# The KV formula lives with the KV cache; the planner's API re-exports it.
+from pagedserve.kv.sizing import (  # noqa: F401
+    KV_ELEMENT_BYTES, SizingError, kv_bytes_per_token, kv_element_bytes, kv_scale_bytes_per_token,
+)
 
 # Bytes per weight for each weight precision; quantized ones also carry per-group scales.
 WEIGHT_ELEMENT_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0,
@@ -21,23 +22,6 @@ QUANTIZED = frozenset({"fp8", "int8", "int4"})
 # The precisions tables show, one row each (aliases left out).
 KV_PRECISIONS = ("bf16", "fp8", "int8", "int4")
 WEIGHT_PRECISIONS = ("bf16", "int8", "int4")
-
-
-class SizingError(ValueError):
-    """Inputs to a sizing formula that make no sense (negative memory, unknown precision, ...)."""
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
-    """KV cache bytes one token occupies: K and V, in every layer, for every KV head."""
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
-
-
-def kv_element_bytes(precision: str) -> float:
-    """Bytes per KV element for ``bf16``/``fp16``/``fp8``/``int8``/``int4`` (or ``fp32``)."""
-    try:
-        return KV_ELEMENT_BYTES[precision.lower()]
-    except KeyError:
-        raise SizingError(f"unknown KV precision {precision!r}; known: {', '.join(KV_ELEMENT_BYTES)}") from None
 
 
 def kv_bytes_per_request(bytes_per_token: float, context_len: int) -> float:

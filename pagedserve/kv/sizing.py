@@ -1,0 +1,35 @@
+"""KV bytes per token: the one formula the engine sizes its pool with and the planner quotes.
+
+Plain arithmetic, no torch: the planner imports it from here (sizing lives with the KV cache it
+describes; the planner depends on kv/, never the other way round).
+"""
+
+from __future__ import annotations
+
+# Bytes per stored element for each KV precision (int4 packs two values in a byte).
+KV_ELEMENT_BYTES = {"float32": 4.0, "fp32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0,
+                    "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# A quantized cache stores one float16 scale per K and per V vector.
+SCALE_BYTES = 2
+
+
+class SizingError(ValueError):
+    """Inputs to a sizing formula that make no sense (negative memory, unknown precision, ...)."""
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
+    """KV cache bytes one token occupies: K and V, in every layer, for every KV head."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def kv_element_bytes(precision: str) -> float:
+    """Bytes per KV element for ``bf16``/``fp16``/``fp8``/``int8``/``int4`` (or ``fp32``)."""
+    try:
+        return KV_ELEMENT_BYTES[precision.lower()]
+    except KeyError:
+        raise SizingError(f"unknown KV precision {precision!r}; known: {', '.join(KV_ELEMENT_BYTES)}") from None
+
+
+def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
+    """Bytes of scales one token adds to a quantized cache: one per K and V vector, per layer."""
+    return 2 * num_layers * num_kv_heads * SCALE_BYTES
