@@ -30,13 +30,13 @@ def add_parser(subparsers) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm import LLM
-    from pagedserve.models.standard import ensure_standard_model
+    from pagedserve.models.default import ensure_default_model
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("no prompts: pass --prompt or pipe prompts on stdin", file=sys.stderr)
         return 2
-    config = engine_config_from_args(args, model=args.model or str(ensure_standard_model("tiny")))
+    config = engine_config_from_args(args, model=args.model or str(ensure_default_model()))
     llm = LLM(**vars(config))
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
