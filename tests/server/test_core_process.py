@@ -156,3 +156,25 @@ def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits
                 pass
             time.sleep(0.05)
         assert proc.wait(timeout=30) == 1
+
+
+def test_the_default_model_answers_a_real_question(smollm2_gguf):
+    """`pagedserve serve` with no --model: SmolLM2-135M-Instruct knows the capital of France."""
+    import openai
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--log-level", "warning"]
+    with running_process(cmd, f"{url}/health", timeout_s=300):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+            question = [{"role": "user", "content": "What is the capital of France?"}]
+            answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                                    max_tokens=24, temperature=0)
+            assert "Paris" in answer.choices[0].message.content
+            chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                                    max_tokens=24, temperature=0, stream=True)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert streamed == answer.choices[0].message.content
+        assert wait_for_idle(url)["kv_blocks_used"] == 0
