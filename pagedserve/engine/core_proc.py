@@ -88,6 +88,7 @@ class CoreBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
     """The child process's entry point (spawned): build the core, report ready, serve until told to stop."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    _die_with_parent()
     parent = os.getppid()
     try:
         core = EngineCore(config)
@@ -99,6 +100,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     commands = ctx.socket(zmq.PULL)
     commands.connect(input_addr)
     results = ctx.socket(zmq.PUSH)
+    # A send blocks only while the server's queue is full; wake up every second to check that it
+    # still exists instead of blocking forever on a peer that is gone.
+    results.setsockopt(zmq.SNDTIMEO, 1000)
     results.connect(output_addr)
     ready.send(("ready", core.facts()))
     ready.close()
@@ -110,35 +114,70 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
         ctx.term()
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this process when the server process dies (even by SIGKILL)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent checks below still end an orphan within a second or two
+
+
+class _ParentGone(Exception):
+    pass
+
+
+def _send(results: zmq.Socket, frame: bytes, parent: int) -> None:
+    while True:
+        try:
+            results.send(frame, copy=False)
+            return
+        except zmq.Again:
+            if os.getppid() != parent:
+                raise _ParentGone() from None
+
+
 def _serve(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: int) -> None:
+    try:
+        _loop(core, commands, results, parent)
+    except _ParentGone:
+        logger.warning("the server process is gone: engine core exiting")
+
+
+def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: int) -> None:
     decoder = msgspec.msgpack.Decoder(list[Command])
     encoder = msgspec.msgpack.Encoder()
-    last_stats = 0.0
+    last_stats = last_parent_check = 0.0
     while True:
         batch = CoreBatch()
         received: list[bytes] = []
         if not core.has_unfinished_requests():
             if not commands.poll(_IDLE_POLL_MS):
                 if os.getppid() != parent:
-                    logger.warning("the server process is gone: engine core exiting")
-                    return
+                    raise _ParentGone()
                 continue
         while commands.poll(0):
             received.append(commands.recv(copy=False).bytes)
         for frame in received:
             for cmd in decoder.decode(frame):
                 if isinstance(cmd, Shutdown):
-                    results.send(encoder.encode(CoreBatch(stats=core.stats())))
+                    _send(results, encoder.encode(CoreBatch(stats=core.stats())), parent)
                     return
                 _apply(core, cmd, batch)
         if core.has_unfinished_requests():
             batch.outputs = core.step()
         now = time.monotonic()
+        if now - last_parent_check >= 1.0:  # busy for long: still someone to serve?
+            if os.getppid() != parent:
+                raise _ParentGone()
+            last_parent_check = now
         idle = not core.has_unfinished_requests()
         if idle or any(o.finished for o in batch.outputs) or now - last_stats >= STATS_INTERVAL_S:
             batch.stats, last_stats = core.stats(), now
         if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None:
-            results.send(encoder.encode(batch), copy=False)
+            _send(results, encoder.encode(batch), parent)
 
 
 def _apply(core: EngineCore, cmd: AddRequest | Abort, batch: CoreBatch) -> None:

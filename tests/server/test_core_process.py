@@ -178,3 +178,25 @@ def test_the_default_model_answers_a_real_question(smollm2_gguf):
             streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert streamed == answer.choices[0].message.content
         assert wait_for_idle(url)["kv_blocks_used"] == 0
+
+
+def test_the_core_does_not_outlive_a_killed_server(tiny_model_dir):
+    cmd, url = _serve(tiny_model_dir)
+    with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
+        core = _core_pid(proc.pid)
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json={
+                "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())  # the core is busy generating
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{core}").exists() and b"zombie" not in _state(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{core}").exists() or b"zombie" in _state(core), "orphaned engine core"
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/status").read_bytes().split(b"\n")[2].lower()  # "State:\tZ (zombie)"
+    except OSError:
+        return b"zombie"
