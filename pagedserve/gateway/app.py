@@ -35,7 +35,7 @@ from pagedserve.gateway.limiter_memory import MemoryLimiter
 from pagedserve.gateway.limiter_redis import RedisLimiter
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, prefix_key
-from pagedserve.gateway.responses import error_response, ratelimit_headers, retry_headers
+from pagedserve.gateway.responses import error_body, error_response, ratelimit_headers, retry_headers
 from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.tokens import count_prompt_tokens
 from pagedserve.streaming import ClosingStreamingResponse
@@ -262,9 +262,13 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
             f"{tier.max_queue_wait_s:g}s budget in every pool it may use. Please try again in {wait:.2f}s.",
             code="overloaded", headers=headers | retry_headers(wait))
 
+    # The whole wait before dispatch, the /tokenize call included, fits the time the tier's budget
+    # leaves for queueing (see allowance_s). A count cut short by it uses the byte bound; the seat
+    # wait below then has no time left: a free seat is taken at once, else 429 with a full refund.
+    deadline = t0 + route.allowance_s
     asked = gw.dispatcher.peek(route.pool, tier.priority)
     assert asked is not None  # _route found a healthy replica in this pool, and nothing awaited since
-    prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count)
+    prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count, deadline)
     cost = prompt_tokens + n * cap
     decision = await gw.admission.admit(tier, entry, cost)
     headers = ratelimit_headers(decision)
@@ -292,7 +296,6 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
 
     # Wait for a seat, until the time the tier's budget leaves for the queue (see allowance_s).
     pool = route.pool
-    deadline = t0 + route.allowance_s
     got = await gw.dispatcher.acquire(pool, tier.priority, n, tier.name, prefix_key(body, body["cache_salt"]),
                                       deadline, request.is_disconnected)
     if not isinstance(got, Seat):
@@ -397,6 +400,13 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
+def _error_code(content: bytes) -> Any:
+    """The ``code`` of an OpenAI error body, or None."""
+    body = _json_or_none(content.decode(errors="replace"))
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 def _usage_tokens(usage: Any) -> float | None:
     if isinstance(usage, dict) and "prompt_tokens" in usage:
         return float(usage.get("prompt_tokens") or 0) + float(usage.get("completion_tokens") or 0)
@@ -446,9 +456,10 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
             content = await upstream.aread()
             settle.first()
         except httpx.HTTPError as e:  # it answered, then broke off: it took the request, so the prompt is paid
+            LoadPoller.mark_down(route.replica, f"failed mid-response: {type(e).__name__}: {e}")
             await settle("failed", float(prompt_tokens))
-            return error_response(502, f"The replica failed mid-response ({type(e).__name__}).",
-                                  code="replica_error", headers=headers)
+            return error_response(502, f"The replica failed mid-response ({type(e).__name__}); retry.",
+                                  code="replica_error", headers=headers | retry_headers(1.0))
         except BaseException:  # cancelled mid-read
             with anyio.CancelScope(shield=True):
                 await settle("disconnected", float(prompt_tokens))
@@ -456,6 +467,10 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
+        if upstream.status_code == 503 and _error_code(content) == "engine_unavailable":
+            # Its engine is dead: out of routing now rather than at the next poll (which keeps it out
+            # while /load or /health answer 503). A 503 queue-full is load, not death: it stays.
+            LoadPoller.mark_down(route.replica, "its engine is unavailable (503 engine_unavailable)")
         actual = None
         if upstream.status_code == 200:
             try:
@@ -477,33 +492,46 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         outcome = "disconnected"
         skip_blank = False
         pending = ""
+        done = False  # the replica's own `data: [DONE]` came
+        errored = False  # the replica sent an error event (the engine ends a failed request so)
+        at_boundary = True  # what was relayed ends an event (a blank line), or nothing was relayed
+        broke: str | None = None  # why the upstream stream broke off, if it did
 
         def relay(lines: list[str]) -> bytes:
-            """The bytes to send on for these complete SSE lines; notes usage and counts chunks.
+            """The bytes to send on for these complete SSE lines; notes usage, errors and [DONE],
+            and counts chunks.
 
-            Only an event that carries a usage object is decoded: decoding every token's event
-            was the gateway's main cost per streamed token."""
-            nonlocal usage, chunks, skip_blank
+            Only an event that carries a usage object or an error is decoded: decoding every token's
+            event was the gateway's main cost per streamed token."""
+            nonlocal usage, chunks, skip_blank, done, errored, at_boundary
             out = []
             for line in lines:
                 line = line.removesuffix("\r")
                 if skip_blank and not line:
                     skip_blank = False
                     continue
-                if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                    event = _json_or_none(line[5:]) if _has_usage_object(line) else None
-                    u = _usage_tokens(event.get("usage")) if isinstance(event, dict) else None
-                    if u is not None:
-                        usage = u
-                        if not event.get("choices"):  # type: ignore[union-attr]
-                            if not client_wants_usage:
-                                skip_blank = True  # drop the usage-only event the client did not ask for
-                                continue
+                if line.startswith("data:"):
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                    elif data and '"error"' in line and isinstance(
+                            (err := _json_or_none(data)), dict) and isinstance(err.get("error"), dict):
+                        errored = True  # carries no token: not counted as a chunk
+                    elif data:
+                        event = _json_or_none(data) if _has_usage_object(line) else None
+                        u = _usage_tokens(event.get("usage")) if isinstance(event, dict) else None
+                        if u is not None:
+                            usage = u
+                            if not event.get("choices"):  # type: ignore[union-attr]
+                                if not client_wants_usage:
+                                    skip_blank = True  # drop the usage-only event the client did not ask for
+                                    continue
+                            else:
+                                chunks += 1
                         else:
                             chunks += 1
-                    else:
-                        chunks += 1
                 out.append(line + "\n")
+                at_boundary = not line
             return "".join(out).encode()
 
         try:
@@ -522,9 +550,20 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
                 data = relay([pending])
                 if data:
                     yield data
-            outcome = "usage" if usage is not None else "estimated"
+            if usage is not None:
+                outcome = "usage"
+            elif done and not errored:
+                outcome = "estimated"
+            else:  # the replica ended the request with an error, or closed the stream before [DONE]
+                outcome = "failed"
+                if not done:
+                    broke = "the replica closed the stream before its end ([DONE])"
         except httpx.HTTPError as e:
+            # A dropped connection (the replica's process died), a read timeout: a half-read line is
+            # dropped, and the replica leaves routing until a poll finds it up again.
             outcome = "failed"
+            broke = f"the connection to the replica broke ({type(e).__name__})"
+            LoadPoller.mark_down(route.replica, f"failed mid-stream: {type(e).__name__}: {e}")
             log.warning("replica %s failed mid-stream: %s", route.replica.url, e)
         finally:
             with anyio.CancelScope(shield=True):
@@ -533,6 +572,17 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
             # and not answered in full) and each chunk it streamed carried at least one token.
             actual = usage if usage is not None else float(prompt_tokens + chunks)
             await settle("usage" if usage is not None else outcome, actual)
+        if not done:
+            # Never a silent end: a client must be able to tell a truncated stream from a finished
+            # one. A stream that got its usage had finished generating (usage comes last) and only
+            # lacks [DONE]; otherwise an error event, unless the replica sent its own, then [DONE].
+            tail = "" if at_boundary else "\n"  # close an event the break left open
+            if usage is None and not errored:
+                log.warning("stream from %s ended before [DONE]: %s", route.replica.url, broke)
+                tail += "data: " + json.dumps(error_body(
+                    f"The response is incomplete: {broke}. Retry the request.", "server_error",
+                    code="replica_error")) + "\n\n"
+            yield (tail + "data: [DONE]\n\n").encode()
 
     body_iter = passthrough()
 

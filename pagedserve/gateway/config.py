@@ -20,6 +20,7 @@ Example (see ``examples/gateway.toml`` for every field)::
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -31,6 +32,76 @@ BUCKET_SCOPES = ("key", "tier")
 LIMITER_POLICIES = ("open", "closed")
 TOKEN_COUNTS = ("tokenize", "bytes")
 LOAD_SOURCES = ("auto", "pagedserve", "vllm", "none")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric setting must lie in: finite, from ``low`` (excluded when ``above``) to ``high``.
+
+    Every number in the file has one. A value that TOML accepts but the gateway cannot use (``inf``,
+    ``nan``, a negative rate, a bucket of 1e300 tokens) would otherwise pass the start and turn each
+    request of its tier into a 500, or poison the Redis script (its key expiry overflows)."""
+
+    low: float
+    high: float
+    integer: bool = False
+    above: bool = False
+    unit: str = ""
+
+    def holds(self, v: object) -> bool:
+        """Whether ``v`` is a number (an integer if required) within the bounds."""
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.integer and not isinstance(v, int)):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return (v > self.low if self.above else v >= self.low) and v <= self.high
+
+    def message(self, name: str, v: object) -> str:
+        """One line naming the setting, its bounds, what they count and the value found."""
+        kind = "an integer" if self.integer else "a number"
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{name} must be {kind} {'>' if self.above else '>='} {_fmt(self.low)} and <= {_fmt(self.high)}" \
+               f"{unit}, got {v!r}"
+
+
+def _fmt(x: float) -> str:
+    """``1e9`` rather than ``1000000000.0``; exact integers as they are."""
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:g}".replace("e+0", "e").replace("e+", "e")
+
+
+# The bounds of every numeric setting. Upper bounds are far beyond any real deployment, so they
+# only stop typos and hostile files; where a value feeds arithmetic (a bucket's refill time, a
+# Redis key's expiry, a header) they keep it finite and exact.
+GATEWAY_BOUNDS = {
+    "port": Bound(0, 65535, integer=True, unit="a TCP port"),
+    "redis_timeout_s": Bound(0, 60, above=True, unit="seconds per Redis call"),
+    "redis_breaker_reset_s": Bound(0, 3600, above=True, unit="seconds"),
+    "load_poll_interval_s": Bound(0.01, 3600, unit="seconds; shorter would busy-poll the replicas"),
+    "request_timeout_s": Bound(0, 86400, above=True, unit="seconds"),
+    "connect_timeout_s": Bound(0, 600, above=True, unit="seconds"),
+    "affinity_slack_s": Bound(0, 3600, unit="seconds"),
+    "default_service_s": Bound(0, 3600, above=True, unit="seconds"),
+}
+TIER_BOUNDS = {
+    "token_rate": Bound(0, 1e9, above=True, unit="LLM tokens per second"),
+    "token_burst": Bound(1, 1e12, unit="bucket size in tokens"),
+    "request_rate": Bound(0, 1e6, above=True, unit="requests per second"),
+    "request_burst": Bound(1, 1e9, unit="bucket size in requests"),
+    # What the engine server accepts (a signed 32-bit integer, as vLLM): beyond it every request would be a 400.
+    "priority": Bound(-(2**31), 2**31 - 1, integer=True, unit="lower is served sooner"),
+    "max_queue_wait_s": Bound(0, 3600, above=True, unit="seconds"),
+    "default_max_tokens": Bound(1, 10**9, integer=True, unit="tokens"),
+}
+POOL_BOUNDS = {
+    # Below the 1e6 the seat arithmetic uses for "unknown" (seats._finite).
+    "seats": Bound(1, 100_000, integer=True, unit="each replica's max_num_seqs"),
+    "reserved_seats": Bound(0, 100_000, integer=True, unit="seats per replica kept for the best tier"),
+}
+# A bucket must refill within this (about 31 years): its Redis key expires when it would be full
+# again, and a longer expiry overflows Redis's millisecond clock.
+MAX_REFILL_S = 1e9
 
 
 class ConfigError(ValueError):
@@ -181,6 +252,8 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     for k in doc:
         if k not in known_top:
             raise fail(f"unknown section [{k}] (expected one of {sorted(known_top)})", (k,))
+        if not isinstance(doc[k], dict):
+            raise fail(f"{k} must be a table ([{k}] ...)", (), k)
 
     gw_raw = doc.get("gateway", {})
     gw_fields = {f.name for f in fields(GatewayConfig)} - {"pools", "tiers", "keys"}
@@ -206,13 +279,13 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
             raise fail(f"pools.{name}.load_source must be one of {LOAD_SOURCES}, got {raw['load_source']!r}",
                        ("pools", name), "load_source")
         seats = raw.get("seats")
-        if seats is not None and not (_int(seats) and seats >= 1):
-            raise fail(f"pools.{name}.seats must be an integer >= 1 (each replica's max_num_seqs)",
-                       ("pools", name), "seats")
         reserved = raw.get("reserved_seats", 0)
-        if not (_int(reserved) and reserved >= 0) or (seats is not None and reserved >= seats):
-            raise fail(f"pools.{name}.reserved_seats must be an integer >= 0 and below seats",
-                       ("pools", name), "reserved_seats")
+        for k, v in (("seats", seats), ("reserved_seats", reserved)):
+            if v is not None and not POOL_BOUNDS[k].holds(v):
+                raise fail(POOL_BOUNDS[k].message(f"pools.{name}.{k}", v), ("pools", name), k)
+        if seats is not None and reserved >= seats:
+            raise fail(f"pools.{name}.reserved_seats must be an integer >= 0 and below seats ({seats}), "
+                       f"got {reserved}", ("pools", name), "reserved_seats")
         pools[name] = PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None,
                                  raw.get("load_source", "auto"), seats, reserved)
     if not pools:
@@ -249,8 +322,10 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     seen: set[bytes] = set()
     for i, (key, raw) in enumerate(doc.get("keys", {}).items()):
         spec = {"tier": raw} if isinstance(raw, str) else raw
-        if not isinstance(spec, dict) or not isinstance(spec.get("tier"), str) or set(spec) - {"tier", "name"}:
-            raise fail("a key maps to a tier name or to { tier = \"...\", name = \"...\" }", ("keys",), key)
+        if (not isinstance(spec, dict) or not isinstance(spec.get("tier"), str) or set(spec) - {"tier", "name"}
+                or not isinstance(spec.get("name", ""), str)):
+            raise fail("a key maps to a tier name or to { tier = \"...\", name = \"...\" } (both strings)",
+                       ("keys",), key)
         if spec["tier"] not in tiers:
             raise fail(f"key entry #{i + 1} names unknown tier {spec['tier']!r}", ("keys",), key)
         if key.startswith("sha256:"):  # a digest in the file keeps the secret itself out of it
@@ -273,54 +348,36 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         cfg = GatewayConfig(pools=pools, tiers=tiers, keys=keys, **gw_raw)
     except TypeError as e:
         raise fail(str(e), ("gateway",)) from e
-    for k, ok, msg in (
-        ("token_count", cfg.token_count in TOKEN_COUNTS, f"must be one of {TOKEN_COUNTS}"),
-        ("redis_timeout_s", _pos(cfg.redis_timeout_s), "must be a number > 0"),
-        ("redis_breaker_reset_s", _pos(cfg.redis_breaker_reset_s), "must be a number > 0"),
-        ("load_poll_interval_s", _pos(cfg.load_poll_interval_s), "must be a number > 0"),
-        ("request_timeout_s", _pos(cfg.request_timeout_s), "must be a number > 0"),
-        ("connect_timeout_s", _pos(cfg.connect_timeout_s), "must be a number > 0"),
-        ("default_service_s", _pos(cfg.default_service_s), "must be a number > 0"),
-        ("affinity_slack_s", _num(cfg.affinity_slack_s) and cfg.affinity_slack_s >= 0, "must be >= 0"),
-        ("port", isinstance(cfg.port, int) and 0 <= cfg.port < 65536, "must be a TCP port"),
-    ):
-        if not ok:
-            raise fail(f"gateway.{k} {msg}", ("gateway",), k)
+    for k, bound in GATEWAY_BOUNDS.items():
+        if not bound.holds(getattr(cfg, k)):
+            raise fail(bound.message(f"gateway.{k}", getattr(cfg, k)), ("gateway",), k)
+    for k in ("host", "redis_url"):
+        v = getattr(cfg, k)
+        if not (isinstance(v, str) and v) and not (k == "redis_url" and v is None):
+            raise fail(f"gateway.{k} must be a non-empty string, got {v!r}", ("gateway",), k)
+    if cfg.token_count not in TOKEN_COUNTS:
+        raise fail(f"gateway.token_count must be one of {TOKEN_COUNTS}, got {cfg.token_count!r}",
+                   ("gateway",), "token_count")
     return cfg
 
 
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _pos(v: object) -> bool:
-    return _num(v) and v > 0  # type: ignore[operator]
-
-
 def _check_tier(t: TierConfig, pools: dict[str, PoolConfig], fail: Any) -> None:
-    if not _pos(t.token_rate):
-        raise fail(f"tiers.{t.name}.token_rate must be a number > 0 (LLM tokens per second)", "token_rate")
-    if not _pos(t.token_burst):
-        raise fail(f"tiers.{t.name}.token_burst must be a number > 0 (bucket size in tokens)", "token_burst")
     if (t.request_rate is None) != (t.request_burst is None):
         raise fail(f"tiers.{t.name}: give request_rate and request_burst together", "request_rate")
-    if t.request_rate is not None and not (_pos(t.request_rate) and _pos(t.request_burst)):
-        raise fail(f"tiers.{t.name}.request_rate/request_burst must be numbers > 0", "request_rate")
-    if not isinstance(t.pools, list) or not t.pools:
+    for k, bound in TIER_BOUNDS.items():
+        v = getattr(t, k)
+        if not (v is None and k.startswith("request_")) and not bound.holds(v):
+            raise fail(bound.message(f"tiers.{t.name}.{k}", v), k)
+    for kind in ("token", "request"):
+        rate, burst = getattr(t, f"{kind}_rate"), getattr(t, f"{kind}_burst")
+        if rate is not None and burst / rate > MAX_REFILL_S:
+            raise fail(f"tiers.{t.name}.{kind}_rate is too small for its {kind}_burst: the bucket would take "
+                       f"{_fmt(burst / rate)}s to refill (at most {_fmt(MAX_REFILL_S)}s)", f"{kind}_rate")
+    if not isinstance(t.pools, list) or not t.pools or not all(isinstance(p, str) for p in t.pools):
         raise fail(f"tiers.{t.name}.pools must be a non-empty list of pool names", "pools")
     for p in t.pools:
         if p not in pools:
             raise fail(f"tiers.{t.name}.pools names unknown pool {p!r} (known: {sorted(pools)})", "pools")
-    if not _int(t.priority):
-        raise fail(f"tiers.{t.name}.priority must be an integer (lower is served sooner)", "priority")
-    if not _pos(t.max_queue_wait_s):
-        raise fail(f"tiers.{t.name}.max_queue_wait_s must be a number > 0", "max_queue_wait_s")
-    if not _int(t.default_max_tokens) or t.default_max_tokens < 1:
-        raise fail(f"tiers.{t.name}.default_max_tokens must be an integer >= 1", "default_max_tokens")
     if t.default_max_tokens > t.token_burst:
         raise fail(f"tiers.{t.name}.default_max_tokens exceeds token_burst: no request could ever pass",
                    "default_max_tokens")

@@ -57,10 +57,12 @@ class ReplicaLoad:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReplicaLoad":
-        """Parse a ``/load`` body; missing optional figures default to 0."""
-        return cls(int(d["running"]), int(d["waiting"]), max(1, int(d["max_num_seqs"])),
-                   float(d.get("est_queue_wait_s", 0.0)), float(d.get("kv_utilization", 0.0)),
-                   float(d.get("tokens_per_s", 0.0)))
+        """Parse a ``/load`` body; missing optional figures default to 0. A figure that is not a finite
+        number >= 0 raises ValueError: the poll fails and the replica is out of routing (its answers
+        feed the wait estimates, where an ``inf`` or ``nan`` would make every comparison meaningless)."""
+        return cls(_figure(d["running"], int), _figure(d["waiting"], int), max(1, _figure(d["max_num_seqs"], int)),
+                   _figure(d.get("est_queue_wait_s", 0.0)), _figure(d.get("kv_utilization", 0.0)),
+                   _figure(d.get("tokens_per_s", 0.0)))
 
     @classmethod
     def from_vllm_metrics(cls, text: str) -> "ReplicaLoad | None":
@@ -76,7 +78,18 @@ class ReplicaLoad:
                     found[name] = found.get(name, 0.0) + float(value)
         if not found:
             return None
-        return cls(int(found.get(VLLM_RUNNING, 0)), int(found.get(VLLM_WAITING, 0)), None)
+        return cls(_figure(found.get(VLLM_RUNNING, 0), int), _figure(found.get(VLLM_WAITING, 0), int), None)
+
+
+# No replica runs, queues or waits more than this; a larger figure is garbage, not load.
+_MAX_FIGURE = 1e9
+
+
+def _figure(v: Any, kind: type = float) -> Any:
+    """``v`` as a number of ``kind`` (``int`` or ``float``) in [0, 1e9], else ValueError (nan included)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _MAX_FIGURE:
+        raise ValueError(f"a load figure must be a number from 0 to {_MAX_FIGURE:g}, got {repr(v)[:40]}")
+    return kind(v)
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -115,3 +115,67 @@ def test_a_replica_in_two_pools_has_one_shape() -> None:
     keyed = GOOD.replace('[tiers.paid]', '[pools.other]\nreplicas = ["http://127.0.0.1:8002"]\napi_key = "k"\n\n[tiers.paid]')
     with pytest.raises(ConfigError, match="different load_source, seats or api_key"):
         parse_config(keyed)
+
+
+@pytest.mark.parametrize("change, line, words", [
+    # Values TOML accepts and the gateway cannot use: each used to pass and break every request.
+    (("token_rate = 10\n", "token_rate = inf\n"), 15, "tiers.free.token_rate must be a number > 0 and <= 1e9"),
+    (("token_rate = 10\n", "token_rate = nan\n"), 15, "got nan"),
+    (("token_rate = 10\n", "token_rate = -inf\n"), 15, "got -inf"),
+    (("token_rate = 10\n", "token_rate = 1e10\n"), 15, "token_rate must be a number > 0 and <= 1e9"),
+    (("token_rate = 10\n", "token_rate = true\n"), 15, "got True"),
+    (("token_burst = 500", "token_burst = inf"), 16, "tiers.free.token_burst must be a number >= 1 and <= 1e12"),
+    (("token_burst = 500", "token_burst = 1e300"), 16, "token_burst must be"),
+    (("token_burst = 500", "token_burst = 0.5"), 16, "token_burst must be a number >= 1"),
+    (("token_rate = 10\n", "token_rate = 1e-9\n"), 15, "token_rate is too small for its token_burst"),
+    (("priority = 5", "priority = 5\nrequest_rate = inf\nrequest_burst = 5"), 19, "request_rate must be a number > 0"),
+    (("priority = 5", "priority = 5\nrequest_rate = 1\nrequest_burst = nan"), 20, "request_burst must be a number >= 1"),
+    (("priority = 5", "priority = 5\nrequest_rate = 1\nrequest_burst = 0.5"), 20, "request_burst must be a number >= 1"),
+    (("priority = 5", "priority = 5\nrequest_rate = 1e-9\nrequest_burst = 10"), 19, "request_rate is too small"),
+    (("priority = 5", "priority = 1e3"), 18, "tiers.free.priority must be an integer >= -2147483648"),
+    (("priority = 5", "priority = 2147483648"), 18, "priority must be an integer"),
+    (("max_queue_wait_s = 1.0", "max_queue_wait_s = inf"), 12, "tiers.paid.max_queue_wait_s must be a number > 0"),
+    (("max_queue_wait_s = 1.0", "max_queue_wait_s = 0"), 12, "max_queue_wait_s must be a number > 0"),
+    (("priority = 5", "priority = 5\ndefault_max_tokens = 2.5"), 19, "default_max_tokens must be an integer >= 1"),
+    (("port = 9000", "port = 70000"), 2, "gateway.port must be an integer >= 0 and <= 65535"),
+    (("port = 9000", "port = true"), 2, "gateway.port must be an integer"),
+    (("port = 9000", "port = 9000\nload_poll_interval_s = 0.0001"), 3, "load_poll_interval_s must be a number >= 0.01"),
+    (("port = 9000", "port = 9000\nredis_timeout_s = inf"), 3, "gateway.redis_timeout_s must be a number > 0"),
+    (("port = 9000", "port = 9000\nredis_breaker_reset_s = nan"), 3, "redis_breaker_reset_s must be"),
+    (("port = 9000", "port = 9000\nrequest_timeout_s = -1"), 3, "request_timeout_s must be a number > 0"),
+    (("port = 9000", "port = 9000\nconnect_timeout_s = 1e9"), 3, "connect_timeout_s must be a number > 0 and <= 600"),
+    (("port = 9000", "port = 9000\naffinity_slack_s = -0.1"), 3, "affinity_slack_s must be a number >= 0"),
+    (("port = 9000", "port = 9000\ndefault_service_s = inf"), 3, "default_service_s must be a number > 0"),
+    (("port = 9000", "port = 9000\nhost = 5"), 3, "gateway.host must be a non-empty string"),
+    (("port = 9000", "port = 9000\nredis_url = 1"), 3, "gateway.redis_url must be a non-empty string"),
+    (("replicas = [\"http://127.0.0.1:8002\"]", "replicas = [\"http://127.0.0.1:8002\"]\nseats = inf"), 6,
+     "pools.shared.seats must be an integer >= 1 and <= 100000"),
+    (("replicas = [\"http://127.0.0.1:8002\"]", "replicas = [\"http://127.0.0.1:8002\"]\nseats = 10000000"), 6,
+     "seats must be an integer"),
+    (("pools = [\"shared\"]\npriority = 5", "pools = [{}]\npriority = 5"), 17, "pools must be a non-empty list of pool names"),
+    (("\"sk-free\" = \"free\"", "\"sk-free\" = { tier = \"free\", name = 3 }"), 22, "both strings"),
+])
+def test_every_number_is_bounded(change: tuple[str, str], line: int, words: str) -> None:
+    """Every numeric setting has bounds; a value outside is one line naming the setting, its line,
+    its bounds and the value (never a traceback, never a gateway that answers 500)."""
+    text = GOOD.replace(*change)
+    assert text != GOOD
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, path="gw.toml")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"gw.toml:{line}: "), message
+    assert words in message, message
+
+
+@pytest.mark.parametrize("section", ["keys = 5", "tiers = \"x\"", "pools = []", "gateway = 1"])
+def test_a_section_that_is_not_a_table(section: str) -> None:
+    with pytest.raises(ConfigError, match=r"^gw.toml:1: \w+ must be a table"):
+        parse_config(section + "\n", path="gw.toml")
+
+
+def test_bounds_allow_what_deployments_use() -> None:
+    """The bench's huge buckets (W6: 1e7 tokens/s) and the tests' near-zero refills still load."""
+    cfg = parse_config(GOOD.replace("token_rate = 100\n", "token_rate = 10000000\n")
+                       .replace("token_burst = 1000\n", "token_burst = 10000000\n")
+                       .replace("token_rate = 10\n", "token_rate = 0.001\n"))
+    assert cfg.tiers["paid"].token_rate == 1e7 and cfg.tiers["free"].token_rate == 0.001
