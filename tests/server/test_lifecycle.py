@@ -1,4 +1,5 @@
-"""A second server with the special flags: no --model (the random-weight default), --api-key,
+"""A second server with the special flags: no --model with --default-model tiny (the random-weight
+test model), --api-key,
 a one-seat engine with a one-request waiting queue (503 + Retry-After), and graceful shutdown."""
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ class Guarded:
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir) -> Iterator[Guarded]:  # type: ignore[no-untyped-def]
-    """``pagedserve serve`` without --model (the built-in tiny model, already built by tiny_model_dir)."""
+    """``pagedserve serve --default-model tiny`` without --model (the built-in tiny model, already built
+    by tiny_model_dir)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--api-key", KEY,
+        cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--default-model", "tiny", "--api-key", KEY,
                "--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "1", "--num-kv-blocks", "512",
                "--log-level", "info"]
         url = f"http://127.0.0.1:{port}"
