@@ -76,7 +76,7 @@ class RequestFailed(errors.PagedServeError):
 
 @dataclass
 class LoadReport:
-    """The engine's load as the gateway sees it (``GET /load``)."""
+    """The engine's load as the gateway sees it: ``GET /load``'s body and schema, defined here once."""
 
     running: int
     waiting: int
@@ -87,6 +87,7 @@ class LoadReport:
     kv_utilization: float
     tokens_per_s: float
     est_queue_wait_s: float
+    model: str = ""  # the name the server serves it under (the server fills it in)
 
 
 _END = object()  # put on a stream's queue when its request was aborted

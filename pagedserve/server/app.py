@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedserve.engine.client import EngineClient
+from pagedserve.engine.client import EngineClient, LoadReport
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import error_response, install_error_handlers
@@ -105,17 +105,15 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         """Prometheus exposition text; every name starts with ``pagedserve:``."""
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/load", response_model=p.LoadResponse, responses={503: {"model": p.ErrorResponse}})
+    @app.get("/load", response_model=LoadReport, responses={503: {"model": p.ErrorResponse}})
     async def load(request: Request) -> Response:
         """Running/waiting requests, KV blocks, tokens/s and the estimated queue wait (for the gateway);
         503 when the engine is not running, so a gateway stops routing here at once."""
         if not client.is_running:
             return _engine_unavailable()
         report = client.load()
-        fields = dataclasses.asdict(report)
-        fields["tokens_per_s"] = round(report.tokens_per_s, 3)
-        fields["est_queue_wait_s"] = round(report.est_queue_wait_s, 3)
-        return p.LoadResponse(model=model_name, **fields)
+        return dataclasses.replace(report, model=model_name, tokens_per_s=round(report.tokens_per_s, 3),
+                                   est_queue_wait_s=round(report.est_queue_wait_s, 3))
 
     return app
 

@@ -359,21 +359,6 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class LoadResponse(BaseModel):
-    """``GET /load``: what the gateway reads to route and shed."""
-
-    model: str
-    running: int
-    waiting: int
-    max_num_seqs: int
-    kv_blocks_used: int
-    kv_blocks_cached: int
-    kv_blocks_total: int
-    kv_utilization: float
-    tokens_per_s: float
-    est_queue_wait_s: float
-
-
 class ErrorInfo(BaseModel):
     """The fields of OpenAI's error object."""
 
