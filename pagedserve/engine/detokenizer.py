@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Tokens of prompt context decoded with the output, so tokenizers that drop a leading space at
 # the start of a decode (SentencePiece) still produce the right first word.

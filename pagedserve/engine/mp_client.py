@@ -115,8 +115,12 @@ class MPEngineClient(StreamingClient):
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
         self._admissions: dict[str, asyncio.Future[None]] = {}
-        self._stats = EngineStats(0, 0, core.facts.max_num_seqs, core.facts.max_model_len, core.facts.block_size,
-                                  core.facts.num_kv_blocks, 0, 0, 0, 0, 0, 0, 0, 0, core.facts.kv_bytes_per_token, 0)
+        f = core.facts  # an idle pool until the core's first stats arrive
+        self._stats = EngineStats(
+            num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
+            block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
+            kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
+            prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutting_down = False
