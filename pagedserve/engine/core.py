@@ -56,6 +56,7 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" (EOS or a stop token), "length"; None while running
     stop_reason: int | None = None  # the stop token id that ended it
+    cumulative_logprob: float | None = None  # the running sum after this delta's tokens
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -256,6 +257,7 @@ class EngineCore:
         seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=gen)
         if req.params.logprobs is not None:
             seq.logprobs = []
+            seq.cumulative_logprob = 0.0
         return seq
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
@@ -461,6 +463,7 @@ class EngineCore:
         self.num_generated_tokens += 1  # counted here, streamed or not (stream_interval, aborts)
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
         p = seq.request.params
         reason: tuple[str, int | None] | None = None
         if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
@@ -485,7 +488,8 @@ class EngineCore:
                 lps = seq.logprobs[seq.sent_logprob_len:]
                 seq.sent_logprob_len = len(seq.logprobs)
             seq.sent_token_len += len(new)
-            deltas.append(SeqDelta(seq.index, new, lps, seq.finish_reason, seq.stop_reason))
+            deltas.append(SeqDelta(seq.index, new, lps, seq.finish_reason, seq.stop_reason,
+                                   seq.cumulative_logprob))
         return CoreOutput(req.request_id, deltas, finished, req.num_cached_tokens, req.metrics)
 
     # ---- reporting -----------------------------------------------------------------------

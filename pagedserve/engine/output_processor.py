@@ -24,6 +24,7 @@ class _Completion:
     text: TextState
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
     sent_logprob_len: int = 0
@@ -84,6 +85,8 @@ class OutputProcessor:
                     completion = state.completions[delta.index] = self._new_completion(state, delta.index)
                 if completion.finish_reason is not None:
                     continue
+                if delta.cumulative_logprob is not None:
+                    completion.cumulative_logprob = delta.cumulative_logprob
                 if self._apply(state, completion, delta.token_ids, delta.logprobs):
                     result.finish_in_core.append((state.request_id, delta.index))
                 elif delta.finish_reason is not None:
@@ -119,6 +122,9 @@ class OutputProcessor:
                 keep = idx + (len(stop) if state.params.include_stop_str_in_output else 0)
                 completion.text.output_text = completion.text.output_text[:keep]
                 completion.finish_reason, completion.stop_reason = "stop", stop
+                if completion.cumulative_logprob is not None and logprobs:
+                    # The core summed this delta's tokens past the stop too; they are dropped here.
+                    completion.cumulative_logprob -= sum(lp.logprob for lp in logprobs[i + 1:])
                 return True
         return False
 
@@ -137,7 +143,7 @@ class OutputProcessor:
                 delta_text=text[completion.sent_text_len:visible],
                 delta_token_ids=completion.token_ids[completion.sent_token_len:],
                 logprobs=completion.logprobs, delta_logprobs=delta_lp,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
             completion.sent_text_len, completion.sent_token_len = visible, len(completion.token_ids)
         return RequestOutput(state.request_id, state.prompt_token_ids, outputs, finished, num_cached_tokens,
                              metrics, state.prompt)

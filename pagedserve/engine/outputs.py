@@ -25,6 +25,9 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     delta_logprobs: list[TokenLogprob] | None = None
+    # Sum of ``logprobs[i].logprob`` over the tokens so far (the model's raw distribution, as
+    # vLLM's default logprobs mode); None when logprobs were not requested, as in vLLM.
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 

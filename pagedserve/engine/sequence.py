@@ -63,6 +63,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # Sum of the sampled tokens' logprobs (the same values ``logprobs`` holds), kept as the tokens
+    # come so no one re-adds a long list; None when logprobs were not asked for, as in vLLM.
+    cumulative_logprob: float | None = None
     num_preemptions: int = 0
     # How much of the output has gone out in a CoreOutput already (tokens, logprobs, the finish).
     sent_token_len: int = 0
