@@ -1,12 +1,16 @@
-"""Shared fixtures: the standard `tiny` checkpoint, per-architecture parity checkpoints, leak checks."""
+"""Shared fixtures: the standard `tiny` checkpoint, per-architecture parity checkpoints, one real server
+(tiny model) for the server and bench tests, leak checks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.checkpoints import build_checkpoint
+from tests.helpers.servers import run_engine_server, wait_for_idle
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +53,33 @@ def smollm2_gguf() -> Path:
         return ensure_default_model()
     except RuntimeError as e:
         pytest.skip(f"default model unavailable: {e}")
+
+
+# Small enough that "longer than the context" is cheap to send, big enough for real prompts.
+MAX_MODEL_LEN = 256
+SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512",
+                      "--max-body-bytes", "256KiB", "--log-level", "warning")
+
+
+@pytest.fixture(scope="session")
+def server_url(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """Base URL of the shared server (tiny random-weight model)."""
+    with run_engine_server(tiny_model_dir, *SHARED_SERVER_ARGS, timeout=120) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def model_name(server_url: str) -> str:
+    """The name the shared server serves its model under."""
+    return httpx.get(f"{server_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that talked to the shared server must leave it with 0 KV blocks used."""
+    yield
+    if "server_url" in request.fixturenames:
+        url = request.getfixturevalue("server_url")
+        load = wait_for_idle(url)
+        assert load["kv_blocks_used"] == 0, f"KV blocks leaked after {request.node.name}: {load}"
+        assert load["running"] == 0 and load["waiting"] == 0, load

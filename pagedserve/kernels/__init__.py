@@ -89,12 +89,17 @@ def _build() -> object:
     with open(build_dir / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        if not (build_dir / f"{name}.so").exists():
+        library = build_dir / f"{name}.so"
+        if library.exists():
+            # The directory's key covers every input, so a library there is this build: load it as it
+            # is. (Going through cpp_extension.load again would let ninja rebuild it whenever the
+            # sources sit at another path, e.g. a second checkout, overwriting a library in use.)
+            torch.ops.load_library(str(library))
+        else:
             log.info("compiling the native kernels into %s (once per machine, ~30 s)", build_dir)
-        # Loads the library into this process (registering torch.ops.pagedserve.*); rebuilds only
-        # if the source changed.
-        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+            # Compiles and loads the library into this process (registering torch.ops.pagedserve.*).
+            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
     log.info("native kernels ready in %.1f s", time.monotonic() - t0)
     return torch.ops.pagedserve
 

@@ -1,5 +1,5 @@
-"""The native layer kernels (RMSNorm + residual, rotary, SiLU-and-multiply) against the torch code
-they replace: bit-identical in bf16, within float rounding in float32, and the whole model too."""
+"""The native layer kernels (RMSNorm + residual, rotary, SiLU-and-multiply, causal softmax) against the
+torch code they replace: bit-identical in bf16, within float rounding in float32, and the whole model too."""
 
 from __future__ import annotations
 
@@ -96,3 +96,15 @@ def test_whole_model_same_with_native_ops(dtype):
         model.use_native_ops(OPS)
         got = model.compute_logits(model(ids, positions, caches, meta))
     assert _same(got, want)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (7, 7), (5, 30), (33, 40)])
+def test_native_causal_softmax_matches_masked_softmax(dtype, atol, q_len, ctx):
+    scores = torch.randn(3, 2, q_len, ctx).to(dtype)
+    future = torch.arange(ctx)[None] > torch.arange(ctx - q_len, ctx)[:, None]
+    want = scores.masked_fill(future, float("-inf")).softmax(-1)
+    got = scores.clone()
+    OPS.causal_softmax_(got, q_len)
+    assert torch.allclose(got.float(), want.float(), atol=atol)
+    assert torch.all(got[..., future] == 0)

@@ -1,0 +1,57 @@
+"""Random paged attention inputs shared by the attention-backend and native-kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kv.cache import HeadMajorKVCache
+from pagedserve.kv.quant import QuantizedKVCache
+from pagedserve.models.attention import AttentionMetadata
+
+
+def paged_batch(decode_ctx, prefills, block_size=4, kvh=2, heads=6, hd=8, dtype=torch.float32, seed=0):
+    """Random caches and a batch of decodes (context lengths) and prompt chunks (q_len, ctx_len)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 96
+    k_cache = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-contiguous blocks
+    tables = []
+    for ctx in list(decode_ctx) + [c for _, c in prefills]:
+        n = -(-ctx // block_size)
+        tables.append(torch.tensor([perm.pop() for _ in range(n)]))
+    d = len(decode_ctx)
+    width = max(len(t) for t in tables[:d]) if d else 0
+    dt = torch.zeros(d, width, dtype=torch.long)
+    for i in range(d):
+        dt[i, :len(tables[i])] = tables[i]
+    ctx = torch.tensor(decode_ctx, dtype=torch.long)
+    mask = (torch.arange(width * block_size)[None] < ctx[:, None])[:, None, None, :] if d else None
+    pre, start = [], d
+    for (q_len, c), table in zip(prefills, tables[d:]):
+        pre.append((start, q_len, c, table))
+        start += q_len
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), d, dt, ctx, mask, pre)
+    q = torch.randn(start, heads, hd, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def head_major(cache: torch.Tensor) -> HeadMajorKVCache:
+    """The same blocks as an engine pool (stored ``[kv_heads, blocks, block_size, head_dim]``)."""
+    nb, bs, kvh, hd = cache.shape
+    pool = HeadMajorKVCache(nb, bs, kvh, hd, cache.dtype, torch.device("cpu"))
+    pool.data.copy_(cache.permute(2, 0, 1, 3))
+    return pool
+
+
+def quantized(cache: torch.Tensor, kind: str) -> QuantizedKVCache:
+    """The same blocks quantized into an engine pool, through its own write path."""
+    nb, bs, kvh, hd = cache.shape
+    pool = QuantizedKVCache.allocate(nb, bs, kvh, hd, kind, cache.dtype, torch.device("cpu"))
+    pool.write(torch.arange(nb * bs), cache.flatten(0, 1))
+    return pool
+
+
+def in_float32(pool: QuantizedKVCache) -> QuantizedKVCache:
+    """The same stored bits and scales, dequantized to float32 when gathered."""
+    return QuantizedKVCache(pool.data, pool.scales, pool.kv_cache_dtype, torch.float32, pool.head_dim)
