@@ -21,11 +21,25 @@ PARTS = [
 ]
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject's), so it is never kept in two places."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from pagedserve import __version__
+
+        return f"{__version__}+source"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
         description="LLM serving with a paged KV cache: an engine, an OpenAI-compatible server, a tiered "
                     "gateway, a capacity planner and benchmarks.")
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}",
+                        help="print the installed pagedserve version and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

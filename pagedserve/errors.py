@@ -48,3 +48,16 @@ class DuplicateRequestId(InvalidRequest):
     """``add_request`` was given an id that is still live."""
 
     code = "duplicate_request_id"
+
+
+def startup_error_line(exc: BaseException) -> str:
+    """One line for a failure to build the engine, for ``serve`` and ``generate`` alike.
+
+    A bad path, flag or budget (``OSError``, ``ValueError``: the loader's and the config's own
+    errors, whose messages name the fix) is shown as its message alone; anything else also names
+    its type, since that is what a bug report needs.
+    """
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, (ValueError, OSError)) and message:
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -93,8 +93,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     try:
         core = EngineCore(config)
     except Exception as exc:  # a bad model path, a budget that holds no block, ...: one line for the user
-        ready.send(("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
-                    else str(exc)))
+        ready.send(("error", errors.startup_error_line(exc)))
         raise SystemExit(2) from None
     ctx = zmq.Context(io_threads=1)
     commands = ctx.socket(zmq.PULL)

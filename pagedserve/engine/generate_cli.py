@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.errors import PagedServeError, startup_error_line
+
+logger = logging.getLogger("pagedserve.generate")
 
 
 def add_parser(subparsers) -> None:
@@ -36,11 +40,24 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("no prompts: pass --prompt or pipe prompts on stdin", file=sys.stderr)
         return 2
-    config = engine_config_from_args(args, model=args.model or str(ensure_default_model()))
-    llm = LLM(**vars(config))
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+    # A wrong --model, an unsupported architecture, a KV budget that holds no block, a
+    # --max-model-len past the model's: one line, as `serve` says it (the same wording), not a traceback.
+    try:
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        config = engine_config_from_args(args, model=args.model or str(ensure_default_model()))
+        llm = LLM(**vars(config))
+    except Exception as exc:  # noqa: BLE001 - every startup failure gets its one line; --log-level DEBUG: the trace
+        logger.debug("engine start-up failed", exc_info=True)
+        logger.error("cannot start: %s", startup_error_line(exc))
+        return 2
+    try:
+        outputs = llm.generate(prompts, params)
+    except PagedServeError as exc:  # a prompt too long for the model or the pool
+        logger.error("cannot generate: %s", exc.message)
+        return 1
+    for prompt, out in zip(prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "completions": [
                 {"text": c.text, "finish_reason": c.finish_reason, "tokens": len(c.token_ids)} for c in out.outputs]}))
