@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import KV_CACHE_DTYPES
-from pagedserve.kv.sizing import kv_bytes_per_token, kv_element_bytes, kv_scale_bytes_per_token
+from pagedserve.kv.sizing import kv_pool_bytes_per_token
 
 QUANTIZED_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
@@ -52,17 +52,11 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
                              model_dtype: torch.dtype) -> int:
     """The real bytes one token's K and V take across all layers, scales included.
 
-    The element part is the planner's formula (``kv_bytes_per_token``); quantized precisions add
-    :func:`kv_scale_bytes_per_token`.
+    The planner's formula (:func:`~pagedserve.kv.sizing.kv_pool_bytes_per_token`), with ``auto``
+    resolved to the model dtype.
     """
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
-        elem = torch.empty((), dtype=model_dtype).element_size()
-        return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, elem))
-    if kv_cache_dtype == "int4" and head_dim % 2:
-        raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
-    elements = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_element_bytes(kv_cache_dtype))
-    return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)
+    return kv_pool_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype_name(kv_cache_dtype, model_dtype))
 
 
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

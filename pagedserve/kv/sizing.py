@@ -11,6 +11,7 @@ KV_ELEMENT_BYTES = {"float32": 4.0, "fp32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "
                     "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 # A quantized cache stores one float16 scale per K and per V vector.
 SCALE_BYTES = 2
+QUANTIZED_KV = frozenset({"fp8", "int8", "int4"})
 
 
 class SizingError(ValueError):
@@ -33,3 +34,20 @@ def kv_element_bytes(precision: str) -> float:
 def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
     """Bytes of scales one token adds to a quantized cache: one per K and V vector, per layer."""
     return 2 * num_layers * num_kv_heads * SCALE_BYTES
+
+
+def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, precision: str) -> int:
+    """The bytes one token really takes in a KV pool of ``precision``: what the engine sizes its
+    pool by and the planner quotes, so the two agree exactly.
+
+    The elements (:func:`kv_bytes_per_token`), plus, for a quantized precision (fp8, int8,
+    int4), one float16 scale per K and per V vector (:func:`kv_scale_bytes_per_token`): int8 KV
+    is not half of bf16 but half plus ``4 / head_dim`` of it.
+    """
+    name = precision.lower()
+    elements = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_element_bytes(name))
+    if name not in QUANTIZED_KV:
+        return int(elements)
+    if name == "int4" and head_dim % 2:
+        raise SizingError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
+    return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)

@@ -98,13 +98,17 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def check_sizing(engine: Any, shape: ModelShape, dtype: str, kv_budget: int) -> SizingCheck:
-    """Compare the planner's KV bytes/token, blocks and seats with a running engine's pool."""
+def check_sizing(engine: Any, shape: ModelShape, dtype: str, kv_budget: int, kv_cache_dtype: str = "auto") -> SizingCheck:
+    """Compare the planner's KV bytes/token, blocks and seats with a running engine's pool.
+
+    ``kv_cache_dtype`` ``auto`` stores KV in the model ``dtype``; fp8 / int8 / int4 add their scales
+    on both sides, so the comparison covers the quantized pools too.
+    """
     cfg = engine.config
-    bpt = shape.kv_bytes_per_token(DTYPE_BYTES[dtype])
+    bpt = shape.kv_pool_bytes_per_token(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     blocks = sizing.num_kv_blocks(kv_budget, bpt, cfg.block_size)
     return SizingCheck(
-        model=shape.name, dtype=dtype, kv_budget=kv_budget, block_size=cfg.block_size,
+        model=shape.name, dtype=dtype if kv_cache_dtype == "auto" else f"{dtype}, KV {kv_cache_dtype}", kv_budget=kv_budget, block_size=cfg.block_size,
         max_model_len=cfg.max_model_len, planner_kv_bytes_per_token=bpt,
         engine_kv_bytes_per_token=engine.kv_bytes_per_token, planner_blocks=blocks, engine_blocks=engine.num_kv_blocks,
         planner_seats=sizing.seats_at_max_len(blocks, cfg.block_size, cfg.max_model_len),
@@ -225,6 +229,7 @@ class CheckConfig:
     block_size: int = 16
     max_model_len: int | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     prompt_tokens: int = 512
     decode_prompt_tokens: int = 16
@@ -248,9 +253,10 @@ def run_check(config: CheckConfig) -> dict[str, Any]:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=config.block_size,
                                  kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
-                                 enable_prefix_caching=False))
+                                 kv_cache_dtype=config.kv_cache_dtype, enable_prefix_caching=False))
     result: dict[str, Any] = {"model": config.model, "device": device, "dtype": dtype,
-                              "sizing": check_sizing(engine, shape, dtype, config.kv_cache_memory)}
+                              "sizing": check_sizing(engine, shape, dtype, config.kv_cache_memory,
+                                                     config.kv_cache_dtype)}
     if config.sizing_only:
         return result
     element = DTYPE_BYTES[dtype]
@@ -269,7 +275,8 @@ def run_check(config: CheckConfig) -> dict[str, Any]:
     weights = shape.matmul_params * element
     # W2's stream reads, on average, the KV of half its final context each step.
     mean_context = config.decode_prompt_tokens + config.decode_tokens // 2
-    decode_bound = sizing.decode_tokens_per_s(bandwidth, weights, shape.kv_bytes_per_token(element), mean_context)
+    kv_bpt = shape.kv_pool_bytes_per_token(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+    decode_bound = sizing.decode_tokens_per_s(bandwidth, weights, kv_bpt, mean_context)
     prefill_bound = sizing.prefill_seconds(shape.body_params, config.prompt_tokens, flops, shape.lm_head_params)
     result.update(
         bandwidth=bandwidth, flops=flops, weight_bytes_per_step=weights, matmul_params=shape.matmul_params,
@@ -324,6 +331,9 @@ def add_parser(plan_sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model and KV dtype (default: the checkpoint's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4"],
+                        help="KV precision of the engine's pool: auto = --dtype; fp8 / int8 / int4 are compared "
+                             "with their scales counted on both sides (default auto)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the prefill check (default 512)")
     parser.add_argument("--decode-tokens", type=int, default=256,
@@ -340,7 +350,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         budget = parse_size(args.kv_cache_memory)
         configs = [CheckConfig(model=m, kv_cache_memory=budget, block_size=args.block_size,
-                               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+                               max_model_len=args.max_model_len, dtype=args.dtype,
+                               kv_cache_dtype=args.kv_cache_dtype, device=args.device,
                                prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                                repeats=args.repeats, sizing_only=args.sizing_only) for m in models]
         results = [run_check(c) for c in tqdm(configs, desc="plan check", unit="model", disable=len(configs) < 2)]

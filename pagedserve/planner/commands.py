@@ -56,14 +56,14 @@ def run_kv(args: argparse.Namespace) -> Report:
     assert shape is not None
     rows, payload = [], []
     for precision in args.kv_dtype or sizing.KV_PRECISIONS:
-        bpt = shape.kv_bytes_per_token(sizing.kv_element_bytes(precision))
+        bpt = shape.kv_pool_bytes_per_token(precision)
         per_request = sizing.kv_bytes_per_request(bpt, args.context)
         rows.append((precision, format_bytes(bpt), f"{bpt:,.0f}", format_bytes(per_request),
                      format_bytes(per_request * args.users)))
         payload.append({"kv_dtype": precision, "bytes_per_token": bpt, "bytes_per_request": per_request,
                         "bytes_for_users": per_request * args.users})
     title = (f"KV cache of {shape.name}: 2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
-             f"{shape.head_dim} dims x bytes/element")
+             f"{shape.head_dim} dims x bytes/element (+ a 2-byte scale per K and V vector for fp8/int8/int4)")
     text = render_table(["KV dtype", "per token", "bytes", f"per request @ {args.context:,} tok",
                          f"{args.users} users"], rows, title)
     if args.plot:
@@ -95,7 +95,7 @@ def run_seats(args: argparse.Namespace) -> Report:
     shape = resolve_shape(args)
     assert shape is not None
     free, card_rows = _free_memory(args, shape)
-    bpt = shape.kv_bytes_per_token(sizing.kv_element_bytes(args.kv_dtype))
+    bpt = shape.kv_pool_bytes_per_token(args.kv_dtype)
     max_len, block = args.max_model_len, args.block_size
     seats = sizing.worst_case_seats(free, bpt, max_len)
     blocks = sizing.num_kv_blocks(free, bpt, block)
@@ -119,7 +119,7 @@ def run_seats(args: argparse.Namespace) -> Report:
     ]
     if args.plot:
         contexts = [2**k for k in range(9, 18)]
-        by_precision = {p: shape.kv_bytes_per_token(sizing.kv_element_bytes(p)) for p in sizing.KV_PRECISIONS}
+        by_precision = {p: shape.kv_pool_bytes_per_token(p) for p in sizing.KV_PRECISIONS}
         charts.seats_vs_context(Path(args.plot), free, by_precision, contexts,
                                 f"Seats in {format_bytes(free)} of KV, {shape.name}")
     payload = {"model": shape.name, "kv_dtype": args.kv_dtype, "free_bytes": free, "bytes_per_token": bpt,
@@ -166,7 +166,7 @@ def run_decode(args: argparse.Namespace) -> Report:
     params, source = resolve_params(args)
     bandwidth = parse_bandwidth(args.bandwidth)
     shape = resolve_shape(args, need_dims=False) if (args.model or args.layers) else None
-    bpt = shape.kv_bytes_per_token(sizing.kv_element_bytes(args.kv_dtype)) if shape and args.context else 0.0
+    bpt = shape.kv_pool_bytes_per_token(args.kv_dtype) if shape and args.context else 0.0
     if args.context and not shape:
         raise ModelShapeError("--context needs the model's KV shape: --model or --layers/--kv-heads/--head-dim")
     rows, payload = [], []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.planner.sizing import kv_bytes_per_token
+from pagedserve.planner.sizing import kv_bytes_per_token, kv_pool_bytes_per_token
 
 
 class ModelShapeError(ValueError):
@@ -47,8 +47,14 @@ class ModelShape:
                 raise ModelShapeError(f"{field} must be >= 1, got {getattr(self, field)}")
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """KV bytes per token of this model at a KV precision (bytes per element)."""
+        """KV element bytes per token at ``bytes_per_element`` (no quantization scales: the
+        formula's first term; sizing uses :meth:`kv_pool_bytes_per_token`)."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
+
+    def kv_pool_bytes_per_token(self, precision: str) -> int:
+        """Bytes one token takes in the engine's KV pool at ``precision`` (bf16, fp8, int8, int4, ...),
+        quantized formats' scales included: exactly what the engine sizes its pool by."""
+        return kv_pool_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, precision)
 
     @property
     def embedding_params(self) -> int:

@@ -21,7 +21,8 @@ def test_plan_kv_table_shows_the_worked_figures(run_cli: RunCli) -> None:
     assert code == 0
     bf16 = next(line for line in out.splitlines() if line.startswith("bf16"))
     assert "160 KiB" in bf16 and "163,840" in bf16 and "640 MiB" in bf16 and "6.25 GiB" in bf16
-    assert any(line.startswith("int4") and "40 KiB" in line for line in out.splitlines())
+    # int4: 40 KiB of elements plus a 2-byte scale per K and V vector (2 x 40 x 8 x 2 = 1,280 B).
+    assert any(line.startswith("int4") and "42,240" in line for line in out.splitlines())
 
 
 def test_plan_kv_json_and_plot(run_cli: RunCli, tmp_path: Path) -> None:
