@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
@@ -38,6 +39,65 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
+_ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
+
+
+@dataclass
+class KVEventsConfig:
+    """KV block events (docs/SCALE_OUT.md): vLLM's ``--kv-events-config`` fields, with its defaults.
+
+    ``endpoint`` follows vLLM's rule: an address with ``*`` (``tcp://*:5557``), ``::``, ``ipc://`` or
+    ``inproc://`` is bound; any other is connected to (a router's subscriber that binds, as llm-d's
+    does). ``replay_endpoint`` (bound, a ROUTER) resends the last ``buffer_steps`` batches from a
+    sequence number a subscriber asks for. ``max_queue_size`` batches wait for the publisher thread;
+    beyond that a batch is dropped (its sequence number is skipped, so subscribers see the gap).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # zmq | null (vLLM's names; null publishes nothing)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv events publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and _ENDPOINT.fullmatch(value)):
+                raise ValueError(f"kv events {name} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, "
+                                 f"got {value!r}")
+        for name, low, high in (("buffer_steps", 0, 1_000_000), ("hwm", 0, 10_000_000),
+                                ("max_queue_size", 1, 10_000_000)):
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"kv events {name} must be an integer in [{low}, {high}], got {value!r}")
+        if not isinstance(self.topic, str) or len(self.topic) > 256:
+            raise ValueError("kv events topic must be a string of at most 256 characters")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse vLLM's ``--kv-events-config`` JSON object; unknown keys are refused."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; defaults suit a small CPU machine.
@@ -50,6 +110,7 @@ class EngineConfig:
     ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
+    ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
     """
 
     model: str
@@ -72,6 +133,7 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     stream_interval: int = 1  # emit a running request's output every N new tokens (first token: at once)
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -99,3 +161,5 @@ class EngineConfig:
         if type(self.stream_interval) is not int or self.stream_interval < 1:  # bool and 2.5 are refused too
             raise ValueError(f"stream_interval must be an integer >= 1 (1 = emit every token), "
                              f"got {self.stream_interval!r}")
+        if isinstance(self.kv_events, dict):  # e.g. LLM(..., kv_events={"enable_kv_cache_events": True, ...})
+            self.kv_events = KVEventsConfig(**self.kv_events)

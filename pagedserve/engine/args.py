@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from pagedserve.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, KVEventsConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -45,6 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "always goes out at once (TTFT unchanged) and the finish flushes the rest; N > 1 means "
                         "fewer outputs, SSE events and socket writes per token in server, gateway and clients, "
                         "at the cost of burstier streams (default 1: every token)")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="URL",
+                   help="publish KV block events (blocks entering and leaving the prefix cache, vLLM's "
+                        "msgpack layout, for llm-d / AIBrix / Dynamo routers; docs/SCALE_OUT.md) on a ZMQ PUB "
+                        "socket at URL. As in vLLM, tcp://*:5557, ipc:// and inproc:// addresses are bound, "
+                        "any other (tcp://router-host:5557) is connected to (default: off)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV events config as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
+                        "(also replay_endpoint, buffer_steps, hwm, max_queue_size); --kv-events-endpoint, "
+                        "if given too, sets its endpoint and turns it on")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
@@ -56,4 +66,17 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, stream_interval=args.stream_interval)
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, stream_interval=args.stream_interval,
+        kv_events=kv_events_config_from_args(args))
+
+
+def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:
+    """``--kv-events-config`` and/or ``--kv-events-endpoint``; None when neither is given."""
+    text, endpoint = getattr(args, "kv_events_config", None), getattr(args, "kv_events_endpoint", None)
+    if text is None and endpoint is None:
+        return None
+    config = KVEventsConfig.from_json(text) if text is not None else KVEventsConfig()
+    if endpoint is not None:
+        config = KVEventsConfig(**{**vars(config), "enable_kv_cache_events": True, "publisher": "zmq",
+                                   "endpoint": endpoint})
+    return config

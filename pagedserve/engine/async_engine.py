@@ -97,6 +97,7 @@ class AsyncEngine(StreamingClient):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         self._stats = self.engine.stats()
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:

@@ -31,6 +31,7 @@ from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
@@ -89,6 +90,7 @@ class ModelFacts:
     device: str
     attention_backend: str
     weight_bytes: int
+    enable_prefix_caching: bool = True  # /metrics' vllm:cache_config_info reports it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -172,7 +174,12 @@ class EngineCore:
                              f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
         kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
                                        arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
+        # recorded or sent.
+        events = config.kv_events if config.kv_events is not None and config.kv_events.enabled else None
+        self.kv_event_log = KVEventLog(config.block_size) if events is not None else None
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          events=self.kv_event_log)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -190,6 +197,11 @@ class EngineCore:
         self._last_log, self._tokens_since_log = time.monotonic(), 0
         stage, _, prefix = os.environ.get(FAULT_INJECTION_ENV, "").partition(":")
         self._fault = (stage, prefix) if stage in ("execute", "sample") and prefix else None
+        self.kv_event_publisher = None
+        if events is not None:
+            from pagedserve.engine.kv_events import ZmqEventPublisher
+
+            self.kv_event_publisher = ZmqEventPublisher(events)
         pool_tokens = self.num_kv_blocks * config.block_size
         logger.info(
             "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
@@ -208,7 +220,8 @@ class EngineCore:
             eos_token_ids=tuple(sorted(self.eos_token_ids)), block_size=c.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_bytes_per_token=self.kv_bytes_per_token, kv_dtype=self.kv_dtype,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-            attention_backend=c.attention_backend, weight_bytes=self.weight_bytes)
+            attention_backend=c.attention_backend, weight_bytes=self.weight_bytes,
+            enable_prefix_caching=c.enable_prefix_caching)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -305,7 +318,24 @@ class EngineCore:
         if now - self._last_log >= self.log_interval_s:
             self._log_stats(now)
         outputs = self._sample_and_finish(sampled, logits, failed)
-        return [self._fail(rid, msg) for rid, msg in failed.items()] + outputs
+        outputs = [self._fail(rid, msg) for rid, msg in failed.items()] + outputs
+        self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> None:
+        """Send what the prefix cache gained and lost since the last call, as one batch (the step
+        calls it; so may whoever resets the cache between steps). A no-op with events off."""
+        if self.kv_event_publisher is not None and self.kv_event_log is not None:
+            events = self.kv_event_log.take()
+            if events:
+                self.kv_event_publisher.publish(events)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV event publisher's thread and sockets."""
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         self._maybe_inject("execute", (s for s, _ in plan.scheduled))

@@ -108,6 +108,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     try:
         _serve(core, commands, results, parent)
     finally:
+        core.close()
         commands.close(linger=0)
         results.close(linger=1000)
         ctx.term()

@@ -24,11 +24,17 @@ the KV dtype and the request's ``cache_salt``.
 Free blocks sit in an intrusive doubly linked list in LRU order: allocation takes the head
 (evicting its cached content), a cache hit unlinks a block from the middle in O(1), and a
 finished sequence returns its blocks tail first so a prefix chain is evicted from its end.
+
+With a :class:`~pagedserve.kv.events.KVEventLog` (``--kv-events-endpoint``), every block that enters
+the prefix cache (:meth:`cache_full_blocks`) or leaves it (eviction, :meth:`reset_prefix_cache`) is
+recorded there under its content hash, for routers; without one nothing is hashed or recorded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence as Seq
+
+from pagedserve.kv.events import KVEventLog, block_hash
 
 ROOT_CONTENT_ID = 0
 
@@ -36,13 +42,14 @@ ROOT_CONTENT_ID = 0
 class KVBlock:
     """One physical block of ``block_size`` token slots in every layer's KV tensors."""
 
-    __slots__ = ("block_id", "ref_count", "cache_key", "content_id", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "cache_key", "content_id", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.cache_key: tuple | None = None  # set while the block's content is in the prefix cache
         self.content_id = ROOT_CONTENT_ID
+        self.block_hash: int | None = None  # content hash for KV events (only when they are on)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -98,7 +105,8 @@ class BlockManager:
     ends or is preempted. It never sees tensors; the runner reads :meth:`block_ids`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -115,6 +123,9 @@ class BlockManager:
         self._num_cached_free = 0  # free blocks still holding reusable cached content
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.events = events
+        # With events: each sequence's full blocks' content hashes, in step with ``chains``.
+        self._hash_chains: dict[int, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -136,6 +147,13 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        """The content hashes of every block in the prefix cache, held or free (KV events on only):
+        what a subscriber that applied every event holds."""
+        if self.events is None:
+            raise RuntimeError("block hashes are kept only with KV events on")
+        return self.events.hashes()
 
     # ---- prefix cache --------------------------------------------------------------------
     def _key(self, parent: int, tokens: Seq[int], index: int, extra: Hashable) -> tuple:
@@ -176,33 +194,50 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, chain = self.tables[seq_id], self.chains[seq_id]
+        events = self.events
+        hashes = self._hash_chains.setdefault(seq_id, []) if events is not None else None
         bs = self.block_size
         for i in range(len(chain), num_computed_tokens // bs):
             block = table[i]
             if block.cache_key is not None:  # shared full block, e.g. a prefix hit
                 chain.append(block.content_id)
+                if hashes is not None:
+                    hashes.append(block.block_hash)
                 continue
             parent = chain[i - 1] if i else ROOT_CONTENT_ID
-            key = self._key(parent, token_ids[i * bs:(i + 1) * bs], i, extra)
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            key = self._key(parent, tokens, i, extra)
             existing = self._cache.get(key)
             if existing is not None:
                 chain.append(existing.content_id)
+                if hashes is not None:
+                    hashes.append(existing.block_hash)
                 continue
             block.cache_key, block.content_id = key, self._next_content_id
             self._next_content_id += 1
             self._cache[key] = block
             chain.append(block.content_id)
+            if hashes is not None:
+                parent_hash = hashes[i - 1] if i else None
+                block.block_hash = block_hash(parent_hash, tokens, extra if i == 0 else None)
+                hashes.append(block.block_hash)
+                events.stored(block.block_hash, parent_hash, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
         for block in self.free_queue:
             self._evict(block)
         self._num_cached_free = 0
+        if self.events is not None and not self._cache:
+            self.events.cleared()  # nothing held stays cached: say so in one event, as vLLM does
 
     def _evict(self, block: KVBlock) -> None:
         if block.cache_key is not None:
             del self._cache[block.cache_key]
             block.cache_key, block.content_id = None, ROOT_CONTENT_ID
+            if self.events is not None:
+                self.events.removed(block.block_hash)
+                block.block_hash = None
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
@@ -273,6 +308,8 @@ class BlockManager:
             block.ref_count += 1
         self.tables[child_id] = list(table)
         self.chains[child_id] = list(self.chains[parent_id])
+        if parent_id in self._hash_chains:
+            self._hash_chains[child_id] = list(self._hash_chains[parent_id])
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -282,6 +319,7 @@ class BlockManager:
         """Drop the sequence's references, tail first, so its prefix chain is evicted from the end."""
         table = self.tables.pop(seq_id, None)
         self.chains.pop(seq_id, None)
+        self._hash_chains.pop(seq_id, None)
         if table is None:
             return
         for block in reversed(table):
@@ -306,3 +344,5 @@ class BlockManager:
             assert block.cache_key == key, f"{block}: cache key mismatch"
         cached_free = sum(1 for b in self.free_queue if b.cache_key is not None)
         assert cached_free == self._num_cached_free, "cached-free count drifted"
+        if self.events is not None:
+            assert self.events.hashes() == {b.block_hash for b in self._cache.values()}, "event hashes drifted"

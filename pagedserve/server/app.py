@@ -38,7 +38,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics = ServerMetrics(model_name, client.stats)
+        metrics = ServerMetrics(model_name, client.stats, client.facts)
         client.observer = metrics
         tokenizers = TokenizerWorker(client.facts.tokenizer)
         await client.start()
@@ -102,7 +102,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        """Prometheus exposition text; every name starts with ``pagedserve:``."""
+        """Prometheus exposition text: the ``pagedserve_*`` names and vLLM's ``vllm:*`` names (docs/SERVER.md);
+        read from the latest stats snapshot, never waiting for a step."""
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/load", response_model=LoadReport, responses={503: {"model": p.ErrorResponse}})

@@ -165,9 +165,9 @@ def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
         return req.seqs[0].num_output_tokens
 
     generated = asyncio.run(main())
-    counted = metrics.registry.get_sample_value("pagedserve:generation_tokens_total", {"model_name": "tiny"})
+    counted = metrics.registry.get_sample_value("pagedserve_generation_tokens_total", {"model_name": "tiny"})
     assert generated >= 4 and counted == generated
-    assert metrics.registry.get_sample_value("pagedserve:request_success_total",
+    assert metrics.registry.get_sample_value("pagedserve_request_success_total",
                                              {"model_name": "tiny", "finished_reason": "abort"}) == 1
     assert_no_leaks(engine)
 

@@ -216,7 +216,7 @@ def test_overload_sheds_free_while_paid_is_served(gateway: GatewayThread) -> Non
 
 def test_provisioned_pool_untouched_by_free_traffic(gateway: GatewayThread, engines: dict[str, str]) -> None:
     def prompt_tokens(url: str) -> float:
-        return metric(url, "pagedserve:prompt_tokens_total")
+        return metric(url, "pagedserve_prompt_tokens_total")
     dedicated_before = prompt_tokens(engines["dedicated"])
     shared_before = prompt_tokens(engines["shared"])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-free", max_retries=0)

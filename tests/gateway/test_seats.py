@@ -188,4 +188,4 @@ def test_vllm_gauges_are_read_and_summed_over_engines() -> None:
     load = ReplicaLoad.from_vllm_metrics(VLLM_METRICS)
     assert load is not None and (load.running, load.waiting, load.max_num_seqs) == (7, 3, None)
     assert ReplicaLoad.from_vllm_metrics("vllm:num_requests_running 4\n") == ReplicaLoad(4, 0, None)
-    assert ReplicaLoad.from_vllm_metrics("pagedserve:num_requests_running 4\n") is None
+    assert ReplicaLoad.from_vllm_metrics("pagedserve_num_requests_running 4\n") is None

@@ -14,7 +14,7 @@ N_CLIENTS = 20
 
 def aborted_total(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    m = re.search(r'^pagedserve:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
+    m = re.search(r'^pagedserve_request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

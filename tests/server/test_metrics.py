@@ -27,8 +27,8 @@ def scrape(url: str) -> dict[str, float]:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
-        # vLLM's names for the two request gauges are exported too (for tools written for vLLM).
-        assert family.name.startswith("pagedserve:") or family.name in VLLM_GAUGES, family.name
+        # vLLM's names are exported too (for tools written for vLLM): test_metrics_contract.py.
+        assert family.name.startswith(("pagedserve_", "vllm:")), family.name
         for s in family.samples:
             key = s.name
             if "finished_reason" in s.labels:
@@ -42,21 +42,21 @@ def scrape(url: str) -> dict[str, float]:
 def test_metrics_parse_and_name_everything(server_url: str) -> None:
     values = scrape(server_url)
     for name in GAUGES:
-        assert f"pagedserve:{name}" in values, name
+        assert f"pagedserve_{name}" in values, name
     for name in COUNTERS:
         if name != "request_success":
-            assert f"pagedserve:{name}_total" in values, name
+            assert f"pagedserve_{name}_total" in values, name
     for name in HISTOGRAMS:
-        assert f"pagedserve:{name}_count" in values, name
+        assert f"pagedserve_{name}_count" in values, name
     for name in VLLM_GAUGES:
-        assert values[name] == values[name.replace("vllm:", "pagedserve:")], name
-    assert values["pagedserve:kv_blocks_total"] == 512
+        assert values[name] == values[name.replace("vllm:", "pagedserve_")], name
+    assert values["pagedserve_kv_blocks_total"] == 512
 
 
 def test_kv_gauges_move_during_a_run_and_return_to_zero(server_url: str) -> None:
     wait_for_idle(server_url)
     before = scrape(server_url)
-    assert before["pagedserve:kv_blocks_used"] == 0 and before["pagedserve:kv_tokens_in_use"] == 0
+    assert before["pagedserve_kv_blocks_used"] == 0 and before["pagedserve_kv_tokens_in_use"] == 0
     n_requests, max_tokens = 6, 120
     errors: list[str] = []
 
@@ -73,11 +73,11 @@ def test_kv_gauges_move_during_a_run_and_return_to_zero(server_url: str) -> None
     peak_util = 0.0
     while any(t.is_alive() for t in threads):
         during = scrape(server_url)
-        peak_blocks = max(peak_blocks, during["pagedserve:kv_blocks_used"])
-        peak_running = max(peak_running, during["pagedserve:num_requests_running"])
+        peak_blocks = max(peak_blocks, during["pagedserve_kv_blocks_used"])
+        peak_running = max(peak_running, during["pagedserve_num_requests_running"])
         for name in VLLM_GAUGES:  # one scrape reads one stats snapshot: vLLM's names agree exactly
-            assert during[name] == during[name.replace("vllm:", "pagedserve:")], name
-        peak_util = max(peak_util, during["pagedserve:kv_utilization"])
+            assert during[name] == during[name.replace("vllm:", "pagedserve_")], name
+        peak_util = max(peak_util, during["pagedserve_kv_utilization"])
         load = httpx.get(f"{server_url}/load", timeout=10).json()
         peak_load_blocks = max(peak_load_blocks, load["kv_blocks_used"])
         time.sleep(0.02)
@@ -90,15 +90,15 @@ def test_kv_gauges_move_during_a_run_and_return_to_zero(server_url: str) -> None
     after = scrape(server_url)
     for gauge in ("kv_blocks_used", "kv_tokens_in_use", "kv_slots_allocated", "num_requests_running",
                   "num_requests_waiting", "kv_naive_reserved_tokens"):
-        assert after[f"pagedserve:{gauge}"] == 0, gauge
-    assert after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"] == \
+        assert after[f"pagedserve_{gauge}"] == 0, gauge
+    assert after["pagedserve_generation_tokens_total"] - before["pagedserve_generation_tokens_total"] == \
         n_requests * max_tokens
-    assert after["pagedserve:request_success_total[length]"] - \
-        before.get("pagedserve:request_success_total[length]", 0) == n_requests
+    assert after["pagedserve_request_success_total[length]"] - \
+        before.get("pagedserve_request_success_total[length]", 0) == n_requests
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
-        assert after[f"pagedserve:{h}_count"] - before[f"pagedserve:{h}_count"] == n_requests, h
-    assert after["pagedserve:inter_token_latency_seconds_count"] - \
-        before["pagedserve:inter_token_latency_seconds_count"] == n_requests * (max_tokens - 1)
+        assert after[f"pagedserve_{h}_count"] - before[f"pagedserve_{h}_count"] == n_requests, h
+    assert after["pagedserve_inter_token_latency_seconds_count"] - \
+        before["pagedserve_inter_token_latency_seconds_count"] == n_requests * (max_tokens - 1)
 
 
 def test_load_report_fields(server_url: str) -> None:
