@@ -1,4 +1,4 @@
-"""``pagedserve serve | gateway | generate | plan | simulate | bench``.
+"""``pagedserve serve | grafana | gateway | generate | plan | simulate | bench``.
 
 Each part registers its own subcommands (``add_parser(subparsers)`` in its ``cli.py``); this file
 only wires them together, so ``pagedserve --help`` stays fast and each part owns its flags.
@@ -14,6 +14,7 @@ import sys
 # (module, description) of each part that adds subcommands, in the order --help lists them.
 PARTS = [
     "pagedserve.server.cli",
+    "pagedserve.server.grafana",
     "pagedserve.gateway.cli",
     "pagedserve.engine.generate_cli",
     "pagedserve.planner.cli",

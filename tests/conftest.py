@@ -62,9 +62,19 @@ SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", 
 
 
 @pytest.fixture(scope="session")
-def server_url(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """Base URL of the shared server (tiny random-weight model)."""
-    with run_engine_server(tiny_model_dir, *SHARED_SERVER_ARGS, timeout=120) as url:
+def kv_events_port() -> int:
+    """The loopback port the shared server's KV event publisher connects to (a test binds a SUB there)."""
+    from tests.helpers.servers import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def server_url(tiny_model_dir, kv_events_port: int) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """Base URL of the shared server (tiny random-weight model). Its KV events go to
+    tcp://127.0.0.1:kv_events_port, where nobody listens unless a test binds there."""
+    with run_engine_server(tiny_model_dir, *SHARED_SERVER_ARGS, "--kv-events-endpoint",
+                           f"tcp://127.0.0.1:{kv_events_port}", timeout=120) as url:
         yield url
 
 
