@@ -23,7 +23,8 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
 from pagedserve.engine.runner import ModelRunner
-from pagedserve.engine.sampler import SampleResult, SamplingRow, sample
+from pagedserve.engine.runner import ModelInput
+from pagedserve.engine.sampler import SampleResult, SamplingRow, sample, token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.sequence import Request, Sequence
@@ -69,6 +70,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output after the prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +240,9 @@ class EngineCore:
         cfg = self.config
         if min(token_ids) < 0 or max(token_ids) >= self.arch.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size})", param="prompt")
+        if params.logit_bias and max(params.logit_bias) >= self.arch.vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.arch.vocab_size}), got "
+                                 f"{max(params.logit_bias)}", param="logit_bias")
         if params.n > cfg.max_num_seqs:
             raise InvalidRequest(f"n={params.n} completions need {params.n} seats, but this engine runs at most "
                                  f"max_num_seqs={cfg.max_num_seqs} sequences; lower n", param="n")
@@ -340,7 +345,31 @@ class EngineCore:
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         self._maybe_inject("execute", (s for s, _ in plan.scheduled))
         model_input = self.runner.prepare(plan)
-        return model_input.sampled_seqs, self.runner.execute(model_input)
+        logits = self.runner.execute(model_input)
+        if model_input.prompt_spans:
+            self._collect_prompt_logprobs(model_input)
+        return model_input.sampled_seqs, logits
+
+    def _collect_prompt_logprobs(self, model_input: ModelInput, rows_per_pass: int = 256) -> None:
+        """Prompt logprobs of the step's prompt chunks that asked for them (appended only once all are
+        computed, so a step that raises and is re-run request by request adds nothing twice)."""
+        assert model_input.prompt_spans is not None
+        done = 0
+        pending: list[tuple[Request, list[TokenLogprob]]] = []
+        for seq, first, count in model_input.prompt_spans:
+            k = seq.request.params.prompt_logprobs or 0
+            lps: list[TokenLogprob] = []
+            for off in range(0, count, rows_per_pass):
+                m = min(rows_per_pass, count - off)
+                logits = self.runner.prompt_logits(model_input, done + off, m)
+                pos = first + off
+                targets = torch.tensor(seq.token_ids[pos + 1:pos + 1 + m], dtype=torch.long, device=logits.device)
+                lps += token_logprobs(logits, targets, k)
+            pending.append((seq.request, lps))
+            done += count
+        for req, lps in pending:
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs.extend(lps)
 
     def _execute_isolated(self, plan: SchedulerOutput, failed: dict[str, str]) -> tuple[list[Sequence], torch.Tensor]:
         """Run each request of a failed plan on its own; the ones that still raise are failed (their
@@ -520,7 +549,11 @@ class EngineCore:
             seq.sent_token_len += len(new)
             deltas.append(SeqDelta(seq.index, new, lps, seq.finish_reason, seq.stop_reason,
                                    seq.cumulative_logprob))
-        return CoreOutput(req.request_id, deltas, finished, req.num_cached_tokens, req.metrics)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent, prompt_lps = True, req.prompt_logprobs
+        return CoreOutput(req.request_id, deltas, finished, req.num_cached_tokens, req.metrics,
+                          prompt_logprobs=prompt_lps)
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -40,6 +40,7 @@ class _RequestState:
     params: SamplingParams
     holdback: int  # characters kept back while running: a stop string may still be completing
     completions: dict[int, _Completion] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # from the core, once the prompt is computed
 
 
 @dataclass
@@ -79,6 +80,8 @@ class OutputProcessor:
                     core_out.request_id, state.prompt_token_ids, [], True, core_out.num_cached_tokens,
                     core_out.metrics, state.prompt, error=core_out.error))
                 continue
+            if core_out.prompt_logprobs is not None:
+                state.prompt_logprobs = core_out.prompt_logprobs
             for delta in core_out.seqs:
                 completion = state.completions.get(delta.index)
                 if completion is None:
@@ -146,4 +149,4 @@ class OutputProcessor:
                 cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
             completion.sent_text_len, completion.sent_token_len = visible, len(completion.token_ids)
         return RequestOutput(state.request_id, state.prompt_token_ids, outputs, finished, num_cached_tokens,
-                             metrics, state.prompt)
+                             metrics, state.prompt, prompt_logprobs=state.prompt_logprobs)

@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # the token's rank in the distribution (1 = most likely); set for prompt tokens
 
 
 @dataclass
@@ -66,6 +67,9 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt: str | None = None
     error: str | None = None  # set when the request failed in the engine (its outputs are then empty)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None: nothing
+    # predicts it), on every output once the prompt has been computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

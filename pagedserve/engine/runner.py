@@ -25,11 +25,41 @@ class ModelInput:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sampled_seqs: list[Sequence]  # in the order of sample_indices
+    # Prompt logprobs (only requests that ask for them): (sequence, first prompt position, count)
+    # per span, and the flat-batch rows of those positions, in span order.
+    prompt_spans: list[tuple[Sequence, int, int]] | None = None
+    prompt_rows: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None  # filled by execute: the hidden states of prompt_rows
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     width = max(len(t) for t in tables)
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: list[int]
+                         ) -> tuple[list[tuple[Sequence, int, int]], list[int]]:
+    """Which rows of the flat batch give prompt logprobs still missing.
+
+    The logits at prompt position ``q`` give the logprob of prompt token ``q + 1``; a request that
+    has entries for tokens ``0..c-1`` needs positions ``c-1 .. P-2`` (``P`` prompt tokens), of
+    which this step's chunk ``[s, s + n)`` covers some. A plain Python loop over the few
+    sequences that ask; the rest cost one attribute test each.
+    """
+    spans: list[tuple[Sequence, int, int]] = []
+    rows: list[int] = []
+    for (seq, n), q_start in zip(scheduled, query_starts):
+        have = seq.request.prompt_logprobs
+        if have is None or len(have) >= seq.num_prompt_tokens:
+            continue
+        s = seq.num_computed_tokens
+        if s > len(have) - 1:  # cannot happen (such requests skip the prefix cache); never leave a gap
+            continue
+        first, end = max(s, len(have) - 1), min(s + n, seq.num_prompt_tokens - 1)
+        if first < end:
+            spans.append((seq, first, end - first))
+            rows.extend(range(q_start + first - s, q_start + end - s))
+    return spans, rows
 
 
 class ModelRunner:
@@ -79,6 +109,7 @@ class ModelRunner:
 
         sampled = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
         sample_indices = (query_starts + lens - 1)[sampled]
+        spans, rows = _prompt_logprob_rows(scheduled, query_starts.tolist())
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -89,7 +120,8 @@ class ModelRunner:
             prefills=prefills,
         )
         return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
-                          sample_indices.to(dev), [seqs[i] for i in sampled])
+                          sample_indices.to(dev), [seqs[i] for i in sampled], spans or None,
+                          torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -104,4 +136,12 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """Run the model; float32 logits for the sampled rows."""
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
+        if model_input.prompt_rows is not None:
+            model_input.prompt_hidden = hidden[model_input.prompt_rows]
         return self.model.compute_logits(hidden[model_input.sample_indices])
+
+    @torch.inference_mode()
+    def prompt_logits(self, model_input: ModelInput, start: int, count: int) -> torch.Tensor:
+        """Float32 logits of ``count`` of the step's prompt-logprob rows from ``start`` (after execute)."""
+        assert model_input.prompt_hidden is not None
+        return self.model.compute_logits(model_input.prompt_hidden[start:start + count])

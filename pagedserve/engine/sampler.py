@@ -1,7 +1,7 @@
 """Batched sampling: one set of tensor ops over every row of the step, no loop over the vocabulary.
 
-Order of operations (as in vLLM): min_tokens masking, repetition / presence / frequency
-penalties, then greedy rows take the argmax; random rows are divided by their temperature,
+Order of operations (as in vLLM): min_tokens masking, logit_bias (one scatter-add over the
+batch), repetition / presence / frequency penalties, then greedy rows take the argmax; random rows are divided by their temperature,
 cut by top-k, top-p and min-p, and drawn with the exponential-race trick
 (``argmax(p / q)``, ``q ~ Exp(1)``), where each seeded row draws ``q`` from its own generator so
 the same seed gives the same tokens whatever else shares the batch. Log-probabilities are those
@@ -61,6 +61,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits - freq * out_counts - pres * (out_counts > 0).float()
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add every row's ``logit_bias`` in one ``index_add_`` over the flattened batch (a copy).
+
+    The Python work is over the bias entries (at most ``MAX_LOGIT_BIAS`` a row), never the vocabulary.
+    """
+    vocab, device = logits.shape[1], logits.device
+    flat: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        for token, bias in (r.params.logit_bias or {}).items():
+            if token < vocab:  # the engine refuses larger ids; this keeps the index in range regardless
+                flat.append(i * vocab + token)
+                values.append(bias)
+    if not flat:
+        return logits
+    out = logits.clone()
+    out.view(-1).index_add_(0, torch.tensor(flat, device=device),
+                            torch.tensor(values, dtype=logits.dtype, device=device))
+    return out
+
+
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
@@ -82,6 +103,26 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     return logits
 
 
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, chunk: int = 256) -> list[TokenLogprob]:
+    """Each row's log-probability of its ``targets`` token, that token's rank and the row's top ``k``
+    (prompt logprobs: row ``q`` is the logits at prompt position ``q``, its target the token at ``q + 1``).
+
+    Rows go through in chunks, so a long prompt never holds more than ``chunk`` rows of
+    vocabulary-wide log-probabilities at once.
+    """
+    out: list[TokenLogprob] = []
+    for start in range(0, logits.shape[0], chunk):
+        lp = logits[start:start + chunk].log_softmax(dim=-1)
+        tgt = targets[start:start + chunk].unsqueeze(1)
+        chosen = lp.gather(1, tgt)
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())] if k else None
+        for j, (t, v) in enumerate(zip(tgt.squeeze(1).tolist(), chosen.squeeze(1).tolist())):
+            out.append(TokenLogprob(t, v, tops[j] if tops else [], ranks[j]))
+    return out
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` (``[S, vocab]``, float32)."""
     raw = logits
@@ -90,6 +131,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         logits = logits.clone()
         rows_idx, tok_idx = zip(*banned)
         logits[list(rows_idx), list(tok_idx)] = float("-inf")
+    if any(r.params.logit_bias for r in rows):
+        logits = apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits, rows)
 

@@ -8,7 +8,9 @@ schema's message; the offline ``LLM`` gets these):
   ids) stay in the ranges those hold: a ``top_k`` of 2**70 does not fit an int64 tensor;
 - counts and lengths (``max_tokens``, ``min_tokens``) stay int32, far above any context length;
 - floats are finite (NaN fails every range check, but is named here as what it is);
-- lists (stop strings, stop token ids) are short enough that per-step stop checks stay cheap.
+- lists (stop strings, stop token ids) are short enough that per-step stop checks stay cheap;
+- ``logit_bias`` holds at most :data:`MAX_LOGIT_BIAS` entries, each bias in [-100, 100] (OpenAI's
+  range), so the sampler's scatter-add over the batch stays a few hundred elements a row.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SEED_MAX = 2**63 - 1
 TEMPERATURE_MAX = 100.0
 PENALTY_MAX = 2.0  # presence and frequency: [-2, 2] (OpenAI)
 REPETITION_PENALTY_MAX = 10.0
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI documents no count; 300 covers every harness)
+LOGIT_BIAS_MAX = 100.0  # |bias| (OpenAI's range: -100 bans a token, 100 forces it)
 
 
 @dataclass
@@ -66,6 +70,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen token
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # top logprobs per prompt token (vLLM's prompt_logprobs); 0 = only the prompt token's own
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +145,18 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
                 raise bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}], got {t!r}.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "logit_bias must map token ids to biases.")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}.")
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+                    raise bad("logit_bias", f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}], got {t!r}.")
+                real("logit_bias", v, lambda x: -LOGIT_BIAS_MAX <= x <= LOGIT_BIAS_MAX,
+                     f"in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] (the bias of token {t})")
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
 
     @property
     def needs_penalties(self) -> bool:

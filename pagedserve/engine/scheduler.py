@@ -160,7 +160,11 @@ class Scheduler:
                     break
                 budget = self.config.max_num_batched_tokens - sum(planned.values())
                 continue
-            hits = bm.find_cached_prefix(seq.token_ids, self._extra_key(seq))
+            # Prompt logprobs need every prompt position's logits: cached blocks have none (as in vLLM,
+            # such a request skips the prefix cache; it still fills it for others).
+            wants_prompt_logits = seq.request.prompt_logprobs is not None and \
+                len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
+            hits = [] if wants_prompt_logits else bm.find_cached_prefix(seq.token_ids, self._extra_key(seq))
             num_cached = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             seq.num_computed_tokens = num_cached

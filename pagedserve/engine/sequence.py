@@ -34,9 +34,15 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False  # the n > 1 children exist
+    # With params.prompt_logprobs: entries for prompt tokens 0..len-1 computed so far (a recompute
+    # after preemption adds none twice), and whether they went out in a CoreOutput yet.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, queued_time=self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, priority={self.priority})"

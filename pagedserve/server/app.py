@@ -1,7 +1,7 @@
 """The FastAPI app: routes, lifespan (EngineClient start / graceful stop), middleware, errors.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``GET /health``, ``GET /metrics``, ``GET /load``. See docs/SERVER.md.
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``. See docs/SERVER.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import pagedserve
 from pagedserve.engine.client import EngineClient, LoadReport
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
@@ -40,7 +41,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = ServerMetrics(model_name, client.stats, client.facts)
         client.observer = metrics
-        tokenizers = TokenizerWorker(client.facts.tokenizer)
+        tokenizers = TokenizerWorker(client.facts.tokenizer, chat_template=config.chat_template)
         await client.start()
         app.state.engine = client
         app.state.metrics = metrics
@@ -54,7 +55,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
                         stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
-    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan,
                   description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     install_error_handlers(app)
@@ -81,6 +82,16 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:
         """Token ids and count of a prompt or conversation, and the model's max_model_len."""
         return await serving(request).tokenize(body)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: p.DetokenizeRequest, request: Request) -> Response:
+        """The text of a list of token ids (vLLM's /detokenize)."""
+        return await serving(request).detokenize(body)
+
+    @app.get("/version")
+    async def version() -> p.VersionResponse:
+        """The pagedserve version serving this API."""
+        return p.VersionResponse(version=pagedserve.__version__)
 
     @app.get("/v1/models")
     async def models(request: Request) -> p.ModelList:

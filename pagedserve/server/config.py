@@ -30,6 +30,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle connection (no request in progress) is closed after this
     max_header_bytes: int = 32 * 1024  # request line + headers (else 431; a longer URL alone: 414)
     max_headers: int = 100  # header lines (else 431)
+    chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's (--chat-template)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

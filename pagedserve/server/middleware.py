@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.server.errors import error_response
 
 # Paths that need the API key when one is set; /health, /metrics and /load stay open for probes.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class GuardMiddleware:

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pagedserve.engine.sampling_params import (
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP,
@@ -40,7 +42,7 @@ _ALLOWED_CONTROL = {"\t", "\n", "\r"}
 # default) is what usually binds; these hold whatever that limit is raised to.
 MAX_TEXT_CHARS = 2**24          # one prompt, message content or text part (16 Mi characters)
 MAX_PROMPT_TOKENS = 2**24       # a prompt sent as token ids
-MAX_PROMPTS = 64                # a list of prompts (only one is served: the handler says so)
+MAX_PROMPTS = 64                # a list of prompts in one completions request
 MAX_MESSAGES = 2048             # messages in one conversation
 MAX_CONTENT_PARTS = 1024        # text parts of one message
 MAX_NAME_CHARS = 256            # user, message name, tool_call_id, cache_salt
@@ -109,8 +111,12 @@ class SamplingFields(_Strict):
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token (benchmarks).")
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT,
                             description="Tokens to generate before EOS/stop may end the output.")
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the output in its text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the output text.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description=f"vLLM's: for each prompt token its logprob, rank and the top N (0-{MAX_LOGPROBS}) alternatives "
+                    "(the first token gets null). The request then skips the prefix cache; not with stream=true.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1,
@@ -120,8 +126,12 @@ class SamplingFields(_Strict):
     user: Name | None = Field(None, description="End-user id (accepted for compatibility; logged only).")
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$",
                                    description="Caller-chosen request id (default: generated).")
-    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], Finite], Field(max_length=300)] | None = Field(
-        None, description="Not supported: only null or {} is accepted.")
+    # Keys are token ids written as strings (JSON object keys), as OpenAI takes them.
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description=f"Token id (as a string) -> bias in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] added to its "
+                          f"logit before sampling; at most {MAX_LOGIT_BIAS} entries, ids below the vocabulary size.")
     # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = Field(None, description="Accepted and ignored.")
@@ -130,15 +140,19 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``. ``prompt`` is text or token ids (one prompt per request)."""
+    """``POST /v1/completions``. ``prompt`` is text, token ids, or a list of either (several prompts:
+    prompt ``i``'s choice ``j`` has index ``i * n + j``, as OpenAI numbers them)."""
 
     prompt: Text | TokenIds | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] \
         | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)] = Field(
-            ..., description="Text or a list of token ids; a list of one prompt is accepted too.")
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT,
-                                   description="Tokens to generate; null = up to max_model_len.")
+            ..., description=f"Text, a list of token ids, or a list of up to {MAX_PROMPTS} prompts (texts or token-id "
+                             "lists); prompts x n (or best_of) completions must fit max_num_seqs.")
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT,
+                                   description="Tokens to generate; null = up to max_model_len; 0 only with echo "
+                                               "(the prompt and its logprobs, nothing generated).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
-    echo: bool = Field(False, description="Not supported: only false is accepted.")
+    echo: bool = Field(False, description="Prepend the prompt to each choice's text; with logprobs, the prompt "
+                                          "tokens' logprobs come first (the first one null).")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only best_of == n is supported.")
     suffix: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="Not supported: only null or empty is accepted.")
 
@@ -195,6 +209,13 @@ class ChatCompletionRequest(SamplingFields):
                           f"scalars, strings up to {MAX_TEMPLATE_VALUE_CHARS} characters.")
 
 
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model: ModelName | None = None
+    tokens: TokenIds
+
+
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM's): count the tokens of a prompt or of chat messages."""
 
@@ -232,6 +253,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: a token's logprob, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# One entry per prompt token (null for the first): token id (a JSON key) -> its entry; the prompt
+# token itself and the top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One of the ``n`` completions of ``/v1/completions``."""
 
@@ -240,6 +274,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -318,6 +353,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -357,6 +393,18 @@ class TokenizeResponse(BaseModel):
     count: int
     tokens: list[int]
     max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    """``POST /detokenize``: the decoded text."""
+
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """``GET /version``."""
+
+    version: str
 
 
 class ErrorInfo(BaseModel):

@@ -5,6 +5,7 @@ OpenAI response, either one JSON body or server-sent events ending in ``data: [D
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,9 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
+from pagedserve.server.best_of import select_best
+from pagedserve.server.fanout import RequestGroup
+from pagedserve.server.prompt_logprobs import concat, echo_logprobs, vllm_prompt_logprobs
 from pagedserve.server.tokenization import TokenizerWorker, encode
 from pagedserve.streaming import ClosingStreamingResponse
 
@@ -45,10 +49,21 @@ class SSEResponse(ClosingStreamingResponse):
     """Server-sent events of one engine request; the request is aborted however the response ends
     (also when the client left before the first event: see :mod:`pagedserve.streaming`)."""
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream | RequestGroup):
         async def abort() -> None:
             stream.abort()
         super().__init__(events, abort, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@dataclass(frozen=True)
+class _CompletionView:
+    """How a completions request's engine outputs become its choices."""
+
+    logprobs: int | None  # the request's logprobs (None: no logprobs in the answer)
+    echo: list[str] | None  # each prompt's text, when echo is on
+    prompt_only: bool  # max_tokens 0 with echo: the generated token is left out
+    stride: int  # completions per engine request (n, or best_of)
+    prompt_logprobs: int | None  # the request's prompt_logprobs (vLLM's field)
 
 
 @dataclass
@@ -58,6 +73,11 @@ class _Choice:
     latest: CompletionOutput | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_sent: bool = False
+    request_id: str = ""  # the engine request it belongs to (several prompts: one per prompt)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
+    echo_sent: bool = False
 
 
 class OpenAIServing:
@@ -71,9 +91,12 @@ class OpenAIServing:
         self.tokenizers = tokenizers  # prompts and chat templates: on the worker thread
         # The event loop's own instance, for the per-token text of logprobs (never shared across threads).
         self.tokenizer = AutoTokenizer.from_pretrained(engine.facts.tokenizer)
+        if config.chat_template is not None:  # (only whether there is one is read here)
+            self.tokenizer.chat_template = config.chat_template
         self.model_name = config.served_model_name or engine.facts.model_name
         self.max_model_len: int = engine.facts.max_model_len
         self.vocab_size = len(self.tokenizer)
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -84,32 +107,33 @@ class OpenAIServing:
                                 f"'{self.model_name}' (see GET /v1/models).",
                            error_type="invalid_request_error", param="model", code="model_not_found")
 
-    async def completion_prompt(self, req: p.CompletionRequest) -> list[int]:
-        """Token ids of a completions prompt (text is tokenized the way the model expects)."""
-        prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise errors.InvalidRequest(
-                    f"Only one prompt per request is supported, got {len(prompt)}; send one request per prompt.",
-                    param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise errors.InvalidRequest("prompt must not be empty.", param="prompt")
-            self.tokenizers.check_fits(prompt, self.max_model_len, "prompt")
-            ids: list[int] = await self.tokenizers.run(encode, prompt)
-        else:
-            ids = list(prompt)
+    async def completion_prompts(self, req: p.CompletionRequest) -> list[list[int]]:
+        """Token ids of each of a completions request's prompts (text is tokenized the way the model
+        expects). One text or one token list is one prompt; a list of either is several."""
+        prompts: list[Any] = [req.prompt]
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
+            prompts = list(req.prompt)
+        out: list[list[int]] = []
+        for k, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise errors.InvalidRequest("prompt must not be empty.", param=param)
+                self.tokenizers.check_fits(prompt, self.max_model_len, param)
+                ids: list[int] = await self.tokenizers.run(encode, prompt)
+            else:
+                ids = list(prompt)
+                if not ids:
+                    raise errors.InvalidRequest("prompt must not be empty.", param=param)
+                bad = next((t for t in ids if t >= self.vocab_size), None)
+                if bad is not None:
+                    raise errors.InvalidRequest(
+                        f"Token id {bad} in prompt is out of range: ids must be in [0, {self.vocab_size}).",
+                        param=param)
             if not ids:
-                raise errors.InvalidRequest("prompt must not be empty.", param="prompt")
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise errors.InvalidRequest(
-                    f"Token id {bad} in prompt is out of range: ids must be in [0, {self.vocab_size}).",
-                    param="prompt")
-        if not ids:
-            raise errors.InvalidRequest("prompt must not be empty (it tokenized to no tokens).", param="prompt")
-        return ids
+                raise errors.InvalidRequest("prompt must not be empty (it tokenized to no tokens).", param=param)
+            out.append(ids)
+        return out
 
     async def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -161,20 +185,26 @@ class OpenAIServing:
     @staticmethod
     def check_unsupported(req: p.SamplingFields) -> None:
         """Refuse OpenAI options this server accepts in the schema but cannot honour."""
-        if req.logit_bias:
-            raise errors.InvalidRequest("logit_bias is not supported; remove it.", param="logit_bias")
         if isinstance(req, p.CompletionRequest):
-            if req.echo:
-                raise errors.InvalidRequest("echo=true is not supported; remove it.", param="echo")
-            if req.best_of is not None and req.best_of != req.n:
-                raise errors.InvalidRequest("best_of is not supported (only best_of == n); use n.", param="best_of")
+            if req.max_tokens == 0 and not req.echo:
+                raise errors.InvalidRequest("max_tokens must be at least 1 (0 is only for echo=true: the prompt "
+                                            "and its logprobs, nothing generated).", param="max_tokens")
+            if req.best_of is not None and req.best_of < req.n:
+                raise errors.InvalidRequest(f"best_of ({req.best_of}) must be at least n ({req.n}).", param="best_of")
+            if req.best_of is not None and req.best_of > req.n and req.stream:
+                raise errors.InvalidRequest("best_of > n cannot be streamed (the best are known only at the end); "
+                                            "set stream=false or best_of=n.", param="best_of")
             if req.suffix:
-                raise errors.InvalidRequest("suffix is not supported; remove it.", param="suffix")
+                raise errors.InvalidRequest("suffix (fill-in-the-middle) is not supported by this server; remove it "
+                                            "and put the text before the gap in prompt.", param="suffix")
         if isinstance(req, p.ChatCompletionRequest):
             if req.tools:
                 raise errors.InvalidRequest("tools are not supported by this server; remove them.", param="tools")
             if req.top_logprobs and not req.logprobs:
                 raise errors.InvalidRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise errors.InvalidRequest("prompt_logprobs is not available with stream=true (use echo with logprobs "
+                                        "on /v1/completions to stream the prompt's logprobs).", param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise errors.InvalidRequest("stream_options is only allowed with stream=true.", param="stream_options")
 
@@ -200,6 +230,8 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     # ---- endpoints -------------------------------------------------------------------------
@@ -208,25 +240,69 @@ class OpenAIServing:
         """``POST /v1/completions``."""
         self.check_model(req.model)
         self.check_unsupported(req)
-        prompt_ids = await self.completion_prompt(req)
-        self.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = await self.completion_prompts(req)
+        for k, ids in enumerate(prompts):
+            self.check_length(len(ids), req.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{k}]", "max_tokens")
+        # max_tokens 0 (echo only): the engine generates one token, which the answer leaves out.
+        prompt_only = req.max_tokens == 0
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs)
+        best_of = req.best_of or req.n
+        if best_of > max(req.n, self.engine.facts.max_num_seqs):  # (n's own bound is the engine's, named n)
+            raise errors.InvalidRequest(f"best_of={best_of} needs {best_of} seats, but this server runs at most "
+                                        f"max_num_seqs={self.engine.facts.max_num_seqs} sequences; lower best_of.",
+                                        param="best_of")
+        changes: dict[str, Any] = {}
+        if req.echo and req.logprobs is not None:  # echo's logprobs start with the prompt's
+            changes["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
+        if best_of > req.n:  # best_of sequences, ranked by their chosen tokens' logprobs
+            changes.update(n=best_of, logprobs=req.logprobs or 0)
+        if changes:
+            params = dataclasses.replace(params, **changes)
+        echo = await self.tokenizers.run(_echo_texts, req.prompt, prompts, req.skip_special_tokens) if req.echo else None
         request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        stream = await self.engine.add_request(request_id, prompt_ids, params, req.priority, req.cache_salt)
+        # One engine request per prompt; choice j of prompt i is index i * n + j (OpenAI's numbering).
+        stream = await RequestGroup.add(
+            lambda rid, i: self.engine.add_request(rid, prompts[i], params, req.priority, req.cache_salt),
+            request_id, len(prompts), params.n)
+        view = _CompletionView(req.logprobs, echo, prompt_only, params.n, req.prompt_logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._completion_events(stream, request_id, req.logprobs is not None, include_usage),
-                               stream)
+            return SSEResponse(self._completion_events(stream, request_id, req.logprobs is not None, include_usage,
+                                                       view), stream)
         choices, final = await self._collect(stream, http)
+        usage = self._usage(final, choices)  # every sampled token counts, the best_of not answered too
+        if prompt_only:
+            usage = p.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens,
+                            prompt_tokens_details=usage.prompt_tokens_details)
+        if best_of > req.n:
+            choices = select_best(choices, len(prompts), best_of, req.n)
         resp = p.CompletionResponse(
             id=request_id, model=self.model_name,
-            choices=[p.CompletionChoice(index=i, text=c.latest.text if c.latest else "",
-                                        logprobs=self._completion_logprobs(c.logprobs) if req.logprobs is not None else None,
-                                        finish_reason=c.latest.finish_reason if c.latest else "abort",
-                                        stop_reason=c.latest.stop_reason if c.latest else None)
-                     for i, c in sorted(choices.items())],
-            usage=self._usage(final, choices))
+            choices=[self._completion_choice(i, c, view, i // req.n) for i, c in sorted(choices.items())],
+            usage=usage)
         return JSONResponse(resp.model_dump())
+
+    def _completion_choice(self, index: int, c: _Choice, view: _CompletionView, prompt_index: int) -> p.CompletionChoice:
+        """One non-streamed completions choice: echo, generated text, logprobs, prompt_logprobs."""
+        text = "" if view.prompt_only or c.latest is None else c.latest.text
+        logprobs = None
+        if view.logprobs is not None:
+            logprobs = self._completion_logprobs([] if view.prompt_only else c.logprobs)
+        if view.echo is not None:
+            echo_text = view.echo[prompt_index]
+            if logprobs is not None:
+                head = echo_logprobs(c.prompt_token_ids, c.prompt_logprobs, self._token_text, view.logprobs or 0,
+                                     self.special_ids)
+                logprobs = concat(head, self._completion_logprobs([] if view.prompt_only else c.logprobs,
+                                                                  len(echo_text)))
+            text = echo_text + text
+        prompt_lps = None
+        if view.prompt_logprobs is not None:
+            prompt_lps = vllm_prompt_logprobs(c.prompt_token_ids, c.prompt_logprobs, self._token_text,
+                                              view.prompt_logprobs)
+        return p.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=c.latest.finish_reason if c.latest else "abort",
+                                  stop_reason=c.latest.stop_reason if c.latest else None, prompt_logprobs=prompt_lps)
 
     async def chat(self, req: p.ChatCompletionRequest, http: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -244,8 +320,13 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(self._chat_events(stream, request_id, req.n, req.logprobs, include_usage), stream)
         choices, final = await self._collect(stream, http)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and choices:
+            first = choices[min(choices)]
+            prompt_lps = vllm_prompt_logprobs(first.prompt_token_ids, first.prompt_logprobs, self._token_text,
+                                              req.prompt_logprobs)
         resp = p.ChatCompletionResponse(
-            id=request_id, model=self.model_name,
+            id=request_id, model=self.model_name, prompt_logprobs=prompt_lps,
             choices=[p.ChatChoice(index=i, message=p.ChatResponseMessage(content=c.latest.text if c.latest else ""),
                                   logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
                                   finish_reason=c.latest.finish_reason if c.latest else "abort",
@@ -268,9 +349,20 @@ class OpenAIServing:
         body = msgspec.json.encode({"count": len(ids), "tokens": ids, "max_model_len": self.max_model_len})
         return Response(body, media_type="application/json")
 
+    async def detokenize(self, req: p.DetokenizeRequest) -> Response:
+        """``POST /detokenize``: the text of token ids (special tokens kept, as vLLM does), on the
+        tokenizer worker's thread."""
+        self.check_model(req.model)
+        bad = next((t for t in req.tokens if t >= self.vocab_size), None)
+        if bad is not None:
+            raise errors.InvalidRequest(f"Token id {bad} is out of range: ids must be in [0, {self.vocab_size}).",
+                                        param="tokens")
+        text = await self.tokenizers.run(_decode, req.tokens)
+        return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")
+
     # ---- non-streamed ----------------------------------------------------------------------
 
-    async def _collect(self, stream: RequestStream, http: Request) -> tuple[dict[int, _Choice], RequestOutput | None]:
+    async def _collect(self, stream: RequestStream | RequestGroup, http: Request) -> tuple[dict[int, _Choice], RequestOutput | None]:
         """Run the request to the end; abort it if the client hangs up first."""
         choices: dict[int, _Choice] = {}
 
@@ -302,14 +394,24 @@ class OpenAIServing:
         for c in out.outputs:
             choice = choices.setdefault(c.index, _Choice())
             choice.latest = c
+            choice.request_id, choice.prompt_token_ids = out.request_id, out.prompt_token_ids
+            choice.cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                choice.prompt_logprobs = out.prompt_logprobs
             if c.delta_logprobs:
                 choice.logprobs.extend(c.delta_logprobs)
 
     @staticmethod
     def _usage(final: RequestOutput | None, choices: dict[int, _Choice]) -> p.Usage:
-        prompt_tokens = len(final.prompt_token_ids) if final is not None else 0
+        # The prompts' tokens once per engine request (its n choices share the prompt).
+        requests = {c.request_id: c for c in choices.values() if c.latest is not None}
+        if requests:
+            prompt_tokens = sum(len(c.prompt_token_ids) for c in requests.values())
+            cached = sum(c.cached_tokens for c in requests.values())
+        else:
+            prompt_tokens = len(final.prompt_token_ids) if final is not None else 0
+            cached = final.num_cached_tokens if final is not None else 0
         completion_tokens = sum(len(c.latest.token_ids) for c in choices.values() if c.latest is not None)
-        cached = final.num_cached_tokens if final is not None else 0
         return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                        total_tokens=prompt_tokens + completion_tokens,
                        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
@@ -342,33 +444,48 @@ class OpenAIServing:
 
     # ---- streamed --------------------------------------------------------------------------
 
-    async def _completion_events(self, stream: RequestStream, request_id: str, want_logprobs: bool,
-                                 include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_events(self, stream: RequestStream | RequestGroup, request_id: str, want_logprobs: bool,
+                                 include_usage: bool, view: _CompletionView) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         offsets: dict[int, int] = {}
         final: RequestOutput | None = None
+
+        def chunk(index: int, text: str, lp: p.CompletionLogprobs | None, finish: str | None, stop: Any) -> str:
+            body = {"id": request_id, "object": "text_completion", "created": _now(), "model": self.model_name,
+                    "choices": [{"index": index, "text": text, "logprobs": lp.model_dump() if lp else None,
+                                 "finish_reason": finish, "stop_reason": stop}]}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
         try:
             async for out in stream:
                 final = out
                 self._update(choices, out)
                 for c in out.outputs:
                     choice = choices[c.index]
-                    if not c.delta_text and not (c.finished and not choice.finish_sent):
+                    if view.echo is not None and not choice.echo_sent:  # the prompt first, once per choice
+                        choice.echo_sent = True
+                        echo_text = view.echo[c.index // view.stride]
+                        lp = None
+                        if want_logprobs:
+                            lp = echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, self._token_text,
+                                               view.logprobs or 0, self.special_ids)
+                        offsets[c.index] = len(echo_text)
+                        yield chunk(c.index, echo_text, lp, None, None)
+                    delta_text = "" if view.prompt_only else c.delta_text
+                    if not delta_text and not (c.finished and not choice.finish_sent):
                         continue
                     choice.finish_sent = choice.finish_sent or c.finished
                     lp = None
-                    if want_logprobs and c.delta_logprobs:
+                    if want_logprobs and c.delta_logprobs and not view.prompt_only:
                         lp = self._completion_logprobs(c.delta_logprobs, offsets.get(c.index, 0))
-                    offsets[c.index] = offsets.get(c.index, 0) + len(c.delta_text)
-                    chunk = {"id": request_id, "object": "text_completion", "created": _now(), "model": self.model_name,
-                             "choices": [{"index": c.index, "text": c.delta_text,
-                                          "logprobs": lp.model_dump() if lp else None,
-                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
+                    offsets[c.index] = offsets.get(c.index, 0) + len(delta_text)
+                    yield chunk(c.index, delta_text, lp, c.finish_reason, c.stop_reason)
             if include_usage:
                 usage = self._usage(final, choices)
+                if view.prompt_only:
+                    usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
                 yield _sse({"id": request_id, "object": "text_completion", "created": _now(),
                             "model": self.model_name, "choices": [], "usage": usage.model_dump()})
         except errors.PagedServeError as exc:
@@ -424,6 +541,17 @@ def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_promp
     except Exception as exc:  # a template's own raise_exception("roles must alternate ...")
         raise errors.InvalidRequest(f"The chat template refused these messages: {exc}", param="messages") from exc
     return encode(tokenizer, text, add_special_tokens=False)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
+
+
+def _echo_texts(tokenizer, prompt: Any, prompts: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """What echo prepends for each prompt: the text as sent, or the decoded token ids."""
+    sent = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return [s if isinstance(s, str) else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            for s, ids in zip(sent, prompts)]
 
 
 async def _wait_for_disconnect(http: Request) -> None:

@@ -29,12 +29,14 @@ _SAFETY_FACTOR = 4
 class TokenizerWorker:
     """Runs tokenizer work on one thread; ``await worker.run(fn, ...)`` calls ``fn(tokenizer, ...)`` there."""
 
-    def __init__(self, tokenizer_source: str, max_pending: int = 256):
+    def __init__(self, tokenizer_source: str, max_pending: int = 256, chat_template: str | None = None):
         from transformers import AutoTokenizer
 
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tok")
         # Loaded on the worker thread itself, so nothing else ever holds this instance.
         self.tokenizer = self._executor.submit(AutoTokenizer.from_pretrained, tokenizer_source).result()
+        if chat_template is not None:  # serve --chat-template: replaces the tokenizer's own
+            self.tokenizer.chat_template = chat_template
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=16)
         self.max_pending = max_pending

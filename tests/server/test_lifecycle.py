@@ -1,5 +1,5 @@
 """A second server with the special flags: no --model with --default-model tiny (the random-weight
-test model), --api-key,
+test model), --api-key, an inline --chat-template,
 a one-seat engine with a one-request waiting queue (503 + Retry-After), and graceful shutdown."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.helpers.servers import free_port
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}"
 
 
 @dataclass
@@ -44,7 +45,7 @@ def guarded(tiny_model_dir) -> Iterator[Guarded]:  # type: ignore[no-untyped-def
         log = Path(tmp) / "server.log"
         cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--default-model", "tiny", "--api-key", KEY,
                "--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "1", "--num-kv-blocks", "512",
-               "--log-level", "info"]
+               "--log-level", "info", "--chat-template", TEMPLATE]
         url = f"http://127.0.0.1:{port}"
         with log.open("w") as out, running_process(cmd, f"{url}/health", 120, log=out) as proc:
             yield Guarded(url, proc, log)
@@ -75,6 +76,31 @@ def test_api_key_required_on_v1(guarded: Guarded) -> None:
             client.models.list()
     for open_path in ("/health", "/load", "/metrics"):
         assert httpx.get(f"{guarded.url}{open_path}", timeout=10).status_code == 200, open_path
+
+
+def test_chat_template_flag_replaces_the_tokenizers(guarded: Guarded) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=10) as http:
+        chat = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": chat}).json()["prompt"]
+        assert text == "<<system>> Be brief.\n<<user>> Hi there\n<<assistant>>"
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(chat), r.text
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{% if %}broken", "does not compile (line 1)"),
+    ("{{ messages | no_such_filter }}", "does not compile"),
+    ("/no/such/template.jinja", "no such file, and not an inline Jinja template"),
+])
+def test_broken_chat_template_is_a_one_line_startup_error(value: str, message: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from pagedserve.cli import main
+
+    with caplog.at_level("ERROR", logger="pagedserve.server"):
+        assert main(["serve", "--model", "/no/model/needed", "--chat-template", value]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0], errors
 
 
 def test_full_queue_answers_503_with_retry_after(guarded: Guarded) -> None:
