@@ -255,3 +255,37 @@ def test_engine_run_with_hits_evictions_and_aborts(tiny_model_dir, tmp_path) -> 
         engine.close()
         sub.close(linger=0)
         ctx.term()
+
+
+def test_cli_flags_reach_the_config() -> None:
+    import argparse
+
+    from pagedserve.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--model", "m"])).kv_events is None  # off by default
+    cfg = engine_config_from_args(parser.parse_args(["--model", "m", "--kv-events-endpoint",
+                                                     "tcp://127.0.0.1:5557"])).kv_events
+    assert cfg is not None and cfg.enabled and cfg.endpoint == "tcp://127.0.0.1:5557" and cfg.topic == ""
+    cfg = engine_config_from_args(parser.parse_args(
+        ["--model", "m", "--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv", "hwm": 10}',
+         "--kv-events-endpoint", "ipc:///tmp/x"])).kv_events
+    assert cfg is not None and cfg.enabled and (cfg.topic, cfg.hwm, cfg.endpoint) == ("kv", 10, "ipc:///tmp/x")
+    disabled = engine_config_from_args(parser.parse_args(["--model", "m", "--kv-events-config", "{}"])).kv_events
+    assert disabled is not None and not disabled.enabled  # vLLM's default: events off until enabled
+    with pytest.raises(ValueError, match="unknown keys"):
+        engine_config_from_args(parser.parse_args(["--model", "m", "--kv-events-config", '{"port": 1}']))
+
+
+def test_a_taken_port_fails_the_start_with_its_reason() -> None:
+    from pagedserve.engine.kv_events import ZmqEventPublisher
+
+    first = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
+    try:
+        # A wildcard port binds wherever is free; bind a second publisher on the port it got.
+        port = first._pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        with pytest.raises(OSError, match="cannot open"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
+    finally:
+        first.shutdown()
