@@ -46,7 +46,7 @@ BUCKETS = {
     "vllm:e2e_request_latency_seconds": _REQUEST_LATENCY,
     "vllm:request_queue_time_seconds": _REQUEST_LATENCY,
 }
-N_STREAMS, MAX_TOKENS = 8, 200
+N_STREAMS, MAX_TOKENS = 8, 120
 
 
 def families(url: str) -> dict:
