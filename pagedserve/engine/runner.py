@@ -37,7 +37,7 @@ def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
 
-def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: list[int]
+def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: torch.Tensor
                          ) -> tuple[list[tuple[Sequence, int, int]], list[int]]:
     """Which rows of the flat batch give prompt logprobs still missing.
 
@@ -48,10 +48,11 @@ def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: li
     """
     spans: list[tuple[Sequence, int, int]] = []
     rows: list[int] = []
-    for (seq, n), q_start in zip(scheduled, query_starts):
+    for i, (seq, n) in enumerate(scheduled):
         have = seq.request.prompt_logprobs
         if have is None or len(have) >= seq.num_prompt_tokens:
             continue
+        q_start = int(query_starts[i])
         s = seq.num_computed_tokens
         if s > len(have) - 1:  # cannot happen (such requests skip the prefix cache); never leave a gap
             continue
@@ -109,7 +110,7 @@ class ModelRunner:
 
         sampled = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
         sample_indices = (query_starts + lens - 1)[sampled]
-        spans, rows = _prompt_logprob_rows(scheduled, query_starts.tolist())
+        spans, rows = _prompt_logprob_rows(scheduled, query_starts)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
