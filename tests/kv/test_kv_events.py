@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import msgspec
 import pytest
@@ -19,42 +18,13 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.events import KVEventLog, block_hash
 from tests.conftest import assert_no_leaks
-
-
-# ---- vLLM's structs, as a vLLM subscriber declares them ------------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+from tests.helpers.vllm_kv_events import (
+    DECODER,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 
 class Subscriber:

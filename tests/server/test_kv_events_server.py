@@ -11,7 +11,7 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from tests.kv.test_kv_events import DECODER, BlockStored
+from tests.helpers.vllm_kv_events import DECODER, BlockStored
 
 
 def _wait_connected(sub: zmq.Socket, timeout_s: float) -> None:
