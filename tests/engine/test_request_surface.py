@@ -94,3 +94,20 @@ def test_logit_bias_bounds(engine):
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     assert_no_leaks(engine)
+
+
+def test_prompt_logprobs_survive_preemption(engine, tiny_model_dir):
+    """Two requests that cannot both fit: one is preempted and recomputed; its prompt logprobs are
+    still one entry per prompt token, equal to a run alone."""
+    tight = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=7, max_model_len=256,
+                                max_num_batched_tokens=16, dtype="float32"))
+    other = [(i * 53) % 800 + 7 for i in range(70)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=1, temperature=0)
+    both = run(tight, {"a": PROMPT, "b": other}, params)
+    assert tight.scheduler.num_preemptions >= 1
+    for rid, prompt in (("a", PROMPT), ("b", other)):
+        alone = run(engine, {f"alone-{rid}": prompt}, params)[f"alone-{rid}"]
+        got = both[rid].prompt_logprobs
+        assert len(got) == len(prompt) and [x.token_id for x in got[1:]] == prompt[1:]
+        assert [x.logprob for x in got[1:]] == pytest.approx([x.logprob for x in alone.prompt_logprobs[1:]], abs=1e-4)
+        assert both[rid].outputs[0].token_ids == alone.outputs[0].token_ids
