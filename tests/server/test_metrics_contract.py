@@ -119,6 +119,7 @@ def test_usage_moves_and_scrapes_stay_fast_while_8_streams_decode(server_url: st
         t.start()
     started.wait()
     usages: list[float] = []
+    generated: list[float] = []  # the engine's own counter, as each scrape sees it
     metrics_s: list[float] = []
     load_s: list[float] = []
     with httpx.Client(timeout=10) as http:
@@ -139,6 +140,7 @@ def test_usage_moves_and_scrapes_stay_fast_while_8_streams_decode(server_url: st
             assert usage == value(fams, "pagedserve_kv_blocks_used") / value(fams, "pagedserve_kv_blocks_total")
             if running == N_STREAMS and load["running"] == N_STREAMS:
                 usages.append(usage)
+                generated.append(value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total"))
                 metrics_s.append(elapsed)
                 load_s.append(load_elapsed)
             time.sleep(0.005)
@@ -147,6 +149,8 @@ def test_usage_moves_and_scrapes_stay_fast_while_8_streams_decode(server_url: st
     assert not errors, errors
     assert len(metrics_s) >= 20, f"only {len(metrics_s)} scrapes while {N_STREAMS} streams decoded"
     assert 0 < min(usages) and len(set(usages)) > 1, usages  # blocks are added as the contexts grow
+    # Fresh under load: the snapshot a scrape reads keeps moving while the streams decode.
+    assert generated == sorted(generated) and len(set(generated)) >= 5, generated
     assert _p99(metrics_s) < 0.1, sorted(metrics_s)[-5:]
     assert _p99(load_s) < 0.1, sorted(load_s)[-5:]
 
