@@ -37,17 +37,22 @@ class RequestGroup:
     @classmethod
     async def add(cls, submit: Callable[[str, int], Awaitable[RequestStream]], request_id: str,
                   num_prompts: int, stride: int) -> RequestGroup:
-        """Submit ``num_prompts`` engine requests with ``submit(engine_request_id, i)``; if one is refused,
-        those already admitted are aborted and the refusal is raised."""
-        streams: list[RequestStream] = []
+        """Submit ``num_prompts`` engine requests with ``submit(engine_request_id, i)``, all at once (each
+        waits for the step loop to admit it: one after the other, 64 prompts would wait 64 steps); if
+        one is refused or the caller is cancelled, those admitted are aborted and the error raised."""
+        if num_prompts == 1:
+            return cls([await submit(request_id, 0)], stride)
+        tasks = [asyncio.ensure_future(submit(f"{request_id}-{i}", i)) for i in range(num_prompts)]
         try:
-            for i in range(num_prompts):
-                streams.append(await submit(request_id if num_prompts == 1 else f"{request_id}-{i}", i))
+            await asyncio.gather(*tasks)
         except BaseException:
-            for s in streams:
-                s.abort()
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # a submission cancelled mid-admission takes itself back out
+                elif not t.cancelled() and t.exception() is None:
+                    t.result().abort()
             raise
-        return cls(streams, stride)
+        return cls([t.result() for t in tasks], stride)
 
     def abort(self) -> None:
         """Abort every member still running (idempotent)."""

@@ -213,7 +213,11 @@ def test_issue_13_top_k_probe_leaves_the_server_serving(server_url: str) -> None
     {"prompt": "x", "max_tokens": 3, "stop": ["s" * 512], "stop_token_ids": list(range(128))},
     {"prompt": "x", "max_tokens": 3, "temperature": 100, "presence_penalty": -2, "frequency_penalty": 2,
      "repetition_penalty": 10, "min_p": 1, "top_p": 1e-9},
-], ids=["top_k int32 max", "negative seed", "int64 max seed", "longest stops", "extreme floats"])
+    {"prompt": ["x"] * 64, "max_tokens": 1},  # the most prompts in one request
+    {"prompt": "x", "max_tokens": 3, "n": 2, "best_of": 4, "echo": True, "logprobs": 20, "prompt_logprobs": 20,
+     "logit_bias": {str(i): 100.0 if i % 2 else -100.0 for i in range(300)}},
+], ids=["top_k int32 max", "negative seed", "int64 max seed", "longest stops", "extreme floats", "64 prompts",
+        "largest logit_bias, best_of, echo, prompt_logprobs"])
 def test_values_at_the_bounds_are_served(server_url: str, body: dict) -> None:
     r = httpx.post(f"{server_url}{CMPL}", json=body, timeout=30)
     assert r.status_code == 200, r.text
