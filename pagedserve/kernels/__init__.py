@@ -9,10 +9,16 @@
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
-``$PAGEDSERVE_CACHE/kernels/<key>/``, keyed by the source, the torch version and the CPU's
-instruction-set flags (the build uses ``-march=native``), so each machine builds once and later
-processes only load the library. Without a compiler, or with ``PAGEDSERVE_KERNELS=0``, nothing is
-built and :func:`paged_decode_kernel` returns ``None``: callers fall back to the pure-torch path.
+``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the
+sources' content, the compiler and its flags (the build uses ``-march=native``, so the CPU's
+instruction-set flags too), the torch version *and install path*, and Python: two virtualenvs on
+one machine get two libraries and never rebuild or overwrite each other's. A process whose key
+has a library loads it at once; otherwise it builds under a file lock (one build per key at a
+time; waiters then load the winner's library), in a scratch directory, and moves the finished
+``.so`` into place with an atomic rename, so no process ever loads a half-written file. Every
+build logs one line, and every load names the directory it used. Without a compiler, or with
+``PAGEDSERVE_KERNELS=0``, nothing is built and :func:`paged_decode_kernel` returns ``None``:
+callers fall back to the pure-torch path.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +47,7 @@ _SOURCES = [Path(__file__).with_name(name)
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20"]
+LIBRARY = "pagedserve_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
 
@@ -54,13 +62,27 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _compiler() -> str:
+    """The C++ compiler torch will run (``$CXX``, else ``c++``), resolved to the real file."""
+    name = os.environ.get("CXX", "c++")
+    found = shutil.which(name)
+    return os.path.realpath(found) if found else name
+
+
 def build_key() -> str:
-    """What the compiled library depends on: sources, compile flags, torch, Python, CPU features."""
+    """What the compiled library depends on: sources, compiler and flags, torch (version and
+    install path), Python, CPU features."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), torch.__version__.encode(),
+    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), _compiler().encode(),
+                 torch.__version__.encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
-        h.update(part)
+        h.update(part + b"\0")  # separated, so no two different part lists hash alike
     return h.hexdigest()[:16]
+
+
+def kernel_dir() -> Path:
+    """This process's build directory: ``$PAGEDSERVE_CACHE/kernels/<build_key()>``."""
+    return cache_dir() / "kernels" / build_key()
 
 
 def _put_ninja_on_path() -> None:
@@ -74,33 +96,61 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> object:
+def _compile(work: Path) -> Path:
+    """Compile the kernels in the scratch directory ``work`` and load them; returns the library.
+
+    The sources are copied in first, so the build never depends on where this checkout lives.
+    """
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools
 
     _put_ninja_on_path()
+    src = work / "src"
+    src.mkdir()
+    for path in _SOURCES + _HEADERS:
+        shutil.copy2(path, src / path.name)
+    cpp_extension.load(name=LIBRARY, sources=[str(src / p.name) for p in _SOURCES], extra_cflags=_FLAGS,
+                       build_directory=str(work), is_python_module=False, verbose=False)
+    return work / f"{LIBRARY}.so"
 
-    build_dir = cache_dir() / "kernels" / build_key()
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+
+
+def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _compile,
+                   load: Callable[[Path], None] = _load_library) -> bool:
+    """Load ``build_dir``'s library into this process, compiling it first if there is none.
+
+    True if this call compiled it. ``compile_into(work)`` builds and loads the library in a
+    scratch directory and returns its path (the tests pass a stand-in).
+    """
+    library = build_dir / f"{LIBRARY}.so"
+    if library.exists():
+        load(library)
+        log.info("native kernels loaded from %s", build_dir)
+        return False
     build_dir.mkdir(parents=True, exist_ok=True)
-    name = "pagedserve_kernels"
-    t0 = time.monotonic()
-    # One build at a time per build directory, under a lock the kernel releases if its holder dies:
-    # torch's own lock is a plain file that a killed build leaves behind, and every later start
-    # would wait on it forever. Holding ours, any torch lock file there is such a leftover.
+    # One build per key at a time, under a lock the kernel releases if its holder dies (a killed
+    # build leaves only its scratch directory behind, which the next build does not reuse).
     with open(build_dir / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        library = build_dir / f"{name}.so"
-        if library.exists():
-            # The directory's key covers every input, so a library there is this build: load it as it
-            # is. (Going through cpp_extension.load again would let ninja rebuild it whenever the
-            # sources sit at another path, e.g. a second checkout, overwriting a library in use.)
-            torch.ops.load_library(str(library))
-        else:
-            log.info("compiling the native kernels into %s (once per machine, ~30 s)", build_dir)
-            # Compiles and loads the library into this process (registering torch.ops.pagedserve.*).
-            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                               build_directory=str(build_dir), is_python_module=False, verbose=False)
-    log.info("native kernels ready in %.1f s", time.monotonic() - t0)
+        if library.exists():  # built by the process we waited for
+            load(library)
+            log.info("native kernels loaded from %s (built by another process while this one waited)", build_dir)
+            return False
+        log.info("compiling native kernels into %s (~30 s, once per source, compiler and torch install)", build_dir)
+        t0 = time.monotonic()
+        work = Path(tempfile.mkdtemp(prefix="build-", dir=build_dir))
+        try:
+            os.replace(compile_into(work), library)  # atomic: loaders see no file or the whole file
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        log.info("native kernels built in %.1f s", time.monotonic() - t0)
+    return True
+
+
+def _build() -> object:
+    _build_or_load(kernel_dir())
     return torch.ops.pagedserve
 
 
