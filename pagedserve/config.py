@@ -103,7 +103,8 @@ class EngineConfig:
     """Everything the engine needs to start; defaults suit a small CPU machine.
 
     ``kv_cache_memory`` is the KV pool's byte budget; the number of blocks follows from the
-    planner's bytes-per-token formula. ``num_kv_blocks`` overrides it (tests use it to force a
+    planner's bytes-per-token formula. ``"auto"`` sizes it from free memory once the weights are
+    loaded: ``kv_cache_memory_fraction`` of it less an activation reserve (engine/memory.py). ``num_kv_blocks`` overrides it (tests use it to force a
     tiny pool). ``kv_reservation="max"`` makes every admitted request reserve ``max_model_len``
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
@@ -118,7 +119,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: int | str = "1GiB"  # bytes, "2GiB", or "auto" (from free memory, engine/memory.py)
+    kv_cache_memory_fraction: float = 0.9  # auto: the share of the (free) memory the engine may use
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
@@ -136,7 +138,13 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
+            self.kv_cache_memory = "auto"  # sized by the engine once the weights are loaded
+        else:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_reservation not in ("paged", "max"):

@@ -24,7 +24,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
-                   help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token)")
+                   help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token). "
+                        "auto: sized from free memory once the weights are loaded, like vLLM's --gpu-memory-utilization "
+                        "(--kv-cache-memory-fraction of it, less an activation reserve; CPU: MemAvailable; the choice "
+                        "is logged) (default 1GiB)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, metavar="F",
+                   help="with --kv-cache-memory auto: the share of memory the engine may use, in (0, 1]: of the "
+                        "card's total on CUDA (weights and other users counted against it), of the available "
+                        "memory on CPU (default 0.9)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
@@ -62,6 +69,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
     return EngineConfig(
         model=model or args.model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,

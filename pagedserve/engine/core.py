@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.memory import choose_auto_kv_budget
 from pagedserve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
 from pagedserve.engine.runner import ModelRunner
 from pagedserve.engine.runner import ModelInput
@@ -169,11 +170,24 @@ class EngineCore:
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype, self.dtype)
+        auto = None
+        if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
+            auto = choose_auto_kv_budget(arch, config, self.device, self.kv_bytes_per_token)
+            logger.info("%s", auto.describe())
+            self.config = config = dataclasses.replace(config, kv_cache_memory=auto.budget)
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
             config.kv_cache_memory, config.block_size, self.kv_bytes_per_token)
         if self.num_kv_blocks < 1:
+            if auto is not None:
+                raise ValueError(f"{auto.describe()}: no KV block of {config.block_size} tokens × "
+                                 f"{self.kv_bytes_per_token} B fits; free memory or give --kv-cache-memory")
             raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
                              f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
+        pool_tokens = self.num_kv_blocks * config.block_size
+        if pool_tokens < config.max_model_len:
+            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
+                           "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
+                           "--max-model-len", pool_tokens, config.max_model_len, self.kv_bytes_per_token)
         kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
                                        arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
         # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
@@ -204,7 +218,6 @@ class EngineCore:
             from pagedserve.engine.kv_events import ZmqEventPublisher
 
             self.kv_event_publisher = ZmqEventPublisher(events)
-        pool_tokens = self.num_kv_blocks * config.block_size
         logger.info(
             "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
             "tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",

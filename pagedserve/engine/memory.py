@@ -1,0 +1,146 @@
+"""``kv_cache_memory="auto"``: size the KV pool from the memory this machine has free.
+
+Like vLLM's ``--gpu-memory-utilization``, a fraction (``kv_cache_memory_fraction``, 0.9 by
+default) says how much of the memory may be used; the pool gets that part, less an activation
+reserve, measured *after* the weights are loaded (so they are already out of it):
+
+* CUDA: ``fraction × total − in use now − reserve`` (``torch.cuda.mem_get_info``): the engine
+  takes the card up to the fraction, counting its weights and whatever else is on it.
+* CPU: ``fraction × available − reserve``, where *available* is the smaller of the kernel's
+  ``MemAvailable`` (``/proc/meminfo``; psutil's figure where psutil is installed) and what a
+  cgroup (container) limit leaves: other processes' memory is theirs, so only free memory counts.
+
+The reserve is an estimate, not a measurement (vLLM profiles a forward pass instead): the
+largest step's float32 activations and attention scores, the sampler's logits, and 256 MiB of
+headroom. The pool is also capped at what ``max_num_seqs`` sequences of ``max_model_len``
+tokens could ever fill: more than that is never used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADROOM = 256 * 2**20  # allocator slack, Python and torch's own buffers
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """What can be used now (bytes) and where the figure came from."""
+
+    usable: int  # the fraction already applied, before the reserve
+    available: int
+    total: int
+    source: str
+
+
+@dataclass(frozen=True)
+class AutoKVBudget:
+    """The pool size ``auto`` chose, and each term of the choice (for the log line)."""
+
+    budget: int
+    free: FreeMemory
+    fraction: float
+    reserve: int
+    cap: int
+
+    def describe(self) -> str:
+        capped = " (capped: max_num_seqs × max_model_len tokens fill no more)" if self.budget == self.cap else ""
+        f = self.free
+        if f.source.startswith("torch.cuda"):
+            usable = (f"{self.fraction:g} × {_size(f.total)} total − {_size(f.total - f.available)} in use "
+                      f"(weights included; {f.source})")
+        else:
+            usable = (f"{self.fraction:g} × {_size(f.available)} available of {_size(f.total)} ({f.source}, "
+                      "after loading the weights)")
+        return f"kv_cache_memory auto = {_size(self.budget)}{capped}: {usable} − {_size(self.reserve)} activation reserve"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return values
+
+
+def _cgroup_room() -> int | None:
+    """Bytes a cgroup v2 (or v1) memory limit still leaves this process, if one applies."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 2**60:
+            return None  # no limit (v1 writes a huge number for "none")
+        return max(0, int(limit_text) - usage)
+    return None
+
+
+def cpu_free_memory(fraction: float) -> FreeMemory:
+    try:
+        import psutil  # optional: used where installed
+
+        vm = psutil.virtual_memory()
+        available, total, source = int(vm.available), int(vm.total), "psutil available"
+    except ImportError:
+        info = _meminfo()
+        if "MemAvailable" in info:
+            available, total, source = info["MemAvailable"], info.get("MemTotal", 0), "/proc/meminfo MemAvailable"
+        else:  # not Linux: free pages, which undercounts reclaimable cache but never overcounts
+            page = os.sysconf("SC_PAGE_SIZE")
+            available = os.sysconf("SC_AVPHYS_PAGES") * page
+            total, source = os.sysconf("SC_PHYS_PAGES") * page, "free physical pages"
+    room = _cgroup_room()
+    if room is not None and room < available:
+        available, source = room, f"{source}, lowered to the cgroup limit's room"
+    return FreeMemory(int(fraction * available), available, total, source)
+
+
+def cuda_free_memory(device: torch.device, fraction: float) -> FreeMemory:
+    free, total = torch.cuda.mem_get_info(device)
+    usable = max(0, int(fraction * total) - (total - free))  # vLLM's rule: a fraction of the whole card
+    return FreeMemory(usable, free, total, "torch.cuda.mem_get_info")
+
+
+def activation_reserve(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                       vocab: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    """An upper estimate of one step's transient memory, in bytes (float32 throughout)."""
+    tokens = max_num_batched_tokens
+    per_token = 4 * hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim + 3 * intermediate
+    # A prompt chunk's scores against its whole context (the matmul and reference backends build them).
+    scores = num_heads * min(tokens, max_model_len) * max_model_len
+    logits = 3 * max_num_seqs * vocab  # logits, the sampler's softmax and its working copy
+    return 4 * (tokens * per_token + scores + logits) + HEADROOM
+
+
+def auto_kv_budget(free: FreeMemory, fraction: float, reserve: int, cap: int) -> AutoKVBudget:
+    return AutoKVBudget(max(0, min(free.usable - reserve, cap)), free, fraction, reserve, cap)
+
+
+def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token: int) -> AutoKVBudget:
+    """The ``auto`` pool for this model (a :class:`~pagedserve.models.llama.ModelArchitecture`) and
+    resolved engine config, on ``device``, once the weights are loaded."""
+    fraction = config.kv_cache_memory_fraction
+    free = cuda_free_memory(device, fraction) if device.type == "cuda" else cpu_free_memory(fraction)
+    reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                 arch.intermediate_size, arch.vocab_size, config.max_num_batched_tokens,
+                                 config.max_num_seqs, config.max_model_len)
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    cap = config.max_num_seqs * blocks_per_seq * config.block_size * kv_bytes_per_token
+    return auto_kv_budget(free, fraction, reserve, cap)
