@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.block_map import BlockMapFeed
 from pagedserve.engine.client import (
     EngineDeadError, LoadReport, RequestStream, StepObserver, StreamingClient, read_request_log, request_log,
 )
@@ -61,6 +62,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Watch:
+    on: bool  # start or stop making block-map snapshots
+
+
 class AsyncEngine(StreamingClient):
     """Runs :meth:`Engine.step` on a dedicated thread and fans outputs out to per-request queues.
 
@@ -74,12 +80,13 @@ class AsyncEngine(StreamingClient):
         self.facts = engine.facts()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Watch] = []
         self._stopping = False
         self._thread_done = False  # set under the lock when the step thread exits, however it exits
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
         self._stats_time = 0.0  # step-thread clock of the last refresh
+        self._block_feed = BlockMapFeed()  # touched by the step thread only
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -129,7 +136,10 @@ class AsyncEngine(StreamingClient):
     def _abort_in_engine(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def watch_block_map(self, on: bool) -> None:
+        self._submit(_Watch(on))
+
+    def _submit(self, command: _Add | _Abort | _Watch) -> None:
         with self._cond:
             if self._thread_done:  # nobody will ever apply it: refuse now rather than hang the caller
                 if isinstance(command, _Add):
@@ -166,14 +176,18 @@ class AsyncEngine(StreamingClient):
                     self._after_step(outputs)
                 else:
                     self._stats = engine.stats()
+                    self._snapshot_blocks(time.monotonic(), idle=True)
         except BaseException as exc:  # the engine is broken: fail every stream, refuse new work
             logger.exception("engine step loop crashed")
             self.dead_error = exc
             self._fail_everything(exc)
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Watch]) -> None:
         now = time.monotonic()
         for cmd in commands:
+            if isinstance(cmd, _Watch):
+                self._block_feed.watch(cmd.on)
+                continue
             if isinstance(cmd, _Abort):
                 if self.engine.abort(cmd.request_id) and self.observer is not None:
                     self._call_soon(self.observer.on_abort, cmd.request_id, now)
@@ -194,6 +208,12 @@ class AsyncEngine(StreamingClient):
             self._stats, self._stats_time = self.engine.stats(), now
         if outputs:
             self._call_soon(self._deliver, outputs)
+        self._snapshot_blocks(now, idle=not self.engine.has_unfinished_requests())
+
+    def _snapshot_blocks(self, now: float, idle: bool) -> None:
+        snap = self._block_feed.maybe_build(self.engine, now, idle)
+        if snap is not None:
+            self.block_map = snap  # one reference swap: the event loop reads whichever is current
 
     def _call_soon(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
         if self._loop is not None and not self._loop.is_closed():

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pagedserve import errors
+from pagedserve.engine.block_map import BlockMap
 from pagedserve.engine.core import ModelFacts
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -179,6 +180,11 @@ class EngineClient(abc.ABC):
         """The engine's latest stats snapshot (never waits for a step)."""
 
     @abc.abstractmethod
+    def watch_block_map(self, on: bool) -> None:
+        """Start (or stop) the core's block-map snapshots; the latest lands in ``block_map``.
+        They cost the core a bounded share of its loop, so only a watched dashboard turns them on."""
+
+    @abc.abstractmethod
     def load(self) -> LoadReport:
         """Running/waiting requests, KV blocks, tokens/s and the queue wait a new request would see."""
 
@@ -200,6 +206,7 @@ class StreamingClient(EngineClient):
         self.observer = observer
         self.log_requests = log_requests  # one request_log line per request that runs to its end
         self.dead_error: BaseException | None = None
+        self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)
         self._streams: dict[str, RequestStream] = {}
         self._accepting = True
         # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.

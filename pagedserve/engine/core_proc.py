@@ -26,6 +26,7 @@ import zmq
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
+from pagedserve.engine.block_map import BlockMap, BlockMapFeed
 from pagedserve.engine.core import CoreOutput, EngineCore
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
@@ -55,7 +56,11 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequest | Abort | Shutdown
+class WatchBlocks(msgspec.Struct, tag=True, array_like=True):
+    on: bool  # a dashboard is (no longer) watching: make block-map snapshots (or stop)
+
+
+Command = AddRequest | Abort | Shutdown | WatchBlocks
 
 
 class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -83,6 +88,7 @@ class CoreBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     aborted: list[str] = []  # requests the core dropped on request (for the abort counter)
     outputs: list[CoreOutput] = []
     stats: EngineStats | None = None
+    block_map: BlockMap | None = None  # only while watched (pagedserve.engine.block_map)
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
@@ -150,6 +156,7 @@ def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: i
     decoder = msgspec.msgpack.Decoder(list[Command])
     encoder = msgspec.msgpack.Encoder()
     last_stats = last_parent_check = 0.0
+    blocks = BlockMapFeed()
     while True:
         batch = CoreBatch()
         received: list[bytes] = []
@@ -165,6 +172,9 @@ def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: i
                 if isinstance(cmd, Shutdown):
                     _send(results, encoder.encode(CoreBatch(stats=core.stats())), parent)
                     return
+                if isinstance(cmd, WatchBlocks):
+                    blocks.watch(cmd.on)
+                    continue
                 _apply(core, cmd, batch)
         if core.has_unfinished_requests():
             batch.outputs = core.step()
@@ -176,7 +186,8 @@ def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: i
         idle = not core.has_unfinished_requests()
         if idle or any(o.finished for o in batch.outputs) or now - last_stats >= STATS_INTERVAL_S:
             batch.stats, last_stats = core.stats(), now
-        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None:
+        batch.block_map = blocks.maybe_build(core, now, idle)
+        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None or batch.block_map:
             _send(results, encoder.encode(batch), parent)
 
 

@@ -34,7 +34,7 @@ import zmq.asyncio
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
 from pagedserve.engine.core import ModelFacts
-from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, run_engine_core
+from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks, run_engine_core
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
@@ -192,7 +192,11 @@ class MPEngineClient(StreamingClient):
         if self.dead_error is None and not self._shutting_down:
             self._send(Abort(request_id))
 
-    def _send(self, command: AddRequest | Abort | Shutdown) -> None:
+    def watch_block_map(self, on: bool) -> None:
+        if self.dead_error is None and not self._shutting_down:
+            self._send(WatchBlocks(on))
+
+    def _send(self, command: AddRequest | Abort | Shutdown | WatchBlocks) -> None:
         assert self._input is not None
         # A batch of one: the core decodes list[Command] frames. PUSH never blocks here (the
         # high-water mark is far above anything one server holds in flight).
@@ -226,6 +230,8 @@ class MPEngineClient(StreamingClient):
                 future.set_exception(admission.to_exception())
         if batch.stats is not None:
             self._stats = batch.stats
+        if batch.block_map is not None:
+            self.block_map = batch.block_map
         if self.observer is not None and batch.aborted:
             now = time.monotonic()
             for request_id in batch.aborted:

@@ -32,7 +32,7 @@ recorded there under its content hash, for routers; without one nothing is hashe
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence as Seq
+from collections.abc import Hashable, Iterable, Sequence as Seq
 
 from pagedserve.kv.events import KVEventLog, block_hash
 
@@ -126,6 +126,7 @@ class BlockManager:
         self.events = events
         # With events: each sequence's full blocks' content hashes, in step with ``chains``.
         self._hash_chains: dict[int, list[int]] = {}
+        self.num_evictions = 0  # cached blocks whose content was dropped to reuse the block
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -154,6 +155,10 @@ class BlockManager:
         if self.events is None:
             raise RuntimeError("block hashes are kept only with KV events on")
         return self.events.hashes()
+
+    def cached_blocks(self) -> Iterable[KVBlock]:
+        """Every block whose content is in the prefix cache, referenced or free (for the block map)."""
+        return self._cache.values()
 
     # ---- prefix cache --------------------------------------------------------------------
     def _key(self, parent: int, tokens: Seq[int], index: int, extra: Hashable) -> tuple:
@@ -245,7 +250,9 @@ class BlockManager:
 
     def _take_free(self) -> KVBlock:
         block = self.free_queue.popleft()
-        self._num_cached_free -= block.cache_key is not None
+        if block.cache_key is not None:
+            self._num_cached_free -= 1
+            self.num_evictions += 1
         self._evict(block)
         block.ref_count = 1
         return block
