@@ -28,11 +28,13 @@ serve: install default-model
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
 # Debian packages the tests need: redis-server (the limiter tests start their own on a loopback
-# port) and g++ (the native kernels compile on first use; a test checks that they build here).
+# port), g++ (the native kernels compile on first use; a test checks that they build here) and
+# chromium (the dashboard tests drive it with playwright; no browser is ever downloaded).
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing:$$missing (sudo apt-get install$$missing)" >&2; exit 1; fi; fi

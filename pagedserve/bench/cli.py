@@ -13,6 +13,7 @@ BENCHMARKS = [
     "pagedserve.bench.prefix",
     "pagedserve.bench.serve",
     "pagedserve.bench.tiers",
+    "pagedserve.bench.dashboard",
     "pagedserve.bench.quality",
     "pagedserve.bench.train",
 ]

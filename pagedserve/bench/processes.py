@@ -67,10 +67,11 @@ def running_process(cmd: list[str], ready_url: str, timeout_s: float = 300.0,
 
 
 @contextmanager
-def engine_server(*args: str, log: IO | None = None, timeout_s: float = 300.0) -> Iterator[str]:
-    """``python -m pagedserve serve ARGS`` on a free 127.0.0.1 port; yields its URL once ``/health``
-    answers, stops it on exit (``log`` as in :func:`running_process`)."""
-    port = free_port()
+def engine_server(*args: str, log: IO | None = None, timeout_s: float = 300.0,
+                  port: int | None = None) -> Iterator[str]:
+    """``python -m pagedserve serve ARGS`` on ``port`` (default: a free one) of 127.0.0.1; yields its URL
+    once ``/health`` answers, stops it on exit (``log`` as in :func:`running_process`)."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with running_process(cmd, f"{url}/health", timeout_s, log=log):

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pagedserve.gateway.admission import Admission, Decision, bucket_views
 from pagedserve.gateway.breaker import CircuitBreaker
 from pagedserve.gateway.config import GatewayConfig, KeyEntry, TierConfig
+from pagedserve.gateway.dashboard import GatewayFeed
 from pagedserve.gateway.keys import KeyRing, bearer_key
 from pagedserve.gateway.limiter import Limiter, LimiterUnavailable
 from pagedserve.gateway.limiter_memory import MemoryLimiter
@@ -39,6 +40,7 @@ from pagedserve.gateway.responses import error_body, error_response, ratelimit_h
 from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.tokens import count_prompt_tokens
 from pagedserve.streaming import ClosingStreamingResponse
+from pagedserve.web import install_offline_docs, mount_dashboard
 
 log = logging.getLogger("pagedserve.gateway")
 decisions = logging.getLogger("pagedserve.gateway.decisions")
@@ -118,7 +120,20 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             await client.aclose()
             await lim.close()
 
-    app = FastAPI(title="pagedserve gateway", lifespan=lifespan)
+    app = FastAPI(title="pagedserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_offline_docs(app, "pagedserve gateway")
+    mount_dashboard(app, "gateway.html")
+    feed = app.state.dashboard = GatewayFeed()
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def dashboard_events(request: Request) -> Response:
+        """The dashboard's live feed: a ``gateway`` server-sent event every half second (docs/DASHBOARD.md)."""
+        if feed.full:
+            return error_response(503, f"The dashboard already has {feed.max_viewers} viewers; close one.",
+                                  code="too_many_viewers")
+        events = feed.events(request.app.state.gateway)
+        return ClosingStreamingResponse(events, events.aclose, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

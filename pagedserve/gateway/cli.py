@@ -51,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config)
     gc.collect()  # startup objects live until exit: keep them out of the cyclic GC's walks
     gc.freeze()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=level,
-                access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=level,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    app.state.dashboard.should_stop = lambda: server.should_exit  # open dashboard feeds end on shutdown
+    server.run()
     return 0
 
 

@@ -1,7 +1,9 @@
 """The FastAPI app: routes, lifespan (EngineClient start / graceful stop), middleware, errors.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``. See docs/SERVER.md.
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``;
+the dashboard at ``/`` and ``/dashboard`` with its feed ``GET /dashboard/events``; ``/docs``. See
+docs/SERVER.md, docs/DASHBOARD.md.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import pagedserve
 from pagedserve.engine.client import EngineClient, LoadReport
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import GuardMiddleware
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
+from pagedserve.streaming import ClosingStreamingResponse
+from pagedserve.web import install_offline_docs, mount_dashboard
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +61,26 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
                         stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # /docs without a CDN: install_offline_docs below
                   description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     install_error_handlers(app)
+    install_offline_docs(app, "pagedserve")
+    mount_dashboard(app, "engine.html")
+    feed = app.state.dashboard = DashboardFeed(client, model_name)
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def dashboard_events() -> Response:
+        """The dashboard's live feed (server-sent events; docs/DASHBOARD.md). Needs the API key when
+        one is set, as a bearer token like /v1/*."""
+        if not client.is_running:
+            return _engine_unavailable()
+        if feed.full:
+            return error_response(503, f"the dashboard already has {feed.max_viewers} viewers; close one",
+                                  "server_error", code="too_many_viewers")
+        events = feed.events()
+        return ClosingStreamingResponse(events, events.aclose, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> JSONResponse:

@@ -172,6 +172,7 @@ def run_serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     server = uvicorn.Server(uvicorn_config)
+    app.state.dashboard.should_stop = lambda: server.should_exit  # open dashboard feeds end on shutdown
     engine_died = False
 
     def on_engine_death() -> None:  # the core process is gone: stop, and exit non-zero for a supervisor

@@ -14,7 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.server.errors import error_response
 
 # Paths that need the API key when one is set; /health, /metrics and /load stay open for probes.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# The dashboard's page and scripts are open (they hold no data); its feed of requests is not.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/events")
 
 
 class GuardMiddleware:

@@ -20,14 +20,14 @@ __all__ = ["AppThread", "free_port", "run_engine_server", "wait_for_idle"]
 
 @contextmanager
 def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 60,
-                      log: IO | None = None) -> Iterator[str]:
+                      log: IO | None = None, port: int | None = None) -> Iterator[str]:
     """Start `python -m pagedserve serve` on a free 127.0.0.1 port in a subprocess; yield its base URL
     (e.g. 'http://127.0.0.1:PORT'); terminate it (and wait) on exit.
 
     The server's output goes to ``log`` (a temporary file when not given), quoted in the error if
-    it fails to start.
+    it fails to start. ``port``: listen there instead of on a free port (to restart a server in place).
     """
-    with engine_server("--model", str(model_dir), *extra_args, log=log, timeout_s=timeout) as url:
+    with engine_server("--model", str(model_dir), *extra_args, log=log, timeout_s=timeout, port=port) as url:
         yield url
 
 
