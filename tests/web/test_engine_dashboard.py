@@ -101,6 +101,7 @@ def test_grid_follows_load_and_shows_preemptions_and_evictions(server: str, page
         t.start()
     # While they run: the grid agrees with /load at some moment (both move every step).
     matched = False
+    states: set[str] = set()  # the request list's states seen while they ran
     deadline = time.monotonic() + 180
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         load = _load(server)
@@ -109,14 +110,14 @@ def test_grid_follows_load_and_shows_preemptions_and_evictions(server: str, page
             if not matched:  # the pool mid-run (docs/img/dashboard.png is one of these)
                 page.screenshot(path=str(tmp_path / "engine-dashboard-running.png"), full_page=True)
             matched = True
-        rows = page.locator("#requests tbody tr").count()
-        if rows:
-            assert page.locator("#requests tbody tr[data-state=running]").count() >= 1
+        states.update(page.evaluate(
+            "() => [...document.querySelectorAll('#requests tbody tr')].map(r => r.dataset.state)"))
         time.sleep(0.1)
     for t in threads:
         t.join(180)
     assert not errors, errors
     assert matched, "the grid never showed the blocks /load reported while requests ran"
+    assert "running" in states, states
     page.wait_for_selector("#events li[data-kind=preemption]", timeout=5_000)
     page.wait_for_selector("#events li[data-kind=eviction]", timeout=5_000)
     counters = page.locator("#counters")

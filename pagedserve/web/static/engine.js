@@ -30,7 +30,7 @@
     if (c === undefined) {
       const h = PS.hue(owner).toFixed(0);
       c = state === OWNED ? `hsl(${h},65%,55%)` : state === SHARED ? `hsl(${h},80%,32%)`
-        : state === CACHED ? `hsl(${h},20%,32%)` : "#222831";
+        : state === CACHED ? `hsl(${h},35%,30%)` : "#222831";
       if (colourCache.size > 50000) colourCache.clear();
       colourCache.set(key, c);
     }
