@@ -187,7 +187,8 @@ def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: i
         if idle or any(o.finished for o in batch.outputs) or now - last_stats >= STATS_INTERVAL_S:
             batch.stats, last_stats = core.stats(), now
         batch.block_map = blocks.maybe_build(core, now, idle)
-        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None or batch.block_map:
+        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None \
+                or batch.block_map is not None:
             _send(results, encoder.encode(batch), parent)
 
 
