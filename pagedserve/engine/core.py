@@ -12,6 +12,7 @@ its output carries the error), and the rest of the batch goes on as if nothing h
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -29,6 +30,7 @@ from pagedserve.engine.sampler import SampleResult, SamplingRow, sample, token_l
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.sequence import Request, Sequence
+from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
@@ -206,6 +208,10 @@ class EngineCore:
         ), self.block_manager)
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
         self.requests: dict[str, Request] = {}
+        # Structured-output requests whose grammar is still compiling (on the compiler's thread):
+        # they join the scheduler's waiting queue once it is ready.
+        self.grammars = GrammarCompiler(self.tokenizer_source, arch.vocab_size, sorted(self.eos_token_ids))
+        self.compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
         self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
         self.num_failed_requests = 0
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -277,7 +283,11 @@ class EngineCore:
         if arrival_time is not None:
             req.metrics.arrival_time = min(arrival_time, req.arrival_time)
         seq = self._new_sequence(req, 0, list(token_ids))
-        self.scheduler.add(seq)  # may raise QueueFull before anything is recorded
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)  # may raise QueueFull before anything is recorded
+        else:
+            self.scheduler.check_room(len(self.compiling))  # QueueFull, counting those compiling
+            self.compiling[request_id] = (seq, self.grammars.compile(params.structured_outputs))
         req.seqs.append(seq)
         self.requests[request_id] = req
 
@@ -286,6 +296,8 @@ class EngineCore:
         if req.params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.params.seed + index)
         seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=gen)
+        if req.compiled_grammar is not None:
+            seq.grammar = self.grammars.matcher(req.compiled_grammar)
         if req.params.logprobs is not None:
             seq.logprobs = []
             seq.cumulative_logprob = 0.0
@@ -304,6 +316,7 @@ class EngineCore:
                 self.scheduler.finish(seq)
         if index is None or all(s.is_finished for s in req.seqs):  # (an unforked n > 1 has one seq)
             del self.requests[request_id]
+            self.compiling.pop(request_id, None)
             logger.debug("aborted request %s", request_id)
         return True
 
@@ -318,10 +331,16 @@ class EngineCore:
         first token, then every N tokens, and its finish); skipped steps' tokens arrive in the next
         output's deltas, so nothing is lost and the step may return no output at all.
         """
+        failed: dict[str, str] = {}
+        if self.compiling:
+            self._admit_compiled(failed)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
-        failed: dict[str, str] = {}
+            if self.compiling and not failed:
+                # Nothing else to run: wait (briefly, so aborts and new requests are seen) for a grammar.
+                concurrent.futures.wait([f for _, f in self.compiling.values()], timeout=0.005,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return [self._fail(rid, msg) for rid, msg in failed.items()]
         if plan.copies:
             self.runner.copy_blocks(plan.copies)
         try:
@@ -354,6 +373,20 @@ class EngineCore:
             self.publish_kv_events()
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None
+
+    def _admit_compiled(self, failed: dict[str, str]) -> None:
+        """Move the requests whose grammar has compiled into the waiting queue (or fail them)."""
+        for request_id, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                seq.request.compiled_grammar = future.result()
+            except Exception as exc:
+                failed[request_id] = str(exc) if isinstance(exc, InvalidRequest) else f"{type(exc).__name__}: {exc}"
+                continue
+            seq.grammar = self.grammars.matcher(seq.request.compiled_grammar)
+            self.scheduler.add(seq, check=False)
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         self._maybe_inject("execute", (s for s, _ in plan.scheduled))
@@ -413,6 +446,7 @@ class EngineCore:
     def _fail(self, request_id: str, message: str) -> CoreOutput:
         """End a request whose processing raised: free its blocks, report the error to its owner."""
         req = self.requests.pop(request_id)
+        self.compiling.pop(request_id, None)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -431,11 +465,11 @@ class EngineCore:
         self._last_log, self._tokens_since_log = now, 0
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], targets: list[Sequence],
-                failed: dict[str, str]) -> SampleResult:
+                failed: dict[str, str], raw: torch.Tensor) -> SampleResult:
         """Sample every row at once; if that raises, row by row, failing the requests whose rows raise."""
         try:
             self._maybe_inject("sample", targets)
-            return sample(logits, rows, self.generator)
+            return sample(logits, rows, self.generator, raw)
         except Exception:
             pass
         result = SampleResult([], [])
@@ -446,7 +480,7 @@ class EngineCore:
             else:
                 try:
                     self._maybe_inject("sample", [seq])
-                    one = sample(logits[i:i + 1], [row], self.generator)
+                    one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1])
                     token, lp = one.token_ids[0], one.logprobs[0]
                 except Exception as exc:
                     failed[request_id] = f"{type(exc).__name__}: {exc}"
@@ -472,7 +506,12 @@ class EngineCore:
                 row_index.append(i)
         if len(row_index) != logits.shape[0]:
             logits = logits[torch.tensor(row_index, dtype=torch.long, device=logits.device)]
-        result = self._sample(logits, rows, targets, failed) if rows else SampleResult([], [])
+        raw = logits
+        constrained = [i for i, s in enumerate(targets) if s.grammar is not None]
+        if constrained:  # one bitmask for the batch, applied in one call; logprobs stay the model's
+            logits = logits.clone()
+            self.grammars.apply_masks(logits, [targets[i].grammar for i in constrained], constrained)
+        result = self._sample(logits, rows, targets, failed, raw) if rows else SampleResult([], [])
 
         # Fork the new n > 1 branches before any token is appended (a parent may finish at once).
         for seq in targets:
@@ -531,6 +570,13 @@ class EngineCore:
         return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, seq.output_token_ids, banned)
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The mask left nothing the grammar allows (min_tokens banned its end, say): end here,
+            # without the token, rather than emit output the grammar does not match.
+            logger.debug("request %s: grammar refused token %d; finishing", seq.request.request_id, token)
+            seq.finish_reason, seq.stop_reason = "stop", None
+            self.scheduler.finish(seq)
+            return
         seq.token_ids.append(token)
         self.num_generated_tokens += 1  # counted here, streamed or not (stream_interval, aborts)
         if seq.logprobs is not None and logprob is not None:
@@ -538,7 +584,9 @@ class EngineCore:
             seq.cumulative_logprob += logprob.logprob
         p = seq.request.params
         reason: tuple[str, int | None] | None = None
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            reason = ("stop", token if token in p.stop_token_ids else None)
+        elif not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
             reason = ("stop", None)
         elif token in p.stop_token_ids:
             reason = ("stop", token)
@@ -578,7 +626,7 @@ class EngineCore:
                 if n > filled.get(block_id, 0):
                     filled[block_id] = n
         return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(self.compiling),
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len, block_size=bs,
             kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
             kv_blocks_cached_free=bm.num_cached_free_blocks, kv_tokens_in_use=sum(filled.values()),

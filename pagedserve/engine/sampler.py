@@ -123,9 +123,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, chunk: i
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` (``[S, vocab]``, float32)."""
-    raw = logits
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
+           raw: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` (``[S, vocab]``, float32). ``raw``: the logits before a
+    grammar's mask, whose distribution the logprobs report (default: ``logits``)."""
+    raw = logits if raw is None else raw
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
     if banned:
         logits = logits.clone()

@@ -15,6 +15,7 @@ schema's message; the offline ``LLM`` gets these):
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Callable
@@ -43,6 +44,80 @@ PENALTY_MAX = 2.0  # presence and frequency: [-2, 2] (OpenAI)
 REPETITION_PENALTY_MAX = 10.0
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI documents no count; 300 covers every harness)
 LOGIT_BIAS_MAX = 100.0  # |bias| (OpenAI's range: -100 bans a token, 100 forces it)
+# Structured output: a JSON schema, regex or grammar is compiled against the whole vocabulary,
+# so its size is bounded; so are the choices of a choice constraint.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``): set exactly one.
+
+    ``json`` is a JSON schema (a dict, or its JSON text); ``json_object`` any JSON object;
+    ``regex`` a regular expression; ``choice`` one of a list of strings; ``grammar`` an EBNF
+    grammar (xgrammar's dialect, GBNF-like, rule ``root``). The engine compiles it once per
+    distinct spec and masks every sampled token to what the grammar allows; reaching the
+    grammar's end finishes the completion with ``finish_reason == "stop"``.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # one text form, so equal schemas share one compiled grammar
+            self.json = json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return set_[0] if set_ else "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, spec text)``: what a compiled grammar is cached under."""
+        kind = self.kind
+        if kind == "choice":
+            return kind, json.dumps(self.choice, ensure_ascii=False)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequest:
+            return InvalidRequest(msg, param="structured_outputs")
+
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is not False and self.json_object is not True:
+            raise bad(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}.")
+        if len(given) + bool(self.json_object) != 1:
+            raise bad("structured_outputs must set exactly one of json, regex, choice, grammar or json_object, "
+                      f"got {len(given) + bool(self.json_object)}.")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise bad(f"structured_outputs.{name} must be a string, got {type(value).__name__}.")
+            if not value:
+                raise bad(f"structured_outputs.{name} must not be empty.")
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise bad(f"structured_outputs.{name} may be at most {MAX_GRAMMAR_CHARS} characters, "
+                          f"got {len(value)}.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
+                raise bad("structured_outputs.choice must be a list of strings.")
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise bad(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings, got {len(self.choice)}.")
+            if any(not c or len(c) > MAX_CHOICE_CHARS for c in self.choice):
+                raise bad(f"each structured_outputs.choice must be 1 to {MAX_CHOICE_CHARS} characters long.")
 
 
 @dataclass
@@ -74,6 +149,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # top logprobs per prompt token (vLLM's prompt_logprobs); 0 = only the prompt token's own
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +233,8 @@ class SamplingParams:
                      f"in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] (the bias of token {t})")
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
 
     @property
     def needs_penalties(self) -> bool:

@@ -77,10 +77,16 @@ class Scheduler:
             block_manager.num_blocks * config.watermark_fraction)
 
     # ---- queue management ----------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({len(self.waiting)} requests); retry later",
-                            retry_after_s=1.0)
+    def check_room(self, elsewhere: int = 0) -> None:
+        """Raise QueueFull if one more waiting request (besides ``elsewhere`` held outside the
+        queue, e.g. compiling a grammar) would pass ``max_waiting``."""
+        waiting = len(self.waiting) + elsewhere
+        if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({waiting} requests); retry later", retry_after_s=1.0)
+
+    def add(self, seq: Sequence, check: bool = True) -> None:
+        if check:
+            self.check_room()
         heapq.heappush(self.waiting, seq)
 
     def add_running(self, seq: Sequence) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class Request:
     # after preemption adds none twice), and whether they went out in a CoreOutput yet.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # structured output: the compiled grammar (xgrammar.CompiledGrammar) once ready; each
+    # completion has its own matcher from it
+    compiled_grammar: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, queued_time=self.arrival_time)
@@ -73,6 +77,9 @@ class Sequence:
     # come so no one re-adds a long list; None when logprobs were not asked for, as in vLLM.
     cumulative_logprob: float | None = None
     num_preemptions: int = 0
+    # structured output: an xgrammar.GrammarMatcher that has accepted exactly this completion's
+    # output tokens (a preempted sequence keeps its tokens, so the matcher stays right as it is)
+    grammar: Any = None
     # How much of the output has gone out in a CoreOutput already (tokens, logprobs, the finish).
     sent_token_len: int = 0
     sent_logprob_len: int = 0
