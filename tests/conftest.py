@@ -57,7 +57,7 @@ def smollm2_gguf() -> Path:
 
 # Small enough that "longer than the context" is cheap to send, big enough for real prompts.
 MAX_MODEL_LEN = 256
-SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512",
+SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--enable-auto-tool-choice",
                       "--max-body-bytes", "256KiB", "--log-level", "warning")
 
 

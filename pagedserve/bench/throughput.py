@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -32,19 +33,27 @@ def add_parser(bench) -> None:
     p.add_argument("--dtype", default="auto", help="model dtype for both engines (auto = checkpoint's, bf16)")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                    help="pagedserve's paged attention implementation (auto = fused on CPU)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run W1 with this JSON schema on every request (structured output; a request ends "
+                        "where its document does, so counts differ) and print its output tokens/s as a ratio of "
+                        "the unconstrained run's, measured in the same process")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
 
 
-def run_pagedserve(llm, reqs) -> tuple[float, int]:
+def run_pagedserve(llm, reqs, json_schema: str | None = None) -> tuple[float, int]:
     from pagedserve import SamplingParams
+    from pagedserve.engine.sampling_params import StructuredOutputsParams
 
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in reqs]
+    constraint = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True, structured_outputs=constraint)
+              for r in reqs]
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=True)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(r.output_len for r in reqs), "ignore_eos run produced the wrong number of tokens"
+    if constraint is None:
+        assert produced == sum(r.output_len for r in reqs), "ignore_eos run produced the wrong number of tokens"
     return seconds, produced
 
 
@@ -96,6 +105,26 @@ def run(args: argparse.Namespace) -> int:
           f"KV {llm.engine.kv_dtype})")
     print(f"  pagedserve LLM.generate : {ps_seconds:7.1f} s  {out_tokens / ps_seconds:7.1f} output tok/s  "
           f"{(out_tokens + prompt_tokens) / ps_seconds:7.1f} total tok/s")
+    if args.json_schema:
+        from pagedserve.engine.sampling_params import StructuredOutputsParams
+        from pagedserve.engine.structured import check
+
+        schema = Path(args.json_schema).read_text()
+        check(StructuredOutputsParams(json=schema), "--json-schema")
+        run_pagedserve(llm, reqs[:8], schema)  # warm-up: compiles the grammar once
+        runs = []
+        for _ in range(args.repeats):
+            llm.engine.block_manager.reset_prefix_cache()
+            runs.append(run_pagedserve(llm, reqs, schema))
+        js_seconds, js_tokens = sorted(runs)[len(runs) // 2]
+        js_rate = js_tokens / js_seconds
+        ratio = js_rate / (out_tokens / ps_seconds)
+        result["json_schema"] = {"file": args.json_schema, "seconds": js_seconds, "output_tokens": js_tokens,
+                                 "output_tok_s": js_rate, "runs": [s for s, _ in runs],
+                                 "ratio_to_unconstrained": ratio}
+        print(f"  with --json-schema      : {js_seconds:7.1f} s  {js_rate:7.1f} output tok/s  "
+              f"({js_tokens} output tokens: requests end where their document does)")
+        print(f"  ratio (schema / none)   : {ratio:.2f}x output tokens/s")
     if not args.no_hf:
         hf_seconds = run_hf_static(model_dir, reqs, args.hf_batch_size, llm.engine.dtype)
         ratio = hf_seconds / ps_seconds

@@ -84,6 +84,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
                              "these with what their clients saw by request id)")
+    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes",
+                        help="how tool_choice \"auto\" reads tool calls from the model's text: hermes = "
+                             "<tool_call>{json}</tool_call> blocks (Hermes, Qwen), llama3_json = a JSON object "
+                             "{\"name\", \"parameters\"} as the whole output (Llama 3.1+) (default hermes)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="allow tool_choice \"auto\" (and make it the default when tools are given), read "
+                             "with --tool-call-parser; without it \"auto\" is refused with 400 and tools default "
+                             "to \"none\" (as vLLM). \"required\" and a named function work either way: a "
+                             "grammar makes the output a valid call")
     server.add_argument("--default-model", choices=["smollm2", "tiny", "small"], default="smollm2",
                         help="model served when --model is not given: smollm2 = SmolLM2-135M-Instruct, real "
                              "weights (Q4_1 GGUF fetched once into the model cache); tiny / small = the standard "
@@ -149,7 +158,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                      log_requests=args.log_requests, request_timeout_s=args.request_timeout,
                                      read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                                      max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                                     chat_template=chat_template)
+                                     chat_template=chat_template,
+                                     tool_call_parser=args.tool_call_parser,
+                                     enable_auto_tool_choice=args.enable_auto_tool_choice)
         engine_config = engine_config_from_args(args)
         _check_port_free(args.host, args.port)
         client = _start_engine(engine_config, args.engine_process, log_level, server_config.log_requests)

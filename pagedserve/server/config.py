@@ -31,6 +31,10 @@ class ServerConfig:
     max_header_bytes: int = 32 * 1024  # request line + headers (else 431; a longer URL alone: 414)
     max_headers: int = 100  # header lines (else 431)
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's (--chat-template)
+    # Tool calling: how model output is read as tool calls for tool_choice "auto" (which vLLM,
+    # and so this server, enables only with --enable-auto-tool-choice).
+    tool_call_parser: str = "hermes"
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,5 +55,9 @@ class ServerConfig:
             raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
         if self.max_headers < 8:
             raise ValueError(f"max_headers must be at least 8, got {self.max_headers}")
+        from pagedserve.server.tool_parsers import PARSERS
+
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")

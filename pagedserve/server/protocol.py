@@ -21,6 +21,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pagedserve.engine.sampling_params import (
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP,
@@ -51,6 +54,10 @@ MAX_TEMPLATE_KWARGS = 32        # chat_template_kwargs entries
 MAX_TEMPLATE_KEY_CHARS = 64
 MAX_TEMPLATE_VALUE_CHARS = 4096
 MAX_REQUEST_ID_CHARS = 128
+MAX_TOOLS = 128                 # tools offered in one request
+MAX_TOOL_NAME_CHARS = 64        # OpenAI's bound on a function name
+MAX_DESCRIPTION_CHARS = 8192    # a tool's or a schema's description
+MAX_TOOL_CALLS = 128            # tool calls of one assistant message sent back
 
 
 def _check_text(text: str) -> str:
@@ -79,6 +86,44 @@ TemplateValue = Annotated[str, Field(max_length=MAX_TEMPLATE_VALUE_CHARS)] | int
 class _Strict(BaseModel):
     # strict: JSON types must match exactly; forbid: a misspelt field is an error, not a silent no-op.
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS), AfterValidator(_check_text)]
+ChoiceText = Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS), AfterValidator(_check_text)]
+Choices = Annotated[list[ChoiceText], Field(min_length=1, max_length=MAX_CHOICES)]
+# A JSON schema as an object (or its JSON text); its size is checked once serialized (MAX_GRAMMAR_CHARS).
+JsonSchema = dict[str, Any] | GrammarText
+FunctionName = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's structured outputs."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: FunctionName = Field("response", description="The schema's name (letters, digits, _ . -).")
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        f"The JSON schema the output must validate against (at most {MAX_GRAMMAR_CHARS} characters as JSON)."))
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output."""
+
+    json_: JsonSchema | None = Field(None, alias="json", description="A JSON schema.")
+    regex: GrammarText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = Field(None, description="An EBNF grammar (xgrammar's dialect; rule root).")
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
 class StreamOptions(_Strict):
@@ -137,6 +182,13 @@ class SamplingFields(_Strict):
                         Field(max_length=16)] | None = Field(None, description="Accepted and ignored.")
     store: bool | None = Field(None, description="Accepted and ignored.")
     service_tier: str | None = Field(None, max_length=32, description="Accepted and ignored.")
+    # Structured output: at most one of these per request (pagedserve.server.structured maps them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = Field(None, description="Older vLLM name of structured_outputs.json.")
+    guided_regex: GrammarText | None = Field(None, description="Older vLLM name of structured_outputs.regex.")
+    guided_choice: Choices | None = Field(None, description="Older vLLM name of structured_outputs.choice.")
+    guided_grammar: GrammarText | None = Field(None, description="Older vLLM name of structured_outputs.grammar.")
 
 
 class CompletionRequest(SamplingFields):
@@ -164,6 +216,48 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class ToolCall(_Strict):
+    """One tool call of an assistant message (as the response gives it, and as a client sends it back)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call; ``parameters`` is a JSON schema of its arguments."""
+
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     """One chat message; ``content`` is text or a list of text parts."""
 
@@ -171,22 +265,17 @@ class ChatMessage(_Strict):
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Name | None = None
     tool_call_id: Name | None = None
+    # An assistant message's tool calls, sent back with the tools' results (role "tool") after it.
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     # Fields the openai client sends back when a response message is appended to the conversation;
-    # accepted when empty (tool calls are not supported).
+    # accepted when empty.
     refusal: str | None = Field(None, max_length=MAX_TEXT_CHARS)
-    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_CONTENT_PARTS)
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     annotations: list[Any] | None = Field(None, max_length=MAX_CONTENT_PARTS)
 
 
 Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
-
-
-class ResponseFormat(_Strict):
-    """Only plain text output is supported."""
-
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -198,10 +287,12 @@ class ChatCompletionRequest(SamplingFields):
                                               description="Tokens to generate; null = up to max_model_len.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="Not supported: only null or [] is accepted.")
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description=f"Functions the model may call (at most {MAX_TOOLS}); the chat template receives them.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (needs --enable-auto-tool-choice), required, or a named function; "
+                          "default: auto where enabled and tools are given, else none.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (required / auto).")
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[Annotated[str, Field(max_length=MAX_TEMPLATE_KEY_CHARS)], TemplateValue],
                                     Field(max_length=MAX_TEMPLATE_KWARGS)] | None = Field(
@@ -314,6 +405,21 @@ class ChatResponseMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A tool call's part in a streamed chunk; the client joins the parts of one ``index``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
@@ -321,6 +427,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

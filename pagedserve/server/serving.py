@@ -21,14 +21,17 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve import errors
 from pagedserve.engine.client import EngineClient, EngineDeadError, RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.structured import check as check_structured
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
 from pagedserve.server.best_of import select_best
 from pagedserve.server.fanout import RequestGroup
 from pagedserve.server.prompt_logprobs import concat, echo_logprobs, vllm_prompt_logprobs
+from pagedserve.server.structured import requested_spec, tool_call_spec
 from pagedserve.server.tokenization import TokenizerWorker, encode
+from pagedserve.server.tool_parsers import PARSERS, ParsedCall, StreamingToolCalls, ToolParser
 from pagedserve.streaming import ClosingStreamingResponse
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,30 @@ class _Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     echo_sent: bool = False
+    tools: StreamingToolCalls | None = None  # streamed with tool parsing
+
+
+@dataclass
+class ToolMode:
+    """How a chat request's output becomes tool calls: ``kind`` none | auto | required | named."""
+
+    kind: str
+    parser: ToolParser | None = None
+    function: str | None = None  # named
+
+    def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a finished output."""
+        if self.kind == "auto" and self.parser is not None:
+            return self.parser.parse(text)
+        if self.kind in ("required", "named"):
+            try:  # the grammar made it JSON, unless max_tokens cut it short
+                value = json.loads(text)
+            except ValueError:
+                return text, []
+            if self.kind == "named":
+                return None, [ParsedCall(self.function or "", json.dumps(value, ensure_ascii=False))]
+            return None, [ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
+        return text, []
 
 
 class OpenAIServing:
@@ -97,6 +124,7 @@ class OpenAIServing:
         self.max_model_len: int = engine.facts.max_model_len
         self.vocab_size = len(self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.tool_parser = PARSERS[config.tool_call_parser]()
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -136,7 +164,8 @@ class OpenAIServing:
         return out
 
     async def chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None,
+                          tools: list[p.Tool] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the tokenizer's chat template."""
         if not messages:
             raise errors.InvalidRequest("messages must not be empty: send at least one message.", param="messages")
@@ -144,10 +173,13 @@ class OpenAIServing:
         if reserved:
             raise errors.InvalidRequest(f"chat_template_kwargs may not set {sorted(reserved)}: the server controls them.",
                                         param="chat_template_kwargs")
-        rendered: list[dict[str, str]] = []
+        rendered: list[dict[str, Any]] = []
         for i, m in enumerate(messages):
-            if m.tool_calls or m.function_call:
-                raise errors.InvalidRequest("tool calls are not supported by this server; remove them.",
+            if m.function_call:
+                raise errors.InvalidRequest("function_call (the deprecated form) is not supported; use tool_calls.",
+                                            param=f"messages[{i}].function_call")
+            if m.tool_calls and m.role != "assistant":
+                raise errors.InvalidRequest("only assistant messages may carry tool_calls.",
                                             param=f"messages[{i}].tool_calls")
             if isinstance(m.content, list):
                 content = "".join(part.text for part in m.content)
@@ -156,13 +188,23 @@ class OpenAIServing:
             if not content and m.role != "assistant":
                 raise errors.InvalidRequest(f"messages[{i}].content must not be empty.",
                                             param=f"messages[{i}].content")
-            rendered.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+            if m.role == "tool" and m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            rendered.append(message)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise errors.InvalidRequest(
                 "This model's tokenizer has no chat template; use /v1/completions with a plain prompt.",
                 param="messages")
         self.tokenizers.check_fits("".join(m["content"] for m in rendered), self.max_model_len, "messages")
-        ids = await self.tokenizers.run(_render_chat, rendered, add_generation_prompt, template_kwargs or {})
+        kwargs = dict(template_kwargs or {})
+        if tools:  # templates that take tools (HF's tools=...) render them; others ignore them
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        ids = await self.tokenizers.run(_render_chat, rendered, add_generation_prompt, kwargs)
         if not ids:
             raise errors.InvalidRequest("messages rendered to an empty prompt.", param="messages")
         return ids
@@ -198,8 +240,6 @@ class OpenAIServing:
                 raise errors.InvalidRequest("suffix (fill-in-the-middle) is not supported by this server; remove it "
                                             "and put the text before the gap in prompt.", param="suffix")
         if isinstance(req, p.ChatCompletionRequest):
-            if req.tools:
-                raise errors.InvalidRequest("tools are not supported by this server; remove them.", param="tools")
             if req.top_logprobs and not req.logprobs:
                 raise errors.InvalidRequest("top_logprobs requires logprobs=true.", param="top_logprobs")
         if req.prompt_logprobs is not None and req.stream:
@@ -234,6 +274,45 @@ class OpenAIServing:
             prompt_logprobs=req.prompt_logprobs,
         )
 
+    async def structured_spec(self, req: p.SamplingFields,
+                              tool_mode: ToolMode | None = None) -> StructuredOutputsParams | None:
+        """The request's output constraint (a forced tool call's, or what its fields ask for),
+        checked on the tokenizer thread: one that cannot compile is a 400 naming the problem."""
+        spec, param = requested_spec(req)
+        if tool_mode is not None and tool_mode.kind in ("required", "named"):
+            assert isinstance(req, p.ChatCompletionRequest) and req.tools and req.tool_choice is not None
+            if spec is not None:
+                raise errors.InvalidRequest(f"{param} cannot be combined with tool_choice {tool_mode.kind!r}, "
+                                            "which constrains the output to a tool call.", param=param)
+            spec, param = tool_call_spec(req.tools, req.tool_choice, req.parallel_tool_calls), "tools"
+        if spec is not None:
+            await self.tokenizers.run(_check_spec, spec, param)
+        return spec
+
+    def tool_mode(self, req: p.ChatCompletionRequest) -> ToolMode:
+        """Validate ``tools`` / ``tool_choice`` and say how the output is read."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise errors.InvalidRequest("tool_choice needs tools: give the functions in tools.", param="tool_choice")
+            return ToolMode("none")
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise errors.InvalidRequest("tools must have distinct function names.", param="tools")
+        if choice is None:
+            choice = "auto" if self.config.enable_auto_tool_choice else "none"
+        if isinstance(choice, p.NamedToolChoice):
+            if choice.function.name not in names:
+                raise errors.InvalidRequest(f"tool_choice names function {choice.function.name!r}, which is not "
+                                            f"in tools ({', '.join(names)}).", param="tool_choice")
+            return ToolMode("named", function=choice.function.name)
+        if choice == "auto" and not self.config.enable_auto_tool_choice:
+            raise errors.InvalidRequest(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice (and '
+                '--tool-call-parser for the model\'s format); use "required" or a named function, which '
+                "work on any model.", param="tool_choice")
+        return ToolMode(choice, parser=self.tool_parser if choice == "auto" else None)
+
     # ---- endpoints -------------------------------------------------------------------------
 
     async def completions(self, req: p.CompletionRequest, http: Request) -> Response:
@@ -258,6 +337,7 @@ class OpenAIServing:
             changes.update(n=best_of, logprobs=req.logprobs or 0)
         if changes:
             params = dataclasses.replace(params, **changes)
+        params.structured_outputs = await self.structured_spec(req)
         echo = await self.tokenizers.run(_echo_texts, req.prompt, prompts, req.skip_special_tokens) if req.echo else None
         request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         # One engine request per prompt; choice j of prompt i is index i * n + j (OpenAI's numbering).
@@ -308,17 +388,21 @@ class OpenAIServing:
         """``POST /v1/chat/completions``."""
         self.check_model(req.model)
         self.check_unsupported(req)
-        prompt_ids = await self.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools = self.tool_mode(req)
+        prompt_ids = await self.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                            req.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self.check_length(len(prompt_ids), max_tokens, "messages", param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
+        params.structured_outputs = await self.structured_spec(req, tools)
         request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.add_request(request_id, prompt_ids, params, req.priority, req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._chat_events(stream, request_id, req.n, req.logprobs, include_usage), stream)
+            return SSEResponse(self._chat_events(stream, request_id, req.n, req.logprobs, include_usage, tools),
+                               stream)
         choices, final = await self._collect(stream, http)
         prompt_lps = None
         if req.prompt_logprobs is not None and choices:
@@ -327,13 +411,19 @@ class OpenAIServing:
                                               req.prompt_logprobs)
         resp = p.ChatCompletionResponse(
             id=request_id, model=self.model_name, prompt_logprobs=prompt_lps,
-            choices=[p.ChatChoice(index=i, message=p.ChatResponseMessage(content=c.latest.text if c.latest else ""),
-                                  logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                                  finish_reason=c.latest.finish_reason if c.latest else "abort",
-                                  stop_reason=c.latest.stop_reason if c.latest else None)
-                     for i, c in sorted(choices.items())],
+            choices=[self._chat_choice(i, c, tools, req.logprobs) for i, c in sorted(choices.items())],
             usage=self._usage(final, choices))
         return JSONResponse(resp.model_dump())
+
+    def _chat_choice(self, index: int, c: _Choice, tools: ToolMode, want_logprobs: bool) -> p.ChatChoice:
+        text = c.latest.text if c.latest else ""
+        finish = c.latest.finish_reason if c.latest else "abort"
+        content, calls = tools.calls(text) if finish != "abort" else (text, [])
+        message = p.ChatResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls])
+        return p.ChatChoice(index=index, message=message,
+                            logprobs=self._chat_logprobs(c.logprobs) if want_logprobs else None,
+                            finish_reason="tool_calls" if calls else finish,
+                            stop_reason=c.latest.stop_reason if c.latest else None)
 
     async def tokenize(self, req: p.TokenizeRequest) -> Response:
         """``POST /tokenize``: the prompt's token ids as the engine would see them (a
@@ -494,8 +584,24 @@ class OpenAIServing:
             stream.abort()
         yield "data: [DONE]\n\n"
 
+    def _tool_deltas(self, choice: _Choice, c: CompletionOutput, tools: ToolMode) -> tuple[str, list[p.DeltaToolCall]]:
+        """A tool-reading choice's content delta and its completed calls as deltas (each call goes
+        out whole in one delta: name, id and all of its arguments)."""
+        if choice.tools is None:
+            # required / named: the whole output is the call(s), read at the end.
+            parser = tools.parser or _ForcedCalls(tools)
+            choice.tools = StreamingToolCalls(parser)
+        content, calls = choice.tools.feed(c.text, c.finished and c.finish_reason != "abort")
+        first = len(choice.tools.calls) - len(calls)
+        deltas = []
+        for k, call in enumerate(calls):
+            full = _tool_call(call)
+            deltas.append(p.DeltaToolCall(index=first + k, id=full.id, type="function",
+                                          function=p.DeltaFunctionCall(name=call.name, arguments=call.arguments)))
+        return content, deltas
+
     async def _chat_events(self, stream: RequestStream, request_id: str, n: int, want_logprobs: bool,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, tools: ToolMode) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         final: RequestOutput | None = None
 
@@ -516,11 +622,21 @@ class OpenAIServing:
                 for c in out.outputs:
                     choice = choices[c.index]
                     lp = self._chat_logprobs(c.delta_logprobs) if want_logprobs and c.delta_logprobs else None
-                    if c.delta_text or lp is not None:
-                        yield chunk(c.index, p.ChatDelta(content=c.delta_text), logprobs=lp)
+                    finish = c.finish_reason
+                    if tools.kind == "none":
+                        if c.delta_text or lp is not None:
+                            yield chunk(c.index, p.ChatDelta(content=c.delta_text), logprobs=lp)
+                    else:
+                        content, calls = self._tool_deltas(choice, c, tools)
+                        if content or lp is not None:
+                            yield chunk(c.index, p.ChatDelta(content=content), logprobs=lp)
+                        if choice.tools is not None and choice.tools.calls and c.finished and finish != "abort":
+                            finish = "tool_calls"
+                        if calls:
+                            yield chunk(c.index, p.ChatDelta(tool_calls=calls))
                     if c.finished and not choice.finish_sent:
                         choice.finish_sent = True
-                        yield chunk(c.index, p.ChatDelta(), finish=c.finish_reason, stop_reason=c.stop_reason)
+                        yield chunk(c.index, p.ChatDelta(), finish=finish, stop_reason=c.stop_reason)
             if include_usage:
                 body = p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                              usage=self._usage(final, choices))
@@ -530,6 +646,25 @@ class OpenAIServing:
         finally:
             stream.abort()
         yield "data: [DONE]\n\n"
+
+
+def _tool_call(call: ParsedCall) -> p.ToolCall:
+    return p.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                      function=p.FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _template_tool_call(call: p.ToolCall) -> dict[str, Any]:
+    """A tool call as chat templates expect it: arguments as an object (JSON text if not one)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _check_spec(tokenizer: Any, spec: StructuredOutputsParams, param: str) -> None:
+    """On the tokenizer worker's thread (the tokenizer is not needed: parsing is tokenizer-free)."""
+    check_structured(spec, param)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
@@ -552,6 +687,19 @@ def _echo_texts(tokenizer, prompt: Any, prompts: list[list[int]], skip_special_t
     sent = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     return [s if isinstance(s, str) else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
             for s, ids in zip(sent, prompts)]
+
+
+class _ForcedCalls(ToolParser):
+    """``required`` / named outputs as a parser: nothing is content, the calls are read at the end."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        return self.mode.calls(text)
+
+    def content_safe_len(self, text: str) -> int:
+        return 0
 
 
 async def _wait_for_disconnect(http: Request) -> None:

@@ -107,15 +107,63 @@ CASES = [
     Case("detokenize without tokens", "/detokenize", js({"model": None}), 400, "tokens"),
     Case("detokenize unknown model", "/detokenize", js({"model": "gpt-9", "tokens": [1]}), 404, "model",
          "model_not_found"),
-    Case("tools unsupported", CHAT, js({"messages": USER, "tools": [{"type": "function"}]}), 400, "tools"),
+    Case("tool without function", CHAT, js({"messages": USER, "tools": [{"type": "function"}]}), 400,
+         "tools[0].function"),
     Case("stream_options without stream", CMPL, js({"prompt": "hi", "stream_options": {"include_usage": True}}),
          400, "stream_options"),
     Case("priority as float", CMPL, js({"prompt": "hi", "priority": 1.5}), 400, "priority"),
     Case("cache_salt empty", CMPL, js({"prompt": "hi", "cache_salt": ""}), 400, "cache_salt"),
     Case("template kwarg reserved", CHAT, js({"messages": USER, "chat_template_kwargs": {"tokenize": True}}), 400,
          "chat_template_kwargs"),
-    Case("tool calls in history", CHAT, js({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "x"}]}]}),
+    Case("malformed tool call in history", CHAT,
+         js({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "x"}]}]}), 400,
+         "messages[1].tool_calls[0].function"),
+    Case("tool calls on a user message", CHAT, js({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}), 400,
+         "messages[0].tool_calls"),
+    Case("too many tool calls in history", CHAT, js({"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(200)]}]}),
          400, "messages[1].tool_calls"),
+    # Structured output and tools: every new field bounded and typed.
+    Case("response_format type unknown", CHAT, js({"messages": USER, "response_format": {"type": "yaml"}}), 400,
+         "response_format.type"),
+    Case("json_schema schema not an object", CHAT, js({"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}), 400, "response_format.json_schema.schema"),
+    Case("json_schema name charset", CMPL, js({"prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}), 400, "response_format.json_schema.name"),
+    Case("json_schema too big", CHAT, js({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "description": "d" * 70_000}}}}), 400,
+         "response_format.json_schema"),
+    Case("guided_json not compilable", CMPL, js({"prompt": "hi", "guided_json": {"type": 12}}), 400, "guided_json"),
+    Case("guided_regex too long", CMPL, js({"prompt": "hi", "guided_regex": "a" * 70_000}), 400, "guided_regex"),
+    Case("guided_regex as int", CMPL, js({"prompt": "hi", "guided_regex": 5}), 400, "guided_regex"),
+    Case("guided_choice empty", CMPL, js({"prompt": "hi", "guided_choice": []}), 400, "guided_choice"),
+    Case("too many guided_choice", CMPL, js({"prompt": "hi", "guided_choice": [f"c{i}" for i in range(300)]}), 400,
+         "guided_choice"),
+    Case("guided_choice entry too long", CMPL, js({"prompt": "hi", "guided_choice": ["c" * 2000]}), 400,
+         "guided_choice[0]"),
+    Case("guided_grammar as list", CHAT, js({"messages": USER, "guided_grammar": ["root"]}), 400, "guided_grammar"),
+    Case("structured_outputs unknown field", CMPL, js({"prompt": "hi", "structured_outputs": {"yaml": "x"}}), 400,
+         "structured_outputs.yaml", "unknown_field"),
+    Case("structured_outputs empty", CMPL, js({"prompt": "hi", "structured_outputs": {}}), 400, "structured_outputs"),
+    Case("structured_outputs.json_object as string", CMPL,
+         js({"prompt": "hi", "structured_outputs": {"json_object": "yes"}}), 400, "structured_outputs.json_object"),
+    Case("control char in guided_regex", CMPL, js({"prompt": "hi", "guided_regex": "a\u0001"}), 400,
+         "guided_regex"),
+    Case("too many tools", CHAT, js({"messages": USER, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]}), 400, "tools"),
+    Case("tool name too long", CHAT, js({"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f" * 100}}]}), 400, "tools[0].function.name"),
+    Case("tool description too long", CHAT, js({"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "d" * 9000}}]}), 400, "tools[0].function.description"),
+    Case("tool parameters not compilable", CHAT, js({"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), 400, "tools"),
+    Case("tool_choice unknown", CHAT, js({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                          "tool_choice": "sometimes"}), 400, "tool_choice"),
+    Case("tool_choice names a missing function", CHAT, js({"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}), 400, "tool_choice"),
+    Case("tool_choice without tools", CHAT, js({"messages": USER, "tool_choice": "required"}), 400, "tool_choice"),
     # Every field bounded to what the engine can hold (issue 13's probe cases first): a value the
     # sampler could not take is a 400 here, never a fault in a step.
     Case("top_k 2**70", CMPL, js({"prompt": "x", "max_tokens": 3, "top_k": 1180591620717411303424}), 400, "top_k"),

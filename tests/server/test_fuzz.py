@@ -8,6 +8,7 @@ import time
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 FUZZ_SECONDS = 20.0
@@ -66,3 +67,59 @@ def test_openapi_document_served(server_url: str, path: str) -> None:
     import httpx
 
     assert httpx.get(f"{server_url}{path}", timeout=10).status_code == 200
+
+
+# Schema-like JSON: the keywords a JSON schema uses, with values of any JSON type, so most bodies
+# are nonsense schemas (400) and some compile and run (200); none may be a 5xx.
+_KEYWORDS = ["type", "properties", "items", "enum", "required", "minimum", "maxLength", "anyOf", "$ref",
+             "pattern", "const", "additionalProperties", "minItems", "format"]
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6)
+                     | st.sampled_from(["object", "string", "integer", "array", "number", "boolean"]),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                         st.sampled_from(_KEYWORDS) | st.text(max_size=4), inner, max_size=4), max_leaves=10)
+_SCHEMA = st.dictionaries(st.sampled_from(_KEYWORDS), _JSON, max_size=4)
+_TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "get_weather"])}, optional={"parameters": _SCHEMA})})
+_CONSTRAINTS = st.one_of(
+    st.fixed_dictionaries({"guided_json": _SCHEMA}),
+    st.fixed_dictionaries({"guided_regex": st.text(max_size=16)}),
+    st.fixed_dictionaries({"guided_grammar": st.text(max_size=24).map(lambda t: "root ::= " + t)}),
+    st.fixed_dictionaries({"guided_choice": st.lists(st.text(max_size=5), max_size=4)}),
+    st.fixed_dictionaries({"structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]), _JSON, max_size=2)}),
+    st.fixed_dictionaries({"response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": st.just("x")}, optional={"schema": _SCHEMA})})}),
+    st.fixed_dictionaries({"tools": st.lists(_TOOL, max_size=3)}, optional={"tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "any"]),
+        st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "h"])})}))}),
+)
+
+
+def test_no_5xx_for_generated_constraints(server_url: str) -> None:
+    """Structured-output and tool fields with generated specs: a 400 or an answer, never a 5xx."""
+    import httpx
+
+    deadline = time.monotonic() + 12.0
+    failures: list[str] = []
+    statuses: set[int] = set()
+
+    @given(extra=_CONSTRAINTS, chat=st.booleans())
+    @settings(max_examples=150, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def call(extra: dict, chat: bool) -> None:
+        if time.monotonic() > deadline:
+            return
+        if not chat and "tools" in extra:
+            chat = True
+        path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat
+                      else ("/v1/completions", {"prompt": "hi"}))
+        r = httpx.post(f"{server_url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=60)
+        statuses.add(r.status_code)
+        if r.status_code >= 500:
+            failures.append(f"{path} {extra!r} -> {r.status_code} {r.text[:300]}")
+
+    call()
+    assert not failures, "\n".join(failures[:10])
+    assert {200, 400} <= statuses, statuses
