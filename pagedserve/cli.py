@@ -15,6 +15,7 @@ import sys
 PARTS = [
     "pagedserve.server.cli",
     "pagedserve.server.grafana",
+    "pagedserve.ray_serve.cli",  # imports Ray only when serve-ray runs
     "pagedserve.gateway.cli",
     "pagedserve.engine.generate_cli",
     "pagedserve.planner.cli",
