@@ -95,7 +95,7 @@ class Admission:
         req = request_bucket(tier, key)
         if cost > tok.burst:
             return Decision(False, "too_large", cost, message=(
-                f"This request needs {int(cost)} tokens (prompt + max_tokens) but tier '{tier.name}' allows at "
+                f"This request needs {int(cost)} tokens (its prompts + max_tokens per sequence) but tier '{tier.name}' allows at "
                 f"most {int(tok.burst)} tokens at once; it can never pass. Lower max_tokens or shorten the prompt."))
         req_res: Reservation | None = None
         try:

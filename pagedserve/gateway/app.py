@@ -3,8 +3,10 @@
 One request, in order (each refusal costs no engine work)::
 
     key → tier ─(401)            body → output cap, priority, cache_salt written in
-    pools in the tier's order: estimated wait > the budget's queue allowance → next pool ─(429 overloaded)
-    prompt tokens (replica's /tokenize) + n × cap → buckets ─(429 rate_limit_exceeded / 400 / 503)
+    pools in the tier's order: more seats than a replica has for the tier, or estimated wait > the
+        budget's queue allowance → next pool ─(429 overloaded / 400 sequences_exceed_seats / 503)
+    prompt tokens (replica's /tokenize) + seats × cap → buckets ─(429 rate_limit_exceeded / 400 / 503)
+        seats = prompts × max(n, best_of): the sequences the replica will run (see shape.py)
     a seat on a replica: at once, or queued in the gateway by priority until one frees up;
         budget spent before that → 429 overloaded, reservation refunded
     forward (stream passed through) → usage → settle the reservation exactly once
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +37,11 @@ from pagedserve.gateway.limiter import Limiter, LimiterUnavailable
 from pagedserve.gateway.limiter_memory import MemoryLimiter
 from pagedserve.gateway.limiter_redis import RedisLimiter
 from pagedserve.gateway.metrics import GatewayMetrics
+from pagedserve.gateway.passthrough import relay
 from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, prefix_key
 from pagedserve.gateway.responses import error_body, error_response, ratelimit_headers, retry_headers
 from pagedserve.gateway.seats import Dispatcher, Seat
+from pagedserve.gateway.shape import Shape, read_shape
 from pagedserve.gateway.tokens import count_prompt_tokens
 from pagedserve.streaming import ClosingStreamingResponse
 from pagedserve.web import install_offline_docs, mount_dashboard
@@ -145,18 +149,19 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        gw: Gateway = request.app.state.gateway
-        entry = gw.keys.lookup(bearer_key(request.headers.get("authorization")))
-        if entry is None:
-            return _unauthorized()
-        for name in gw.config.tiers[entry.tier].pools:
-            for r in gw.pools[name].healthy():
-                try:
-                    resp = await gw.client.get(f"{r.url}/v1/models", headers=r.auth_headers())
-                    return Response(resp.content, resp.status_code, media_type="application/json")
-                except httpx.HTTPError as e:
-                    LoadPoller.mark_down(r, f"{type(e).__name__}: {e}")
-        return error_response(503, "No replica of this tier's pools is up.", code="no_replica_available")
+        return await passthrough(request.app.state.gateway, request, "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await passthrough(request.app.state.gateway, request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await passthrough(request.app.state.gateway, request, "/detokenize")
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await passthrough(request.app.state.gateway, request, "/version")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -183,6 +188,33 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
     return app
 
 
+async def passthrough(gw: Gateway, request: Request, path: str) -> Response:
+    """Pass an endpoint that generates nothing to a healthy replica of the key's tier (see passthrough.py)."""
+    entry = gw.keys.lookup(bearer_key(request.headers.get("authorization")))
+    if entry is None:
+        return _unauthorized()
+    tier = gw.config.tiers[entry.tier]
+    content = await request.body() if request.method == "POST" else None
+    answer = await relay(gw.client, _replicas(gw, tier), request.method, path, content,
+                         request.headers.get("content-type"))
+    if answer is None:
+        return error_response(503, "No replica of this tier's pools is up; retry shortly.",
+                              code="no_replica_available", headers=retry_headers(1.0))
+    return answer
+
+
+def _replicas(gw: Gateway, tier: TierConfig) -> Iterator[Replica]:
+    """The healthy replicas of the tier's pools, in the tier's order; in a pool, the one with the
+    most free seats first (as the token count asks), then the others."""
+    for name in tier.pools:
+        pool = gw.pools[name]
+        first = gw.dispatcher.peek(pool, tier.priority)
+        if first is None:
+            continue
+        yield first
+        yield from (r for r in pool.healthy() if r is not first)
+
+
 def _unauthorized() -> JSONResponse:
     return error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' with a key "
                           "this gateway knows.", code="invalid_api_key")
@@ -197,44 +229,45 @@ def _cache_salt(tier: TierConfig, entry: KeyEntry) -> str:
     return "shared"
 
 
-def _prepare(body: dict[str, Any], tier: TierConfig, entry: KeyEntry, path: str) -> tuple[int, int] | str:
-    """Write the output cap, priority and cache salt into ``body``; returns ``(cap, n)`` or an error."""
-    caps = []
-    for f in ("max_tokens", "max_completion_tokens"):
-        v = body.get(f)
-        if v is None:
-            continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            return f"'{f}' must be an integer >= 1"
-        caps.append(v)
-    n = body.get("n", 1)
-    if n is None:
-        n = 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return "'n' must be an integer >= 1"
-    if not caps:  # an uncapped request would reserve nothing sensible: give it the tier's cap
-        body["max_tokens" if path == "/v1/completions" else "max_completion_tokens"] = tier.default_max_tokens
-        caps.append(tier.default_max_tokens)
+def _prepare(body: dict[str, Any], tier: TierConfig, entry: KeyEntry, path: str) -> Shape | str:
+    """Write the output cap, priority and cache salt into ``body``; returns its :class:`Shape` or an error."""
+    shape = read_shape(body, path, tier.default_max_tokens)
+    if isinstance(shape, str):
+        return shape
     body["priority"] = tier.priority  # the tier decides, never the client
     body["cache_salt"] = _cache_salt(tier, entry)
-    return max(caps), n
+    return shape
 
 
-def _route(gw: Gateway, tier: TierConfig, n: int) -> Route | tuple[str, float]:
-    """The first pool in the tier's order whose estimated wait fits the budget, or why none did."""
+def _route(gw: Gateway, tier: TierConfig, seats: int) -> Route | tuple[str, float]:
+    """The first pool in the tier's order that can seat ``seats`` and whose estimated wait fits the
+    budget, or why none did: ``overloaded`` (the least excess), ``no_replica``, or ``too_many_seats``
+    (every pool is up and none has a replica with that many seats for this tier: the largest)."""
     over: list[float] = []
+    largest: list[float] = []
+    down = False
     for name in tier.pools:
         pool = gw.pools[name]
-        wait = gw.dispatcher.estimate(pool, tier.priority, n)
+        capacity = gw.dispatcher.capacity(pool, tier.priority)
+        if capacity is None:
+            down = True
+            continue
+        if seats > capacity:  # it would never get a seat here, and would hold up the queue trying
+            largest.append(capacity)
+            continue
+        wait = gw.dispatcher.estimate(pool, tier.priority, seats)
         if wait is None:
+            down = True
             continue
         allowance = gw.dispatcher.allowance_s(pool, tier.max_queue_wait_s)
         if wait <= allowance:
             return Route(pool, wait, allowance)
         over.append(wait - allowance)
-    if not over:
+    if over:
+        return "overloaded", min(over)
+    if down or not largest:  # a pool that is down may be able to seat it when it is back
         return "no_replica", 1.0
-    return "overloaded", min(over)
+    return "too_many_seats", max(largest)
 
 
 def _log_decision(outcome: str, reason: str, tier: str, key: str, **fields: Any) -> None:
@@ -259,13 +292,20 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
     prepared = _prepare(body, tier, entry, path)
     if isinstance(prepared, str):
         return error_response(400, f"Invalid request: {prepared}.", code="invalid_value")
-    cap, n = prepared
+    shape = prepared
 
-    route = _route(gw, tier, n)
+    route = _route(gw, tier, shape.seats)
     if not isinstance(route, Route):
         reason, wait = route
         first = tier.pools[0]
         gw.metrics.shed.labels(tier.name, first, reason).inc()
+        if reason == "too_many_seats":
+            _log_decision("reject", reason, tier.name, entry.name, seats=shape.seats, largest=int(wait))
+            return error_response(
+                400, f"This request runs {shape.seats} sequences at once ({shape.prompts} prompt(s) x "
+                f"max(n, best_of) = {shape.per_prompt}), but the replicas of tier '{tier.name}' have at most "
+                f"{int(wait)} seats for one request; it can never pass. Send fewer prompts per request or "
+                f"lower n / best_of.", code="sequences_exceed_seats", param=shape.seats_param)
         if reason == "no_replica":
             _log_decision("shed", reason, tier.name, entry.name, pools=",".join(tier.pools))
             return error_response(503, "No replica of this tier's pools is up; retry shortly.",
@@ -284,7 +324,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
     asked = gw.dispatcher.peek(route.pool, tier.priority)
     assert asked is not None  # _route found a healthy replica in this pool, and nothing awaited since
     prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count, deadline)
-    cost = prompt_tokens + n * cap
+    cost = prompt_tokens + shape.output_tokens
     decision = await gw.admission.admit(tier, entry, cost)
     headers = ratelimit_headers(decision)
     if not decision.admitted:
@@ -311,7 +351,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
 
     # Wait for a seat, until the time the tier's budget leaves for the queue (see allowance_s).
     pool = route.pool
-    got = await gw.dispatcher.acquire(pool, tier.priority, n, tier.name, prefix_key(body, body["cache_salt"]),
+    got = await gw.dispatcher.acquire(pool, tier.priority, shape.seats, tier.name, prefix_key(body, body["cache_salt"]),
                                       deadline, request.is_disconnected)
     if not isinstance(got, Seat):
         waited = time.monotonic() - t0
@@ -321,7 +361,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
         if got == "gone":
             _log_decision("drop", "client_gone_while_queued", tier.name, entry.name, pool=pool.name, waited_s=waited)
             return error_response(499, "The client closed the request while it was queued.", code="client_closed")
-        retry = max((gw.dispatcher.estimate(pool, tier.priority, n) or 0.0) - route.allowance_s,
+        retry = max((gw.dispatcher.estimate(pool, tier.priority, shape.seats) or 0.0) - route.allowance_s,
                     gw.dispatcher.turnover_s(pool, tier.priority))
         gw.metrics.shed.labels(tier.name, pool.name, "queue_timeout").inc()
         _log_decision("shed", "queue_timeout", tier.name, entry.name, pool=pool.name, waited_s=waited,
@@ -336,7 +376,7 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
     gw.metrics.queue_wait.labels(tier.name, pool.name).observe(got.queued_s)
     headers["x-pagedserve-queue-wait-ms"] = str(round(got.queued_s * 1000))
     _log_decision("admit", decision.reason, tier.name, entry.name, pool=pool.name, replica=got.replica.url,
-                  cost=cost, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s,
+                  cost=cost, seats=shape.seats, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s,
                   queued_s=got.queued_s)
     return await forward(gw, tier, route, path, body, decision, prompt_tokens, headers, t0)
 

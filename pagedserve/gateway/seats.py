@@ -117,6 +117,17 @@ class Dispatcher:
         reserved = pool.reserved_for(priority)
         return [r for r in pool.healthy() if r.free_seats(priority, reserved) >= n]
 
+    def capacity(self, pool: Pool, priority: int) -> float | None:
+        """The most seats one request of ``priority`` can ever hold on a healthy replica of ``pool``:
+        its seats less the reserve (``inf`` where the seat count is unknown: not gated); None when no
+        replica is up. A request needing more would wait at the head of the queue, holding back
+        everyone behind it, until its budget ran out: it is refused instead (see ``app._route``)."""
+        healthy = pool.healthy()
+        if not healthy:
+            return None
+        reserved = pool.reserved_for(priority)
+        return max(float("inf") if r.seats is None else float(r.seats - reserved) for r in healthy)
+
     def estimate(self, pool: Pool, priority: int, n: int = 1) -> float | None:
         """The wait a request of ``priority`` arriving now would see in ``pool`` (None: no replica up)."""
         healthy = pool.healthy()

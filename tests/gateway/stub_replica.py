@@ -36,6 +36,8 @@ class StubReplica(AppThread):
       that delay.
     * ``health_status`` / ``load_status``: what ``/health`` and ``/load`` answer (503: the engine died).
     * ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load.
+    * ``/detokenize`` answers ``w<id>`` per id (ids below 100, else 400); ``/version`` ``stub-1``.
+    * ``last_body``: the last completions body it received.
     """
 
     def __init__(self, status: int = 503, vllm: bool = False, running: int = 0, waiting: int = 0,
@@ -52,6 +54,7 @@ class StubReplica(AppThread):
         self.health_status = self.load_status = 200
         self.completions = 0
         self.tokenize_calls = 0
+        self.last_body: dict | None = None
         app = FastAPI()
 
         @app.get("/health")
@@ -87,10 +90,22 @@ class StubReplica(AppThread):
             await asyncio.sleep(self.tokenize_delay_s)
             return JSONResponse({"count": len(str(body.get("prompt", "")).split())})
 
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> JSONResponse:
+            tokens = (await request.json()).get("tokens")
+            if not isinstance(tokens, list) or any(not isinstance(t, int) or t >= 100 for t in tokens):
+                return _error(400, "Token ids must be in [0, 100).", None)
+            return JSONResponse({"prompt": " ".join(f"w{t}" for t in tokens)})
+
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": "stub-1"})
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             self.completions += 1
             body = await request.json()
+            self.last_body = body
             if body.get("stream"):
                 return StreamingResponse(self._events(body), media_type="text/event-stream")
             await asyncio.sleep(self.delay_s)  # longer than the gateway's request timeout: sent, never answered
