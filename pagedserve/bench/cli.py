@@ -15,6 +15,7 @@ BENCHMARKS = [
     "pagedserve.bench.tiers",
     "pagedserve.bench.dashboard",
     "pagedserve.bench.quality",
+    "pagedserve.bench.retrieval",
     "pagedserve.bench.train",
 ]
 

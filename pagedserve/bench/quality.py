@@ -1,11 +1,14 @@
 """``pagedserve bench quality`` and ``bench quant-decode``: what quantization costs and what it buys.
 
-``quality`` runs every weight precision × KV precision on a model that has learned something
-(by default the stdlib-trained model of :mod:`pagedserve.models.trained`) and reports, against
-the full-precision run (unquantized weights, KV in the model dtype):
+``quality`` runs every weight precision × KV precision on a model that has learned something —
+the stdlib-trained model of :mod:`pagedserve.models.trained` (default), or a real model such as
+the default SmolLM2-135M-Instruct GGUF — and reports, against the full-precision run
+(unquantized weights, KV in the model dtype):
 
-* perplexity on held-out text — one prefill per window, the KV written into and read back from
-  the (quantized) paged cache, exactly as the engine serves;
+* perplexity on held-out text — the trained model's held-out stdlib tokens, or for any other
+  model English prose (the Python tutorial, :mod:`pagedserve.bench.corpus`) — one prefill per
+  window, the KV written into and read back from the (quantized) paged cache, exactly as the
+  engine serves;
 * mean KL divergence of the next-token distributions, full precision ‖ quantized, same positions;
 * top-1 agreement — share of held-out positions where both runs rank the same token first;
 * greedy agreement — share of identical tokens over N held-out prompts × M greedy tokens (free
@@ -34,6 +37,7 @@ from pagedserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.planner.sizing import seats_at_max_len
 
 FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
+GGUF_WEIGHTS = "gguf"  # a GGUF's own quantized tensors, kept as stored (Q4_1 -> the project's int4, ...)
 
 
 def add_parser(bench) -> None:
@@ -42,12 +46,23 @@ def add_parser(bench) -> None:
         description="For each weight precision x KV precision: perplexity on held-out text, mean KL divergence and "
                     "greedy agreement against the full-precision run, weight bytes, KV bytes per token, seats at a "
                     "fixed KV budget and single-stream decode tokens/s. The default model is trained on the stdlib "
-                    "sources on first use (minutes; cached).")
+                    "sources on first use (minutes; cached); --model SmolLM2-135M-Instruct (or a GGUF file) measures "
+                    "a real model on English prose (the Python tutorial from Debian's python3.11-doc). "
+                    "See docs/QUANTIZATION.md.")
     p.add_argument("--model", default="trained",
-                   help="'trained' (the stdlib-trained model, built on first use) or a directory of a model from "
-                        "pagedserve.models.trained (it must carry heldout_tokens.pt)")
-    p.add_argument("--weights", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS,
-                   help="weight precisions to compare (none = the checkpoint's dtype)")
+                   help="'trained' (the stdlib-trained model, built on first use), a directory of a model from "
+                        "pagedserve.models.trained (it carries heldout_tokens.pt), or any other model: "
+                        "SmolLM2-135M-Instruct, a GGUF file, a model directory (scored on --corpus)")
+    p.add_argument("--weights", nargs="+", default=None, choices=list(QUANTIZATIONS) + [GGUF_WEIGHTS],
+                   help="weight precisions to compare (none = full precision: the checkpoint's dtype, or a GGUF "
+                        "dequantized to --dtype; gguf = a GGUF's own quantized tensors kept as stored); default: "
+                        "none int8 int4, plus gguf for a GGUF model")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype (float32 | bfloat16 | float16); default: the checkpoint's, float32 for a GGUF "
+                        "(bf16 matmul is emulated, and slow, on CPUs without AVX-512 BF16 / AMX)")
+    p.add_argument("--corpus", default=None,
+                   help="directory of .rst.txt/.txt text to score models other than 'trained' on (default: the "
+                        "Python tutorial from python3.11-doc)")
     p.add_argument("--kv", nargs="+", default=list(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES,
                    help="KV cache precisions to compare (auto = the model dtype)")
     p.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity and KL")
@@ -191,13 +206,72 @@ def _decode_speed(engine, prompt: list[int], tokens: int, repeats: int) -> float
     return statistics.median(decode_rate(engine, req) for _ in range(repeats))
 
 
+def corpus_tokens(model_dir: str, corpus: str | None) -> torch.Tensor:
+    """The scoring text as one token stream: the trained model's held-out tokens, or else the corpus's
+    prose paragraphs tokenized by the model's tokenizer (no special tokens), one per line."""
+    from pathlib import Path
+
+    if (Path(model_dir) / "heldout_tokens.pt").exists() and corpus is None:
+        from pagedserve.models.trained import load_heldout_tokens
+
+        return load_heldout_tokens(model_dir)
+    from transformers import AutoTokenizer
+
+    from pagedserve.bench.corpus import load_prose
+
+    paragraphs, _ = load_prose(corpus)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return torch.tensor(tokenizer.encode("\n".join(paragraphs), add_special_tokens=False))
+
+
+def engine_config(model_dir: str, weights: str, kv: str, dtype: str | None, args):
+    """The engine configuration of one weight precision: ``gguf`` loads a GGUF's quantized tensors as
+    stored, computing in ``dtype`` (:func:`gguf_compute_view`); the others dequantize it to ``dtype``."""
+    from pagedserve.config import EngineConfig
+
+    model, quantization, want = model_dir, weights, dtype or "auto"
+    if weights == GGUF_WEIGHTS:
+        model, quantization, want = gguf_compute_view(model_dir, dtype), "none", "auto"
+    return EngineConfig(model=model, dtype=want, quantization=quantization, kv_cache_dtype=kv,
+                        kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False)
+
+
+def gguf_compute_view(model_dir: str, dtype: str | None) -> str:
+    """A prepared GGUF directory whose config names ``dtype`` as the checkpoint's own.
+
+    The loader keeps GGUF tensors quantized only under ``--dtype auto`` (an explicit dtype asks for
+    dequantized weights), and ``auto`` is bfloat16 for a quantized GGUF. To keep Q4_1 as stored and
+    still compute in float32, this copy of the small prepared directory (config, tokenizer; the
+    weights stay in the GGUF file it points to) says float32; it lives beside the original."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from pagedserve.models.gguf import gguf_source
+
+    src = Path(model_dir)
+    if gguf_source(src) is None:
+        raise SystemExit(f"error: --weights gguf needs a GGUF model; {model_dir} is not one")
+    if dtype in (None, "auto"):
+        return model_dir
+    out = src.with_name(f"{src.name}-compute-{dtype}")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.lock"))
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tmp.rename(out)
+    return str(out)
+
+
 def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
     """Run every combination; the full-precision one first, as the reference."""
-    from pagedserve.config import EngineConfig
     from pagedserve.engine.engine import Engine
-    from pagedserve.models.trained import load_heldout_tokens
 
-    heldout = load_heldout_tokens(model_dir)
+    heldout = corpus_tokens(model_dir, getattr(args, "corpus", None))
+    dtype = getattr(args, "dtype", None)
     windows = heldout_windows(heldout, args.windows, args.window_len)
     # Greedy prompts come from the second half of the held-out stream, away from the windows' starts.
     half = heldout[len(heldout) // 2:]
@@ -207,23 +281,36 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
     rows: list[QualityRow] = []
     ref_lp = ref_greedy = ref_ppl = None
     for w, k in tqdm(combos, desc="weight x KV combinations", unit="combo"):
-        engine = Engine(EngineConfig(model=model_dir, quantization=w, kv_cache_dtype=k,
-                                     kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len,
-                                     enable_prefix_caching=False))
+        engine = Engine(engine_config(model_dir, w, k, dtype, args))
         ppl, lp = score_windows(engine, windows)
         greedy = greedy_tokens(engine, prompts, args.gen_tokens)
         if ref_lp is None:
             ref_lp, ref_greedy, ref_ppl = lp, greedy, ppl
         speed = _decode_speed(engine, prompts[0][:16], args.decode_tokens, args.repeats)
         rows.append(QualityRow(
-            weights=w, kv=k, model_dtype=str(engine.dtype).removeprefix("torch."), perplexity=ppl, ppl_change=ppl / ref_ppl - 1, mean_kl=mean_kl(ref_lp, lp),
+            weights=gguf_types(model_dir) if w == GGUF_WEIGHTS else w, kv=k,
+            model_dtype=str(engine.dtype).removeprefix("torch."), perplexity=ppl, ppl_change=ppl / ref_ppl - 1,
+            mean_kl=mean_kl(ref_lp, lp),
             top1_agreement=top1_agreement(ref_lp, lp),
             greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.weight_bytes,
             kv_bytes_per_token=engine.kv_bytes_per_token,
             seats=seats_at_max_len(engine.num_kv_blocks, engine.config.block_size, args.max_model_len),
             decode_tok_s=speed))
+        r = rows[-1]
+        tqdm.write(f"{r.weights} x {r.kv}: perplexity {r.perplexity:.3f}, KL {r.mean_kl:.4f}, greedy "
+                   f"{100 * r.greedy_agreement:.1f}%, {r.decode_tok_s:.1f} tok/s")
         del engine
     return rows
+
+
+def gguf_types(model_dir: str) -> str:
+    """How a GGUF's kept tensors are labelled: its quantized matrix types, e.g. ``Q4_1+Q8_0 (GGUF)``."""
+    import json
+    from pathlib import Path
+
+    types = json.loads((Path(model_dir) / "gguf_source.json").read_text())["tensor_types"]
+    kept = sorted((t for t in types if t not in ("F32", "F16", "BF16")), key=lambda t: -types[t])
+    return "+".join(kept) + " (GGUF)" if kept else "GGUF"
 
 
 def format_table(rows: list[QualityRow]) -> str:
@@ -242,13 +329,28 @@ def format_table(rows: list[QualityRow]) -> str:
 
 
 def run_quality(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pagedserve.models.trained import ensure_trained_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = str(ensure_trained_model()) if args.model == "trained" else args.model
-    rows = measure_quality(model_dir, args.weights, args.kv, args)
-    print(f"\nquantization quality on {args.model} ({machine_summary()}): {args.windows} held-out windows x "
+    from pagedserve.models.gguf import gguf_source
+    from pagedserve.models.loader import resolve_model_dir
+
+    model_dir = str(ensure_trained_model()) if args.model == "trained" else str(resolve_model_dir(args.model))
+    is_gguf = gguf_source(model_dir) is not None
+    if getattr(args, "dtype", None) is None and is_gguf:
+        args.dtype = "float32"
+    weights = args.weights or ["none"] + ([GGUF_WEIGHTS] if is_gguf else []) + [w for w in QUANTIZATIONS if w != "none"]
+    try:
+        rows = measure_quality(model_dir, weights, args.kv, args)
+    except (FileNotFoundError, ValueError) as e:  # no corpus, too little text
+        raise SystemExit(f"error: {e}") from None
+    text = "held-out" if (Path(model_dir) / "heldout_tokens.pt").exists() and args.corpus is None else \
+        ("the Python tutorial's prose" if args.corpus is None else args.corpus)
+    print(f"\nquantization quality on {args.model} ({machine_summary()}; full precision = {rows[0].model_dtype}"
+          f"{', dequantized from the GGUF' if is_gguf else ''}): {args.windows} {text} windows x "
           f"{args.window_len} tokens; greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
           f"{args.kv_budget} KV and max_model_len {args.max_model_len}; decode: median of {args.repeats}, "
           f"{args.decode_tokens} tokens")
