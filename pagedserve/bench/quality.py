@@ -24,6 +24,7 @@ precisions alike; it reports medians and ratios to bf16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 from dataclasses import asdict, dataclass
@@ -266,8 +267,40 @@ def gguf_compute_view(model_dir: str, dtype: str | None) -> str:
     return str(out)
 
 
+@contextlib.contextmanager
+def models_loaded_once():
+    """Within the block, engines built with the same weights share one loaded model.
+
+    A row's KV precision lives in the engine's pool, not in the model (which takes the pools as
+    arguments), so the 4 KV rows of one weight precision can use one model. Loading SmolLM2 from
+    its GGUF (dequantize, re-quantize or pack 211 tensors) took minutes on a shared 2-core machine,
+    more than scoring a row; this turns 16 loads into 4. Patched for the block only: the cache is
+    this call's, and gone after it."""
+    from unittest import mock
+
+    from pagedserve.engine import core
+
+    loaded: dict[tuple, torch.nn.Module] = {}
+    load = core.load_model
+
+    def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, quantization="none"):
+        key = (str(model_dir), dtype, str(device), max_positions, attention_backend, quantization)
+        if key not in loaded:
+            loaded.clear()  # one model at a time: rows run weight by weight
+            loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, quantization)
+        return loaded[key]
+
+    with mock.patch.object(core, "load_model", cached):
+        yield
+
+
 def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
     """Run every combination; the full-precision one first, as the reference."""
+    with models_loaded_once():
+        return _measure_quality(model_dir, weights, kvs, args)
+
+
+def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
     from pagedserve.engine.engine import Engine
 
     heldout = corpus_tokens(model_dir, getattr(args, "corpus", None))
@@ -278,6 +311,7 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
     step = max(args.prompt_len, (len(half) - args.prompt_len) // max(1, args.prompts))
     prompts = [half[i * step:i * step + args.prompt_len].tolist() for i in range(args.prompts)]
     combos = [FULL] + [(w, k) for w in weights for k in kvs if (w, k) != FULL]
+    combos.sort(key=lambda c: weights.index(c[0]) if c[0] in weights else -1)  # weight by weight: one load each
     rows: list[QualityRow] = []
     ref_lp = ref_greedy = ref_ppl = None
     for w, k in tqdm(combos, desc="weight x KV combinations", unit="combo"):

@@ -192,22 +192,24 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
         engine = Engine(EngineConfig(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
                                      kv_cache_memory="1GiB", max_model_len=max_model_len,
                                      enable_prefix_caching=True))
+        label = engine.kv_dtype if kv == "auto" else kv  # e.g. float32
         stats: dict[int, list[int]] = {}
         lengths: dict[int, list[int]] = {}
         with tqdm(total=total, desc=f"KV {kv}", unit="needle") as bar:
-            for ctx in contexts:
+            for c, ctx in enumerate(contexts):
                 got = answer_context(engine, ctx)
                 for n, a, p in zip(ctx.needles, got, ctx.prompts):
                     ok = recalled(a, n.code)
                     stats.setdefault(ctx.length, []).append(int(ok))
                     lengths.setdefault(ctx.length, []).append(len(p))
-                    answers.append({"kv": kv, "length": ctx.length, "depth": n.depth, "name": n.name,
-                                    "code": n.code, "answer": a, "recalled": ok})
+                    answers.append({"kv": label, "context": c, "length": ctx.length, "depth": n.depth,
+                                    "name": n.name, "code": n.code, "answer": a, "recalled": ok,
+                                    "other_needle": not ok and any(recalled(a, m.code) for m in ctx.needles)})
                 bar.update(len(ctx.needles))
         if engine.block_manager.num_used_blocks:
             raise RuntimeError(f"{engine.block_manager.num_used_blocks} KV blocks still in use after the run")
         for length, hits in stats.items():
-            rows.append(RetrievalRow(kv=engine.kv_dtype if kv == "auto" else kv, length=length, needles=len(hits),
+            rows.append(RetrievalRow(kv=label, length=length, needles=len(hits),
                                      recalled=sum(hits), recall=sum(hits) / len(hits),
                                      mean_prompt_tokens=sum(lengths[length]) / len(lengths[length]),
                                      kv_bytes_per_token=engine.kv_bytes_per_token))
@@ -284,4 +286,7 @@ def run_retrieval(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print()
     print(depth_table(answers))
+    misses = [a for a in answers if not a["recalled"]]
+    print(f"\nmisses: {len(misses)}; of them answered with another needle's code of the same context: "
+          f"{sum(a['other_needle'] for a in misses)}")
     return 0
