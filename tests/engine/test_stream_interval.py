@@ -234,7 +234,7 @@ def test_server_streams_every_fourth_token(tiny_model_dir):
     assert text == "".join(e["choices"][0]["text"] for e in ref_content)
 
     def grew(name: str) -> float:
-        return after[f"pagedserve:{name}"] - before.get(f"pagedserve:{name}", 0.0)
+        return after[f"pagedserve_{name}"] - before.get(f"pagedserve_{name}", 0.0)
 
     assert grew("generation_tokens_total") == 9  # exact, though only 3 outputs carried them
     # One inter-token observation per token after the first, as with per-token streaming.
