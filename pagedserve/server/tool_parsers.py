@@ -14,6 +14,7 @@ non-streamed one.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from dataclasses import dataclass, field
@@ -40,15 +41,18 @@ def _call(obj: Any, args_key: str) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
+    """One model family's tool-call format: split an output into its content and its calls."""
+
     name = ""
 
+    @abc.abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        raise NotImplementedError
+        """The content (None when only whitespace) and the calls in a whole output."""
 
+    @abc.abstractmethod
     def content_safe_len(self, text: str) -> int:
         """How much of ``text`` (the output so far) is content whatever comes next."""
-        raise NotImplementedError
 
 
 class HermesToolParser(ToolParser):
