@@ -34,6 +34,16 @@ def checkpoint_dir(tmp_path_factory):
     return get
 
 
+def run_all(engine) -> dict:
+    """Step an engine until every request has finished; the final output of each, by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def assert_no_leaks(engine) -> None:
     """Every request has ended: no block is referenced and the allocator's invariants hold."""
     assert not engine.has_unfinished_requests()

@@ -8,21 +8,12 @@ from pagedserve.config import EngineConfig, parse_bytes
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, QueueFull, RequestTooLong
-from tests.conftest import assert_no_leaks
+from tests.conftest import assert_no_leaks, run_all
 
 
 @pytest.fixture
 def engine(tiny_model_dir):
     return Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, max_waiting=8))
-
-
-def run_all(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def test_pool_is_sized_from_the_memory_budget(tiny_model_dir):

@@ -14,7 +14,7 @@ from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.engine.structured import check
 from pagedserve.errors import InvalidRequest
-from tests.conftest import assert_no_leaks
+from tests.conftest import assert_no_leaks, run_all
 
 # Bounded lengths (maxLength, enums, maxItems) so a random model reaches the end well within max_tokens.
 PERSON = {"type": "object", "properties": {
@@ -26,15 +26,6 @@ PERSON = {"type": "object", "properties": {
                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                 "required": ["city", "zip"], "additionalProperties": False},
 }, "required": ["name", "age", "role", "address"], "additionalProperties": False}
-
-
-def run_all(engine: Engine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.fixture(scope="module")
