@@ -68,14 +68,15 @@ class Viewer:
                         self.build_ms.append(body["build_ms"])
 
 
-async def _run_batch(url: str, model: str, reqs: list[BenchRequest], api_key: str | None) -> tuple[float, int]:
+async def _run_batch(url: str, model: str, reqs: list[BenchRequest], api_key: str | None,
+                     cache_salt: str) -> tuple[float, int]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=len(reqs) + 4)
     async with httpx.AsyncClient(timeout=3600, limits=limits, headers=headers) as http:
         async def one(r: BenchRequest) -> int:
             resp = await http.post(f"{url}/v1/completions", json={
                 "model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
-                "ignore_eos": True})
+                "ignore_eos": True, "cache_salt": cache_salt})
             resp.raise_for_status()
             return int(resp.json()["usage"]["completion_tokens"])
         start = time.perf_counter()
@@ -103,17 +104,20 @@ def run(args: argparse.Namespace) -> int:
     model = "bench"
     with engine_server("--model", model_dir, "--served-model-name", model, "--log-level", "warning",
                        *args.server_arg) as url:
-        asyncio.run(_run_batch(url, model, reqs[:8], None))  # warm-up
+        asyncio.run(_run_batch(url, model, reqs[:8], None, "warm-up"))
         rates: dict[str, list[float]] = {"unwatched": [], "watched": []}
         viewers: list[Viewer] = []
         for i in range(args.repeats):
             for condition in ("unwatched", "watched"):
+                # Every run has its own cache salt: the same W1 prompts again would otherwise hit
+                # the prefix cache that the previous run left, and the later runs would be faster.
+                salt = f"run-{i}-{condition}"
                 if condition == "watched":
                     with Viewer(url) as viewer:
-                        seconds, produced = asyncio.run(_run_batch(url, model, reqs, None))
+                        seconds, produced = asyncio.run(_run_batch(url, model, reqs, None, salt))
                     viewers.append(viewer)
                 else:
-                    seconds, produced = asyncio.run(_run_batch(url, model, reqs, None))
+                    seconds, produced = asyncio.run(_run_batch(url, model, reqs, None, salt))
                 rates[condition].append(produced / seconds)
                 print(f"  run {i + 1} {condition:>9}: {seconds:7.2f} s  {produced / seconds:8.1f} output tok/s")
     off, on = median(rates["unwatched"]), median(rates["watched"])
