@@ -72,6 +72,7 @@ class TiersBenchConfig:
     reserved_seats: int = 2   # of the replica's seats, kept for paid (free gets the rest)
     stream_interval: int = 1  # the replica's --stream-interval: tokens per streamed event after the first
     seed: int = 0
+    server_args: tuple[str, ...] = ()  # extra `pagedserve serve` arguments for the replica, e.g. ("--dtype=float32",)
 
     @property
     def reduced_seats(self) -> int:
@@ -181,7 +182,7 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
     log_path = workdir / f"engine-{seats}.log"
     with open(log_path, "w+") as log, engine_server(
             "--model", str(model_dir), "--max-num-seqs", str(seats), "--served-model-name", "w6", "--log-requests",
-            "--stream-interval", str(cfg.stream_interval), log=log) as engine_url:
+            "--stream-interval", str(cfg.stream_interval), *cfg.server_args, log=log) as engine_url:
         gport = free_port()
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))
@@ -452,6 +453,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("bench-results/w6"), help="output directory for w6.json "
                    "and w6_waits.png (default bench-results/w6)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for the replica's `pagedserve serve` (repeatable), e.g. "
+                        "--server-arg=--dtype=float32 on a CPU without native bf16 matmul")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=main)
     return p
@@ -463,7 +467,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
                            duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
                            reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
-                           prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
+                           prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
+                           server_args=tuple(args.server_arg))
     if Path(cfg.model).is_dir():
         model_dir = Path(cfg.model)
     else:

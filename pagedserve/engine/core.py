@@ -32,7 +32,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from pagedserve.engine.sequence import Request, Sequence
 from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
-from pagedserve.kernels import kernel_error, paged_decode_kernel
+from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
@@ -159,6 +159,9 @@ class EngineCore:
         hf_config = load_hf_config(model_dir)
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+            logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
+                           "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU")
         self.config = config = resolve_config(config, hf_config, arch, self.device)
         self.model_name = config.model
         self.model_dir = str(model_dir)
