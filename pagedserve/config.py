@@ -9,6 +9,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
+SPECULATIVE_METHODS = (None, "ngram")
+MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
+MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
 
 
 def cache_dir() -> Path:
@@ -136,6 +139,13 @@ class EngineConfig:
     trust_remote_code: bool = False
     stream_interval: int = 1  # emit a running request's output every N new tokens (first token: at once)
     kv_events: KVEventsConfig | None = None
+    # Speculative decoding (docs/ARCHITECTURE.md, "Speculative decoding"): None = off; "ngram" =
+    # prompt lookup, up to num_speculative_tokens drafts per decode step, found by matching the
+    # sequence's last ngram_prompt_lookup_max .. _min tokens earlier in its own prompt + output.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
@@ -169,5 +179,19 @@ class EngineConfig:
         if type(self.stream_interval) is not int or self.stream_interval < 1:  # bool and 2.5 are refused too
             raise ValueError(f"stream_interval must be an integer >= 1 (1 = emit every token), "
                              f"got {self.stream_interval!r}")
+        self._check_speculative()
         if isinstance(self.kv_events, dict):  # e.g. LLM(..., kv_events={"enable_kv_cache_events": True, ...})
             self.kv_events = KVEventsConfig(**self.kv_events)
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(str(m) for m in SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative!r}")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                                ("ngram_prompt_lookup_max", 1, MAX_NGRAM), ("ngram_prompt_lookup_min", 1, MAX_NGRAM)):
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) must not exceed "
+                             f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")

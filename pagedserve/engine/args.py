@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, KVEventsConfig
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, MAX_NGRAM, MAX_SPECULATIVE_TOKENS,
+                               QUANTIZATIONS, EngineConfig, KVEventsConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -62,6 +63,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
                         "(also replay_endpoint, buffer_steps, hwm, max_queue_size); --kv-events-endpoint, "
                         "if given too, sets its endpoint and turns it on")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: ngram = prompt lookup (vLLM's ngram method): each decode step drafts "
+                        "the tokens that followed the latest earlier occurrence of the sequence's last few tokens "
+                        "in its own prompt + output, and verifies them in the same forward pass; greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help=f"with --speculative: most draft tokens per sequence per step, 1..{MAX_SPECULATIVE_TOKENS} "
+                        "(default 4)")
+    s.add_argument("--ngram-prompt-lookup-max", type=int, default=4, metavar="N",
+                   help=f"with --speculative ngram: longest n-gram matched, 1..{MAX_NGRAM} (default 4)")
+    s.add_argument("--ngram-prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="with --speculative ngram: shortest n-gram matched, 1..--ngram-prompt-lookup-max (default 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
@@ -75,7 +89,10 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, stream_interval=args.stream_interval,
-        kv_events=kv_events_config_from_args(args))
+        kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
+        num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
+        ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),
+        ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1))
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

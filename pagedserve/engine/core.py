@@ -24,12 +24,12 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.memory import choose_auto_kv_budget
 from pagedserve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
-from pagedserve.engine.runner import ModelRunner
-from pagedserve.engine.runner import ModelInput
+from pagedserve.engine.runner import ModelInput, ModelRunner
 from pagedserve.engine.sampler import SampleResult, SamplingRow, sample, token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.sequence import Request, Sequence
+from pagedserve.engine.spec_decode import verify
 from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
@@ -208,6 +208,8 @@ class EngineCore:
             max_waiting=config.max_waiting,
             reserve_max_model_len=config.kv_reservation == "max",
             kv_cache_dtype=self.kv_dtype,
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative == "ngram" else 0,
+            ngram_max=config.ngram_prompt_lookup_max, ngram_min=config.ngram_prompt_lookup_min,
         ), self.block_manager)
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
         self.requests: dict[str, Request] = {}
@@ -217,6 +219,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
         self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
         self.num_failed_requests = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
         self._last_log, self._tokens_since_log = time.monotonic(), 0
@@ -465,6 +468,10 @@ class EngineCore:
                     self._tokens_since_log / (now - self._last_log), st.num_running, st.num_waiting,
                     st.kv_blocks_used, st.kv_blocks_total, st.kv_blocks_cached_free, st.kv_utilization,
                     100 * st.prefix_hit_rate, st.num_preemptions)
+        if st.spec_num_draft_tokens:
+            logger.info("speculative decoding: %d of %d draft tokens accepted (%.1f%%) over %d drafts",
+                        st.spec_num_accepted_tokens, st.spec_num_draft_tokens, 100 * st.spec_acceptance_rate,
+                        st.spec_num_drafts)
         self._last_log, self._tokens_since_log = now, 0
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], targets: list[Sequence],
@@ -494,6 +501,9 @@ class EngineCore:
 
     def _sample_and_finish(self, sampled: list[Sequence], logits: torch.Tensor,
                            failed: dict[str, str]) -> list[CoreOutput]:
+        spec_tokens: dict[Sequence, list[int]] = {}
+        if any(s.draft_token_ids for s in sampled):
+            sampled, logits, spec_tokens = self._verify_drafts(sampled, logits, failed)
         # A prompt of an n > 1 request that just finished prefill samples n rows from one logits row.
         rows: list[SamplingRow] = []
         targets: list[Sequence] = []
@@ -536,6 +546,13 @@ class EngineCore:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
+        for seq, tokens in spec_tokens.items():
+            self._append_accepted(seq, tokens)
+            req = seq.request
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
         for req in touched.values():
             if req.params.n > 1:
                 req.forked = True
@@ -551,6 +568,63 @@ class EngineCore:
             outputs.append(self._request_output(req, finished))
         return outputs
 
+    def _verify_drafts(self, sampled: list[Sequence], logits: torch.Tensor, failed: dict[str, str]
+                       ) -> tuple[list[Sequence], torch.Tensor, dict[Sequence, list[int]]]:
+        """Split off the sequences that verify drafts (``1 + k`` logits rows each) and run the
+        acceptance rule on them (engine/spec_decode.py); the rest, one row each, are returned for
+        the plain sampler. If verification raises, it is retried per sequence and only the
+        requests whose own rows raise are failed."""
+        plain_seqs: list[Sequence] = []
+        plain_rows: list[int] = []
+        spec: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
+        row = 0
+        for seq in sampled:
+            if seq.draft_token_ids:
+                spec.append((seq, row))
+                row += 1 + len(seq.draft_token_ids)
+            else:
+                plain_seqs.append(seq)
+                plain_rows.append(row)
+                row += 1
+
+        def rows_of(group: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[SamplingRow], list[list[int]]]:
+            idx = [r + j for seq, r in group for j in range(1 + len(seq.draft_token_ids))]
+            srows = [self._sampling_row(seq, seq.draft_token_ids[:j])
+                     for seq, _ in group for j in range(1 + len(seq.draft_token_ids))]
+            return logits[torch.tensor(idx, dtype=torch.long, device=logits.device)], srows, \
+                [seq.draft_token_ids for seq, _ in group]
+
+        accepted: dict[Sequence, list[int]] = {}
+        group = [(s, r) for s, r in spec if s.request.request_id not in failed]
+        try:
+            self._maybe_inject("sample", [s for s, _ in group])
+            if group:
+                accepted = dict(zip([s for s, _ in group], verify(*rows_of(group), self.generator)))
+        except Exception:
+            for seq, r in group:
+                try:
+                    self._maybe_inject("sample", [seq])
+                    accepted[seq] = verify(*rows_of([(seq, r)]), self.generator)[0]
+                except Exception as exc:
+                    failed[seq.request.request_id] = f"{type(exc).__name__}: {exc}"
+        accepted = {s: t for s, t in accepted.items() if s.request.request_id not in failed}
+        plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
+        return plain_seqs, plain_logits, accepted
+
+    def _append_accepted(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append a verified run (accepted drafts, then the target's token) until a stop condition
+        ends it; then roll the sequence's KV back to what was accepted."""
+        num_drafts = len(seq.draft_token_ids)
+        num_accepted = len(tokens) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for token in tokens:
+            self._append_token(seq, token, None)
+            if seq.is_finished:  # EOS, a stop token, max_tokens, max_model_len: the rest is dropped
+                return
+        self.scheduler.accept_drafts(seq, num_accepted)
+
     @staticmethod
     def _output_due(req: Request, interval: int) -> bool:
         """Whether a running request's output goes out this step under ``stream_interval`` > 1.
@@ -565,12 +639,15 @@ class EngineCore:
                 return True
         return False
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, drafts: list[int] = ()) -> SamplingRow:
+        """The sampler's view of ``seq``'s next position, or of the position after ``drafts``
+        (a verification row: penalties and min_tokens count the drafts before it as output)."""
         p = seq.request.params
         banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + len(drafts) < p.min_tokens:
             banned = list(self.eos_token_ids | set(p.stop_token_ids))
-        return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, seq.output_token_ids, banned)
+        output = seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids
+        return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, output, banned)
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         if seq.grammar is not None and not seq.grammar.accept_token(token):
@@ -637,4 +714,6 @@ class EngineCore:
             naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
             prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
-            generation_tokens=self.num_generated_tokens, failed_requests=self.num_failed_requests)
+            generation_tokens=self.num_generated_tokens, failed_requests=self.num_failed_requests,
+            spec_num_drafts=self.spec_num_drafts, spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens)

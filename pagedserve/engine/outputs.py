@@ -93,11 +93,21 @@ class EngineStats:
     kv_bytes_per_token: int
     generation_tokens: int  # cumulative: every token sampled, whether or not an output carried it yet
     failed_requests: int = 0  # cumulative: requests ended by an error in their own processing
+    # Speculative decoding, cumulative (vLLM's vllm:spec_decode_* counters): verification steps of a
+    # sequence with at least one draft, draft tokens proposed, draft tokens the target accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_utilization(self) -> float:
         """Tokens in use ÷ token slots in allocated blocks (0.0 when nothing is allocated)."""
         return self.kv_tokens_in_use / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens ÷ draft tokens proposed (0.0 before any draft)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -24,7 +24,7 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sampled_seqs: list[Sequence]  # in the order of sample_indices
+    sampled_seqs: list[Sequence]  # in the order of sample_indices (1 + k rows for one verifying k drafts)
     # Prompt logprobs (only requests that ask for them): (sequence, first prompt position, count)
     # per span, and the flat-batch rows of those positions, in span order.
     prompt_spans: list[tuple[Sequence, int, int]] | None = None
@@ -75,14 +75,36 @@ class ModelRunner:
         self.device = device
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """Flatten the plan into the model's inputs."""
-        scheduled = [x for x in out.scheduled if x[1] == 1] + [x for x in out.scheduled if x[1] > 1]
-        seqs = [s for s, _ in scheduled]
-        starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
-        lens = torch.tensor([n for _, n in scheduled], dtype=torch.long)
+        """Flatten the plan into the model's inputs.
+
+        A decode verifying ``k`` drafts becomes ``k + 1`` one-token rows of the decode batch, at
+        consecutive positions with the same block table: row ``j`` attends to the context up to
+        and including its own position (all ``k + 1`` tokens' K/V are written before attention),
+        which is the causal mask of a ``k + 1``-token chunk, computed by the fast decode kernel.
+        """
+        # One entry per row: (sequence, first position, query tokens); one-token rows first.
+        rows: list[tuple[Sequence, int, int]] = []
         input_ids: list[int] = []
-        for seq, n in scheduled:
-            input_ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+        chunks = []
+        for seq, n in out.scheduled:
+            start = seq.num_computed_tokens
+            if seq.draft_token_ids:
+                verify_ids = [seq.token_ids[start]] + seq.draft_token_ids
+                rows.extend((seq, start + j, 1) for j in range(len(verify_ids)))
+                input_ids.extend(verify_ids)
+            elif n == 1:
+                rows.append((seq, start, 1))
+                input_ids.append(seq.token_ids[start])
+            else:
+                chunks.append((seq, start, n))
+        num_decodes = len(rows)
+        for seq, start, n in chunks:
+            rows.append((seq, start, n))
+            input_ids.extend(seq.token_ids[start:start + n])
+        scheduled = [(s, n) for s, _, n in rows]
+        seqs = [s for s, _, _ in rows]
+        starts = torch.tensor([p for _, p, _ in rows], dtype=torch.long)
+        lens = torch.tensor([n for _, _, n in rows], dtype=torch.long)
         total = len(input_ids)
         tables = _pad_tables([self.block_manager.block_ids(s.seq_id) for s in seqs])
 
@@ -92,7 +114,6 @@ class ModelRunner:
         slot_mapping = (tables[seq_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 
-        num_decodes = sum(1 for _, n in scheduled if n == 1)
         context_lens = starts + lens
         decode_tables = tables[:num_decodes]
         decode_mask = None
@@ -108,9 +129,11 @@ class ModelRunner:
             prefills.append((int(query_starts[i]), int(lens[i]), ctx,
                              tables[i, :(ctx + self.block_size - 1) // self.block_size].to(self.device)))
 
-        sampled = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
+        # Rows that sample: the one that reaches a sequence's last token; every row verifying drafts.
+        sampled = [i for i, (s, p, n) in enumerate(rows) if s.draft_token_ids or p + n == s.num_tokens]
         sample_indices = (query_starts + lens - 1)[sampled]
-        spans, rows = _prompt_logprob_rows(scheduled, query_starts)
+        sampled_seqs = [seqs[i] for i in sampled if not (i and seqs[i - 1] is seqs[i])]  # 1 + k rows: once
+        spans, prompt_rows = _prompt_logprob_rows(scheduled, query_starts)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -121,8 +144,8 @@ class ModelRunner:
             prefills=prefills,
         )
         return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
-                          sample_indices.to(dev), [seqs[i] for i in sampled], spans or None,
-                          torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
+                          sample_indices.to(dev), sampled_seqs, spans or None,
+                          torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

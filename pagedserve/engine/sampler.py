@@ -123,11 +123,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, chunk: i
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
-           raw: torch.Tensor | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` (``[S, vocab]``, float32). ``raw``: the logits before a
-    grammar's mask, whose distribution the logprobs report (default: ``logits``)."""
-    raw = logits if raw is None else raw
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The processors every row goes through before a token is chosen: min_tokens bans,
+    logit_bias, penalties (greedy rows then take the argmax). A copy where anything applies."""
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
     if banned:
         logits = logits.clone()
@@ -137,15 +135,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         logits = apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits, rows)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution random rows draw from: processed logits ÷ temperature, cut by top-k,
+    top-p and min-p, softmaxed (all ``rows`` must be non-greedy)."""
+    temps = torch.tensor([r.params.temperature for r in rows], device=logits.device).unsqueeze(1)
+    return _filter_top_k_top_p_min_p(logits / temps, rows).softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
+           raw: torch.Tensor | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` (``[S, vocab]``, float32). ``raw``: the logits before a
+    grammar's mask, whose distribution the logprobs report (default: ``logits``)."""
+    raw = logits if raw is None else raw
+    logits = process_logits(logits, rows)
 
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         sub_rows = [rows[i] for i in random_rows]
-        temps = torch.tensor([r.params.temperature for r in sub_rows], device=logits.device).unsqueeze(1)
-        sub = _filter_top_k_top_p_min_p(logits[idx] / temps, sub_rows)
-        probs = sub.softmax(dim=-1)
+        probs = sampling_probs(logits[idx], sub_rows)
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(sub_rows) if r.generator is None]
         if unseeded:

@@ -26,11 +26,23 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from pagedserve.engine.ngram import TokenBuffer, propose
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.errors import QueueFull
 from pagedserve.kv.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
+
+
+def speculable(seq: Sequence) -> bool:
+    """Whether a sequence's drafts can be verified by the acceptance rule (engine/spec_decode.py):
+    not with a grammar (the matcher would have to accept and roll back drafts), logprobs or
+    prompt logprobs (they report per-token distributions the rule does not compute), or n > 1
+    (its completions fork from one prompt). Such sequences decode one token a step, in the
+    same batch as speculated ones."""
+    p = seq.request.params
+    return seq.grammar is None and p.structured_outputs is None and p.logprobs is None \
+        and p.prompt_logprobs is None and p.n == 1
 
 
 @dataclass
@@ -44,6 +56,11 @@ class SchedulerConfig:
     # Blocks kept free when admitting new work, so running sequences can grow a few steps
     # before anyone must be preempted (avoids admitting a request only to evict it next step).
     watermark_fraction: float = 0.01
+    # Speculative decoding (n-gram prompt lookup): most drafts per decoding sequence per step
+    # (0 = off) and the n-gram lengths matched.
+    num_speculative_tokens: int = 0
+    ngram_max: int = 4
+    ngram_min: int = 1
 
 
 @dataclass
@@ -102,6 +119,7 @@ class Scheduler:
             self.waiting.remove(seq)
             heapq.heapify(self.waiting)
         seq.status = SequenceStatus.FINISHED
+        seq.draft_token_ids = []
         self.block_manager.free(seq.seq_id)
 
     @property
@@ -153,6 +171,15 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 planned[seq] = num_new
                 budget -= num_new
+        # Drafts come after every running sequence has its blocks, so they never cause a preemption.
+        if self.config.num_speculative_tokens:
+            for seq in decoding:
+                if budget <= 0:
+                    break
+                if seq.status is SequenceStatus.RUNNING and planned.get(seq) == 1:
+                    num_drafts = self._plan_drafts(seq, budget)
+                    planned[seq] += num_drafts
+                    budget -= num_drafts
 
         # 2. Waiting sequences, best (priority, arrival) first. A step that had to preempt for
         # memory admits only work of strictly better priority than what it preempted.
@@ -196,6 +223,47 @@ class Scheduler:
         out.copies = bm.take_pending_copies()
         return out
 
+    def _plan_drafts(self, seq: Sequence, budget: int) -> int:
+        """Propose drafts for a decoding sequence and make room for them; returns how many.
+
+        Drafts only use room that is free: their slots come from blocks the pool has beyond the
+        admission watermark (no preemption), else the sequence drafts into the slots its table
+        already has, or none. They never pass ``max_tokens`` or ``max_model_len``: the step
+        gains at most ``len(drafts) + 1`` tokens.
+        """
+        seq.draft_token_ids = []
+        p = seq.request.params
+        if not speculable(seq):
+            return 0
+        room = min(self.config.num_speculative_tokens, budget,
+                   p.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return 0
+        if seq.token_buffer is None:
+            seq.token_buffer = TokenBuffer()
+        drafts = propose(seq.token_buffer.sync(seq.token_ids), room, self.config.ngram_max, self.config.ngram_min)
+        if not drafts:
+            return 0
+        bm = self.block_manager
+        if not bm.allocate(seq.seq_id, self._target_tokens(seq, 1 + len(drafts)),
+                           num_computed_tokens=seq.num_computed_tokens, reserve=self.watermark_blocks):
+            # No block to spare: draft only into the slots the table already has.
+            slots = len(bm.tables[seq.seq_id]) * bm.block_size - seq.num_computed_tokens - 1
+            drafts = drafts[:max(0, slots)]
+        seq.draft_token_ids = drafts
+        return len(drafts)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the last token and ``num_accepted`` drafts have valid KV; the rest
+        are rolled back. Blocks past the sequence's tokens are freed, and only full blocks of
+        accepted tokens enter the prefix cache (a block with a rejected draft's KV is never hashed)."""
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        bm = self.block_manager
+        bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._extra_key(seq))
+        bm.truncate(seq.seq_id, self._target_tokens(seq, seq.num_tokens - seq.num_computed_tokens))
+
     def _preempt_worse_than(self, seq: Sequence, planned: dict[Sequence, int], out: SchedulerOutput) -> bool:
         """Preempt the worst running sequence if its priority is strictly worse than ``seq``'s.
 
@@ -211,6 +279,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence, reason: str) -> None:
         """Free the victim's blocks and put it back in the waiting heap (original arrival kept)."""
         self.running.remove(victim)
+        victim.draft_token_ids = []
         lost = victim.num_computed_tokens
         self.block_manager.free(victim.seq_id)
         victim.num_computed_tokens = 0
@@ -224,8 +293,11 @@ class Scheduler:
 
     # ---- after the model ran -------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` and register newly full blocks in the prefix cache."""
+        """Advance ``num_computed_tokens`` and register newly full blocks in the prefix cache.
+
+        A sequence with drafts advances by its last token only: which drafts hold valid KV is
+        known after verification (:meth:`accept_drafts`)."""
         for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                                  self._extra_key(seq))

@@ -76,6 +76,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        """Put a block with nothing worth keeping at the head: the next allocation takes it first."""
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free, block.next_free = self._head, first
+        first.prev_free = block
+        self.num_free += 1
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is None or block is self._tail:
@@ -334,6 +343,28 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue.append(block)
                 self._num_cached_free += block.cache_key is not None
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink ``seq_id``'s table to the blocks ``num_tokens`` slots need, dropping the tail
+        (speculative decoding's rollback: the blocks that held only rejected drafts).
+
+        The dropped blocks were allocated for the drafts and never registered in the prefix cache
+        (only full blocks of accepted tokens are), so they return to the free queue with no content.
+        """
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= len(self.chains[seq_id]), "truncating into the sequence's cached full blocks"
+        while len(table) > keep:
+            block = table.pop()
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.cache_key is None:
+                    self.free_queue.appendleft(block)  # empty: reused before any cached block
+                else:
+                    self.free_queue.append(block)
+                    self._num_cached_free += 1
 
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -113,6 +113,14 @@ class _EngineStatsCollector(Collector):
                       s.num_preemptions)
         yield counter("generation_tokens", "Tokens generated, streamed or not (an aborted request's included).",
                       s.generation_tokens)
+        yield counter("spec_decode_drafts", "Speculative decoding: verification steps of a sequence with drafts.",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed.",
+                      s.spec_num_draft_tokens)
+        yield counter("spec_decode_accepted_tokens", "Speculative decoding: draft tokens the target model accepted.",
+                      s.spec_num_accepted_tokens)
+        yield gauge("spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens "
+                    "since start (0 before any draft).", s.spec_acceptance_rate)
 
         # vLLM's names for the same snapshot.
         usage = kv_cache_usage(s)
@@ -131,6 +139,10 @@ class _EngineStatsCollector(Collector):
                       "DEPRECATED: Use vllm:prefix_cache_hits instead.", s.prefix_hit_tokens)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      s.spec_num_accepted_tokens)
         yield self._cache_config_info(s)
 
     def _cache_config_info(self, s: EngineStats) -> GaugeMetricFamily:

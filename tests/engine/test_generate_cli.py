@@ -35,12 +35,14 @@ def gpt2_dir(tmp_path_factory):
     ("gpt2", "unsupported model type 'gpt2'"),
     ("tiny-kv", "holds no block"),
     ("tiny-len", "exceeds the model's limit"),
+    ("spec-k", "num_speculative_tokens must be an integer in [1, 16], got 17"),
 ])
 def test_startup_errors_are_one_line(case, expect, tiny_model_dir, gpt2_dir, tmp_path):
     args = {"missing": ["--model", str(tmp_path / "nope")],
             "gpt2": ["--model", str(gpt2_dir)],
             "tiny-kv": ["--model", str(tiny_model_dir), "--kv-cache-memory", "1KiB"],
-            "tiny-len": ["--model", str(tiny_model_dir), "--max-model-len", "100000000"]}[case]
+            "tiny-len": ["--model", str(tiny_model_dir), "--max-model-len", "100000000"],
+            "spec-k": ["--model", str(tiny_model_dir), "--speculative", "ngram", "--num-speculative-tokens", "17"]}[case]
     proc = _run("generate", *args, "--prompt", "hi", "--max-tokens", "2")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
