@@ -146,7 +146,8 @@ def compare(name: str, model: str, prompt_ids_for, output_len: int, args) -> dic
 
 def _repeat_prompt(engine) -> list[int]:
     messages = [{"role": "user", "content": REPEAT_INSTRUCTION.format(passage=PASSAGE)}]
-    return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -151,8 +151,8 @@ def _tokens(done: dict) -> dict:
 
 @pytest.mark.parametrize("case", ["plain", "preemption", "chunked", "no-prefix-cache"])
 def test_greedy_output_is_unchanged_and_drafts_are_accepted(tiny_model_dir, case):
-    kw = {"plain": {}, "preemption": {"num_kv_blocks": 24, "max_model_len": 256},
-          "chunked": {"max_num_batched_tokens": 12}, "no-prefix-cache": {"enable_prefix_caching": False}}[case]
+    kw = {"plain": {}, "preemption": {"num_kv_blocks": 12, "max_model_len": 256},
+          "chunked": {"max_num_batched_tokens": 16}, "no-prefix-cache": {"enable_prefix_caching": False}}[case]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     prompts = PROMPTS + [PROMPTS[0]]  # a repeat: its prompt blocks are prefix-cache hits
     base = _run(_engine(tiny_model_dir, False, **kw), prompts, params, check=False)
@@ -233,7 +233,7 @@ def test_seeded_sampling_is_deterministic_and_top_k_1_is_greedy(tiny_model_dir):
                                  {"ngram_prompt_lookup_max": 0}])
 def test_speculative_config_is_bounded(bad):
     with pytest.raises(ValueError):
-        EngineConfig(model="x", speculative="ngram", **bad)
+        EngineConfig(model="x", **{"speculative": "ngram", **bad})
 
 
 class SpecSchedulerMachine(RuleBasedStateMachine):
