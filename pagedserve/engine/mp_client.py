@@ -19,13 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import multiprocessing.connection
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
@@ -33,66 +28,23 @@ import zmq.asyncio
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
-from pagedserve.engine.core import ModelFacts
-from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks, run_engine_core
+from pagedserve.engine.core_launch import CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
 
+# CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
+__all__ = ["CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
+
 logger = logging.getLogger(__name__)
 
 
-class EngineStartupError(RuntimeError):
-    """The core process could not build the engine (its message says why, in one line)."""
-
-
-@dataclass
-class CoreProcess:
-    """A started core process and the addresses its sockets connect to."""
-
-    process: BaseProcess
-    input_addr: str
-    output_addr: str
-    facts: ModelFacts
-    socket_dir: tempfile.TemporaryDirectory
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-
-
 def start_core_process(config: EngineConfig, log_level: str = "info") -> CoreProcess:
-    """Spawn the core and wait until it has loaded the model (or failed to)."""
-    socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
-    input_addr = f"ipc://{socket_dir.name}/input"
-    output_addr = f"ipc://{socket_dir.name}/output"
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=run_engine_core, name="pagedserve-core", daemon=True,
-                          args=(config, input_addr, output_addr, sender, log_level))
-    process.start()
-    sender.close()
-    try:
-        while True:  # wait for the first message, or for the process to die without one
-            ready = multiprocessing.connection.wait([receiver, process.sentinel])
-            if receiver in ready:
-                try:
-                    kind, payload = receiver.recv()
-                except EOFError:
-                    kind, payload = "error", None
-                break
-            if process.sentinel in ready and not receiver.poll():
-                kind, payload = "error", None
-                break
-    finally:
-        receiver.close()
-    if kind != "ready":
-        process.join(5)
-        socket_dir.cleanup()
-        raise EngineStartupError(payload or f"the engine core process exited with code {process.exitcode} "
-                                            "while loading the model (see its log above)")
-    return CoreProcess(process, input_addr, output_addr, payload, socket_dir)
+    """Spawn the core and wait until it has loaded the model (or failed to). The server spawns it
+    with :func:`~pagedserve.engine.core_launch.spawn_core_process` instead, to load its own side
+    meanwhile."""
+    return spawn_core_process(config, log_level).wait_ready()
 
 
 class MPEngineClient(StreamingClient):

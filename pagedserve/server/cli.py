@@ -16,6 +16,7 @@ from pagedserve.config import parse_bytes
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
+    from pagedserve.engine.core_launch import CoreLaunch
     from pagedserve.engine.core import ModelFacts
     from pagedserve.server.config import ServerConfig
 
@@ -118,14 +119,14 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
+    # Only light modules here: the heavy ones (torch, FastAPI, transformers) are imported once the
+    # core process is loading, so that the two start-ups overlap.
     from pagedserve.engine.args import engine_config_from_args
+    from pagedserve.engine.core_launch import EngineStartupError, spawn_core_process
     from pagedserve.models.default import ensure_default_model
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
-    from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient
-    from pagedserve.server.app import build_app
     from pagedserve.server.chat_template import load_chat_template
     from pagedserve.server.config import ServerConfig
-    from pagedserve.server.limits import uvicorn_limits
 
     log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -163,7 +164,16 @@ def run_serve(args: argparse.Namespace) -> int:
                                      enable_auto_tool_choice=args.enable_auto_tool_choice)
         engine_config = engine_config_from_args(args)
         _check_port_free(args.host, args.port)
-        client = _start_engine(engine_config, args.engine_process, log_level, server_config.log_requests)
+        launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
+        # While the core process imports torch and loads the model (seconds), this one imports its
+        # own side and transformers' tokenizer code: on two cores the start-ups overlap.
+        from pagedserve.engine.mp_client import MPEngineClient
+        from pagedserve.server.app import build_app
+        from pagedserve.server.limits import uvicorn_limits
+        from pagedserve.server.tokenization import import_tokenizer_code
+
+        import_tokenizer_code()
+        client = _start_engine(engine_config, launch, log_level, server_config.log_requests)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
@@ -207,12 +217,12 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine(config: EngineConfig, own_process: bool, log_level: str, log_requests: bool) -> EngineClient:
-    """The engine, loaded: in its own core process (the default), or on a thread of this one."""
-    from pagedserve.engine.mp_client import MPEngineClient, start_core_process
+def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool) -> EngineClient:
+    """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of this one."""
+    from pagedserve.engine.mp_client import MPEngineClient
 
-    if own_process:
-        core = start_core_process(config, log_level)
+    if launch is not None:
+        core = launch.wait_ready()
         logger.info("engine core running in process %d", core.process.pid)
         return MPEngineClient(core, log_requests=log_requests)
     from pagedserve.engine.async_engine import AsyncEngine

@@ -64,6 +64,19 @@ class TokenizerWorker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def import_tokenizer_code() -> None:
+    """Import what the first ``AutoTokenizer.from_pretrained`` of a process would (transformers'
+    tokenizer and configuration code, about 3 s), so a caller can do it while it waits anyway."""
+    from transformers import AutoTokenizer  # noqa: F401  (the lazy module resolves the auto classes)
+
+    try:
+        # Every configuration class imports type_validators (which pulls in torch.distributed.tensor).
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
+        import transformers.utils.type_validators  # noqa: F401
+    except ImportError:  # another transformers layout: the first from_pretrained imports what it needs
+        pass
+
+
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text`` through the batch entry point, which releases the GIL while it works."""
     backend = getattr(tokenizer, "_tokenizer", None)

@@ -1,0 +1,105 @@
+"""Spawning the engine core's process without importing the engine: the server starts the core
+first and loads its own side (torch, FastAPI, the tokenizers) while the core loads the model.
+
+Both start-ups cost seconds (each process imports torch and transformers); run one after the
+other they add up, run side by side on two cores they overlap. This module therefore imports
+nothing heavy: the child imports :mod:`pagedserve.engine.core_proc` itself, in :func:`_run_core`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import tempfile
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.core import ModelFacts
+
+
+class EngineStartupError(RuntimeError):
+    """The core process could not build the engine (its message says why, in one line)."""
+
+
+@dataclass
+class CoreProcess:
+    """A started core process and the addresses its sockets connect to."""
+
+    process: BaseProcess
+    input_addr: str
+    output_addr: str
+    facts: ModelFacts
+    socket_dir: tempfile.TemporaryDirectory
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+
+
+@dataclass
+class CoreLaunch:
+    """A core process that was spawned and may still be loading its model."""
+
+    process: BaseProcess
+    input_addr: str
+    output_addr: str
+    socket_dir: tempfile.TemporaryDirectory
+    receiver: multiprocessing.connection.Connection
+
+    def wait_ready(self) -> CoreProcess:
+        """Block until the core has loaded the model; raise :class:`EngineStartupError` with its
+        one-line reason if it could not (or died without saying)."""
+        process, receiver = self.process, self.receiver
+        try:
+            while True:  # wait for the first message, or for the process to die without one
+                ready = multiprocessing.connection.wait([receiver, process.sentinel])
+                if receiver in ready:
+                    try:
+                        kind, payload = receiver.recv()
+                    except EOFError:
+                        kind, payload = "error", None
+                    break
+                if process.sentinel in ready and not receiver.poll():
+                    kind, payload = "error", None
+                    break
+        finally:
+            receiver.close()
+        if kind != "ready":
+            process.join(5)
+            self.socket_dir.cleanup()
+            raise EngineStartupError(payload or f"the engine core process exited with code {process.exitcode} "
+                                                "while loading the model (see its log above)")
+        return CoreProcess(process, self.input_addr, self.output_addr, payload, self.socket_dir)
+
+    def kill(self) -> None:
+        """Give up on a launch (the server failed to start its own side)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.receiver.close()
+        self.socket_dir.cleanup()
+
+
+def spawn_core_process(config: EngineConfig, log_level: str = "info") -> CoreLaunch:
+    """Spawn the core; it starts loading at once. :meth:`CoreLaunch.wait_ready` waits for it."""
+    socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
+    input_addr = f"ipc://{socket_dir.name}/input"
+    output_addr = f"ipc://{socket_dir.name}/output"
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_run_core, name="pagedserve-core", daemon=True,
+                          args=(config, input_addr, output_addr, sender, log_level))
+    process.start()
+    sender.close()
+    return CoreLaunch(process, input_addr, output_addr, socket_dir, receiver)
+
+
+def _run_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
+    """The child's entry point: only here is the engine imported."""
+    from pagedserve.engine.core_proc import run_engine_core
+
+    run_engine_core(config, input_addr, output_addr, ready, log_level)
