@@ -65,6 +65,20 @@ def smollm2_gguf() -> Path:
         pytest.skip(f"default model unavailable: {e}")
 
 
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """``pagedserve serve`` with no --model: the default model (SmolLM2-135M-Instruct, real weights),
+    one server for every test about what the real model answers (its structured output and tool
+    calls, the capital of France). Each test leaves it idle; at the end it must hold no KV block."""
+    from pagedserve.bench.processes import engine_server
+
+    with engine_server("--max-model-len", "512", "--kv-cache-memory", "96MiB", "--max-num-seqs", "64",
+                       "--enable-auto-tool-choice", "--log-level", "warning", timeout_s=300) as url:
+        yield url
+        load = wait_for_idle(url, timeout=30)
+        assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
+
+
 # Small enough that "longer than the context" is cheap to send, big enough for real prompts.
 MAX_MODEL_LEN = 256
 SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--enable-auto-tool-choice",

@@ -33,26 +33,22 @@ def _serve(model_dir: Path, *extra: str) -> tuple[list[str], str]:
 
 
 @pytest.fixture(scope="module")
-def fault_server(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """A server whose core raises in any step batching a request whose id starts with 'poison'."""
+def fault_process(tiny_model_dir) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[no-untyped-def, type-arg]
+    """(URL, process) of a server whose core raises in any step batching a request whose id starts
+    with 'poison'. The module's last test that uses it kills its core (the server then exits)."""
     cmd, url = _serve(tiny_model_dir, "--max-body-bytes", "8MiB")
     os.environ[FAULT_INJECTION_ENV] = "execute:poison"
     try:
-        with running_process(cmd, f"{url}/health", timeout_s=300):
+        with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
             os.environ.pop(FAULT_INJECTION_ENV, None)
-            yield url
+            yield url, proc
     finally:
         os.environ.pop(FAULT_INJECTION_ENV, None)
 
 
-@pytest.fixture
-def fresh_server(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """A server of its own, with no fault injection and no earlier requests. (On fault_server, after
-    the fault tests above, /health stalls for up to ~1.8 s while big prompts tokenize: an open defect,
-    recorded in the session notes, not yet explained.)"""
-    cmd, url = _serve(tiny_model_dir, "--max-body-bytes", "8MiB")
-    with running_process(cmd, f"{url}/health", timeout_s=300):
-        yield url
+@pytest.fixture(scope="module")
+def fault_server(fault_process) -> str:  # type: ignore[no-untyped-def]
+    return fault_process[0]
 
 
 def _stream(url: str, body: dict) -> tuple[str | None, list[str]]:
@@ -118,16 +114,18 @@ print(json.dumps(latencies), flush=True)
 """
 
 
-def test_health_stays_fast_while_huge_prompts_are_tokenized(fresh_server):
+def test_health_stays_fast_while_huge_prompts_are_tokenized(fault_server):
+    """On the server the fault tests above just used. (The body's text check once looped over the
+    characters in Python on the event loop: each 3.9 MB body held /health for up to ~2 s.)"""
     big = "word " * 780_000  # 3.9 MB
-    prober = subprocess.Popen([sys.executable, "-c", _PROBE, fresh_server], stdin=subprocess.PIPE,
+    prober = subprocess.Popen([sys.executable, "-c", _PROBE, fault_server], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert prober.stdout.readline().strip() == "ready"
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            jobs = [pool.submit(httpx.post, f"{fresh_server}/tokenize", json={"prompt": big}, timeout=120)
+            jobs = [pool.submit(httpx.post, f"{fault_server}/tokenize", json={"prompt": big}, timeout=120)
                     for _ in range(2)]
-            refused = pool.submit(httpx.post, f"{fresh_server}/v1/completions", json={"prompt": big, "max_tokens": 4},
+            refused = pool.submit(httpx.post, f"{fault_server}/v1/completions", json={"prompt": big, "max_tokens": 4},
                                   timeout=60)
             time.sleep(0.3)  # let both tokenizations start
             probes = 0
@@ -158,62 +156,57 @@ def _core_pid(server_pid: int) -> int:
     raise AssertionError(f"no engine core among {children}")
 
 
-def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits_non_zero(tiny_model_dir):
-    cmd, url = _serve(tiny_model_dir)
-    with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
-        body = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
-        opened: list[httpx.Response] = []
-        ended: dict[int, float] = {}
-        with httpx.Client(timeout=30) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
-            def consume(i: int) -> list[str]:
-                lines = []
-                with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-                    opened.append(r)
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            lines.append(line[6:])
-                ended[i] = time.monotonic()
-                return lines
-            futures = [pool.submit(consume, i) for i in range(3)]
-            while len(opened) < 3:
-                time.sleep(0.01)
-            time.sleep(0.3)  # every stream is producing tokens
-            os.kill(_core_pid(proc.pid), signal.SIGKILL)
-            killed = time.monotonic()
-            results = [f.result(timeout=10) for f in futures]
-        for lines in results:
-            assert lines[-1] == "[DONE]" and '"engine_unavailable"' in lines[-2], lines[-3:]
-        assert max(ended.values()) - killed < 1.0
-        # Never a 200 again: 503 while it drains, then nothing listens.
-        while proc.poll() is None:
-            try:
-                assert httpx.get(f"{url}/health", timeout=2).status_code == 503
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        assert proc.wait(timeout=30) == 1
+def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits_non_zero(fault_process):
+    url, proc = fault_process  # the fault tests above are done with it: this one ends it
+    body = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
+    opened: list[httpx.Response] = []
+    ended: dict[int, float] = {}
+    with httpx.Client(timeout=30) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        def consume(i: int) -> list[str]:
+            lines = []
+            with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                opened.append(r)
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+            ended[i] = time.monotonic()
+            return lines
+        futures = [pool.submit(consume, i) for i in range(3)]
+        while len(opened) < 3:
+            time.sleep(0.01)
+        time.sleep(0.3)  # every stream is producing tokens
+        os.kill(_core_pid(proc.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        results = [f.result(timeout=10) for f in futures]
+    for lines in results:
+        assert lines[-1] == "[DONE]" and '"engine_unavailable"' in lines[-2], lines[-3:]
+    assert max(ended.values()) - killed < 1.0
+    # Never a 200 again: 503 while it drains, then nothing listens.
+    while proc.poll() is None:
+        try:
+            assert httpx.get(f"{url}/health", timeout=2).status_code == 503
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    assert proc.wait(timeout=30) == 1
 
 
-def test_the_default_model_answers_a_real_question(smollm2_gguf):
-    """`pagedserve serve` with no --model: SmolLM2-135M-Instruct knows the capital of France."""
+def test_the_default_model_answers_a_real_question(smollm2_server):
+    """`pagedserve serve` with no --model (the session's default-model server): SmolLM2-135M-Instruct
+    knows the capital of France."""
     import openai
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--log-level", "warning"]
-    with running_process(cmd, f"{url}/health", timeout_s=300):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
-            question = [{"role": "user", "content": "What is the capital of France?"}]
-            answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
-                                                    max_tokens=24, temperature=0)
-            assert "Paris" in answer.choices[0].message.content
-            chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
-                                                    max_tokens=24, temperature=0, stream=True)
-            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert streamed == answer.choices[0].message.content
-        assert wait_for_idle(url)["kv_blocks_used"] == 0
+    with openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                                max_tokens=24, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+        chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                                max_tokens=24, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == answer.choices[0].message.content
+    assert wait_for_idle(smollm2_server)["kv_blocks_used"] == 0
 
 
 def test_the_core_does_not_outlive_a_killed_server(tiny_model_dir):
