@@ -1,43 +1,25 @@
-"""Structured output and tool calls with the real default model (SmolLM2-135M-Instruct), served
-in-process (AsyncEngine + the app on a loopback port): the same guarantees as with random weights."""
+"""Structured output and tool calls with the real default model (SmolLM2-135M-Instruct), on the
+session's default-model server (``smollm2_server``): the same guarantees as with random weights."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
-import pytest
 
-from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.engine import Engine
-from pagedserve.server.app import build_app
-from pagedserve.server.config import ServerConfig
-from tests.helpers.servers import AppThread, wait_for_idle
+from tests.helpers.servers import wait_for_idle
 from tests.server.structured_cases import run_schema_requests
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def smollm2_url(smollm2_gguf) -> Iterator[str]:
-    engine = Engine(EngineConfig(model=str(smollm2_gguf), max_model_len=512, kv_cache_memory="96MiB",
-                                 max_num_seqs=64))
-    app = build_app(AsyncEngine(engine), ServerConfig(served_model_name=MODEL, enable_auto_tool_choice=True))
-    with AppThread(app) as server:
-        yield server.url
-        load = wait_for_idle(server.url, timeout=30)
-        assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
+def test_fifty_json_schema_requests_validate(smollm2_server: str) -> None:
+    run_schema_requests(smollm2_server, MODEL, 50, max_tokens=160)
+    assert wait_for_idle(smollm2_server, timeout=30)["kv_blocks_used"] == 0
 
 
-def test_fifty_json_schema_requests_validate(smollm2_url: str) -> None:
-    run_schema_requests(smollm2_url, MODEL, 50, max_tokens=160)
-    assert wait_for_idle(smollm2_url, timeout=30)["kv_blocks_used"] == 0
-
-
-def test_choice_regex_and_a_named_tool_call(smollm2_url: str) -> None:
-    with openai.OpenAI(base_url=f"{smollm2_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+def test_choice_regex_and_a_named_tool_call(smollm2_server: str) -> None:
+    with openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         r = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
             max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
@@ -53,4 +35,4 @@ def test_choice_regex_and_a_named_tool_call(smollm2_url: str) -> None:
             tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40, temperature=0)
         call = r.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
-    assert wait_for_idle(smollm2_url, timeout=30)["kv_blocks_used"] == 0
+    assert wait_for_idle(smollm2_server, timeout=30)["kv_blocks_used"] == 0
