@@ -109,6 +109,17 @@ def _engine(tiny_model_dir, spec: bool, **kw) -> Engine:
                                num_speculative_tokens=4, **kw))
 
 
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir) -> dict[bool, Engine]:
+    """One plain and one speculative engine (default settings), shared by the module's tests
+    (each test checks counters as differences, and leaves both idle with no block held)."""
+    return {False: _engine(tiny_model_dir, False), True: _engine(tiny_model_dir, True)}
+
+
+def _accepted(engine: Engine) -> int:
+    return engine.stats().spec_num_accepted_tokens
+
+
 def _check_spec_state(engine: Engine) -> None:
     """After a step: the allocator is consistent, a decoding sequence holds exactly the blocks its
     tokens need, none past them (the drafts' blocks were rolled back), and every cached block in its table holds
@@ -172,10 +183,10 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(tiny_model_dir, case
             [base[str(i)].outputs[0].token_ids[20:28] for i in range(len(prompts))]
 
 
-def test_stops_inside_an_accepted_run(tiny_model_dir):
+def test_stops_inside_an_accepted_run(engines):
     """max_tokens, a stop token and a stop string that land in the middle of a step's accepted
     tokens end the completion exactly where plain decoding ends it."""
-    base_engine = _engine(tiny_model_dir, False)
+    base_engine, spec_engine = engines[False], engines[True]
     ref = _run(base_engine, [PROMPTS[1]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     out = ref["0"].outputs[0]
     stop_token = out.token_ids[25]
@@ -185,18 +196,18 @@ def test_stops_inside_an_accepted_run(tiny_model_dir):
     cases.append(SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop_text]))
     cases.append(SamplingParams(max_tokens=40, temperature=0, min_tokens=30, stop_token_ids=[stop_token]))
     prompts = [PROMPTS[1]] * len(cases)
-    base = _run(_engine(tiny_model_dir, False), prompts, cases, check=False)
-    spec_engine = _engine(tiny_model_dir, True)
+    base = _run(base_engine, prompts, cases, check=False)
+    accepted = _accepted(spec_engine)
     spec = _run(spec_engine, prompts, cases)
     assert _tokens(spec) == _tokens(base)
     assert [base[str(i)].outputs[0].text for i in range(len(cases))] == \
         [spec[str(i)].outputs[0].text for i in range(len(cases))]
     assert [len(spec[str(i)].outputs[0].token_ids) for i in range(3)] == [7, 13, 22]
     assert spec["4"].outputs[0].finish_reason == "stop"
-    assert spec_engine.stats().spec_num_accepted_tokens > 0
+    assert _accepted(spec_engine) > accepted
 
 
-def test_requests_that_are_not_speculated_share_the_batch(tiny_model_dir):
+def test_requests_that_are_not_speculated_share_the_batch(engines):
     """logprobs, n > 1 and penalties / logit_bias run next to speculated requests and get the
     plain engine's output; only the eligible ones draft."""
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
@@ -205,27 +216,29 @@ def test_requests_that_are_not_speculated_share_the_batch(tiny_model_dir):
               SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, presence_penalty=0.5,
                              frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={5: 3.0})]
     prompts = [PROMPTS[1]] * len(params)
-    base = _run(_engine(tiny_model_dir, False), prompts, params, check=False)
-    spec_engine = _engine(tiny_model_dir, True)
-    spec = _run(spec_engine, prompts, params)
+    base = _run(engines[False], prompts, params, check=False)
+    accepted = _accepted(engines[True])
+    spec = _run(engines[True], prompts, params)
     assert _tokens(spec) == _tokens(base)
     assert [lp.token_id for lp in spec["1"].outputs[0].logprobs] == spec["1"].outputs[0].token_ids
-    assert spec_engine.stats().spec_num_accepted_tokens > 0
+    assert _accepted(engines[True]) > accepted
 
 
-def test_seeded_sampling_is_deterministic_and_top_k_1_is_greedy(tiny_model_dir):
-    sampled = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
+def test_seeded_sampling_is_deterministic_and_top_k_1_is_greedy(engines):
+    # min_p rather than top_p: the same processor path without a vocabulary-wide sort per row (cheaper)
+    sampled = SamplingParams(max_tokens=40, temperature=0.7, min_p=0.05, seed=11, ignore_eos=True)
     top1 = SamplingParams(max_tokens=40, temperature=1.0, top_k=1, seed=3, ignore_eos=True)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[3]]
-    engine = _engine(tiny_model_dir, True)
+    engine = engines[True]
+    before = engine.stats()
     first = _run(engine, prompts, [sampled, top1, greedy])
     second = _run(engine, prompts, [sampled, top1, greedy])
     assert _tokens(first) == _tokens(second)
     # top_k = 1 leaves one token per row: the acceptance rule must then reproduce greedy exactly
     assert first["1"].outputs[0].token_ids == _run(engine, [PROMPTS[1]], greedy)["0"].outputs[0].token_ids
     st = engine.stats()
-    assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
+    assert st.spec_num_drafts > before.spec_num_drafts and st.spec_num_accepted_tokens > before.spec_num_accepted_tokens
 
 
 @pytest.mark.parametrize("bad", [{"num_speculative_tokens": 0}, {"num_speculative_tokens": 17},
