@@ -23,7 +23,8 @@ runner's copy-on-write ``cache[dst] = cache[src]`` copies bits and scales exactl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +35,8 @@ QUANTIZED_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest stored magnitude; fp8 is e4m3's finite max
 _MIN_SCALE = 1e-6  # an all-zero vector still gets a finite, float16-representable scale
+# Stored rotated by the Hadamard matrix (QuantizedKVCache.rotation): chosen by measurement, docs/QUANTIZATION.md.
+ROTATED_KV_DTYPES = frozenset({"int4"})
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -57,6 +60,22 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     """
     check_kv_cache_dtype(kv_cache_dtype)
     return kv_pool_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype_name(kv_cache_dtype, model_dtype))
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+    """The normalised Hadamard rotation of ``n``-value vectors, ``[n, n]``: symmetric and orthogonal,
+    so it is its own inverse (``H @ H = I``).
+
+    Sylvester's construction for the largest power of two ``b`` dividing ``n`` (64 for head_dim 64,
+    32 for 96), repeated block-diagonally ``n / b`` times; entries ``±1 / sqrt(b)``. A vector whose
+    energy sits in one channel of a block comes out spread evenly over the block's ``b`` channels.
+    """
+    block = n & -n  # the lowest set bit: the largest power of two dividing n
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.block_diag(*[h] * (n // block)) / math.sqrt(block)
+    return h.to(dtype=dtype, device=device)
 
 
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +114,11 @@ def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_cache_dtype: str,
 class QuantizedKVCache:
     """One layer's K (or V) pool in a quantized precision, with per-token, per-head scales.
 
-    ``out_dtype`` is the model dtype attention computes in; :meth:`dequantize` returns it.
+    ``out_dtype`` is the model dtype attention computes in; :meth:`dequantize` returns it. With a
+    ``rotation`` (the :func:`hadamard_matrix` of ``head_dim``, for the dtypes in
+    :data:`ROTATED_KV_DTYPES`), each vector is stored rotated, ``x @ rotation``: :meth:`dequantize`
+    rotates it back, and the attention backends instead rotate the queries in and the output back
+    out (:meth:`stored_basis`), which is exact because the rotation is orthogonal.
     """
 
     data: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim or head_dim // 2]
@@ -103,18 +126,20 @@ class QuantizedKVCache:
     kv_cache_dtype: str
     out_dtype: torch.dtype
     head_dim: int
+    rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32, symmetric orthogonal, or None
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                  out_dtype: torch.dtype, device: torch.device) -> "QuantizedKVCache":
-        """An all-zero pool of ``num_blocks`` blocks."""
+        """An all-zero pool of ``num_blocks`` blocks, rotated if ``kv_cache_dtype`` is in :data:`ROTATED_KV_DTYPES`."""
         if kv_cache_dtype not in QUANTIZED_KV_DTYPES:
             raise ValueError(f"not a quantized KV dtype: {kv_cache_dtype!r}; choose from {QUANTIZED_KV_DTYPES}")
         width = head_dim // 2 if kv_cache_dtype == "int4" else head_dim
         storage = torch.int8 if kv_cache_dtype == "int8" else torch.uint8
         data = torch.zeros((num_blocks, block_size, num_kv_heads, width), dtype=storage, device=device)
         scales = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
-        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim)
+        rotation = hadamard_matrix(head_dim, device=device) if kv_cache_dtype in ROTATED_KV_DTYPES else None
+        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim, rotation)
 
     @property
     def shape(self) -> torch.Size:
@@ -123,31 +148,50 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, scales included."""
+        """Bytes held, scales included (the rotation is one matrix per pool, not per token: not counted)."""
         return self.data.nbytes + self.scales.nbytes
 
     def __getitem__(self, index) -> "QuantizedKVCache":
         """The selected blocks, still quantized (``cache[block_table]`` → ``[..., block_size, kvh, hd]``)."""
-        return QuantizedKVCache(self.data[index], self.scales[index], self.kv_cache_dtype, self.out_dtype,
-                                self.head_dim)
+        return replace(self, data=self.data[index], scales=self.scales[index])
 
     def __setitem__(self, index, blocks: "QuantizedKVCache") -> None:
         """Overwrite blocks with other quantized blocks, bit for bit (copy-on-write)."""
-        if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype:
-            raise TypeError("a quantized KV cache takes only quantized blocks of the same precision")
+        if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype \
+                or (blocks.rotation is None) != (self.rotation is None):
+            raise TypeError("a quantized KV cache takes only quantized blocks of the same precision and basis")
         self.data[index] = blocks.data
         self.scales[index] = blocks.scales
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize ``x [T, kv_heads, head_dim]`` and store token i at flat slot ``slot_mapping[i]``."""
+        """Quantize ``x [T, kv_heads, head_dim]`` (rotated first, if the pool is) and store token i at
+        flat slot ``slot_mapping[i]``."""
+        if self.rotation is not None:
+            x = x.float() @ self.rotation
         data, scales = quantize_kv(x, self.kv_cache_dtype)
         num_slots = self.data.shape[0] * self.data.shape[1]
         self.data.view(num_slots, *self.data.shape[2:]).index_copy_(0, slot_mapping, data)
         self.scales.view(num_slots, self.scales.shape[2]).index_copy_(0, slot_mapping, scales)
 
     def dequantize(self) -> torch.Tensor:
-        """The held blocks as ``out_dtype`` values, shape :attr:`shape`."""
-        return dequantize_kv(self.data, self.scales, self.kv_cache_dtype, self.out_dtype)
+        """The held blocks as ``out_dtype`` values in the model's basis (rotated back), shape :attr:`shape`."""
+        if self.rotation is None:
+            return dequantize_kv(self.data, self.scales, self.kv_cache_dtype, self.out_dtype)
+        values = dequantize_kv(self.data, self.scales, self.kv_cache_dtype, torch.float32)
+        return (values @ self.rotation).to(self.out_dtype)
+
+    def stored_basis(self) -> "QuantizedKVCache":
+        """The same storage, read as it is stored: :meth:`dequantize` then gives the rotated vectors,
+        in float32.
+
+        Attention over a rotated pool runs on this view with rotated float32 queries
+        (``q @ rotation``), and rotates its output back: ``q·k = (qR)·(kR)`` and
+        ``Σ p v = (Σ p vR) R`` for an orthogonal symmetric ``R``. That costs one
+        ``head_dim × head_dim`` product per query and output row, instead of one per gathered K and
+        V row. float32 throughout, so the rotations add no rounding of their own: the output is
+        rounded to the model dtype once, as without them.
+        """
+        return replace(self, rotation=None, out_dtype=torch.float32)
 
 
 def gather_blocks(cache: torch.Tensor | QuantizedKVCache, block_ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,10 @@ The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCach
 (int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
 gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
 blocks gathered), except the fused decode kernel, which reads head-major and quantized pools in
-place, dequantizing each K and V vector with its scale as it goes. ``fused`` decodes go through
+place, dequantizing each K and V vector with its scale as it goes. int4 pools store each vector
+rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused`` then
+attend in the stored basis, queries rotated in and the output rotated back; ``reference`` instead
+rotates every gathered vector back. ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 """
@@ -223,6 +226,27 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
+def in_stored_basis(backend):
+    """``backend`` over pools stored rotated (:attr:`QuantizedKVCache.rotation`): queries rotated in,
+    the output rotated back, the pools read as stored (:meth:`QuantizedKVCache.stored_basis`), all
+    in float32.
+
+    With an orthogonal, symmetric ``R``, ``(qR)·(kR) = q·k`` and ``(Σ p vR) R = Σ p v``: the same
+    attention, for one ``head_dim × head_dim`` product per query row and per output row, where
+    rotating back every gathered K and V row would cost one per context token (and the fused
+    kernel reads the stored rows in place, so it could not). Unrotated pools pass straight through.
+    """
+    def run(q, k_cache, v_cache, meta, scale):
+        rotation = getattr(k_cache, "rotation", None)
+        if rotation is None:
+            return backend(q, k_cache, v_cache, meta, scale)
+        out = backend(q.float() @ rotation, k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
+        return (out @ rotation).to(q.dtype)  # float32 until here: one rounding, as without the rotation
+
+    run.__name__, run.__doc__ = backend.__name__, backend.__doc__
+    return run
+
+
 def sdpa_attention(q, k_cache, v_cache, meta, scale):
     """Decodes batched through SDPA (good on GPU); prompt chunks through SDPA."""
     return _attention(_decode_sdpa, _prefill_sdpa, q, k_cache, v_cache, meta, scale)
@@ -238,6 +262,13 @@ def fused_attention(q, k_cache, v_cache, meta, scale):
     around a native causal softmax."""
     return _attention(_decode_fused, _prefill_fused, q, k_cache, v_cache, meta, scale)
 
+
+# The fast backends read rotated pools through in_stored_basis. The reference does not: it gathers
+# K and V rotated back into the model's basis (QuantizedKVCache.dequantize), slowly and obviously,
+# so testing the others against it tests the rotation algebra too.
+sdpa_attention = in_stored_basis(sdpa_attention)
+matmul_attention = in_stored_basis(matmul_attention)
+fused_attention = in_stored_basis(fused_attention)
 
 ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "matmul": matmul_attention,
                       "fused": fused_attention}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from pagedserve.kv.cache import HeadMajorKVCache
@@ -53,5 +55,5 @@ def quantized(cache: torch.Tensor, kind: str) -> QuantizedKVCache:
 
 
 def in_float32(pool: QuantizedKVCache) -> QuantizedKVCache:
-    """The same stored bits and scales, dequantized to float32 when gathered."""
-    return QuantizedKVCache(pool.data, pool.scales, pool.kv_cache_dtype, torch.float32, pool.head_dim)
+    """The same stored bits, scales and rotation, dequantized to float32 when gathered."""
+    return replace(pool, out_dtype=torch.float32)

@@ -72,11 +72,16 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
     assert torch.allclose(got.float(), want.float(), atol=atol)
     exact = reference_attention(q.float(), in_float32(k_pool), in_float32(v_pool), meta, hd ** -0.5)
     assert torch.allclose(got[:d].float(), exact[:d], atol=1e-5, rtol=rtol_exact)
-    # and the decodes really went through the kernel, not the matmul fallback
-    direct = torch.empty_like(q[:d])
-    paged_decode_quantized_kernel()(direct, q[:d].contiguous(), k_pool.data, v_pool.data, k_pool.scales,
+    # and the decodes really went through the kernel, not the matmul fallback (over a rotated pool,
+    # with the queries rotated in and the output rotated back, as in_stored_basis does it)
+    rot = k_pool.rotation
+    q_in = q[:d] if rot is None else q[:d].float() @ rot
+    direct = torch.empty_like(q_in)
+    paged_decode_quantized_kernel()(direct, q_in.contiguous(), k_pool.data, v_pool.data, k_pool.scales,
                                     v_pool.scales, meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5,
                                     kind)
+    if rot is not None:
+        direct = (direct @ rot).to(dtype)
     assert torch.equal(direct, got[:d])
 
 
