@@ -8,6 +8,14 @@ costs precision nowhere else::
     data   [num_blocks, block_size, kv_heads, head_dim]     int8 / fp8 bits   (int4: head_dim // 2 bytes, two per byte)
     scales [num_blocks, block_size, kv_heads]               float16
 
+int4 pools store each vector rotated by the normalised Hadamard matrix (:func:`hadamard_matrix`,
+:data:`ROTATED_KV_DTYPES`): post-RoPE keys of Llama-family models put most of a vector's
+magnitude in a few channels, and one absmax scale over 64 values then leaves the other channels
+one or two of int4's levels (SmolLM2: +29 % perplexity, nearly all of it from K). Rotated, the
+magnitude is spread over all 64 values and the same 15 levels fit them (+8 %, docs/QUANTIZATION.md).
+The layout and the bytes are unchanged; attention rotates the queries instead of the stored rows
+(``pagedserve.models.attention.in_stored_basis``).
+
 Bytes per token therefore are ``2 × layers × kv_heads × (head_dim × element_bytes + 2)``: int8
 with head_dim 64 is 66 bytes per head against bf16's 128 (×1.94 the seats), int4 34 (×3.76).
 
