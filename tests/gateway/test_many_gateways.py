@@ -112,11 +112,14 @@ def test_admitted_tokens_across_both_gateways_are_exactly_the_bucket(setup: tupl
 def test_paid_is_never_shed_under_a_free_flood_through_both_gateways(setup: tuple) -> None:
     stubs, gateways = setup
     for s in stubs:
-        s.delay_s = 0.5  # each request holds its seat: 2 replicas × 4 seats per gateway's view
+        s.delay_s = 1.0  # each request holds its seat: 2 replicas × 4 seats per gateway's view
     try:
-        with concurrent.futures.ThreadPoolExecutor(40) as pool:
-            free = [pool.submit(_post, gateways[i % 2], "sk-free", i) for i in range(28)]
-            time.sleep(0.15)  # the free requests have taken the seats
+        # 24 free requests per gateway against its 8 seats, each held 1 s: enough overlap that some find
+        # no seat even when the client threads start slowly (with 14 per gateway held 0.5 s, a CI run
+        # once admitted them all, and the flood then tested nothing).
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            free = [pool.submit(_post, gateways[i % 2], "sk-free", i) for i in range(48)]
+            time.sleep(0.3)  # the free requests have taken the seats
             paid = [pool.submit(_post, gateways[i % 2], "sk-paid", 100 + i) for i in range(8)]
             free_codes = [f.result().status_code for f in free]
             paid_answers = [f.result() for f in paid]
