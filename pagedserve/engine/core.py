@@ -502,7 +502,8 @@ class EngineCore:
     def _sample_and_finish(self, sampled: list[Sequence], logits: torch.Tensor,
                            failed: dict[str, str]) -> list[CoreOutput]:
         spec_tokens: dict[Sequence, list[int]] = {}
-        if any(s.draft_token_ids for s in sampled):
+        # Only an engine that speculates looks for drafts: the plain step skips the scan of its batch.
+        if self.scheduler.config.num_speculative_tokens and any(s.draft_token_ids for s in sampled):
             sampled, logits, spec_tokens = self._verify_drafts(sampled, logits, failed)
         # A prompt of an n > 1 request that just finished prefill samples n rows from one logits row.
         rows: list[SamplingRow] = []

@@ -10,7 +10,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import FAULT_INJECTION_ENV
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks
+from tests.conftest import assert_no_leaks, run_all
 
 PROMPTS = [[11 + i, 200 + 3 * i, 31, 999 + i, 7] * (1 + i % 3) for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -25,12 +25,7 @@ def _run(engine: Engine, poisoned: bool) -> dict[str, object]:
         engine.add_request(f"r{i}", prompt, GREEDY)
     if poisoned:
         engine.add_request("poison-1", [5, 6, 7, 8], GREEDY)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-    return outputs
+    return run_all(engine)
 
 
 @pytest.fixture(scope="module")
