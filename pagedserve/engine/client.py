@@ -212,6 +212,7 @@ class StreamingClient(EngineClient):
         # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.
         self._history: collections.deque[tuple[float, int, int]] = collections.deque()
         self._recent_e2e: collections.deque[float] = collections.deque(maxlen=64)
+        self._rates_from_stats = False  # True: a subclass feeds _record_rates itself (not per delivery)
 
     def _check_accepting(self, request_id: str) -> RequestStream:
         if self.dead_error is not None:
@@ -250,11 +251,15 @@ class StreamingClient(EngineClient):
                 stream._put(out)
                 if out.finished and self.log_requests and out.error is None:
                     _log_finished(out, stream.priority)
+        if not self._rates_from_stats:
+            self._record_rates(now, new_tokens, finished)
+        if self.observer is not None:
+            self.observer.on_outputs(outputs, now)
+
+    def _record_rates(self, now: float, new_tokens: int, finished: int) -> None:
         self._history.append((now, new_tokens, finished))
         while self._history and now - self._history[0][0] > RATE_WINDOW_S:
             self._history.popleft()
-        if self.observer is not None:
-            self.observer.on_outputs(outputs, now)
 
     def _fail_streams(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):

@@ -220,6 +220,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # every sampled token since start, for the generation-token counter
         self.num_failed_requests = 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.num_ended_requests = 0  # requests that left: finished, failed or aborted (for rates)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
         self._last_log, self._tokens_since_log = time.monotonic(), 0
@@ -322,12 +323,17 @@ class EngineCore:
                 self.scheduler.finish(seq)
         if index is None or all(s.is_finished for s in req.seqs):  # (an unforked n > 1 has one seq)
             del self.requests[request_id]
+            self.num_ended_requests += 1
             self.compiling.pop(request_id, None)
             logger.debug("aborted request %s", request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is in the engine (waiting, compiling or running)."""
+        return request_id in self.requests
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
@@ -452,6 +458,7 @@ class EngineCore:
     def _fail(self, request_id: str, message: str) -> CoreOutput:
         """End a request whose processing raised: free its blocks, report the error to its owner."""
         req = self.requests.pop(request_id)
+        self.num_ended_requests += 1
         self.compiling.pop(request_id, None)
         for seq in req.seqs:
             if not seq.is_finished:
@@ -564,6 +571,7 @@ class EngineCore:
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
+                self.num_ended_requests += 1
             elif interval > 1 and not self._output_due(req, interval):
                 continue  # held back: the next output's deltas carry these tokens too
             outputs.append(self._request_output(req, finished))
@@ -717,4 +725,5 @@ class EngineCore:
             num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
             generation_tokens=self.num_generated_tokens, failed_requests=self.num_failed_requests,
             spec_num_drafts=self.spec_num_drafts, spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens)
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            ended_requests=self.num_ended_requests)

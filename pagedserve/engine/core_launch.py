@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.core import ModelFacts
+    from pagedserve.engine.mp_client import CoreLink
 
 
 class EngineStartupError(RuntimeError):
@@ -26,18 +27,48 @@ class EngineStartupError(RuntimeError):
 
 @dataclass
 class CoreProcess:
-    """A started core process and the addresses its sockets connect to."""
+    """A started core process (a child of this one) and the addresses its sockets connect to:
+    one (input, output) pair per front end, the first for an ``MPEngineClient`` in this process."""
 
     process: BaseProcess
-    input_addr: str
-    output_addr: str
+    addrs: list[tuple[str, str]]
     facts: ModelFacts
     socket_dir: tempfile.TemporaryDirectory
+    owned = True  # the client that attaches stops it (a Shutdown command, then kill)
+
+    @property
+    def input_addr(self) -> str:
+        return self.addrs[0][0]
+
+    @property
+    def output_addr(self) -> str:
+        return self.addrs[0][1]
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_code(self) -> int | None:
+        self.process.join(1)
+        return self.process.exitcode
+
+    def link(self, front: int) -> CoreLink:
+        """What front end ``front`` (in another process) needs to attach to this core."""
+        from pagedserve.engine.mp_client import CoreLink
+
+        input_addr, output_addr = self.addrs[front]
+        return CoreLink(input_addr, output_addr, self.facts, self.process.pid or 0)
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
+
+    def cleanup(self) -> None:
+        self.socket_dir.cleanup()
 
 
 @dataclass
@@ -45,8 +76,7 @@ class CoreLaunch:
     """A core process that was spawned and may still be loading its model."""
 
     process: BaseProcess
-    input_addr: str
-    output_addr: str
+    addrs: list[tuple[str, str]]
     socket_dir: tempfile.TemporaryDirectory
     receiver: multiprocessing.connection.Connection
 
@@ -73,7 +103,7 @@ class CoreLaunch:
             self.socket_dir.cleanup()
             raise EngineStartupError(payload or f"the engine core process exited with code {process.exitcode} "
                                                 "while loading the model (see its log above)")
-        return CoreProcess(process, self.input_addr, self.output_addr, payload, self.socket_dir)
+        return CoreProcess(process, self.addrs, payload, self.socket_dir)
 
     def kill(self) -> None:
         """Give up on a launch (the server failed to start its own side)."""
@@ -84,22 +114,22 @@ class CoreLaunch:
         self.socket_dir.cleanup()
 
 
-def spawn_core_process(config: EngineConfig, log_level: str = "info") -> CoreLaunch:
-    """Spawn the core; it starts loading at once. :meth:`CoreLaunch.wait_ready` waits for it."""
+def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreLaunch:
+    """Spawn the core; it starts loading at once. :meth:`CoreLaunch.wait_ready` waits for it.
+    ``num_fronts``: how many front ends will attach (one socket pair each)."""
     socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
-    input_addr = f"ipc://{socket_dir.name}/input"
-    output_addr = f"ipc://{socket_dir.name}/output"
+    addrs = [(f"ipc://{socket_dir.name}/input-{i}", f"ipc://{socket_dir.name}/output-{i}") for i in range(num_fronts)]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run_core, name="pagedserve-core", daemon=True,
-                          args=(config, input_addr, output_addr, sender, log_level))
+                          args=(config, addrs, sender, log_level))
     process.start()
     sender.close()
-    return CoreLaunch(process, input_addr, output_addr, socket_dir, receiver)
+    return CoreLaunch(process, addrs, socket_dir, receiver)
 
 
-def _run_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
+def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
     """The child's entry point: only here is the engine imported."""
     from pagedserve.engine.core_proc import run_engine_core
 
-    run_engine_core(config, input_addr, output_addr, ready, log_level)
+    run_engine_core(config, addrs, ready, log_level)

@@ -1,14 +1,20 @@
 """The engine core's own process: a busy loop of apply commands → step → send outputs.
 
 ```
- front end (server process)                      core process (this module)
- ──────────────────────────                      ──────────────────────────
- PUSH  ipc://…/input  ── AddRequest / Abort / Shutdown ──▶ PULL   (drained between steps)
- PULL  ipc://…/output ◀── CoreBatch: admissions, outputs, stats ── PUSH  (one per step)
+ front end i (server process, or API server i)     core process (this module)
+ ─────────────────────────────────────────────     ──────────────────────────
+ PUSH  ipc://…/input-i  ── AddRequest / Abort / Shutdown ──▶ PULL i  (drained between steps)
+ PULL  ipc://…/output-i ◀── CoreBatch: admissions, outputs, stats ── PUSH i  (one per step)
  multiprocessing Pipe ◀── ("ready", ModelFacts) | ("error", message) ── once, at start-up
 ```
 
 Messages are msgspec structs in msgpack: token ids and sampling parameters in, token ids out.
+With ``--api-server-count N`` there are N front ends, each with its own pair of sockets: the
+core remembers which front added each request (the socket its AddRequest came in on) and sends
+that request's admission and outputs back on that front's output socket only; the stats snapshot
+goes to every front, so each answers /load and /metrics with the same engine-wide figures. An
+Abort is applied only for the front that owns the request (a request id refused as a duplicate
+must not let its sender abort another front's request of that id).
 ZMQ does its socket I/O on its own threads, so the loop never waits on a socket while it has
 work; with none, it blocks on the input socket, waking every second to check that its parent
 is alive (an orphaned core exits instead of holding memory forever).
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -91,10 +98,16 @@ class CoreBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     block_map: BlockMap | None = None  # only while watched (pagedserve.engine.block_map)
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready: Any, log_level: str) -> None:
-    """The child process's entry point (spawned): build the core, report ready, serve until told to stop."""
+def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
+    """The child process's entry point (spawned): build the core, report ready, serve until told to stop.
+
+    ``addrs``: one (input, output) address pair per front end."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
-    _die_with_parent()
+    die_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group; the server stops the core itself (a
+    # Shutdown command, or a signal after its front ends drained), so the core must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parent = os.getppid()
     try:
         core = EngineCore(config)
@@ -102,29 +115,38 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
         ready.send(("error", errors.startup_error_line(exc)))
         raise SystemExit(2) from None
     ctx = zmq.Context(io_threads=1)
-    commands = ctx.socket(zmq.PULL)
-    commands.connect(input_addr)
-    results = ctx.socket(zmq.PUSH)
-    # A send blocks only while the server's queue is full; wake up every second to check that it
-    # still exists instead of blocking forever on a peer that is gone.
-    results.setsockopt(zmq.SNDTIMEO, 1000)
-    results.connect(output_addr)
+    commands, results = [], []
+    for input_addr, output_addr in addrs:
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(input_addr)
+        commands.append(pull)
+        push = ctx.socket(zmq.PUSH)
+        # A send blocks only while the server's queue is full; wake up every second to check that it
+        # still exists instead of blocking forever on a peer that is gone.
+        push.setsockopt(zmq.SNDTIMEO, 1000)
+        push.connect(output_addr)
+        results.append(push)
     ready.send(("ready", core.facts()))
     ready.close()
     try:
         _serve(core, commands, results, parent)
     finally:
         core.close()
-        commands.close(linger=0)
-        results.close(linger=1000)
+        for sock in commands:
+            sock.close(linger=0)
+        for sock in results:
+            sock.close(linger=1000)
         ctx.term()
 
 
-def _die_with_parent() -> None:
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # through the finally above: the KV event publisher flushes, sockets close
+
+
+def die_with_parent() -> None:
     """On Linux, have the kernel kill this process when the server process dies (even by SIGKILL)."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -145,57 +167,92 @@ def _send(results: zmq.Socket, frame: bytes, parent: int) -> None:
                 raise _ParentGone() from None
 
 
-def _serve(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: int) -> None:
+def _serve(core: EngineCore, commands: list[zmq.Socket], results: list[zmq.Socket], parent: int) -> None:
     try:
         _loop(core, commands, results, parent)
     except _ParentGone:
         logger.warning("the server process is gone: engine core exiting")
 
 
-def _loop(core: EngineCore, commands: zmq.Socket, results: zmq.Socket, parent: int) -> None:
+class _Fronts:
+    """Per front end: who owns which request, who watches the block map, what goes out this pass."""
+
+    def __init__(self, count: int):
+        self.owner: dict[str, int] = {}  # request id -> the front that added it
+        self.watching: set[int] = set()
+        self.batches = [CoreBatch() for _ in range(count)]
+
+    def reset(self) -> None:
+        self.batches = [CoreBatch() for _ in self.batches]
+
+
+def _loop(core: EngineCore, commands: list[zmq.Socket], results: list[zmq.Socket], parent: int) -> None:
     decoder = msgspec.msgpack.Decoder(list[Command])
     encoder = msgspec.msgpack.Encoder()
     last_stats = last_parent_check = 0.0
     blocks = BlockMapFeed()
+    fronts = _Fronts(len(commands))
+    poller = zmq.Poller()
+    for sock in commands:
+        poller.register(sock, zmq.POLLIN)
     while True:
-        batch = CoreBatch()
-        received: list[bytes] = []
+        fronts.reset()
         if not core.has_unfinished_requests():
-            if not commands.poll(_IDLE_POLL_MS):
+            if not poller.poll(_IDLE_POLL_MS):
                 if os.getppid() != parent:
                     raise _ParentGone()
                 continue
-        while commands.poll(0):
-            received.append(commands.recv(copy=False).bytes)
-        for frame in received:
-            for cmd in decoder.decode(frame):
-                if isinstance(cmd, Shutdown):
-                    _send(results, encoder.encode(CoreBatch(stats=core.stats())), parent)
-                    return
-                if isinstance(cmd, WatchBlocks):
-                    blocks.watch(cmd.on)
-                    continue
-                _apply(core, cmd, batch)
-        if core.has_unfinished_requests():
-            batch.outputs = core.step()
+        for front, sock in enumerate(commands):
+            received: list[bytes] = []
+            while sock.poll(0):
+                received.append(sock.recv(copy=False).bytes)
+            for frame in received:
+                for cmd in decoder.decode(frame):
+                    if isinstance(cmd, Shutdown):
+                        final = encoder.encode(CoreBatch(stats=core.stats()))
+                        for out in results:
+                            _send(out, final, parent)
+                        return
+                    if isinstance(cmd, WatchBlocks):
+                        (fronts.watching.add if cmd.on else fronts.watching.discard)(front)
+                        if cmd.on or not fronts.watching:
+                            blocks.watch(bool(fronts.watching))  # a new viewer: a snapshot is owed
+                        continue
+                    _apply(core, cmd, front, fronts)
+        outputs = core.step() if core.has_unfinished_requests() else []
+        for out in outputs:
+            front = fronts.owner.pop(out.request_id, None) if out.finished else fronts.owner.get(out.request_id)
+            if front is not None:
+                fronts.batches[front].outputs.append(out)
         now = time.monotonic()
         if now - last_parent_check >= 1.0:  # busy for long: still someone to serve?
             if os.getppid() != parent:
                 raise _ParentGone()
             last_parent_check = now
         idle = not core.has_unfinished_requests()
-        if idle or any(o.finished for o in batch.outputs) or now - last_stats >= STATS_INTERVAL_S:
-            batch.stats, last_stats = core.stats(), now
-        batch.block_map = blocks.maybe_build(core, now, idle)
-        if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None \
-                or batch.block_map is not None:
-            _send(results, encoder.encode(batch), parent)
+        if idle or any(o.finished for o in outputs) or now - last_stats >= STATS_INTERVAL_S:
+            stats, last_stats = core.stats(), now
+            for batch in fronts.batches:
+                batch.stats = stats
+        block_map = blocks.maybe_build(core, now, idle)
+        if block_map is not None:
+            for front in fronts.watching:
+                fronts.batches[front].block_map = block_map
+        for front, batch in enumerate(fronts.batches):
+            if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None \
+                    or batch.block_map is not None:
+                _send(results[front], encoder.encode(batch), parent)
 
 
-def _apply(core: EngineCore, cmd: AddRequest | Abort, batch: CoreBatch) -> None:
+def _apply(core: EngineCore, cmd: AddRequest | Abort, front: int, fronts: _Fronts) -> None:
+    batch = fronts.batches[front]
     if isinstance(cmd, Abort):
+        if fronts.owner.get(cmd.request_id) != front:
+            return  # not this front's request (already ended, or another front's of the same id)
         if core.abort(cmd.request_id, cmd.index) and cmd.index is None:
             batch.aborted.append(cmd.request_id)
+        if not core.has_request(cmd.request_id):
+            del fronts.owner[cmd.request_id]
         return
     try:
         core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.cache_salt,
@@ -207,4 +264,5 @@ def _apply(core: EngineCore, cmd: AddRequest | Abort, batch: CoreBatch) -> None:
         logger.exception("adding request %s failed", cmd.request_id)
         batch.admissions.append(Admission(cmd.request_id, "InvalidRequest", f"{type(exc).__name__}: {exc}"))
     else:
+        fronts.owner[cmd.request_id] = front
         batch.admissions.append(Admission(cmd.request_id))

@@ -13,14 +13,23 @@
 The core is started with :func:`start_core_process` (blocking: it waits until the model is
 loaded, and raises :class:`EngineStartupError` with the core's own one-line reason if it is
 not), then the client attaches to it inside the event loop with :meth:`MPEngineClient.start`.
+
+With ``num_fronts`` N > 1 (``serve --api-server-count N``) the core gets one socket pair per
+front end, and each front, in a process of its own, attaches through a :class:`CoreLink`: the
+addresses of its pair, the model's facts and the core's pid. A front does not own the core: it
+never stops it (the process that started it does), and it learns of its death from a pidfd
+(Linux), which becomes readable the moment the core exits, as the sentinel does for the parent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -35,22 +44,59 @@ from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
 
 # CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
-__all__ = ["CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
+__all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
 
 logger = logging.getLogger(__name__)
 
 
-def start_core_process(config: EngineConfig, log_level: str = "info") -> CoreProcess:
+@dataclass
+class CoreLink:
+    """A core started by another process, as one of its front ends sees it (picklable: it is
+    handed to the front's process). :meth:`open` must be called in the front's own process."""
+
+    input_addr: str
+    output_addr: str
+    facts: ModelFacts
+    pid: int
+    owned = False  # the process that started the core stops it
+    _pidfd: int | None = field(default=None, repr=False)
+
+    def open(self) -> None:
+        # A pidfd turns readable when the process exits, whoever its parent is (Linux 5.3+).
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def sentinel(self) -> int:
+        assert self._pidfd is not None, "open() the link first"
+        return self._pidfd
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def exit_code(self) -> int | None:
+        return None  # not our child: its status goes to the process that started it
+
+    def kill(self) -> None:
+        pass  # not ours to stop
+
+    def cleanup(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreProcess:
     """Spawn the core and wait until it has loaded the model (or failed to). The server spawns it
     with :func:`~pagedserve.engine.core_launch.spawn_core_process` instead, to load its own side
-    meanwhile."""
-    return spawn_core_process(config, log_level).wait_ready()
+    meanwhile. ``num_fronts``: how many front ends will attach (one socket pair each; see
+    :meth:`CoreProcess.link`)."""
+    return spawn_core_process(config, log_level, num_fronts).wait_ready()
 
 
 class MPEngineClient(StreamingClient):
     """The :class:`EngineClient` over a core process. All methods run on one event loop."""
 
-    def __init__(self, core: CoreProcess, observer: StepObserver | None = None, log_requests: bool = False,
+    def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
                  on_death: Callable[[], None] | None = None):
         from transformers import AutoTokenizer
 
@@ -76,30 +122,35 @@ class MPEngineClient(StreamingClient):
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutting_down = False
+        # One front among several sees only its own requests' outputs: /load's rates then come from
+        # the engine-wide counters in the core's stats instead, so every front reports the same.
+        self._rates_from_stats = not core.owned
+        self._last_counts: tuple[int, int] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if isinstance(self.core, CoreLink):
+            self.core.open()
         self._ctx = zmq.asyncio.Context(io_threads=1)
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.bind(self.core.input_addr)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(self.core.output_addr)
-        self._loop.add_reader(self.core.process.sentinel, self._core_exited)
+        self._loop.add_reader(self.core.sentinel, self._core_exited)
         self._reader = asyncio.create_task(self._read_outputs(), name="pagedserve-core-outputs")
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         await self._drain(drain_timeout_s)
         self._shutting_down = True
-        process = self.core.process
-        if process.is_alive() and self.dead_error is None:
+        if self.core.owned and self.core.is_alive() and self.dead_error is None:
             self._send(Shutdown())
             deadline = time.monotonic() + 10
-            while process.is_alive() and time.monotonic() < deadline:
+            while self.core.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         if self._loop is not None:
-            self._loop.remove_reader(process.sentinel)
+            self._loop.remove_reader(self.core.sentinel)
         self.core.kill()
         if self._reader is not None:
             self._reader.cancel()
@@ -108,11 +159,11 @@ class MPEngineClient(StreamingClient):
                 sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
-        self.core.socket_dir.cleanup()
+        self.core.cleanup()
 
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and self.core.process.is_alive() and not self._shutting_down
+        return self.dead_error is None and self.core.is_alive() and not self._shutting_down
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -182,6 +233,8 @@ class MPEngineClient(StreamingClient):
                 future.set_exception(admission.to_exception())
         if batch.stats is not None:
             self._stats = batch.stats
+            if self._rates_from_stats:
+                self._count_from_stats(batch.stats)
         if batch.block_map is not None:
             self.block_map = batch.block_map
         if self.observer is not None and batch.aborted:
@@ -195,15 +248,21 @@ class MPEngineClient(StreamingClient):
             if processed.outputs:
                 self._deliver(processed.outputs)
 
+    def _count_from_stats(self, s: EngineStats) -> None:
+        """Feed /load's rate window from the core's cumulative counters (tokens sampled, requests ended)."""
+        counts = (s.generation_tokens, s.ended_requests)
+        if self._last_counts is not None:
+            self._record_rates(time.monotonic(), counts[0] - self._last_counts[0], counts[1] - self._last_counts[1])
+        self._last_counts = counts
+
     # ---- the core's death ------------------------------------------------------------------
 
     def _core_exited(self) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(self.core.process.sentinel)
+        self._loop.remove_reader(self.core.sentinel)
         if self._shutting_down:
             return
-        self.core.process.join(1)
-        code = self.core.process.exitcode
+        code = self.core.exit_code()
         logger.error("the engine core process died (exit code %s): failing %d open requests, refusing new ones",
                      code, len(self._streams))
         self._die(EngineDeadError(f"the engine core process died (exit code {code}); "

@@ -98,6 +98,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    ended_requests: int = 0  # cumulative: requests that left the engine (finished, failed or aborted)
 
     @property
     def kv_utilization(self) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,7 +24,7 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.middleware import GuardMiddleware
+from pagedserve.server.middleware import ApiServerHeaderMiddleware, GuardMiddleware
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
 from pagedserve.streaming import ClosingStreamingResponse
@@ -36,10 +36,13 @@ _ERRORS = {400: {"model": p.ErrorResponse}, 401: {"model": p.ErrorResponse}, 404
            413: {"model": p.ErrorResponse}, 503: {"model": p.ErrorResponse}}
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+def build_app(client: EngineClient, config: ServerConfig,
+              on_started: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """An app serving through ``client`` (in-process or the engine core's process). The client
     starts with the app's lifespan and stops with it, after in-flight requests finished (up to
-    ``config.shutdown_timeout_s``) or were aborted. The app knows the engine only through it."""
+    ``config.shutdown_timeout_s``) or were aborted. The app knows the engine only through it.
+    ``on_started`` is awaited at the end of the lifespan's start-up, before the server accepts
+    connections (the API-server supervisor holds every front there until all are ready)."""
     model_name = config.served_model_name or client.facts.model_name
 
     @asynccontextmanager
@@ -52,6 +55,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         app.state.metrics = metrics
         app.state.serving = OpenAIServing(client, config, tokenizers)
         try:
+            if on_started is not None:
+                await on_started()
             yield
         finally:
             await client.shutdown(drain_timeout_s=config.shutdown_timeout_s)
@@ -64,6 +69,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
                   docs_url=None, redoc_url=None,  # /docs without a CDN: install_offline_docs below
                   description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    if config.api_server_index is not None:  # outermost: refusals by the guard carry it too
+        app.add_middleware(ApiServerHeaderMiddleware, index=config.api_server_index)
     install_error_handlers(app)
     install_offline_docs(app, "pagedserve")
     mount_dashboard(app, "engine.html")

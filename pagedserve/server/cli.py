@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 from pagedserve.config import parse_bytes
 
 if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
     from pagedserve.engine.core_launch import CoreLaunch
@@ -37,6 +40,17 @@ then:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``serve`` (engine flags from ``pagedserve.engine.args`` plus the server's own)."""
     from pagedserve.engine.args import add_engine_args
+
+    def _api_server_count(text: str) -> int:
+        from pagedserve.server.api_servers import MAX_API_SERVERS
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= MAX_API_SERVERS:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_API_SERVERS}, got {text}")
+        return value
 
     def _seconds(text: str) -> float:  # a positive, finite number of seconds
         value = float(text)
@@ -103,6 +117,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
                              "GIL and a crash of the core fails open requests fast instead of hanging them "
                              "(default); --no-engine-process runs it on a thread of the server process")
+    server.add_argument("--api-server-count", type=_api_server_count, default=1, metavar="N",
+                        help="run N HTTP front processes (1-16) on the one port, all feeding one engine core "
+                             "process: each tokenizes, applies the chat template, detokenizes and streams its "
+                             "own requests, so that work is spread over N CPU cores; /load and /metrics stay "
+                             "engine-wide whichever front answers. If the core or any front dies, the whole "
+                             "server exits non-zero (default 1; needs --engine-process)")
     server.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                         help="Jinja chat template for /v1/chat/completions instead of the tokenizer's own: a "
                              "file, or the template text itself (anything containing '{{' or '{%%'); checked "
@@ -163,6 +183,17 @@ def run_serve(args: argparse.Namespace) -> int:
                                      tool_call_parser=args.tool_call_parser,
                                      enable_auto_tool_choice=args.enable_auto_tool_choice)
         engine_config = engine_config_from_args(args)
+        if args.api_server_count > 1 and not args.engine_process:
+            raise ValueError("--api-server-count above 1 needs the engine core in its own process "
+                             "(drop --no-engine-process)")
+        if default_model and server_config.served_model_name is None:
+            server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
+                                               else f"pagedserve-{args.default_model}-random")
+        if args.api_server_count > 1:
+            from pagedserve.server.api_servers import bind_listening_socket, run_api_servers
+
+            listener = bind_listening_socket(args.host, args.port)  # bound once, shared by every front
+            return run_api_servers(args.api_server_count, engine_config, server_config, log_level, listener)
         _check_port_free(args.host, args.port)
         launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
         # While the core process imports torch and loads the model (seconds), this one imports its
@@ -177,14 +208,29 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    if default_model and server_config.served_model_name is None:
-        server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
-                                           else f"pagedserve-{args.default_model}-random")
     _log_startup(client.facts, server_config, args.engine_process)
     app = build_app(client, server_config)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                     timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
                                     **uvicorn_limits(server_config))
+    try:
+        engine_died = serve_app(app, client, uvicorn_config)
+    finally:
+        if isinstance(client, MPEngineClient):
+            client.core.kill()  # whatever happened above, no core process outlives the server
+    if engine_died:
+        logger.error("exiting with status 1: the engine core process died (restart the server)")
+        return 1
+    return 0
+
+
+def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config,
+              sockets: list[socket.socket] | None = None) -> bool:
+    """Run uvicorn until SIGINT/SIGTERM (or the engine core's death); True if the core died."""
+    import uvicorn
+
+    from pagedserve.engine.mp_client import MPEngineClient
+
     # Uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; after that
     # clean shutdown, exit with 0 instead of a traceback (Ctrl-C) or death by signal (SIGTERM).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -204,17 +250,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if isinstance(client, MPEngineClient):
         client.on_death = on_engine_death
     try:
-        server.run()
+        server.run(sockets=sockets)
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if isinstance(client, MPEngineClient):
-            client.core.kill()  # whatever happened above, no core process outlives the server
-    if engine_died:
-        logger.error("exiting with status 1: the engine core process died (restart the server)")
-        return 1
-    return 0
+    return engine_died
 
 
 def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool) -> EngineClient:

@@ -35,6 +35,9 @@ class ServerConfig:
     # and so this server, enables only with --enable-auto-tool-choice).
     tool_call_parser: str = "hermes"
     enable_auto_tool_choice: bool = False
+    # With --api-server-count N > 1: which of the N front processes this app runs in (0..N-1); it
+    # answers every response with an x-pagedserve-api-server header. None: the only front.
+    api_server_index: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

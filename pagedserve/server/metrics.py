@@ -14,13 +14,23 @@ the engine's own cumulative counters), and the outputs the client delivers, whic
 counters and latency histograms through :class:`ServerMetrics` acting as a ``StepObserver``. A scrape
 reads the latest snapshot the client holds and never waits for a step. Each app has its own
 ``CollectorRegistry``: no process-wide globals.
+
+With ``serve --api-server-count N`` each front process counts only its own requests. The
+supervisor then sets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory) before starting
+the fronts, so prometheus-client keeps every front's counters and histograms in memory-mapped
+files there, and a scrape of any front sums all of them (its ``MultiProcessCollector``); the
+engine-wide gauges and counters still come from the core's stats snapshot, which every front
+receives. Summed series lose their ``_created`` samples (prometheus-client's multiprocess mode
+has none).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -212,12 +222,21 @@ class ServerMetrics:
                                     "Entering the engine's waiting queue to first scheduled.", _LATENCY_BUCKETS,
                                     "Histogram of time spent in WAITING phase for request.",
                                     VLLM_REQUEST_LATENCY_BUCKETS)
-        r.register(_EngineStatsCollector(stats, model_name, facts))
+        engine = _EngineStatsCollector(stats, model_name, facts)
+        r.register(engine)
+        # Several front processes (prometheus-client chose its memory-mapped values at import, from
+        # the same variable): scrape every front's files plus this front's copy of the engine stats.
+        self._exposed = r
+        multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiproc_dir:
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed, path=multiproc_dir)
+            self._exposed.register(engine)
         self._last_token_time: dict[str, float] = {}
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
 
     def _finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -18,6 +18,30 @@ from pagedserve.server.errors import error_response
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/events")
 
 
+API_SERVER_HEADER = "x-pagedserve-api-server"
+
+
+class ApiServerHeaderMiddleware:
+    """Name the front process that answered (``serve --api-server-count N``) in every HTTP response,
+    so a client, a test or a log can tell the fronts apart."""
+
+    def __init__(self, app: ASGIApp, index: int):
+        self.app = app
+        self._header = (API_SERVER_HEADER.encode(), str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 class GuardMiddleware:
     """Check ``Authorization: Bearer``, cap the body at ``max_body_bytes`` and require UTF-8."""
 
