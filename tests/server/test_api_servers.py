@@ -168,11 +168,18 @@ def test_requests_spread_over_both_fronts_with_the_one_front_text_and_engine_wid
 
 
 def test_tokens_per_second_is_engine_wide_on_both_fronts(fronts):
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: _complete(fronts.url, 100 + i, stream=False), range(4)))
-    rates = [r.json()["tokens_per_s"] for r in _until_both(fronts.url, "/load").values()]
-    # Both report the core's figure (within the few ms between the two reads), not half each.
-    assert min(rates) > 0 and abs(rates[0] - rates[1]) <= 0.05 * max(rates), rates
+    # One keep-alive connection: every request goes to the one front that accepted it.
+    with httpx.Client(base_url=fronts.url, headers=AUTH, timeout=120) as http:
+        served = set()
+        for i in range(3):
+            r = http.post("/v1/completions", json={"prompt": f"rate probe {i}", "max_tokens": 16, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            served.add(r.headers[API_SERVER_HEADER])
+    assert len(served) == 1
+    rates = {front: r.json()["tokens_per_s"] for front, r in _until_both(fronts.url, "/load").items()}
+    # The other front served nothing in the window, yet reports the core's rate too (read a moment
+    # apart, so not to the digit).
+    assert min(rates.values()) > 0 and max(rates.values()) <= 2 * min(rates.values()), rates
 
 
 def test_api_key_limits_and_dashboard_feed_on_both_fronts(fronts):
@@ -270,7 +277,10 @@ def test_killing_one_front_stops_the_server_with_status_one(tiny_model_dir):
 
 
 @pytest.mark.parametrize("count", ["0", "17", "two"])
-def test_an_api_server_count_out_of_range_is_a_one_line_error(count):
-    r = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--api-server-count", count],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--api-server-count: must be a whole number from 1 to 16" in r.stderr
+def test_an_api_server_count_out_of_range_is_a_one_line_error(count, capsys):
+    from pagedserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--api-server-count", count])
+    assert exit_info.value.code == 2
+    assert f"--api-server-count: must be a whole number from 1 to 16, got {count}" in capsys.readouterr().err
