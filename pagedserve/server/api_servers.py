@@ -74,6 +74,9 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
     from pagedserve.engine.core_proc import die_with_parent
 
     die_with_parent()
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and os.getppid() != supervisor.pid:
+        raise SystemExit(1)  # the supervisor died before we asked to die with it
     # Out of the terminal's process group: Ctrl-C reaches the supervisor, which stops the fronts
     # with one SIGTERM each (a second signal from the terminal would make uvicorn skip its drain).
     os.setpgid(0, 0)

@@ -33,6 +33,8 @@ from tests.helpers.servers import wait_for_idle
 
 KEY = "api-servers-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# The fault servers: a small pool (the default would be 1 GiB of KV for the tiny model).
+FAULT_ARGS = ("--max-model-len", "1024", "--num-kv-blocks", "512", "--log-level", "warning")
 
 
 @dataclass
@@ -239,7 +241,7 @@ def _stream_lines(url: str, producing: threading.Semaphore) -> tuple[str, list[s
 def test_killing_the_core_ends_every_stream_on_both_fronts_within_a_second(tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = _cmd(tiny_model_dir, port, "--max-model-len", "1024", "--log-level", "warning")
+    cmd = _cmd(tiny_model_dir, port, *FAULT_ARGS)
     with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
         core, _ = _roles(proc.pid)
         children = _children(proc.pid)
@@ -268,7 +270,7 @@ def test_killing_the_core_ends_every_stream_on_both_fronts_within_a_second(tiny_
 def test_killing_one_front_stops_the_server_with_status_one(tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_process(_cmd(tiny_model_dir, port, "--log-level", "warning"), f"{url}/health", timeout_s=300) as proc:
+    with running_process(_cmd(tiny_model_dir, port, *FAULT_ARGS), f"{url}/health", timeout_s=300) as proc:
         _, front_pids = _roles(proc.pid)
         children = _children(proc.pid)
         os.kill(front_pids[0], signal.SIGKILL)
