@@ -129,7 +129,7 @@ def _complete(url: str, i: int, stream: bool) -> tuple[str, str, dict]:
 
 
 def _counter(metrics: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", metrics, re.M))
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE))
 
 
 def test_requests_spread_over_both_fronts_with_the_one_front_text_and_engine_wide_metrics(fronts, server_url):
