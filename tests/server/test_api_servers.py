@@ -283,6 +283,6 @@ def test_an_api_server_count_out_of_range_is_a_one_line_error(count, capsys):
     from pagedserve.cli import build_parser
 
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["serve", "--api-server-count", count])
+        build_parser("serve").parse_args(["serve", "--api-server-count", count])
     assert exit_info.value.code == 2
     assert f"--api-server-count: must be a whole number from 1 to 16, got {count}" in capsys.readouterr().err
