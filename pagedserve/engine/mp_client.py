@@ -30,6 +30,7 @@ import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -42,6 +43,9 @@ from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, 
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.core import ModelFacts
 
 # CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
 __all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
