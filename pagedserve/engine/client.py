@@ -193,6 +193,11 @@ class EngineClient(abc.ABC):
     def is_running(self) -> bool:
         """True while the engine serves."""
 
+    @property
+    def core_restarts(self) -> int:
+        """Engine cores started in place of one that died (``serve --restart-engine-core``)."""
+        return 0
+
     @abc.abstractmethod
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the

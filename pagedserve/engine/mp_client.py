@@ -19,6 +19,12 @@ front end, and each front, in a process of its own, attaches through a :class:`C
 addresses of its pair, the model's facts and the core's pid. A front does not own the core: it
 never stops it (the process that started it does), and it learns of its death from a pidfd
 (Linux), which becomes readable the moment the core exits, as the sentinel does for the parent.
+
+With a :class:`~pagedserve.engine.core_restart.CoreRestarter` (``serve --restart-engine-core``,
+one front only) the client that owns the core replaces it when it dies: the open requests fail
+as always, new ones get 503 while a core with the same config loads on the same socket addresses
+(the client's bound sockets take its connections), then the client serves through it. When the
+restarter's budget is spent, or the new core fails to load, the death is final (``on_death``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import zmq.asyncio
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
-from pagedserve.engine.core_launch import CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
@@ -101,13 +108,20 @@ class MPEngineClient(StreamingClient):
     """The :class:`EngineClient` over a core process. All methods run on one event loop."""
 
     def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None):
+                 on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None):
         from transformers import AutoTokenizer
 
         super().__init__(observer, log_requests)
         self.core = core
         self.facts = core.facts
-        self.on_death = on_death  # called once if the core process dies while serving
+        self.on_death = on_death  # called once if the core process dies while serving (for good)
+        if restarter is not None and not core.owned:
+            raise ValueError("only the client that started the engine core can restart it")
+        self.restarter = restarter
+        self._restart_task: asyncio.Task[None] | None = None
+        self._launch: CoreLaunch | None = None  # a replacement core while it loads
+        self._watching_blocks = False  # resent to a replacement core
+        self._dead = False  # for good: no restart follows
         # The front end's own tokenizer instance (for detokenization on the event loop); the
         # server tokenizes prompts with another one, on its worker thread.
         self.output_processor = OutputProcessor(AutoTokenizer.from_pretrained(core.facts.tokenizer))
@@ -117,12 +131,7 @@ class MPEngineClient(StreamingClient):
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
         self._admissions: dict[str, asyncio.Future[None]] = {}
-        f = core.facts  # an idle pool until the core's first stats arrive
-        self._stats = EngineStats(
-            num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
-            block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
-            kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
-            prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)
+        self._stats = _idle_stats(core.facts)  # until the core's first stats arrive
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutting_down = False
@@ -148,6 +157,10 @@ class MPEngineClient(StreamingClient):
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         await self._drain(drain_timeout_s)
         self._shutting_down = True
+        if self._restart_task is not None:  # a replacement still loading: kill it, let the task see that
+            if self._launch is not None:
+                self._launch.process.kill()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
         if self.core.owned and self.core.is_alive() and self.dead_error is None:
             self._send(Shutdown())
             deadline = time.monotonic() + 10
@@ -200,6 +213,7 @@ class MPEngineClient(StreamingClient):
             self._send(Abort(request_id))
 
     def watch_block_map(self, on: bool) -> None:
+        self._watching_blocks = on
         if self.dead_error is None and not self._shutting_down:
             self._send(WatchBlocks(on))
 
@@ -211,6 +225,15 @@ class MPEngineClient(StreamingClient):
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def core_restarts(self) -> int:
+        return self.restarter.restarts if self.restarter is not None else 0
+
+    def _check_accepting(self, request_id: str) -> RequestStream:
+        if self._restart_task is not None and not self._shutting_down:
+            raise EngineDeadError("the engine core is restarting after its process died; retry in a few seconds")
+        return super()._check_accepting(request_id)
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -267,20 +290,90 @@ class MPEngineClient(StreamingClient):
         if self._shutting_down:
             return
         code = self.core.exit_code()
-        logger.error("the engine core process died (exit code %s): failing %d open requests, refusing new ones",
-                     code, len(self._streams))
-        self._die(EngineDeadError(f"the engine core process died (exit code {code}); "
+        how = describe_exit(code)
+        budget = self.restarter.budget if self.restarter is not None else None
+        if budget is not None and budget.take():
+            logger.error("the engine core process (pid %s) died (%s): failing %d open requests, starting a new "
+                         "core (restarts allowed: %d per %.0f s)", self.core.process.pid, how, len(self._streams),
+                         budget.max_restarts, budget.window_s)
+            self._fail(EngineDeadError(f"the engine core process died ({how}); it is restarting, retry in a few "
+                                       "seconds or on another replica"))
+            self._restart_task = asyncio.create_task(self._restart(), name="pagedserve-core-restart")
+            return
+        if budget is not None:
+            logger.error("the engine core process died (%s) after %d restarts within %.0f s (the "
+                         "--engine-core-max-restarts limit): giving up", how, budget.max_restarts, budget.window_s)
+        else:
+            logger.error("the engine core process died (%s): failing %d open requests, refusing new ones",
+                         how, len(self._streams))
+        self._die(EngineDeadError(f"the engine core process died ({how}); "
                                   "this server is restarting, retry on another replica"))
 
-    def _die(self, error: EngineDeadError) -> None:
-        if self.dead_error is not None:
-            return
+    def _fail(self, error: EngineDeadError) -> None:
+        """End every open request and admission with ``error``; refuse new ones until cleared."""
         self.dead_error = error
         for future in self._admissions.values():
             if not future.done():
                 future.set_exception(error)
         self._admissions.clear()
+        self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
         self._fail_streams(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The core is gone for good: fail everything, tell the server (once)."""
+        if self._dead:
+            return
+        self._dead = True
+        self._fail(error)
         if self.on_death is not None:
             self.on_death()
+
+    # ---- a replacement core (--restart-engine-core) ------------------------------------------
+
+    async def _restart(self) -> None:
+        assert self.restarter is not None and isinstance(self.core, CoreProcess)
+        started = time.monotonic()
+        try:
+            self._launch = self.restarter.respawn(self.core)
+            core = await asyncio.to_thread(self._launch.wait_ready)
+        except EngineStartupError as exc:
+            if not self._shutting_down:
+                logger.error("the new engine core failed to start (%s): giving up", exc)
+                self._restart_task = None
+                self._die(EngineDeadError(f"the engine core died and could not be restarted: {exc}"))
+            return
+        finally:
+            self._launch = None
+        if self._shutting_down or self._dead:  # no longer wanted (shutting down, or given up meanwhile)
+            core.kill()
+            return
+        self._attach(core)
+        logger.warning("engine core restarted in process %d after %.1f s (restart %d)", core.process.pid,
+                       time.monotonic() - started, self.restarter.restarts)
+
+    def _attach(self, core: CoreProcess) -> None:
+        """Serve through ``core`` from now on: a fresh engine, so idle stats and no block map."""
+        assert self._loop is not None and self.restarter is not None
+        if core.facts != self.facts:
+            logger.warning("the new engine core's model facts differ from the old one's: %s", core.facts)
+        self.core = core
+        self.facts = core.facts
+        self._stats = _idle_stats(core.facts)
+        self._last_counts = None  # its cumulative counters start again from zero
+        self.block_map = None
+        self._loop.add_reader(core.sentinel, self._core_exited)
+        self.restarter.restarts += 1
+        self.dead_error = None
+        self._restart_task = None
+        if self._watching_blocks:
+            self._send(WatchBlocks(True))
+
+
+def _idle_stats(f: ModelFacts) -> EngineStats:
+    """An idle pool's stats, shown until a core sends its first."""
+    return EngineStats(
+        num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
+        block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
+        kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
+        prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)
 

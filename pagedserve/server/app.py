@@ -47,7 +47,7 @@ def build_app(client: EngineClient, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics = ServerMetrics(model_name, client.stats, client.facts)
+        metrics = ServerMetrics(model_name, client.stats, client.facts, lambda: client.core_restarts)
         client.observer = metrics
         tokenizers = TokenizerWorker(client.facts.tokenizer, chat_template=config.chat_template)
         await client.start()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
     from pagedserve.engine.core_launch import CoreLaunch
+    from pagedserve.engine.core_restart import CoreRestarter
     from pagedserve.engine.core import ModelFacts
     from pagedserve.server.config import ServerConfig
 
@@ -50,6 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             value = 0
         if not 1 <= value <= MAX_API_SERVERS:
             raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_API_SERVERS}, got {text}")
+        return value
+
+    def _max_restarts(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= 100:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100, got {text}")
         return value
 
     def _seconds(text: str) -> float:  # a positive, finite number of seconds
@@ -123,6 +133,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "own requests, so that work is spread over N CPU cores; /load and /metrics stay "
                              "engine-wide whichever front answers. If the core or any front dies, the whole "
                              "server exits non-zero (default 1; needs --engine-process)")
+    server.add_argument("--restart-engine-core", action="store_true",
+                        help="when the engine core process dies, end its open requests with an error as always, "
+                             "answer 503 (retryable) on /health, /load and new requests while a new core with "
+                             "the same configuration loads, then serve again; beyond --engine-core-max-restarts "
+                             "within --engine-core-restart-window, or if the new core fails to load, exit with "
+                             "status 1 as without the flag (default off: exit with status 1 for a process "
+                             "supervisor to restart the server; needs --engine-process and --api-server-count 1)")
+    server.add_argument("--engine-core-max-restarts", type=_max_restarts, default=3, metavar="K",
+                        help="with --restart-engine-core: at most K restarts (1-100) within "
+                             "--engine-core-restart-window; the next death exits with status 1 (default 3)")
+    server.add_argument("--engine-core-restart-window", type=_seconds, default=60.0, metavar="S",
+                        help="with --restart-engine-core: the sliding window, in seconds, that "
+                             "--engine-core-max-restarts counts in (default 60)")
     server.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                         help="Jinja chat template for /v1/chat/completions instead of the tokenizer's own: a "
                              "file, or the template text itself (anything containing '{{' or '{%%'); checked "
@@ -186,6 +209,18 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.api_server_count > 1 and not args.engine_process:
             raise ValueError("--api-server-count above 1 needs the engine core in its own process "
                              "(drop --no-engine-process)")
+        if args.restart_engine_core and not args.engine_process:
+            raise ValueError("--restart-engine-core needs the engine core in its own process (drop "
+                             "--no-engine-process)")
+        if args.restart_engine_core and args.api_server_count > 1:
+            raise ValueError("--restart-engine-core works with --api-server-count 1 only; with several API "
+                             "servers let a process supervisor restart the server when it exits with status 1")
+        restarter = None
+        if args.restart_engine_core:
+            from pagedserve.engine.core_restart import CoreRestarter, RestartBudget
+
+            restarter = CoreRestarter(engine_config, log_level, RestartBudget(args.engine_core_max_restarts,
+                                                                              args.engine_core_restart_window))
         if default_model and server_config.served_model_name is None:
             server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
                                                else f"pagedserve-{args.default_model}-random")
@@ -204,7 +239,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from pagedserve.server.tokenization import import_tokenizer_code
 
         import_tokenizer_code()
-        client = _start_engine(engine_config, launch, log_level, server_config.log_requests)
+        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
@@ -258,14 +293,16 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
     return engine_died
 
 
-def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool) -> EngineClient:
-    """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of this one."""
+def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool,
+                  restarter: CoreRestarter | None = None) -> EngineClient:
+    """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of
+    this one. ``restarter``: replace the core if it dies (``--restart-engine-core``)."""
     from pagedserve.engine.mp_client import MPEngineClient
 
     if launch is not None:
         core = launch.wait_ready()
         logger.info("engine core running in process %d", core.process.pid)
-        return MPEngineClient(core, log_requests=log_requests)
+        return MPEngineClient(core, log_requests=log_requests, restarter=restarter)
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.engine import Engine
 

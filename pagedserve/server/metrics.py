@@ -78,8 +78,10 @@ def naive_kv_utilization(stats: EngineStats) -> float:
 class _EngineStatsCollector(Collector):
     """Gauges and cumulative counters read from the engine's latest stats at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str, facts: ModelFacts | None):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, facts: ModelFacts | None,
+                 restarts: Callable[[], int]):
         self._stats = stats
+        self._restarts = restarts
         self._model = model_name
         self._facts = facts
 
@@ -131,6 +133,9 @@ class _EngineStatsCollector(Collector):
                       s.spec_num_accepted_tokens)
         yield gauge("spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens "
                     "since start (0 before any draft).", s.spec_acceptance_rate)
+        # The server's, not the core's: a new core's stats start from zero, this count goes on.
+        yield counter("engine_core_restarts", "Engine cores started in place of one that died "
+                      "(serve --restart-engine-core).", self._restarts())
 
         # vLLM's names for the same snapshot.
         usage = kv_cache_usage(s)
@@ -190,7 +195,8 @@ class ServerMetrics:
     per-request timing dict is only touched there.
     """
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], facts: ModelFacts | None = None):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], facts: ModelFacts | None = None,
+                 restarts: Callable[[], int] = lambda: 0):
         self.registry = r = CollectorRegistry()
         own, vllm = ["model_name"], ["model_name", "engine"]
         self.model_name = m = model_name
@@ -222,7 +228,7 @@ class ServerMetrics:
                                     "Entering the engine's waiting queue to first scheduled.", _LATENCY_BUCKETS,
                                     "Histogram of time spent in WAITING phase for request.",
                                     VLLM_REQUEST_LATENCY_BUCKETS)
-        engine = _EngineStatsCollector(stats, model_name, facts)
+        engine = _EngineStatsCollector(stats, model_name, facts, restarts)
         r.register(engine)
         # Several front processes (prometheus-client chose its memory-mapped values at import, from
         # the same variable): scrape every front's files plus this front's copy of the engine stats.
