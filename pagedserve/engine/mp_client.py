@@ -45,8 +45,8 @@ import zmq.asyncio
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
 from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, EngineStartupError, spawn_core_process
-from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
+from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
@@ -301,8 +301,9 @@ class MPEngineClient(StreamingClient):
             self._restart_task = asyncio.create_task(self._restart(), name="pagedserve-core-restart")
             return
         if budget is not None:
-            logger.error("the engine core process died (%s) after %d restarts within %.0f s (the "
-                         "--engine-core-max-restarts limit): giving up", how, budget.max_restarts, budget.window_s)
+            logger.error("the engine core process died (%s) and the %d restarts allowed per %.0f s are spent "
+                         "(--engine-core-max-restarts): giving up, failing %d open requests", how,
+                         budget.max_restarts, budget.window_s, len(self._streams))
         else:
             logger.error("the engine core process died (%s): failing %d open requests, refusing new ones",
                          how, len(self._streams))
@@ -336,7 +337,7 @@ class MPEngineClient(StreamingClient):
         try:
             self._launch = self.restarter.respawn(self.core)
             core = await asyncio.to_thread(self._launch.wait_ready)
-        except EngineStartupError as exc:
+        except Exception as exc:  # noqa: BLE001 - EngineStartupError (its one-line reason), or the spawn failed
             if not self._shutting_down:
                 logger.error("the new engine core failed to start (%s): giving up", exc)
                 self._restart_task = None

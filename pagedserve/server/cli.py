@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
+    from pagedserve.engine.core import ModelFacts
     from pagedserve.engine.core_launch import CoreLaunch
     from pagedserve.engine.core_restart import CoreRestarter
-    from pagedserve.engine.core import ModelFacts
     from pagedserve.server.config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")

@@ -118,8 +118,8 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
         assert wait_for_idle(url)["kv_blocks_used"] == 0
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert 'pagedserve_engine_core_restarts_total{model_name="' in metrics
-        assert [line for line in metrics.splitlines()
-                if line.startswith("pagedserve_engine_core_restarts_total")][0].endswith(" 1.0")
+        assert next(line for line in metrics.splitlines()
+                    if line.startswith("pagedserve_engine_core_restarts_total")).endswith(" 1.0")
 
         # The budget (one restart per hour) is spent: this death is final.
         os.kill(second_core, signal.SIGKILL)
@@ -128,7 +128,7 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
         text = log.read()
     assert "died (killed by SIGKILL): failing 3 open requests, starting a new core" in text, text[-3000:]
     assert "engine core restarted in process" in text
-    assert "after 1 restarts within 3600 s (the --engine-core-max-restarts limit): giving up" in text
+    assert "the 1 restarts allowed per 3600 s are spent (--engine-core-max-restarts): giving up" in text
     assert _gone(second_core)
 
 
