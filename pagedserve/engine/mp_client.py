@@ -250,6 +250,10 @@ class MPEngineClient(StreamingClient):
             self._die(EngineDeadError(f"lost the engine core's output stream: {exc}"))
 
     def _handle(self, batch: CoreBatch) -> None:
+        if self._restart_task is not None:
+            # The dead core's last frames (its requests are failed already; its stats are no
+            # longer true); a replacement sends nothing before it is attached and given work.
+            return
         for admission in batch.admissions:
             future = self._admissions.pop(admission.request_id, None)
             if future is None or future.done():
@@ -298,6 +302,7 @@ class MPEngineClient(StreamingClient):
                          budget.max_restarts, budget.window_s)
             self._fail(EngineDeadError(f"the engine core process died ({how}); it is restarting, retry in a few "
                                        "seconds or on another replica"))
+            self._stats = _idle_stats(self.facts)  # its KV blocks went with it: /metrics shows none in use
             self._restart_task = asyncio.create_task(self._restart(), name="pagedserve-core-restart")
             return
         if budget is not None:

@@ -107,6 +107,9 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
         refused = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=5)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
         assert "restarting" in refused.json()["error"]["message"]
+        running = [line for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+                   if line.startswith(("pagedserve_num_requests_running{", "pagedserve_kv_blocks_used{"))]
+        assert len(running) == 2 and all(line.endswith(" 0.0") for line in running), running
 
         deadline = time.monotonic() + 300
         while httpx.get(f"{url}/health", timeout=5).status_code != 200:
