@@ -54,7 +54,6 @@ class CoreRestarter:
     config: EngineConfig
     log_level: str = "info"
     budget: RestartBudget = field(default_factory=RestartBudget)
-    restarts: int = 0  # cores started in place of a dead one so far (the metric's value)
 
     def respawn(self, dead: CoreProcess) -> CoreLaunch:
         """Start loading a new core in place of ``dead`` (the caller spent the budget)."""

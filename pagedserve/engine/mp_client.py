@@ -20,11 +20,13 @@ addresses of its pair, the model's facts and the core's pid. A front does not ow
 never stops it (the process that started it does), and it learns of its death from a pidfd
 (Linux), which becomes readable the moment the core exits, as the sentinel does for the parent.
 
-With a :class:`~pagedserve.engine.core_restart.CoreRestarter` (``serve --restart-engine-core``,
-one front only) the client that owns the core replaces it when it dies: the open requests fail
-as always, new ones get 503 while a core with the same config loads on the same socket addresses
-(the client's bound sockets take its connections), then the client serves through it. When the
-restarter's budget is spent, or the new core fails to load, the death is final (``on_death``).
+With a :class:`~pagedserve.engine.core_restart.CoreRestarter` (``serve --restart-engine-core``)
+the client that owns the core replaces it when it dies: the open requests fail as always, new
+ones get 503 while a core with the same config loads on the same socket addresses (the client's
+bound sockets take its connections), then the client serves through it. When the restarter's
+budget is spent, or the new core fails to load, the death is final (``on_death``). A front of
+several (``restarted_by_supervisor``) only fails its requests and waits: the supervisor restarts
+the core and hands it the new one with :meth:`MPEngineClient.attach`.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class MPEngineClient(StreamingClient):
     """The :class:`EngineClient` over a core process. All methods run on one event loop."""
 
     def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None):
+                 on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
+                 restarted_by_supervisor: bool = False):
         from transformers import AutoTokenizer
 
         super().__init__(observer, log_requests)
@@ -118,6 +121,11 @@ class MPEngineClient(StreamingClient):
         if restarter is not None and not core.owned:
             raise ValueError("only the client that started the engine core can restart it")
         self.restarter = restarter
+        # A front of `serve --api-server-count N --restart-engine-core`: the supervisor restarts the
+        # core and hands the new one over through attach(); a death only fails the open requests.
+        self.restarted_by_supervisor = restarted_by_supervisor
+        self._restarting = False  # between a core's death and its replacement's attach
+        self._core_restarts = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._launch: CoreLaunch | None = None  # a replacement core while it loads
         self._watching_blocks = False  # resent to a replacement core
@@ -228,10 +236,10 @@ class MPEngineClient(StreamingClient):
 
     @property
     def core_restarts(self) -> int:
-        return self.restarter.restarts if self.restarter is not None else 0
+        return self._core_restarts
 
     def _check_accepting(self, request_id: str) -> RequestStream:
-        if self._restart_task is not None and not self._shutting_down:
+        if self._restarting and not self._shutting_down:
             raise EngineDeadError("the engine core is restarting after its process died; retry in a few seconds")
         return super()._check_accepting(request_id)
 
@@ -250,7 +258,7 @@ class MPEngineClient(StreamingClient):
             self._die(EngineDeadError(f"lost the engine core's output stream: {exc}"))
 
     def _handle(self, batch: CoreBatch) -> None:
-        if self._restart_task is not None:
+        if self._restarting:
             # The dead core's last frames (its requests are failed already; its stats are no
             # longer true); a replacement sends nothing before it is attached and given work.
             return
@@ -295,14 +303,17 @@ class MPEngineClient(StreamingClient):
             return
         code = self.core.exit_code()
         how = describe_exit(code)
+        if self.restarted_by_supervisor:
+            logger.error("the engine core process died: failing %d open requests until the supervisor has "
+                         "started a new one", len(self._streams))
+            self._begin_restart("the engine core process died")
+            return
         budget = self.restarter.budget if self.restarter is not None else None
         if budget is not None and budget.take():
             logger.error("the engine core process (pid %s) died (%s): failing %d open requests, starting a new "
                          "core (restarts allowed: %d per %.0f s)", self.core.process.pid, how, len(self._streams),
                          budget.max_restarts, budget.window_s)
-            self._fail(EngineDeadError(f"the engine core process died ({how}); it is restarting, retry in a few "
-                                       "seconds or on another replica"))
-            self._stats = _idle_stats(self.facts)  # its KV blocks went with it: /metrics shows none in use
+            self._begin_restart(f"the engine core process died ({how})")
             self._restart_task = asyncio.create_task(self._restart(), name="pagedserve-core-restart")
             return
         if budget is not None:
@@ -314,6 +325,11 @@ class MPEngineClient(StreamingClient):
                          how, len(self._streams))
         self._die(EngineDeadError(f"the engine core process died ({how}); "
                                   "this server is restarting, retry on another replica"))
+
+    def _begin_restart(self, what: str) -> None:
+        self._fail(EngineDeadError(f"{what}; it is restarting, retry in a few seconds or on another replica"))
+        self._stats = _idle_stats(self.facts)  # its KV blocks went with it: /metrics shows none in use
+        self._restarting = True
 
     def _fail(self, error: EngineDeadError) -> None:
         """End every open request and admission with ``error``; refuse new ones until cleared."""
@@ -345,7 +361,7 @@ class MPEngineClient(StreamingClient):
         except Exception as exc:  # noqa: BLE001 - EngineStartupError (its one-line reason), or the spawn failed
             if not self._shutting_down:
                 logger.error("the new engine core failed to start (%s): giving up", exc)
-                self._restart_task = None
+                self._restarting = False
                 self._die(EngineDeadError(f"the engine core died and could not be restarted: {exc}"))
             return
         finally:
@@ -353,13 +369,27 @@ class MPEngineClient(StreamingClient):
         if self._shutting_down or self._dead:  # no longer wanted (shutting down, or given up meanwhile)
             core.kill()
             return
+        self._restart_task = None
         self._attach(core)
         logger.warning("engine core restarted in process %d after %.1f s (restart %d)", core.process.pid,
-                       time.monotonic() - started, self.restarter.restarts)
+                       time.monotonic() - started, self._core_restarts)
 
-    def _attach(self, core: CoreProcess) -> None:
+    def attach(self, link: CoreLink) -> None:
+        """Serve through the core a supervisor started in place of the dead one (``restarted_by_supervisor``)."""
+        assert self._loop is not None and self.restarted_by_supervisor
+        if self._shutting_down or self._dead:
+            return
+        if not self._restarting:  # the news of the new core came before the old one's death was seen
+            self._loop.remove_reader(self.core.sentinel)
+            self._begin_restart("the engine core process died")
+        self.core.cleanup()  # the dead core's pidfd
+        link.open()
+        self._attach(link)
+        logger.warning("serving through the new engine core (process %d)", link.pid)
+
+    def _attach(self, core: CoreProcess | CoreLink) -> None:
         """Serve through ``core`` from now on: a fresh engine, so idle stats and no block map."""
-        assert self._loop is not None and self.restarter is not None
+        assert self._loop is not None
         if core.facts != self.facts:
             logger.warning("the new engine core's model facts differ from the old one's: %s", core.facts)
         self.core = core
@@ -368,9 +398,9 @@ class MPEngineClient(StreamingClient):
         self._last_counts = None  # its cumulative counters start again from zero
         self.block_map = None
         self._loop.add_reader(core.sentinel, self._core_exited)
-        self.restarter.restarts += 1
+        self._core_restarts += 1
         self.dead_error = None
-        self._restart_task = None
+        self._restarting = False
         if self._watching_blocks:
             self._send(WatchBlocks(True))
 

@@ -23,6 +23,13 @@ with 1. A front that dies makes the supervisor stop the others and the core and 
 process supervisor restarts the server). Every child asks the kernel to kill it if the supervisor
 dies (PR_SET_PDEATHSIG), so none is left orphaned even if the supervisor is SIGKILLed. SIGINT or
 SIGTERM: the fronts drain (``--shutdown-timeout``), then the core stops, and the exit status is 0.
+
+With ``--restart-engine-core`` the supervisor replaces a core that dies, within the restart budget:
+each front fails its open requests and answers 503 as before but stays up; the supervisor spawns a
+core with the same config on the same socket addresses (the fronts' bound sockets take its
+connections), waits until it has loaded (still watching the fronts and its signals), and sends
+each front the new core's :class:`CoreLink` down its start line, kept open for this. Past the
+budget, or if the new core fails to load, it stops the fronts and exits with 1 as without the flag.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.engine.core_launch import CoreProcess
+    from pagedserve.engine.core_restart import CoreRestarter
     from pagedserve.engine.mp_client import CoreLink
     from pagedserve.server.config import ServerConfig
 
@@ -67,8 +76,9 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: ServerConfig, log_level: str,
-                   start_line: multiprocessing.connection.Connection) -> None:
-    """A front process's entry point (spawned): serve HTTP on ``sock`` through the core at ``link``."""
+                   start_line: multiprocessing.connection.Connection, core_restarts: bool = False) -> None:
+    """A front process's entry point (spawned): serve HTTP on ``sock`` through the core at ``link``.
+    ``core_restarts``: the supervisor replaces a dead core and sends its link down ``start_line``."""
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api-server {index}]: %(message)s")
     from pagedserve.engine.core_proc import die_with_parent
@@ -97,8 +107,19 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
             if go != "go":
                 raise RuntimeError("the supervisor called off the start")
         await asyncio.to_thread(ready_then_go)
+        if core_restarts:
+            asyncio.get_running_loop().add_reader(start_line.fileno(), new_core)
 
-    client = MPEngineClient(link, log_requests=config.log_requests)
+    def new_core() -> None:  # on the event loop: the supervisor started a core in place of a dead one
+        try:
+            kind, new_link = start_line.recv()
+        except (EOFError, OSError):  # the supervisor closed the line: it is stopping us
+            asyncio.get_running_loop().remove_reader(start_line.fileno())
+            return
+        if kind == "core":
+            client.attach(new_link)
+
+    client = MPEngineClient(link, log_requests=config.log_requests, restarted_by_supervisor=core_restarts)
     app = build_app(client, config, on_started=wait_at_start_line)
     uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=config.shutdown_timeout_s,
                                     access_log=False, **uvicorn_limits(config))
@@ -112,8 +133,9 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
 
 
 def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfig, log_level: str,
-                    sock: socket.socket) -> int:
-    """Start the core and ``count`` fronts sharing ``sock``; supervise them; the exit status."""
+                    sock: socket.socket, restarter: CoreRestarter | None = None) -> int:
+    """Start the core and ``count`` fronts sharing ``sock``; supervise them; the exit status.
+    ``restarter``: replace a core that dies (``--restart-engine-core``)."""
     from pagedserve.engine.core_launch import EngineStartupError, spawn_core_process
     from pagedserve.server.cli import _log_startup
 
@@ -123,6 +145,7 @@ def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfi
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     core = None
     fronts: list[BaseProcess] = []
+    lines: list[Any] = []
     try:
         try:
             core = spawn_core_process(engine_config, log_level, num_fronts=count).wait_ready()
@@ -132,22 +155,22 @@ def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfi
         logger.info("engine core running in process %d; starting %d API servers", core.process.pid, count)
         _log_startup(core.facts, config, True)
         ctx = multiprocessing.get_context("spawn")
-        lines = []
         for i in range(count):
             ours, theirs = ctx.Pipe()
             front_config = _with_index(config, i)
             process = ctx.Process(target=run_api_server, name=f"pagedserve-api-server-{i}", daemon=True,
-                                  args=(i, core.link(i), sock, front_config, log_level, theirs))
+                                  args=(i, core.link(i), sock, front_config, log_level, theirs,
+                                        restarter is not None))
             process.start()
             theirs.close()
             fronts.append(process)
             lines.append(ours)
         sock.close()  # the fronts hold it now
-        status = _start_together(fronts, lines, core.process, stop)
+        status = _start_together(fronts, lines, core.process, stop, keep_lines=restarter is not None)
         if status is None:
             logger.info("%d API servers serving on http://%s:%d", count, config.host, config.port)
-            status = _supervise(fronts, core.process, stop)
-        if not core.process.is_alive():  # the fronts are ending their streams and exiting on their own
+            status, core = _supervise(fronts, core, stop, lines, restarter)
+        if not core.process.is_alive() and restarter is None:  # the fronts end their streams and exit
             deadline = time.monotonic() + config.shutdown_timeout_s + 5
             for front in fronts:
                 front.join(max(0.0, deadline - time.monotonic()))
@@ -155,6 +178,8 @@ def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfi
         return status
     finally:
         stop.restore()
+        for line in lines:
+            line.close()
         for front in fronts:  # (already stopped, unless something above raised)
             if front.is_alive():
                 front.kill()
@@ -190,9 +215,12 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def _start_together(fronts: list[BaseProcess], lines: list[Any], core: BaseProcess, stop: _StopFlag) -> int | None:
+def _start_together(fronts: list[BaseProcess], lines: list[Any], core: BaseProcess, stop: _StopFlag,
+                    keep_lines: bool = False) -> int | None:
     """Wait until every front is ready, then let them all start accepting; None, or an exit status
-    (then the lines are closed unsent, and a front still waiting at its start line gives up)."""
+    (then the lines are closed unsent, and a front still waiting at its start line gives up).
+    ``keep_lines``: after "go" the lines stay open (a restarted core's link goes down them)."""
+    status = None
     try:
         status = _wait_ready(fronts, lines, core, stop)
         if status is None:
@@ -200,8 +228,9 @@ def _start_together(fronts: list[BaseProcess], lines: list[Any], core: BaseProce
                 line.send("go")
         return status
     finally:
-        for line in lines:
-            line.close()
+        if status is not None or not keep_lines:
+            for line in lines:
+                line.close()
 
 
 def _wait_ready(fronts: list[BaseProcess], lines: list[Any], core: BaseProcess, stop: _StopFlag) -> int | None:
@@ -233,21 +262,68 @@ def _wait_ready(fronts: list[BaseProcess], lines: list[Any], core: BaseProcess, 
     return None
 
 
-def _supervise(fronts: list[BaseProcess], core: BaseProcess, stop: _StopFlag) -> int:
-    """Until a signal (0) or a child's death (1)."""
+def _supervise(fronts: list[BaseProcess], core: CoreProcess, stop: _StopFlag, lines: list[Any],
+               restarter: CoreRestarter | None) -> tuple[int, CoreProcess]:
+    """Until a signal (0) or a child's death (1), replacing a dead core while ``restarter``'s
+    budget allows; the status and the core last started."""
+    from pagedserve.engine.core_restart import describe_exit
+
     while not stop.set:
         multiprocessing.connection.wait([f.sentinel for f in fronts] + [core.sentinel], timeout=_POLL_S)
         if not core.is_alive():
-            # Each front saw it too (its pidfd), ended its streams with an error and is exiting.
-            logger.error("the engine core process died (exit code %s): the API servers end their requests "
-                         "and the server exits with status 1 (restart it)", core.exitcode)
-            return 1
+            how = describe_exit(core.process.exitcode)
+            if restarter is None:
+                # Each front saw it too (its pidfd), ended its streams with an error and is exiting.
+                logger.error("the engine core process died (%s): the API servers end their requests "
+                             "and the server exits with status 1 (restart it)", how)
+                return 1, core
+            budget = restarter.budget
+            if not budget.take():
+                logger.error("the engine core process died (%s) and the %d restarts allowed per %.0f s are spent "
+                             "(--engine-core-max-restarts): giving up, exiting with status 1", how,
+                             budget.max_restarts, budget.window_s)
+                return 1, core
+            logger.error("the engine core process (pid %s) died (%s): the API servers fail its requests, starting "
+                         "a new core (restarts allowed: %d per %.0f s)", core.process.pid, how,
+                         budget.max_restarts, budget.window_s)
+            started = time.monotonic()
+            new_core, status = _respawn(core, restarter, fronts, stop)
+            if new_core is None:
+                return status, core
+            core = new_core
+            for i, line in enumerate(lines):
+                line.send(("core", core.link(i)))
+            logger.warning("engine core restarted in process %d after %.1f s", core.process.pid,
+                           time.monotonic() - started)
+            continue
         for i, front in enumerate(fronts):
             if not front.is_alive():
                 logger.error("API server %d died (exit code %s): stopping the others and the engine core; "
                              "exiting with status 1 (restart the server)", i, front.exitcode)
-                return 1
-    return 0
+                return 1, core
+    return 0, core
+
+
+def _respawn(dead: CoreProcess, restarter: CoreRestarter, fronts: list[BaseProcess],
+             stop: _StopFlag) -> tuple[CoreProcess | None, int]:
+    """A core in place of ``dead``, loaded; or None and the exit status (a signal: 0; a front's
+    death or a core that fails to load: 1). Watches the fronts and the signals while it loads."""
+    from pagedserve.engine.core_launch import EngineStartupError
+
+    launch = restarter.respawn(dead)
+    while True:
+        events = multiprocessing.connection.wait([launch.receiver, launch.process.sentinel]
+                                                 + [f.sentinel for f in fronts], timeout=_POLL_S)
+        if launch.receiver in events or launch.process.sentinel in events:
+            break
+        if stop.set or not all(f.is_alive() for f in fronts):
+            launch.kill()
+            return None, 0 if stop.set else 1
+    try:
+        return launch.wait_ready(), 0
+    except EngineStartupError as exc:
+        logger.error("the new engine core failed to start (%s): giving up, exiting with status 1", exc)
+        return None, 1
 
 
 def _stop_fronts(fronts: list[BaseProcess], timeout_s: float) -> None:

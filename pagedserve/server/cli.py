@@ -139,7 +139,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "the same configuration loads, then serve again; beyond --engine-core-max-restarts "
                              "within --engine-core-restart-window, or if the new core fails to load, exit with "
                              "status 1 as without the flag (default off: exit with status 1 for a process "
-                             "supervisor to restart the server; needs --engine-process and --api-server-count 1)")
+                             "supervisor to restart the server; needs --engine-process). With --api-server-count "
+                             "N the supervisor restarts the core and every front serves through the new one")
     server.add_argument("--engine-core-max-restarts", type=_max_restarts, default=3, metavar="K",
                         help="with --restart-engine-core: at most K restarts (1-100) within "
                              "--engine-core-restart-window; the next death exits with status 1 (default 3)")
@@ -212,9 +213,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.restart_engine_core and not args.engine_process:
             raise ValueError("--restart-engine-core needs the engine core in its own process (drop "
                              "--no-engine-process)")
-        if args.restart_engine_core and args.api_server_count > 1:
-            raise ValueError("--restart-engine-core works with --api-server-count 1 only; with several API "
-                             "servers let a process supervisor restart the server when it exits with status 1")
         restarter = None
         if args.restart_engine_core:
             from pagedserve.engine.core_restart import CoreRestarter, RestartBudget
@@ -228,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
             from pagedserve.server.api_servers import bind_listening_socket, run_api_servers
 
             listener = bind_listening_socket(args.host, args.port)  # bound once, shared by every front
-            return run_api_servers(args.api_server_count, engine_config, server_config, log_level, listener)
+            return run_api_servers(args.api_server_count, engine_config, server_config, log_level, listener,
+                                   restarter)
         _check_port_free(args.host, args.port)
         launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
         # While the core process imports torch and loads the model (seconds), this one imports its

@@ -4,7 +4,9 @@ One module server (API key, request log) carries the checks that requests spread
 with the same greedy text as the one-front shared server, that /metrics and /load are engine-wide
 whichever front answers, that the dashboard feed and the limits work on both, and that SIGTERM
 stops every process with status 0. Two short-lived servers take the faults: the core SIGKILLed
-(every stream ends with an error event within a second, exit 1) and a front SIGKILLed (exit 1).
+(every stream ends with an error event within a second, exit 1), and, with --restart-engine-core,
+the core SIGKILLed (both fronts serve the same text through the new core) then a front SIGKILLed
+(exit 1).
 No process outlives its server in any case."""
 
 from __future__ import annotations
@@ -267,11 +269,35 @@ def test_killing_the_core_ends_every_stream_on_both_fronts_within_a_second(tiny_
     _assert_all_gone(children)
 
 
-def test_killing_one_front_stops_the_server_with_status_one(tiny_model_dir):
+def test_restart_engine_core_serves_both_fronts_again_and_a_killed_front_stops_the_server(tiny_model_dir):
+    """--restart-engine-core with two fronts: the supervisor replaces a SIGKILLed core and both
+    fronts serve the same greedy text through it; then a front's death still ends the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_process(_cmd(tiny_model_dir, port, *FAULT_ARGS), f"{url}/health", timeout_s=300) as proc:
-        _, front_pids = _roles(proc.pid)
+    cmd = _cmd(tiny_model_dir, port, *FAULT_ARGS, "--restart-engine-core")
+    with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
+        core, front_pids = _roles(proc.pid)
+        before = {front: text for front, text, _ in (_complete(url, 0, stream=False) for _ in range(6))}
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while not all(r.status_code == 503 for r in _until_both(url).values()):
+            assert time.monotonic() < deadline
+        while not all(r.status_code == 200 for r in _until_both(url).values()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no new core"
+            time.sleep(0.1)
+        new_core, fronts_now = _roles(proc.pid)
+        assert new_core != core and fronts_now == front_pids and _gone(core)
+        after = {}
+        while len(after) < 2:
+            front, text, _ = _complete(url, 0, stream=False)
+            after[front] = text
+        assert set(after.values()) == set(before.values()) and len(set(after.values())) == 1
+        for r in _until_both(url, "/metrics", headers=AUTH).values():
+            assert _counter(r.text, "pagedserve_engine_core_restarts_total") == 1
+        idle_by = time.monotonic() + 10  # the engine-wide snapshot, on both fronts
+        while not all(r.json()["kv_blocks_used"] == 0 for r in _until_both(url, "/load").values()):
+            assert time.monotonic() < idle_by, "KV blocks left in use on the new core"
+            time.sleep(0.05)
         children = _children(proc.pid)
         os.kill(front_pids[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1

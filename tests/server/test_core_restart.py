@@ -135,14 +135,14 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
     assert _gone(second_core)
 
 
-def test_restart_engine_core_with_several_api_servers_is_a_one_line_error(tiny_model_dir, caplog):
+def test_restart_engine_core_without_an_engine_process_is_a_one_line_error(tiny_model_dir, caplog):
     from pagedserve.cli import build_parser
     from pagedserve.server.cli import run_serve
 
     args = build_parser("serve").parse_args(["serve", "--model", str(tiny_model_dir), "--restart-engine-core",
-                                             "--api-server-count", "2"])
+                                             "--no-engine-process"])
     assert run_serve(args) == 2
-    assert "--restart-engine-core works with --api-server-count 1 only" in caplog.text
+    assert "--restart-engine-core needs the engine core in its own process" in caplog.text
 
 
 def test_the_restart_budget_is_a_sliding_window():
