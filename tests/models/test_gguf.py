@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pagedserve.models.gguf import (GGUFError, find_gguf_file, gguf_source, hf_config_from_gguf, load_gguf_model,
                                     open_gguf, prepare_gguf_dir)
+from pagedserve.models.gguf_index import GGUFTensorIndex
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import resolve_model_dir
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, weight_bytes
@@ -106,6 +107,27 @@ def test_kept_weights_take_the_gguf_bytes(tiny_ggufs):
     matrices = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
     vectors = sum(int(t.n_elements) for t in tensors if len(t.shape) == 1)
     assert weight_bytes(model) == matrices + 2 * vectors
+
+
+@pytest.mark.parametrize("kind,tokenizer", [(k, False) for k in TYPES] + [("Q8_0", True)])
+def test_tensor_index_describes_the_file_as_the_full_reader(kind, tokenizer, tiny_ggufs):
+    """The loader's index (no array parsing) has every tensor exactly as ``gguf.GGUFReader``: name,
+    type, shape, sizes, offset and data; every scalar and string value; no array-valued key (with
+    ``tokenizer``, the vocabulary's arrays sit before the tensors and must be stepped over exactly)."""
+    from gguf import GGUFValueType
+
+    path = tiny_ggufs(kind, tokenizer=tokenizer)
+    index, full = GGUFTensorIndex(path), open_gguf(path)  # the full gguf.GGUFReader (cached for later tests)
+    assert [t.name for t in index.tensors] == [t.name for t in full.tensors]
+    for ours, theirs in zip(index.tensors, full.tensors):
+        assert (ours.tensor_type, ours.shape.tolist(), ours.n_elements, ours.n_bytes, ours.data_offset) == \
+            (theirs.tensor_type, theirs.shape.tolist(), theirs.n_elements, theirs.n_bytes, theirs.data_offset)
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
+        assert np.array_equal(ours.data, theirs.data), ours.name
+    arrays = [k for k, f in full.fields.items() if f.types[0] == GGUFValueType.ARRAY]
+    assert bool(arrays) == tokenizer and not set(arrays) & set(index.fields)
+    scalars = {k: f.contents() for k, f in full.fields.items() if not k.startswith("GGUF.") and k not in arrays}
+    assert {k: f.contents() for k, f in index.fields.items()} == scalars
 
 
 def test_prepared_directory_and_tokenizer(tiny_ggufs, tiny_model_dir, tmp_path):
