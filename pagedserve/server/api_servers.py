@@ -292,7 +292,10 @@ def _supervise(fronts: list[BaseProcess], core: CoreProcess, stop: _StopFlag, li
                 return status, core
             core = new_core
             for i, line in enumerate(lines):
-                line.send(("core", core.link(i)))
+                try:
+                    line.send(("core", core.link(i)))
+                except OSError:  # that front just died: the check below ends the server
+                    pass
             logger.warning("engine core restarted in process %d after %.1f s", core.process.pid,
                            time.monotonic() - started)
             continue

@@ -132,7 +132,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "process: each tokenizes, applies the chat template, detokenizes and streams its "
                              "own requests, so that work is spread over N CPU cores; /load and /metrics stay "
                              "engine-wide whichever front answers. If the core or any front dies, the whole "
-                             "server exits non-zero (default 1; needs --engine-process)")
+                             "server exits non-zero (a dead core is replaced instead with --restart-engine-core) "
+                             "(default 1; needs --engine-process)")
     server.add_argument("--restart-engine-core", action="store_true",
                         help="when the engine core process dies, end its open requests with an error as always, "
                              "answer 503 (retryable) on /health, /load and new requests while a new core with "
