@@ -12,6 +12,7 @@ ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
 SPECULATIVE_METHODS = (None, "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
 MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
+MAX_PRIORITY_PREFILL_PAUSE = 1024  # most steps in a row worse-priority work may wait for better prompts
 
 
 def cache_dir() -> Path:
@@ -115,6 +116,10 @@ class EngineConfig:
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
+    ``priority_prefill_first``: a step that computes a prompt chunk leaves out running and waiting
+    work of strictly worse priority (kept in place, not preempted), for at most
+    ``priority_prefill_max_pause`` steps in a row (engine/scheduler.py; equal priorities never
+    trigger it).
     """
 
     model: str
@@ -146,6 +151,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 1
+    priority_prefill_first: bool = True
+    priority_prefill_max_pause: int = 8
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
@@ -180,6 +187,12 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be an integer >= 1 (1 = emit every token), "
                              f"got {self.stream_interval!r}")
         self._check_speculative()
+        if type(self.priority_prefill_first) is not bool:
+            raise ValueError(f"priority_prefill_first must be true or false, got {self.priority_prefill_first!r}")
+        pause = self.priority_prefill_max_pause
+        if type(pause) is not int or not 1 <= pause <= MAX_PRIORITY_PREFILL_PAUSE:
+            raise ValueError(f"priority_prefill_max_pause must be an integer in [1, {MAX_PRIORITY_PREFILL_PAUSE}] "
+                             f"(steps), got {pause!r}")
         if isinstance(self.kv_events, dict):  # e.g. LLM(..., kv_events={"enable_kv_cache_events": True, ...})
             self.kv_events = KVEventsConfig(**self.kv_events)
 

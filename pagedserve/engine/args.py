@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import (ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, MAX_NGRAM, MAX_SPECULATIVE_TOKENS,
-                               QUANTIZATIONS, EngineConfig, KVEventsConfig)
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, MAX_NGRAM, MAX_PRIORITY_PREFILL_PAUSE,
+                               MAX_SPECULATIVE_TOKENS, QUANTIZATIONS, EngineConfig, KVEventsConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -42,6 +42,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue length beyond which new requests are refused (default: unbounded)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--no-priority-prefill-first", dest="priority_prefill_first", action="store_false",
+                   help="turn priority prefill first off. On (the default), a step that computes a prompt chunk "
+                        "leaves out running decodes and waiting requests of strictly worse priority (they keep "
+                        "their KV blocks and seats and go on next step), so a high-priority prompt's first token "
+                        "is not slowed by a batch of lower-priority decodes; equal priorities never trigger it")
+    g.add_argument("--priority-prefill-max-pause", type=int, default=8, metavar="STEPS",
+                   help="with priority prefill first: most steps in a row that worse-priority work may be left out "
+                        f"for better prompts (a long prompt chunked over steps, or a stream of them), 1.."
+                        f"{MAX_PRIORITY_PREFILL_PAUSE}; the next step batches everyone (default 8)")
     g.add_argument("--kv-reservation", default="paged", choices=["paged", "max"],
                    help="paged: blocks as the context grows; max: reserve max_model_len per request (the naive server)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
@@ -92,7 +101,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),
-        ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1))
+        ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1),
+        priority_prefill_first=getattr(args, "priority_prefill_first", True),
+        priority_prefill_max_pause=getattr(args, "priority_prefill_max_pause", 8))
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

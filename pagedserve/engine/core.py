@@ -210,6 +210,8 @@ class EngineCore:
             kv_cache_dtype=self.kv_dtype,
             num_speculative_tokens=config.num_speculative_tokens if config.speculative == "ngram" else 0,
             ngram_max=config.ngram_prompt_lookup_max, ngram_min=config.ngram_prompt_lookup_min,
+            priority_prefill_first=config.priority_prefill_first,
+            priority_prefill_max_pause=config.priority_prefill_max_pause,
         ), self.block_manager)
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
         self.requests: dict[str, Request] = {}

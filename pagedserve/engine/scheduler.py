@@ -7,6 +7,18 @@ long prompt never stalls everyone's next token), then waiting ones in (priority,
 order, each taking what is left of the budget, so a long prompt is computed in chunks.
 Prefix-cache hits, chunked prefill, preemption and resume all fall out of that one rule.
 
+Priority prefill first: a step that carries a prompt chunk (a waiting sequence, or a running one
+still chunking through its prompt) carries no work of strictly worse priority than the best such
+prompt. Running sequences of worse priority sit that step out: they keep their blocks and seats
+(nothing is preempted or recomputed) and decode in the next step that has no better prompt to
+compute; waiting ones of worse priority are not admitted in it. The point is the better prompt's
+time to first token: on a CPU a step's time grows with its batch, so a paid prompt that joined a
+step of free decodes would pay for them. Worse work is held back only in steps that carry a better
+prompt, and never more than ``priority_prefill_max_pause`` steps in a row (a long better prompt is
+chunked over several steps, and a stream of them could otherwise pause worse decodes without
+end): the step after that batches everyone as usual. Equal priorities (every request at the
+default 0) never trigger it, so their batching is exactly the plain rule above.
+
 When blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
 are freed (full ones stay in the prefix cache) and it waits, with its original arrival, to be
 recomputed. A waiting sequence of strictly better priority may preempt a worse running one,
@@ -61,6 +73,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     ngram_max: int = 4
     ngram_min: int = 1
+    # Priority prefill first (module docstring): a step with a prompt chunk leaves out work of worse
+    # priority, for at most this many steps in a row.
+    priority_prefill_first: bool = True
+    priority_prefill_max_pause: int = 8
 
 
 @dataclass
@@ -89,6 +105,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # heap by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key: the worst is last
         self.num_preemptions = 0
+        # Consecutive steps that held worse-priority work back for a better prompt (bounded by
+        # config.priority_prefill_max_pause).
+        self.consecutive_pauses = 0
         # Worst-case reservation never grows a table after admission, so it needs no headroom.
         self.watermark_blocks = 0 if config.reserve_max_model_len else int(
             block_manager.num_blocks * config.watermark_fraction)
@@ -151,9 +170,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
-        # 1. Running sequences: decodes first, then prompt chunks, each in priority order.
+        # 1. Running sequences: decodes first, then prompt chunks, each in priority order. With a
+        # better-priority prompt to compute, only work of that priority or better joins the step.
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        floor = self._prefill_floor(chunking)
+        # Running work is held back only when some of it is worse than the floor (the running list
+        # is sorted by priority first); otherwise the plan is the plain rule's, draft order included.
+        holds_running = floor is not None and bool(self.running) and self.running[-1].priority > floor
+        if holds_running:
+            decoding = [s for s in decoding if s.priority <= floor]
+            chunking = [s for s in chunking if s.priority <= floor]
         for seq in decoding + chunking:
             if budget == 0:
                 break
@@ -172,20 +199,20 @@ class Scheduler:
                 planned[seq] = num_new
                 budget -= num_new
         # Drafts come after every running sequence has its blocks, so they never cause a preemption.
-        if self.config.num_speculative_tokens:
-            for seq in decoding:
-                if budget <= 0:
-                    break
-                if seq.status is SequenceStatus.RUNNING and planned.get(seq) == 1:
-                    num_drafts = self._plan_drafts(seq, budget)
-                    planned[seq] += num_drafts
-                    budget -= num_drafts
+        # In a step held for a better prompt they come after admission, so they cannot take the
+        # budget that prompt needs.
+        if not holds_running:
+            budget = self._plan_all_drafts(decoding, planned, budget)
 
         # 2. Waiting sequences, best (priority, arrival) first. A step that had to preempt for
         # memory admits only work of strictly better priority than what it preempted.
+        held_waiting = False
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if out.preempted and seq.priority >= min(p.priority for p in out.preempted):
+                break
+            if floor is not None and seq.priority > floor:
+                held_waiting = True
                 break
             seats = seq.request.params.n if not seq.request.forked else 1
             if self.seats_in_use + seats > self.config.max_num_seqs:
@@ -217,11 +244,60 @@ class Scheduler:
             self.add_running(seq)
             planned[seq] = num_new
             budget -= num_new
+        if holds_running:
+            budget = self._plan_all_drafts(decoding, planned, budget)
+        self._count_pause(floor, held_waiting)
 
         # Batch order: the order sequences were planned in (decodes first).
         out.scheduled = [(s, n) for s, n in planned.items() if s.status is SequenceStatus.RUNNING]
         out.copies = bm.take_pending_copies()
         return out
+
+    def _prefill_floor(self, chunking: list[Sequence]) -> int | None:
+        """The worst priority this step may carry so that its best prompt runs without worse work
+        beside it (priority prefill first), or None for the plain rule: off, no prompt to compute,
+        or worse work already held back ``priority_prefill_max_pause`` steps in a row."""
+        cfg = self.config
+        if not cfg.priority_prefill_first:
+            return None
+        prompts = [s.priority for s in chunking]
+        if self.waiting:
+            prompts.append(self.waiting[0].priority)  # the heap's head is its best priority
+        if not prompts:
+            return None
+        if self.consecutive_pauses >= cfg.priority_prefill_max_pause:
+            logger.debug("priority prefill first: worse-priority work waited %d steps in a row; this step "
+                         "batches everyone", self.consecutive_pauses)
+            return None  # (the count restarts: this step holds nothing back)
+        return min(prompts)
+
+    def _count_pause(self, floor: int | None, held_waiting: bool) -> None:
+        """Count a step that held worse work back (running sequences left out, or waiting ones not
+        admitted) toward the bound; a step that held nothing back resets the count."""
+        # Running is sorted by priority first, and nothing worse than floor was planned or admitted.
+        held_running = [s for s in self.running if s.priority > floor] \
+            if floor is not None and self.running and self.running[-1].priority > floor else []
+        if not held_running and not held_waiting:
+            self.consecutive_pauses = 0
+            return
+        self.consecutive_pauses += 1
+        logger.debug("priority prefill first: a priority-%d prompt runs without worse work; %d running "
+                     "sequences of worse priority sit this step out%s (%d steps in a row)", floor,
+                     len(held_running), " and worse waiting ones are not admitted" if held_waiting else "",
+                     self.consecutive_pauses)
+
+    def _plan_all_drafts(self, decoding: list[Sequence], planned: dict[Sequence, int], budget: int) -> int:
+        """Plan drafts for this step's decodes (speculative decoding on); returns the budget left."""
+        if not self.config.num_speculative_tokens:
+            return budget
+        for seq in decoding:
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and planned.get(seq) == 1:
+                num_drafts = self._plan_drafts(seq, budget)
+                planned[seq] += num_drafts
+                budget -= num_drafts
+        return budget
 
     def _plan_drafts(self, seq: Sequence, budget: int) -> int:
         """Propose drafts for a decoding sequence and make room for them; returns how many.

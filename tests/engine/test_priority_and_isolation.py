@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
@@ -84,3 +86,63 @@ def test_long_prompt_chunks_in_while_decodes_continue(tiny_model_dir):
     for rid in list(engine.requests):
         engine.abort(rid)
     assert_no_leaks(engine)
+
+
+def _paid_into_free_decodes(model_dir, prefill_first):
+    """Free (priority 1) requests decoding, with n-gram drafts, an n = 2 fork and a grammar; then
+    a paid (priority 0) prompt arrives. Returns every completion's tokens, whether the paid prompt's
+    step left every free sequence out, and the engine."""
+    from pagedserve.engine.sampling_params import StructuredOutputsParams
+
+    engine = Engine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=8, max_num_seqs=8,
+                                 speculative="ngram", priority_prefill_first=prefill_first))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    # The grammar first, so it has compiled before the others start (they are all decoding when
+    # the paid prompt comes); its regex keeps it decoding as long as they do.
+    engine.add_request("free-regex", "Word:", SamplingParams(max_tokens=40, temperature=0, structured_outputs=
+                                                             StructuredOutputsParams(regex="[a-z]{30,40}")),
+                       priority=1)
+    done = {}
+
+    def collect():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [o.token_ids for o in out.outputs]
+
+    while engine.compiling:
+        collect()
+    loops = [[1, 2, 3, 4, 5, 6, 7, 8] * 4, [3, 7, 3, 7, 3, 7], [9, 5, 9, 5, 9]]  # the tiny model repeats these
+    for i, prompt in enumerate(loops):
+        engine.add_request(f"free{i}", prompt, greedy, priority=1)
+    engine.add_request("free-n2", _prompts([14], seed=21)[0],
+                       SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=2), priority=1)
+    def free():
+        return [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
+
+    while not engine.requests["free-n2"].forked or any(s.num_output_tokens == 0 for s in free()):
+        collect()
+    assert len(free()) == 6, "every free completion is decoding when the paid prompt arrives"
+    before = {s: s.num_computed_tokens for s in free()}
+    engine.add_request("paid", _prompts([24], seed=22)[0], greedy, priority=0)
+    collect()
+    paid = engine.requests["paid"].seqs[0]
+    assert paid.num_output_tokens == 1, "the paid prompt ran in the step it arrived for"
+    paused = all(s.num_computed_tokens == n and s.status.value == "running" for s, n in before.items())
+    while engine.has_unfinished_requests():
+        collect()
+    assert engine.spec_num_accepted_tokens > 0, "drafts were accepted (speculation ran)"
+    assert engine.scheduler.num_preemptions == 0
+    return done, paused, engine
+
+
+def test_paid_prompt_runs_alone_and_every_output_matches_the_plain_rule(tiny_model_dir):
+    model_dir = str(tiny_model_dir)
+    with_rule, paused, engine = _paid_into_free_decodes(model_dir, prefill_first=True)
+    assert paused, "the paid prompt's step left the free decodes out"
+    assert_no_leaks(engine)
+    without, paused, engine = _paid_into_free_decodes(model_dir, prefill_first=False)
+    assert not paused, "without the rule the free decodes share the paid prompt's step"
+    assert_no_leaks(engine)
+    assert with_rule == without  # greedy output of every completion, token for token
+    assert len(with_rule["free-n2"]) == 2 and len(with_rule) == 6
+    assert re.fullmatch("[a-z]{30,40}", engine.tokenizer.decode(with_rule["free-regex"][0], skip_special_tokens=True))

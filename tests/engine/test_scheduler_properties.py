@@ -2,7 +2,10 @@
 
 After every operation the allocator's invariants hold; every request eventually finishes; when
 all are done, every block is free. Prompts come from a tiny alphabet so prefixes are shared and
-cached blocks are hit, evicted and reused; the pool is small so preemption happens.
+cached blocks are hit, evicted and reused; the pool is small so preemption happens. Priority
+prefill first (engine/scheduler.py) is on with a short pause bound: a running sequence is left
+out of a step that has budget to spare only when the step carries a prompt chunk of strictly
+better priority, and never more than the bound's steps in a row.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ from pagedserve.engine.sequence import SequenceStatus
 from tests.engine.test_scheduler import make_scheduler, make_seq, run_step
 
 
+BUDGET = 8
+MAX_PAUSE = 3
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.sched = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=4, budget=8, max_model_len=64)
+        self.sched = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=4, budget=BUDGET, max_model_len=64,
+                                    max_pause=MAX_PAUSE)
         self.live = []
+        self.held_steps = 0  # steps in a row that left running work out with budget to spare
 
     @rule(prompt_len=st.integers(1, 9), max_tokens=st.integers(1, 6), priority=st.integers(0, 2),
           token=st.integers(0, 1))
@@ -30,7 +39,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        run_step(self.sched)
+        running = list(self.sched.running)
+        decoding = {s for s in running if s.num_tokens - s.num_computed_tokens == 1}
+        plan, _ = run_step(self.sched)
+        scheduled = {s for s, _ in plan.scheduled}
+        left_out = [s for s in running if s not in scheduled and s.status is SequenceStatus.RUNNING]
+        if left_out and plan.num_batched_tokens < BUDGET:
+            prompts = [s.priority for s, n in plan.scheduled if s not in decoding or n > 1]
+            assert prompts and min(prompts) < min(s.priority for s in left_out), \
+                "a running sequence sat out a step that had no better prompt and budget to spare"
+            self.held_steps += 1
+            assert self.held_steps <= MAX_PAUSE, "worse work was held back past the pause bound"
+        else:
+            self.held_steps = 0
         self.live = [s for s in self.live if s.status is not SequenceStatus.FINISHED]
 
     @precondition(lambda self: self.live)
