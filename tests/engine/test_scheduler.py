@@ -339,3 +339,29 @@ def test_better_prompt_takes_a_seat_from_a_paused_decode():
     assert all(s.status is SequenceStatus.RUNNING for s in free[:3])
     drain(sched)
     assert all(s.num_output_tokens == 20 for s in free)
+
+
+@pytest.mark.parametrize("bad", [{"priority_prefill_max_pause": 0}, {"priority_prefill_max_pause": 1025},
+                                 {"priority_prefill_max_pause": 2.5}, {"priority_prefill_max_pause": True},
+                                 {"priority_prefill_first": "no"}])
+def test_priority_prefill_config_is_bounded(bad):
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="priority_prefill"):
+        EngineConfig(model="x", **bad)
+
+
+def test_priority_prefill_flags_reach_the_config():
+    import argparse
+
+    from pagedserve.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--model", "x"]))
+    assert cfg.priority_prefill_first is True and cfg.priority_prefill_max_pause == 8
+    cfg = engine_config_from_args(parser.parse_args(["--model", "x", "--no-priority-prefill-first",
+                                                     "--priority-prefill-max-pause", "3"]))
+    assert cfg.priority_prefill_first is False and cfg.priority_prefill_max_pause == 3
+    with pytest.raises(ValueError, match="priority_prefill_max_pause"):
+        engine_config_from_args(parser.parse_args(["--model", "x", "--priority-prefill-max-pause", "0"]))

@@ -260,9 +260,11 @@ class SpecSchedulerMachine(RuleBasedStateMachine):
                                                watermark_fraction=0.0, num_speculative_tokens=3), bm)
         self.live = []
 
-    @rule(prompt_len=st.integers(1, 9), max_tokens=st.integers(1, 12), token=st.integers(0, 1))
-    def add(self, prompt_len, max_tokens, token):
-        seq = make_seq(prompt_len, max_tokens, token=token)
+    # Two priorities: priority prefill first holds drafting decodes back in some steps.
+    @rule(prompt_len=st.integers(1, 9), max_tokens=st.integers(1, 12), token=st.integers(0, 1),
+          priority=st.integers(0, 1))
+    def add(self, prompt_len, max_tokens, token, priority):
+        seq = make_seq(prompt_len, max_tokens, priority=priority, token=token)
         self.sched.add(seq)
         self.live.append(seq)
 
