@@ -213,7 +213,10 @@ def _ids(plan):
     return [(s.request.request_id, n) for s, n in plan.scheduled]
 
 
-def test_better_priority_prompt_runs_alone_and_the_paused_decodes_resume():
+def test_better_priority_prompt_runs_alone_and_the_paused_decodes_resume(caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="pagedserve.engine.scheduler")
     sched = make_scheduler(num_blocks=64, budget=32, max_num_seqs=8)
     free = [make_seq(4, 20, priority=1, token=t) for t in range(7)]
     for s in free:
@@ -224,6 +227,10 @@ def test_better_priority_prompt_runs_alone_and_the_paused_decodes_resume():
     sched.add(paid)
     plan, _ = run_step(sched)
     assert plan.scheduled == [(paid, 8)], "the paid prompt's step carries the prefill alone"
+    # The decision is logged at debug level only (once per such step, never at info).
+    held = [r for r in caplog.records if "sit this step out" in r.getMessage()]
+    assert len(held) == 1 and held[0].levelno == logging.DEBUG and "7 running" in held[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
     assert not plan.preempted and sched.num_preemptions == 0
     # The free decodes sat out: still running, same tokens, same blocks (nothing freed or recomputed).
     for s in free:
