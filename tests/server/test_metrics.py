@@ -15,7 +15,7 @@ GAUGES = ["num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv
           "kv_blocks_cached_free", "kv_tokens_in_use", "kv_slots_allocated", "kv_utilization",
           "kv_naive_reserved_tokens", "kv_naive_utilization", "prefix_cache_hit_rate"]
 COUNTERS = ["request_success", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
-            "prefix_cache_hits", "num_preemptions"]
+            "prefix_cache_hits", "num_preemptions", "engine_core_restarts"]
 VLLM_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds"]
@@ -51,6 +51,7 @@ def test_metrics_parse_and_name_everything(server_url: str) -> None:
     for name in VLLM_GAUGES:
         assert values[name] == values[name.replace("vllm:", "pagedserve_")], name
     assert values["pagedserve_kv_blocks_total"] == 512
+    assert values["pagedserve_engine_core_restarts_total"] == 0  # without --restart-engine-core: never
 
 
 def test_kv_gauges_move_during_a_run_and_return_to_zero(server_url: str) -> None:
