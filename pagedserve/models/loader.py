@@ -122,8 +122,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
 
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
     quantized one (embeddings and norms stay in ``dtype``); without it, on CPU, linear weights are
-    prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``PAGEDSERVE_PACK_WEIGHTS=0`` turns that
-    off). On CPU the native layer kernels are switched on where they build. The engine's load log
+    prepacked (:mod:`pagedserve.models.packed`: float32 into panels for the native kernel, else for
+    oneDNN; ``PAGEDSERVE_PACK_WEIGHTS=0`` turns that off, ``=onednn`` packs float32 for oneDNN too). On CPU the native layer kernels are switched on where they build. The engine's load log
     line states the resulting weight bytes.
     """
     arch = ModelArchitecture.from_hf_config(hf_config)
@@ -148,8 +148,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         quantize_model(model, quantization)
         logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
-    elif os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
-        pack_linears(model)  # CPU: oneDNN-prepacked weights, faster small-batch matmuls
+    ops = native_ops() if device.type == "cpu" else None  # None (torch paths) where the kernels can't be built
+    if quantization in (None, "none") and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
+        # CPU: float32 into panels for the native kernel, the rest prepacked for oneDNN
+        pack_linears(model, ops, onednn_only=os.environ.get("PAGEDSERVE_PACK_WEIGHTS") == "onednn")
     if device.type == "cpu":
-        model.use_native_ops(native_ops())  # None (torch paths) where the kernels can't be built
+        model.use_native_ops(ops)
     return model
