@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -100,6 +101,26 @@ def server_url(tiny_model_dir, kv_events_port: int) -> Iterator[str]:  # type: i
     with run_engine_server(tiny_model_dir, *SHARED_SERVER_ARGS, "--kv-events-endpoint",
                            f"tcp://127.0.0.1:{kv_events_port}", timeout=120) as url:
         yield url
+
+
+@dataclass
+class LoggedServer:
+    url: str
+    log_path: Path  # the server's whole output (its --log-requests lines among it)
+
+
+@pytest.fixture(scope="session")
+def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServer]:  # type: ignore[no-untyped-def]
+    """A second tiny server, for the two flags the shared one lacks: ``--stream-interval 4`` and
+    ``--log-requests`` (at info level, which writes the request lines). One start serves the
+    stream-interval and the request-log tests; each reads only its own requests' figures."""
+    log_path = tmp_path_factory.mktemp("interval-log") / "server.log"
+    with open(log_path, "w+") as log, run_engine_server(
+            tiny_model_dir, "--max-model-len", "256", "--num-kv-blocks", "64", "--stream-interval", "4",
+            "--log-requests", "--log-level", "info", log=log, timeout=120) as url:
+        yield LoggedServer(url, log_path)
+        load = wait_for_idle(url, timeout=30)
+        assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
 @pytest.fixture(scope="session")

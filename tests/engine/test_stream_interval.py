@@ -22,7 +22,7 @@ from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.metrics import ServerMetrics
 from tests.conftest import assert_no_leaks
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.helpers.servers import wait_for_idle
 
 PROMPT = "def fibonacci(n):"
 
@@ -194,8 +194,6 @@ def test_cli_flag_reaches_the_config(tiny_model_dir):
 
 # ---- through the server ---------------------------------------------------------------------
 
-SERVER_ARGS = ("--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning")
-
 
 def _stream_completion(url: str, body: dict) -> list[dict]:
     """The data events of a streamed completion, decoded (the final [DONE] left out)."""
@@ -214,16 +212,16 @@ def _metrics(url: str) -> dict[str, float]:
             if not s.name.endswith("_bucket") and "finished_reason" not in s.labels}
 
 
-def test_server_streams_every_fourth_token(tiny_model_dir, server_url):
+def test_server_streams_every_fourth_token(interval_log_server, server_url):
     body = {"prompt": PROMPT, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
     # The per-token reference from the session's shared server (same tiny model and dtype, stream
     # interval 1); its own salt keeps it off any block another test cached.
     ref = _stream_completion(server_url, {**body, "cache_salt": "stream-interval-reference"})
-    with run_engine_server(tiny_model_dir, *SERVER_ARGS, "--stream-interval", "4", timeout=120) as url:
-        before = _metrics(url)
-        events = _stream_completion(url, body)
-        load = wait_for_idle(url)
-        after = _metrics(url)
+    url = interval_log_server.url  # --stream-interval 4 (shared with the request-log test)
+    before = _metrics(url)
+    events = _stream_completion(url, body)
+    load = wait_for_idle(url)
+    after = _metrics(url)
     assert load["kv_blocks_used"] == 0 and load["running"] == 0, load
 
     content = [e for e in events if e.get("choices") and e["choices"][0]["text"]]
