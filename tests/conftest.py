@@ -117,7 +117,7 @@ def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServ
     log_path = tmp_path_factory.mktemp("interval-log") / "server.log"
     with open(log_path, "w+") as log, run_engine_server(
             tiny_model_dir, "--max-model-len", "256", "--num-kv-blocks", "64", "--stream-interval", "4",
-            "--log-requests", "--log-level", "info", log=log, timeout=120) as url:
+            "--log-requests", "--log-level", "info", log=log, timeout=300) as url:  # slow on a busy machine
         yield LoggedServer(url, log_path)
         load = wait_for_idle(url, timeout=30)
         assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
