@@ -10,6 +10,10 @@
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
   (:class:`~pagedserve.models.packed.PanelLinear`): a register-blocked AVX2 kernel, faster than
   torch's oneDNN and MKL float32 paths on an AVX2-only CPU for decode-sized and prompt-sized rows.
+* ``quant_matmul.cpp`` — ``y = x Wᵀ + b`` straight from int4 (groups of 32, two nibbles per byte)
+  and grouped int8 weights (GGUF's Q4_0 / Q4_1 / Q8_0 kept quantized), AVX2 + FMA with a scalar
+  fallback: a decode step reads the packed bytes once instead of dequantizing them, and prefill-sized
+  batches get one native dequantization for the float GEMM (``pagedserve.models.quant``).
 
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the
@@ -46,7 +50,8 @@ log = logging.getLogger("pagedserve.kernels")
 
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp")]
+            for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
+                         "quant_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20"]

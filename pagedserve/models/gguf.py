@@ -14,9 +14,10 @@ Weights, by GGUF tensor type:
   (``w = q × s`` per group of 32 input columns), the int8 values as stored.
 * ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d + m``), q in [0, 15], 32 per block →
   :class:`Int4Linear` with group 32, the project's asymmetric int4 format ``w = (q − 8) × s + z``:
-  the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d`` (Q4_1). Scales and zeros are
-  held in the model dtype, which the CPU kernels take: in float32 they are the GGUF's exactly;
-  in bfloat16 they are rounded to bfloat16 (8 significant bits; the nibbles are unchanged).
+  the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d`` (Q4_1). In the readable
+  layout the native kernels read, scales and offsets (``d`` and ``m``) are float16, exactly as
+  stored, as are Q8_0's scales. Without the native kernels, on CPU, they are held in the model
+  dtype for torch's kernels: exact in float32, rounded in bfloat16 (the nibbles are unchanged).
 * Other types the ``gguf`` package can dequantize (K-quants, Q5_0, ...) → dequantized to the
   model dtype, with a warning naming them; any other type is an error naming it.
 
@@ -47,7 +48,8 @@ from torch import nn
 
 from pagedserve.config import cache_dir
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
-from pagedserve.models.quant import INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding
+from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
+                                     int4_cpu_layout_is_opaque)
 
 logger = logging.getLogger(__name__)
 
@@ -558,8 +560,9 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     if table is not None:
         model.embed_tokens = QuantizedEmbedding(table, dtype)
         if a.tie_word_embeddings:
-            if isinstance(table, Int4Linear) and b.packed_for_cpu:
-                # The lookups read the portable nibbles; the logits matmul wants the CPU kernel's layout.
+            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device):
+                # The lookups read the readable nibbles; torch's int4 CPU kernel (no native kernels
+                # here) wants its own opaque layout for the logits matmul.
                 model.lm_head = b.linear([_Part(embed)], [a.vocab_size], a.hidden_size)
                 logger.info("tied %s embedding: a second int4 copy in the CPU kernel's layout for the logits",
                             embed.tensor_type.name)

@@ -10,9 +10,13 @@ what bounds single-stream decode speed.
   bfloat16 activations the matmul is ``aten._weight_int8pack_mm`` (measured here 2.7× faster than
   the bf16 matmul for a 4096×16384 matrix-vector product); elsewhere int8 → dtype, matmul, scale.
 * ``int4`` — asymmetric per group of ``group_size`` input columns: ``w ≈ (q − 8) × s + z`` with q
-  in [0, 15] and ``z = min + 8 s``. On CPU the weights are packed once for
-  ``aten._weight_int4pack_mm_for_cpu``; elsewhere they are kept two nibbles per byte and
-  dequantized per call (correct, not fast).
+  in [0, 15] and ``z = min + 8 s``. Stored two nibbles per byte, per group of 32 byte i holding
+  columns i and i + 16, with float16 scales ``s`` and offsets ``b = z − 8 s`` (``w = q s + b``).
+  On CPU with the native kernels (:mod:`pagedserve.kernels`, ``quant_matmul.cpp``) a batch of up
+  to :data:`_NATIVE_MAX_ROWS` rows is one pass over those bytes; a larger one dequantizes the
+  weight natively and runs the float GEMM. On CPU without the kernels the weights are packed
+  once for ``aten._weight_int4pack_mm_for_cpu`` instead (opaque); other devices dequantize per
+  call (correct, not fast).
 """
 
 from __future__ import annotations
@@ -21,14 +25,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import native_ops
 from pagedserve.models.replace import replace_linears
 
 INT4_GROUP_SIZE = 32
 _INT4_INNER_K_TILES = 2  # the CPU packing's tile parameter (K must be a multiple of 16 × this)
+# The native group kernels' batch limit: up to this many rows, one pass over the packed weight
+# (unpacked in registers, reused for 4 rows at a time) beats dequantizing it for the float GEMM;
+# beyond, the GEMM's register blocking wins (measured on SmolLM2's shapes, AVX2, docs/QUANTIZATION.md).
+_NATIVE_MAX_ROWS = 16
 
 
 def _use_cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu"
+
+
+def _native_group_kernels(device: torch.device, group_size: int) -> object | None:
+    """The native ops namespace when the group-of-32 kernels can serve a layer on ``device``."""
+    return native_ops() if device.type == "cpu" and group_size == 32 else None
+
+
+def _pack_nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q [N, K] in [0, 15] → uint8 [N, K/2]: per group, byte i holds column i (low nibble) and
+    column i + g/2 (high), so unpacking needs a mask and a shift and no shuffle."""
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // group_size, 2, group_size // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _native_linear(ops, kind: str, x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                   offsets: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x2 [M, K] → [M, N]`` through the native group kernels (decode-sized M) or one native
+    dequantization and ``F.linear`` (prefill-sized M)."""
+    x2 = x2.contiguous()
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
+    if x2.shape[0] <= _NATIVE_MAX_ROWS:
+        y = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype)
+        if kind == "int4":
+            ops.int4_group_matmul(y, x2, weight, scales, offsets, bias)
+        else:
+            ops.int8_group_matmul(y, x2, weight, scales, bias)
+        return y
+    w = torch.empty(weight.shape[0], x2.shape[1], dtype=x2.dtype)
+    ops.group_dequantize(w, weight, scales, offsets)
+    return F.linear(x2, w, bias).to(out_dtype)
 
 
 class Int8Linear(nn.Module):
@@ -83,27 +124,45 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return q.reshape(n, k), scales, zeros
 
 
+def int4_cpu_layout_is_opaque(device: torch.device, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """Whether ``packed_for_cpu`` lays int4 weights out for torch's ``_weight_int4pack_mm_for_cpu``
+    (opaque: no row lookups): on a CPU without the native kernels. With them, the readable layout
+    is also the fast one."""
+    return device.type == "cpu" and _native_group_kernels(device, group_size) is None
+
+
 class Int4Linear(nn.Module):
-    """``y = x Wᵀ + b`` with ``W`` in 4 bits, an asymmetric scale and zero per group of input columns."""
+    """``y = x Wᵀ + b`` with ``W`` in 4 bits, an asymmetric scale and zero per group of input columns.
+
+    Readable layout (every case but one): ``weight`` uint8 ``[N, K/2]`` (:func:`_pack_nibbles`),
+    ``scales`` and ``offsets`` float16 ``[N, K/g]`` with ``w = q × scale + offset``; float16 holds a
+    GGUF's Q4_0 / Q4_1 ``d`` and ``m`` exactly. Opaque layout (``packed_for_cpu`` on a CPU without
+    the native kernels): torch's int4pack weight and ``scales_and_zeros [K/g, N, 2]`` in the model dtype.
+    """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, dtype: torch.dtype, packed_for_cpu: bool):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
-        self.packed_for_cpu = packed_for_cpu
-        if packed_for_cpu:
+        if self.in_features % group_size or group_size % 2:
+            raise ValueError(f"int4 groups of {group_size} need in_features divisible by it, got {self.in_features}")
+        self.packed_for_cpu = packed_for_cpu and int4_cpu_layout_is_opaque(q.device, group_size)
+        if self.packed_for_cpu:
             if self.in_features % (16 * _INT4_INNER_K_TILES):
                 raise ValueError(f"the CPU int4 kernel needs in_features divisible by {16 * _INT4_INNER_K_TILES}, "
                                  f"got {self.in_features}")
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INT4_INNER_K_TILES)
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.contiguous(), _INT4_INNER_K_TILES))
+            # [K/g, N, 2] (scale, zero): the layout torch's kernel takes.
+            self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+                                 .contiguous().to(dtype))
         else:
-            nib = q.to(torch.uint8)
-            packed = nib[:, 0::2] | (nib[:, 1::2] << 4)
-        self.register_buffer("weight", packed)
-        # [K/g, N, 2] (scale, zero): the layout the CPU kernel takes; the fallback reads it too.
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-                             .contiguous().to(dtype))
+            self.register_buffer("weight", _pack_nibbles(q, group_size))
+            s = scales.float()
+            # z − 8 s is exact in float32 whenever z = m + 8 s was (a GGUF Q4_1 m; −8 d for Q4_0).
+            self.register_buffer("scales", s.to(torch.float16).contiguous())
+            self.register_buffer("offsets", (zeros.float() - 8.0 * s).to(torch.float16).contiguous())
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -118,26 +177,31 @@ class Int4Linear(nn.Module):
         return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight this layer computes with, ``[out, in]`` (fallback layout only)."""
+        """The float weight this layer computes with, ``[out, in]`` (readable layout only)."""
         return self.rows(None, dtype)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (all rows for None): the lookups of a quantized
-        embedding table (:class:`QuantizedEmbedding`). Fallback layout only."""
+        embedding table (:class:`QuantizedEmbedding`). Readable layout only."""
         if self.packed_for_cpu:
             raise RuntimeError("the CPU-packed int4 layout is opaque; build with packed_for_cpu=False to read it")
         packed = self.weight if ids is None else self.weight[ids]
-        sz = self.scales_and_zeros if ids is None else self.scales_and_zeros[:, ids]
-        lo = (packed & 0x0F).to(dtype)
-        hi = (packed >> 4).to(dtype)
-        q = torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1, self.group_size)
-        sz = sz.to(dtype).transpose(0, 1)  # [rows, K/g, 2]
-        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(packed.shape[0], self.in_features)
+        s = self.scales if ids is None else self.scales[ids]
+        b = self.offsets if ids is None else self.offsets[ids]
+        p = packed.reshape(packed.shape[0], -1, self.group_size // 2)
+        q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()  # [rows, K/g, g]
+        w = q * s.float().unsqueeze(-1) + b.float().unsqueeze(-1)  # float32, one rounding to dtype
+        return w.reshape(packed.shape[0], self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        ops = None if self.packed_for_cpu else _native_group_kernels(x.device, self.group_size)
+        if ops is not None:
+            y = _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
         if self.packed_for_cpu:
+            # A no-op .to() when the activations have the model dtype (no copy per call).
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size,
                                                           self.scales_and_zeros.to(x.dtype))
         else:
@@ -151,8 +215,9 @@ class Int4Linear(nn.Module):
                 f"{', CPU-packed' if self.packed_for_cpu else ''}")
 
 
-# Up to this many rows the grouped int8 layer runs the int8 CPU kernel once per group (as fast as one
-# per-channel call for one row); beyond, one dequantized copy per call amortizes better.
+# Without the native kernels: up to this many rows the grouped int8 layer runs torch's int8 CPU
+# kernel once per group (as fast as one per-channel call for one row); beyond, one dequantized
+# copy per call amortizes better.
 _INT8_GROUPED_KERNEL_MAX_ROWS = 32
 
 
@@ -160,12 +225,13 @@ class Int8GroupedLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` int8 and one scale per output channel per group of ``group_size``
     input columns: ``w[n, k] = q[n, k] × s[n, k // g]`` (GGUF's Q8_0, carried over as stored).
 
-    The int8 CPU kernel takes one scale per output channel, and within one group that is what the
-    scales are: so on CPU with bfloat16 activations a product is one ``aten._weight_int8pack_mm``
-    per group, summed in float32 (measured on SmolLM2's 49,152 × 576 LM head, one row: 6.0 ms,
-    against 6.0 ms for a per-channel int8 call and 6.8 ms for bf16). The weight is stored
-    ``[K/g, N, g]`` so each group's matrix is contiguous; larger batches, other devices and float32
-    dequantize it per call (correct, not fast).
+    On CPU with the native kernels (``group_size`` 32) the weight is kept ``[N, K]`` with float16
+    scales ``[N, K/g]`` (a Q8_0 block's own scale, exactly) and the product is one native pass
+    (:func:`_native_linear`), for any model dtype. Without them, torch's int8 CPU kernel takes one
+    scale per output channel, and within one group that is what the scales are: so with bfloat16
+    activations a product is one ``aten._weight_int8pack_mm`` per group, summed in float32, over a
+    weight stored ``[K/g, N, g]`` (each group's matrix contiguous) with scales ``[K/g, N]`` in the
+    model dtype; larger batches, other devices and float32 dequantize it per call (correct, not fast).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
@@ -177,14 +243,24 @@ class Int8GroupedLinear(nn.Module):
                              "do not match")
         self.group_size = group_size
         groups = self.in_features // group_size
-        self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, groups, group_size)
-                             .transpose(0, 1).contiguous())  # [K/g, N, g]
-        self.register_buffer("scales", scales.t().contiguous().to(dtype))  # [K/g, N]
+        self.native = _native_group_kernels(q.device, group_size) is not None
+        if self.native:
+            self.register_buffer("weight", q.to(torch.int8).contiguous())  # [N, K]
+            self.register_buffer("scales", scales.to(torch.float16).contiguous())  # [N, K/g]
+        else:
+            self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, groups, group_size)
+                                 .transpose(0, 1).contiguous())  # [K/g, N, g]
+            self.register_buffer("scales", scales.t().contiguous().to(dtype))  # [K/g, N]
         self.register_buffer("bias", bias)
-        self.float_output = False  # True: return the kernel path's float32 sums (an LM head's logits)
+        self.float_output = False  # True: return float32 sums (an LM head's logits)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (all rows for None), ``[rows, in]``."""
+        if self.native:
+            q = self.weight if ids is None else self.weight[ids]
+            s = self.scales if ids is None else self.scales[ids]
+            w = q.reshape(q.shape[0], -1, self.group_size).float() * s.float().unsqueeze(-1)  # exact in float32
+            return w.reshape(q.shape[0], self.in_features).to(dtype)
         q = self.weight if ids is None else self.weight[:, ids]
         s = self.scales if ids is None else self.scales[:, ids]
         w = q.to(dtype) * s.to(dtype).unsqueeze(-1)  # [K/g, rows, g]; q * s is exact before the one rounding
@@ -197,14 +273,19 @@ class Int8GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        ops = _native_group_kernels(x.device, self.group_size) if self.native else None
+        if ops is not None:
+            # As the LM head (float_output), the float32 sums are the logits: rounding them to
+            # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
+            out_dtype = torch.float32 if self.float_output else x.dtype
+            y = _native_linear(ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
+            return y.reshape(*shape[:-1], self.out_features)
         if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
                 and x2.shape[0] <= _INT8_GROUPED_KERNEL_MAX_ROWS):
             xg = x2.reshape(x2.shape[0], -1, self.group_size).transpose(0, 1).contiguous()  # [K/g, T, g]
             acc = torch.ops.aten._weight_int8pack_mm(xg[0], self.weight[0], self.scales[0]).float()
             for g in range(1, xg.shape[0]):
                 acc += torch.ops.aten._weight_int8pack_mm(xg[g], self.weight[g], self.scales[g])
-            # As the LM head (float_output), the float32 sums are the logits: rounding them to
-            # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
             y = acc if self.float_output and self.bias is None else acc.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantized_weight(x.dtype))
@@ -213,11 +294,12 @@ class Int8GroupedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 group {self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 group {self.group_size}"
+                f"{', native' if self.native else ''}")
 
 
 class QuantizedEmbedding(nn.Module):
-    """Token lookups from a quantized table (an :class:`Int8GroupedLinear` or a fallback-layout
+    """Token lookups from a quantized table (an :class:`Int8GroupedLinear` or a readable-layout
     :class:`Int4Linear`, ``[vocab, hidden]``): only the looked-up rows are dequantized. With tied
     embeddings the same module is the LM head, so the table is held once."""
 
