@@ -9,7 +9,8 @@
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
   (:class:`~pagedserve.models.packed.PanelLinear`): a register-blocked AVX2 kernel, faster than
-  torch's oneDNN and MKL float32 paths on an AVX2-only CPU for decode-sized and prompt-sized rows.
+  torch's oneDNN float32 path on an AVX2-only CPU for 1-8 rows but slower for 64-row decode
+  batches, so used only with ``PAGEDSERVE_PACK_WEIGHTS=panel``.
 * ``quant_matmul.cpp`` — ``y = x Wᵀ + b`` straight from int4 (groups of 32, two nibbles per byte)
   and grouped int8 weights (GGUF's Q4_0 / Q4_1 / Q8_0 kept quantized), AVX2 + FMA with a scalar
   fallback: a decode step reads the packed bytes once instead of dequantizing them, and prefill-sized
