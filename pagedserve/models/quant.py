@@ -21,6 +21,8 @@ what bounds single-stream decode speed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +43,15 @@ def _use_cpu_kernels(device: torch.device) -> bool:
 
 
 def _native_group_kernels(device: torch.device, group_size: int) -> object | None:
-    """The native ops namespace when the group-of-32 kernels can serve a layer on ``device``."""
+    """The native ops namespace when the group-of-32 kernels can serve a layer on ``device``.
+
+    Opt-in (``PAGEDSERVE_GROUP_KERNELS=1``): they take two summation orders by batch size (the
+    kernel up to 16 rows, dequantize + GEMM beyond), so a prompt's last logits depend on how much
+    of it the prefix cache held, and SmolLM2 flipped its near-tied first token ("The" / "L'")
+    between a cold and a cached run of the same chat. Until one order serves every batch size,
+    torch's int4pack path (one order) stays the default."""
+    if os.environ.get("PAGEDSERVE_GROUP_KERNELS", "0") != "1":
+        return None
     return native_ops() if device.type == "cpu" and group_size == 32 else None
 
 

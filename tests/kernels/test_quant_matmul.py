@@ -18,6 +18,12 @@ OPS = native_ops()
 needs_kernels = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
 
 
+@pytest.fixture(autouse=True)
+def _group_kernels_on(monkeypatch):
+    """The layers take the native kernels only when asked (quant._native_group_kernels)."""
+    monkeypatch.setenv("PAGEDSERVE_GROUP_KERNELS", "1")
+
+
 def _linear(n_out: int, n_in: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     torch.manual_seed(n_out * 7 + n_in)
     lin = nn.Linear(n_in, n_out, bias=bias)
