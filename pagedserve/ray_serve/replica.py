@@ -28,34 +28,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message
 
 from pagedserve.config import EngineConfig
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.middleware import ResponseHeaderMiddleware
 
 REPLICA_HEADER = "x-pagedserve-replica"
 
 _APP_DONE = object()  # put on forward's queue when the app's call returned
-
-
-class ReplicaHeader:
-    """ASGI middleware: every response names the replica that answered it."""
-
-    def __init__(self, app: ASGIApp, replica_id: str):
-        self.app = app
-        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
 
 
 @serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__, after __init__
@@ -74,7 +55,7 @@ class EngineReplica:
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from pagedserve.server.app import build_app
 
-        return ReplicaHeader(build_app(self.client, self.server_config), self.replica_id)
+        return ResponseHeaderMiddleware(build_app(self.client, self.server_config), REPLICA_HEADER, self.replica_id)
 
     async def forward(self, scope: dict[str, Any], body: bytes,
                       routing: dict[str, Any] | None = None) -> AsyncIterator[Message]:

@@ -24,7 +24,7 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.middleware import ApiServerHeaderMiddleware, GuardMiddleware
+from pagedserve.server.middleware import API_SERVER_HEADER, GuardMiddleware, ResponseHeaderMiddleware
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
 from pagedserve.streaming import ClosingStreamingResponse
@@ -70,7 +70,7 @@ def build_app(client: EngineClient, config: ServerConfig,
                   description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     if config.api_server_index is not None:  # outermost: refusals by the guard carry it too
-        app.add_middleware(ApiServerHeaderMiddleware, index=config.api_server_index)
+        app.add_middleware(ResponseHeaderMiddleware, name=API_SERVER_HEADER, value=str(config.api_server_index))
     install_error_handlers(app)
     install_offline_docs(app, "pagedserve")
     mount_dashboard(app, "engine.html")

@@ -21,13 +21,14 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/events")
 API_SERVER_HEADER = "x-pagedserve-api-server"
 
 
-class ApiServerHeaderMiddleware:
-    """Name the front process that answered (``serve --api-server-count N``) in every HTTP response,
-    so a client, a test or a log can tell the fronts apart."""
+class ResponseHeaderMiddleware:
+    """Add one fixed header to every HTTP response: which front process answered
+    (``serve --api-server-count N``, :data:`API_SERVER_HEADER`) or which Ray replica did, so a
+    client, a test or a log can tell them apart."""
 
-    def __init__(self, app: ASGIApp, index: int):
+    def __init__(self, app: ASGIApp, name: str, value: str):
         self.app = app
-        self._header = (API_SERVER_HEADER.encode(), str(index).encode())
+        self._header = (name.encode(), value.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
