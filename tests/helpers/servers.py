@@ -72,3 +72,12 @@ class AppThread:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def core_pid(server_pid: int) -> int:
+    """The pid of the engine core process a ``pagedserve serve`` process spawned."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"no engine core among {children}")

@@ -20,7 +20,7 @@ import pytest
 
 from pagedserve.bench.processes import free_port, running_process
 from pagedserve.engine.core import FAULT_INJECTION_ENV
-from tests.helpers.servers import wait_for_idle
+from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning")
 
@@ -148,14 +148,6 @@ def test_health_stays_fast_while_huge_prompts_are_tokenized(fault_server):
     assert p99 < 0.05, f"/health p99 {p99 * 1000:.1f} ms while tokenizing (n={len(latencies)}, worst {worst})"
 
 
-def _core_pid(server_pid: int) -> int:
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in children:
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return int(pid)
-    raise AssertionError(f"no engine core among {children}")
-
-
 def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits_non_zero(fault_process):
     url, proc = fault_process  # the fault tests above are done with it: this one ends it
     body = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
@@ -175,7 +167,7 @@ def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits
         while len(opened) < 3:
             time.sleep(0.01)
         time.sleep(0.3)  # every stream is producing tokens
-        os.kill(_core_pid(proc.pid), signal.SIGKILL)
+        os.kill(core_pid(proc.pid), signal.SIGKILL)
         killed = time.monotonic()
         results = [f.result(timeout=10) for f in futures]
     for lines in results:
@@ -212,7 +204,7 @@ def test_the_default_model_answers_a_real_question(smollm2_server):
 def test_the_core_does_not_outlive_a_killed_server(tiny_model_dir):
     cmd, url = _serve(tiny_model_dir)
     with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
-        core = _core_pid(proc.pid)
+        core = core_pid(proc.pid)
         with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json={
                 "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
             next(r.iter_lines())  # the core is busy generating

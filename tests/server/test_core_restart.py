@@ -21,20 +21,12 @@ import pytest
 
 from pagedserve.bench.processes import free_port, running_process
 from pagedserve.engine.core_restart import RestartBudget, describe_exit
-from tests.helpers.servers import wait_for_idle
+from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning",
         "--restart-engine-core", "--engine-core-max-restarts", "1", "--engine-core-restart-window", "3600")
 GREEDY = {"prompt": "the restart test says", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 LONG = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
-
-
-def _core_pid(server_pid: int) -> int:
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in children:
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return int(pid)
-    raise AssertionError(f"no engine core among {children}")
 
 
 def _gone(pid: int) -> bool:
@@ -94,7 +86,7 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
     with tempfile.NamedTemporaryFile("w+") as log, running_process(cmd, f"{url}/health", timeout_s=300,
                                                                    log=log) as proc:
         before = _greedy(url)
-        first_core = _core_pid(proc.pid)
+        first_core = core_pid(proc.pid)
         streams, plain, took = _kill_core_under_load(url, first_core)
         for lines in streams:
             assert lines[-1] == "[DONE]" and '"engine_unavailable"' in lines[-2], lines[-3:]
@@ -115,7 +107,7 @@ def test_a_killed_core_is_replaced_once_then_the_server_exits_non_zero(tiny_mode
         while httpx.get(f"{url}/health", timeout=5).status_code != 200:
             assert proc.poll() is None and time.monotonic() < deadline, "no new core"
             time.sleep(0.1)
-        second_core = _core_pid(proc.pid)
+        second_core = core_pid(proc.pid)
         assert second_core != first_core and _gone(first_core)
         assert _greedy(url) == before
         assert wait_for_idle(url)["kv_blocks_used"] == 0
