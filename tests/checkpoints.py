@@ -28,12 +28,20 @@ ARCHITECTURES = {
 }
 
 
+def checkpoint_config(arch: str):
+    """The transformers config :func:`build_checkpoint` builds ``arch``'s checkpoint with."""
+    import transformers
+
+    config_cls, _, extra = ARCHITECTURES[arch]
+    return getattr(transformers, config_cls)(**{**COMMON, **extra})
+
+
 def build_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Save a float32 random-weight checkpoint of ``arch`` with the standard tokenizer."""
     import transformers
 
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    model_cls = ARCHITECTURES[arch][1]
+    config = checkpoint_config(arch)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float()
     if arch == "qwen2":  # biases start at zero; give them values so the qkv-bias path is exercised

@@ -37,6 +37,7 @@ from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
+from pagedserve.models.eos import eos_ids_from_files
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
@@ -119,7 +120,14 @@ def _resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
-    """The ids that end a completion: the tokenizer's EOS plus generation_config.json's."""
+    """The ids that end a completion: the tokenizer's EOS plus generation_config.json's.
+
+    Read from the files (:mod:`pagedserve.models.eos`: no transformers import at start-up); only
+    where they don't settle it (a hub id as the tokenizer, an unnamed EOS token) is transformers'
+    tokenizer built to ask."""
+    ids = eos_ids_from_files(tokenizer_dir, model_dir)
+    if ids is not None:
+        return ids
     from transformers import AutoTokenizer, GenerationConfig
 
     ids = set()

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf import gguf_source, load_gguf_model
+from pagedserve.models.hf_config import HFConfig, read_hf_config
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -54,10 +55,9 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
 
 
-def load_hf_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
+def load_hf_config(model_dir: Path) -> HFConfig:
+    """The directory's config.json, read without transformers (:mod:`pagedserve.models.hf_config`)."""
+    return read_hf_config(model_dir)
 
 
 def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtype:

@@ -110,21 +110,28 @@ class _build_lock:
         self.file.close()
 
 
-def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write the named standard checkpoint (bf16 safetensors + tokenizer) into ``out_dir``."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def standard_hf_config(name: str):
+    """The transformers ``LlamaConfig`` the named standard checkpoint is built with."""
+    from transformers import LlamaConfig
 
     spec = STANDARD_MODELS[name]
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
         tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
     )
+
+
+def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write the named standard checkpoint (bf16 safetensors + tokenizer) into ``out_dir``."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = standard_hf_config(name)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
