@@ -24,6 +24,8 @@ the KV dtype and the request's ``cache_salt``.
 Free blocks sit in an intrusive doubly linked list in LRU order: allocation takes the head
 (evicting its cached content), a cache hit unlinks a block from the middle in O(1), and a
 finished sequence returns its blocks tail first so a prefix chain is evicted from its end.
+Blocks never handed out yet are built on their first allocation (:class:`FreeBlockQueue`), so
+a large pool costs nothing to set up.
 
 With a :class:`~pagedserve.kv.events.KVEventLog` (``--kv-events-endpoint``), every block that enters
 the prefix cache (:meth:`cache_full_blocks`) or leaves it (eviction, :meth:`reset_prefix_cache`) is
@@ -58,15 +60,34 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks, least recently freed at the head. All operations O(1)."""
+    """Doubly linked list of free blocks, least recently freed at the head. All operations O(1).
 
-    def __init__(self, blocks: Seq[KVBlock]):
+    The blocks never handed out yet are not objects: they are one run of ids, ``[_next_fresh,
+    num_blocks)``, held in the list by a single marker node at the place they occupy (initially
+    the whole queue), and each becomes a :class:`KVBlock` only when it is popped. A pool of a few
+    hundred thousand blocks then costs nothing to set up (building them all took the engine's
+    start-up over a second). Blocks come out in exactly the order they would if all had been
+    built and queued in id order at the start: frees append behind the marker, ``appendleft``
+    puts blocks before it, and the marker hands out its ids lowest first.
+    """
+
+    def __init__(self, num_blocks: int):
         self._head = KVBlock(-1)  # sentinels keep the link code branch-free
         self._tail = KVBlock(-2)
+        self._fresh = KVBlock(-3)  # the marker standing for the never-used blocks
+        self.blocks: list[KVBlock] = []  # every block built so far, by id (ids 0..len-1)
+        self._num_blocks = num_blocks
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_free = 0
-        for block in blocks:
-            self.append(block)
+        if num_blocks > 0:
+            self._fresh.prev_free, self._fresh.next_free = self._head, self._tail
+            self._head.next_free = self._tail.prev_free = self._fresh
+            self.num_free = num_blocks
+
+    @property
+    def num_unbuilt(self) -> int:
+        """Blocks never handed out, not built yet (all free, all empty)."""
+        return self._num_blocks - len(self.blocks)
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -87,22 +108,55 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVBlock:
         block = self._head.next_free
+        if block is self._fresh:
+            return self._build_next()
         if block is None or block is self._tail:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
 
+    def _build_next(self) -> KVBlock:
+        """The lowest never-used block, built now; the marker leaves the list with the last one."""
+        block = KVBlock(len(self.blocks))
+        self.blocks.append(block)
+        self.num_free -= 1
+        if len(self.blocks) == self._num_blocks:
+            self._unlink(self._fresh)
+        return block
+
     def remove(self, block: KVBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
+        prev, nxt = block.prev_free, block.next_free  # _unlink, inlined: this is the allocation hot path
         assert prev is not None and nxt is not None, f"{block} is not in the free queue"
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def _unlink(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+
+    def build_all(self) -> list[KVBlock]:
+        """Every block, built (the never-used ones take the marker's place in the queue, in id order)."""
+        if self.num_unbuilt:
+            prev, nxt = self._fresh.prev_free, self._fresh.next_free
+            assert prev is not None and nxt is not None
+            self._unlink(self._fresh)
+            for block_id in range(len(self.blocks), self._num_blocks):
+                block = KVBlock(block_id)
+                self.blocks.append(block)
+                prev.next_free, block.prev_free = block, prev
+                prev = block
+            prev.next_free, nxt.prev_free = nxt, prev
+        return self.blocks
+
     def __iter__(self):
+        """The free blocks that were built, in queue order (the never-used ones hold no content)."""
         block = self._head.next_free
         while block is not None and block is not self._tail:
-            yield block
+            if block is not self._fresh:
+                yield block
             block = block.next_free
 
 
@@ -121,8 +175,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(num_blocks)  # builds each block on its first hand-out
         self.tables: dict[int, list[KVBlock]] = {}
         # Content ids of each sequence's full blocks, in order: the chain a child block hangs from.
         self.chains: dict[int, list[int]] = {}
@@ -138,6 +191,11 @@ class BlockManager:
         self.num_evictions = 0  # cached blocks whose content was dropped to reuse the block
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """Every block of the pool, by id (builds the never-used ones: for checks and tests, O(num_blocks))."""
+        return self.free_queue.build_all()
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks with no reference (some may still hold reusable cached content)."""
@@ -373,9 +431,13 @@ class BlockManager:
         for table in self.tables.values():
             for block in table:
                 refs[block.block_id] += 1
-        free_ids = {b.block_id for b in self.free_queue}
-        assert len(free_ids) == self.free_queue.num_free, "free queue count drifted"
-        for block in self.blocks:
+        queue = self.free_queue
+        built = queue.blocks  # not build_all(): the never-used blocks stay unbuilt, as in service
+        assert all(b.block_id == i for i, b in enumerate(built)), "built blocks out of id order"
+        assert not any(refs[len(built):]), "a table holds a block that was never handed out"
+        free_ids = {b.block_id for b in queue}
+        assert len(free_ids) + queue.num_unbuilt == queue.num_free, "free queue count drifted"
+        for block in built:
             assert block.ref_count == refs[block.block_id], f"{block}: refcount != tables holding it"
             assert (block.ref_count == 0) == (block.block_id in free_ids), f"{block}: free xor referenced"
         for key, block in self._cache.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kv.quant import QuantizedKVCache
+from pagedserve.kv.zeros import zeros
 
 
 class HeadMajorKVCache:
@@ -19,7 +20,7 @@ class HeadMajorKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
-        self.data = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        self.data = zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype, device)  # lazily zeroed on CPU
         self._head_offsets = (torch.arange(num_kv_heads, device=device) * num_blocks).unsqueeze(1)
 
     @property

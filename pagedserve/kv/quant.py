@@ -38,6 +38,7 @@ import torch
 
 from pagedserve.config import KV_CACHE_DTYPES
 from pagedserve.kv.sizing import kv_pool_bytes_per_token
+from pagedserve.kv.zeros import zeros
 
 QUANTIZED_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
@@ -144,8 +145,8 @@ class QuantizedKVCache:
             raise ValueError(f"not a quantized KV dtype: {kv_cache_dtype!r}; choose from {QUANTIZED_KV_DTYPES}")
         width = head_dim // 2 if kv_cache_dtype == "int4" else head_dim
         storage = torch.int8 if kv_cache_dtype == "int8" else torch.uint8
-        data = torch.zeros((num_blocks, block_size, num_kv_heads, width), dtype=storage, device=device)
-        scales = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
+        data = zeros((num_blocks, block_size, num_kv_heads, width), storage, device)  # lazily zeroed on CPU
+        scales = zeros((num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device)
         rotation = hadamard_matrix(head_dim, device=device) if kv_cache_dtype in ROTATED_KV_DTYPES else None
         return cls(data, scales, kv_cache_dtype, out_dtype, head_dim, rotation)
 
