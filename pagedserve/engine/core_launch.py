@@ -1,9 +1,10 @@
 """Spawning the engine core's process without importing the engine: the server starts the core
 first and loads its own side (torch, FastAPI, the tokenizers) while the core loads the model.
 
-Both start-ups cost seconds (each process imports torch and transformers); run one after the
-other they add up, run side by side on two cores they overlap. This module therefore imports
-nothing heavy: the child imports :mod:`pagedserve.engine.core_proc` itself, in :func:`_run_core`.
+Both start-ups cost seconds (each process imports torch, the front its web and tokenizer
+libraries); run one after the other they add up, run side by side on two cores they overlap.
+This module therefore imports nothing heavy: the child imports
+:mod:`pagedserve.engine.core_proc` itself, in :func:`_run_core`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,30 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
+def _top_level_value(text: str, key: str) -> Any:
+    """``json.loads(text)[key]`` (None if absent), parsing the object's members only up to ``key``:
+    tokenizer.json puts its added tokens ahead of megabytes of vocabulary and merges."""
+    decoder = json.JSONDecoder()
+    ws = json.decoder.WHITESPACE.match
+    pos = ws(text, 0).end()
+    if text[pos:pos + 1] != "{":
+        raise ValueError("tokenizer.json is not a JSON object")
+    pos = ws(text, pos + 1).end()
+    while text[pos:pos + 1] == '"':
+        name, pos = decoder.raw_decode(text, pos)
+        pos = ws(text, pos).end()
+        if text[pos:pos + 1] != ":":
+            raise ValueError("tokenizer.json is not valid JSON")
+        value, pos = decoder.raw_decode(text, ws(text, pos + 1).end())
+        if name == key:
+            return value
+        pos = ws(text, pos).end()
+        if text[pos:pos + 1] != ",":
+            break
+        pos = ws(text, pos + 1).end()
+    return None
+
+
 def _token_text(token: Any) -> str | None:
     """An ``eos_token`` entry as text: a string, or a serialized AddedToken's ``content``."""
     if isinstance(token, dict):
@@ -47,12 +71,13 @@ def _tokenizer_eos(tokenizer_dir: Path) -> int | None:
     for token_id, token in (config.get("added_tokens_decoder") or {}).items():
         if _token_text(token) == text:
             return int(token_id)
-    # Not among the config's added tokens: tokenizer.json's own list, then its vocabulary.
-    tokenizer = _read_json(tokenizer_dir / "tokenizer.json")
-    for token in tokenizer.get("added_tokens") or []:
+    # Not among the config's added tokens: tokenizer.json's own list (it comes before the large
+    # vocabulary, so only the file's head is parsed), then its vocabulary.
+    raw = (tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8")
+    for token in _top_level_value(raw, "added_tokens") or []:
         if token.get("content") == text:
             return int(token["id"])
-    vocab = (tokenizer.get("model") or {}).get("vocab")
+    vocab = (json.loads(raw).get("model") or {}).get("vocab")
     if isinstance(vocab, dict) and text in vocab:
         return int(vocab[text])
     return None

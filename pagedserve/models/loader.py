@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.hf_config import HFConfig, read_hf_config
-from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
 
@@ -133,15 +133,22 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
         model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep)
     else:
-        with torch.device(device):
+        # Built on the meta device and filled by assignment: no random initialization of weights
+        # the checkpoint replaces anyway. The rotary tables, the one thing not in a checkpoint, are
+        # built for real (float32, then through the model's dtype as before: same values).
+        with torch.device("meta"):
             model = LlamaForCausalLM(arch, max_positions, attention_backend)
+        with torch.device(device):
+            rotary = RotaryEmbedding(arch, max_positions)
+        for layer in model.layers:
+            layer.self_attn.rotary = rotary
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
-        model.to(dtype=dtype)
+        model.to(device=device, dtype=dtype)
     model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
     model.eval().requires_grad_(False)
     if quantization not in (None, "none"):
