@@ -48,6 +48,7 @@ from torch import nn
 
 from pagedserve.config import cache_dir
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
+from pagedserve.models.meta import meta_without_init
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
                                      int4_cpu_layout_is_opaque)
 
@@ -527,16 +528,15 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
             raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
     a = arch
     hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
-    with torch.device("meta"):
-        model = LlamaForCausalLM(a, max_positions, attention_backend)
     with torch.device(device):
         rotary = RotaryEmbedding(a, max_positions)
+    with meta_without_init():  # the real rotary tables go in: computed on meta they'd import torch._dynamo
+        model = LlamaForCausalLM(a, max_positions, attention_backend, rotary=rotary)
     b.used.add("rope_freqs.weight")  # read into config.json's rope parameters
     q_heads, k_heads = (hq, hkv) if b.permuted else (None, None)
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.rotary = rotary
         layer.input_layernorm.weight = nn.Parameter(b.float_tensor(p + "attn_norm.weight", (a.hidden_size,)))
         layer.post_attention_layernorm.weight = nn.Parameter(b.float_tensor(p + "ffn_norm.weight", (a.hidden_size,)))
         qkv = [_Part(b.get(p + "attn_q.weight"), q_heads), _Part(b.get(p + "attn_k.weight"), k_heads),

@@ -229,10 +229,14 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family decoder over a flat batch with a paged KV cache."""
 
-    def __init__(self, arch: ModelArchitecture, max_positions: int, attention_backend: str = "sdpa"):
+    def __init__(self, arch: ModelArchitecture, max_positions: int, attention_backend: str = "sdpa",
+                 rotary: RotaryEmbedding | None = None):
+        """``rotary``: tables built beforehand, for a model built on the meta device (computing
+        them there would go through torch's reference ops, whose first use imports torch._dynamo:
+        seconds)."""
         super().__init__()
         self.arch = arch
-        rotary = RotaryEmbedding(arch, max_positions)
+        rotary = rotary if rotary is not None else RotaryEmbedding(arch, max_positions)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.hf_config import HFConfig, read_hf_config
+from pagedserve.models.meta import meta_without_init
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -136,12 +137,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         # Built on the meta device and filled by assignment: no random initialization of weights
         # the checkpoint replaces anyway. The rotary tables, the one thing not in a checkpoint, are
         # built for real (float32, then through the model's dtype as before: same values).
-        with torch.device("meta"):
-            model = LlamaForCausalLM(arch, max_positions, attention_backend)
         with torch.device(device):
             rotary = RotaryEmbedding(arch, max_positions)
-        for layer in model.layers:
-            layer.self_attn.rotary = rotary
+        with meta_without_init():
+            model = LlamaForCausalLM(arch, max_positions, attention_backend, rotary=rotary)
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected:

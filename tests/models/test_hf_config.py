@@ -145,11 +145,12 @@ def test_eos_ids_from_files_equal_transformers(tiny_model_dir, smollm2_gguf, tmp
 
 
 def test_engine_core_starts_without_transformers(tiny_model_dir):
-    """Building the core on the tiny model imports neither transformers nor its tokenizers (a
-    subprocess: this one has transformers loaded already)."""
+    """Building the core on the tiny model imports neither transformers nor torch._dynamo (which
+    building a model on the meta device with its random initialization used to pull in): a
+    subprocess, as this one has both loaded already."""
     code = ("import sys; from pagedserve.config import EngineConfig; from pagedserve.engine.core import EngineCore; "
             f"EngineCore(EngineConfig(model={str(tiny_model_dir)!r}, num_kv_blocks=64)); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                          env={**os.environ, "PAGEDSERVE_KERNELS": "0"})
     assert out.returncode == 0, out.stderr
