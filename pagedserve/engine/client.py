@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from pagedserve import errors
 from pagedserve.engine.block_map import BlockMap
-from pagedserve.engine.core import ModelFacts
+from pagedserve.engine.wire import ModelFacts
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -156,6 +156,9 @@ class EngineClient(abc.ABC):
     facts: ModelFacts
     observer: StepObserver | None
     dead_error: BaseException | None
+    # A tokenizer the client uses on its event loop only, which the server's event loop may share
+    # (loading one costs a front end tenths of a second); None: the server loads its own.
+    loop_tokenizer: Any = None
 
     @abc.abstractmethod
     async def start(self) -> None:

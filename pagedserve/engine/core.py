@@ -18,12 +18,11 @@ import logging
 import os
 import time
 
-import msgspec
 import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.memory import choose_auto_kv_budget
-from pagedserve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
+from pagedserve.engine.outputs import EngineStats, TokenLogprob
 from pagedserve.engine.runner import ModelInput, ModelRunner
 from pagedserve.engine.sampler import SampleResult, SamplingRow, sample, token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
@@ -31,6 +30,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from pagedserve.engine.sequence import Request, Sequence
 from pagedserve.engine.spec_decode import verify
 from pagedserve.engine.structured import GrammarCompiler
+from pagedserve.engine.wire import CoreOutput, ModelFacts, SeqDelta  # noqa: F401  (named here too)
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
@@ -52,51 +52,6 @@ FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
 
 class InjectedFault(RuntimeError):
     """Raised by the fault-injection test hook."""
-
-
-class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one completion gained in a step: new token ids (and their logprobs), and its end."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length"; None while running
-    stop_reason: int | None = None  # the stop token id that ended it
-    cumulative_logprob: float | None = None  # the running sum after this delta's tokens
-
-
-class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's progress after a step (token ids only). ``error`` set: the request failed."""
-
-    request_id: str
-    seqs: list[SeqDelta]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics
-    error: str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output after the prompt
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What a front end needs to know of the engine it talks to (sent by the core at start-up)."""
-
-    model_name: str
-    model_dir: str
-    tokenizer: str  # where the front end loads its own tokenizer from
-    max_model_len: int
-    max_num_seqs: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    num_kv_blocks: int
-    kv_bytes_per_token: int
-    kv_dtype: str
-    dtype: str
-    device: str
-    attention_backend: str
-    weight_bytes: int
-    enable_prefix_caching: bool = True  # /metrics' vllm:cache_config_info reports it
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import signal
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.core import ModelFacts
+    from pagedserve.engine.wire import ModelFacts
     from pagedserve.engine.mp_client import CoreLink
 
 
@@ -129,6 +130,16 @@ def respawn_core_process(dead: CoreProcess, config: EngineConfig, log_level: str
     core's connections. The new :class:`CoreProcess` shares ``dead``'s socket directory."""
     dead.kill()  # reaped (it is dead already, or is made so: never two cores on one socket pair)
     return _launch(config, log_level, dead.addrs, dead.socket_dir)
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel kill this process when the server process dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the core's parent checks still end an orphan within a second or two
 
 
 def _launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],

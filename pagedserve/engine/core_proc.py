@@ -33,69 +33,18 @@ import zmq
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.block_map import BlockMap, BlockMapFeed
-from pagedserve.engine.core import CoreOutput, EngineCore
-from pagedserve.engine.outputs import EngineStats
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.block_map import BlockMapFeed
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.core_launch import die_with_parent
+# The messages, named here too (the front imports them from wire, without the engine core).
+from pagedserve.engine.wire import (  # noqa: F401
+    Abort, AddRequest, Admission, Command, CoreBatch, Shutdown, WatchBlocks)
 
 logger = logging.getLogger(__name__)
 
 # While busy, send the stats snapshot at most this often (and whenever a request finishes).
 STATS_INTERVAL_S = 0.02
 _IDLE_POLL_MS = 1000
-
-
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
-
-
-class Abort(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-    index: int | None = None  # one completion of an n > 1 request (a stop string ended it)
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class WatchBlocks(msgspec.Struct, tag=True, array_like=True):
-    on: bool  # a dashboard is (no longer) watching: make block-map snapshots (or stop)
-
-
-Command = AddRequest | Abort | Shutdown | WatchBlocks
-
-
-class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The answer to one AddRequest: admitted (``error_class`` None) or refused with a typed error."""
-
-    request_id: str
-    error_class: str | None = None
-    message: str = ""
-    param: str | None = None
-    retry_after_s: float | None = None
-
-    def to_exception(self) -> errors.PagedServeError:
-        cls = getattr(errors, self.error_class or "", None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.PagedServeError)):
-            cls = errors.InvalidRequest
-        if cls is errors.QueueFull:
-            return errors.QueueFull(self.message, retry_after_s=self.retry_after_s or 1.0)
-        return cls(self.message, param=self.param)
-
-
-class CoreBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Everything the core says after one pass of its loop."""
-
-    admissions: list[Admission] = []
-    aborted: list[str] = []  # requests the core dropped on request (for the abort counter)
-    outputs: list[CoreOutput] = []
-    stats: EngineStats | None = None
-    block_map: BlockMap | None = None  # only while watched (pagedserve.engine.block_map)
 
 
 def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
@@ -141,16 +90,6 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)  # through the finally above: the KV event publisher flushes, sockets close
-
-
-def die_with_parent() -> None:
-    """On Linux, have the kernel kill this process when the server process dies (even by SIGKILL)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent checks below still end an orphan within a second or two
 
 
 class _ParentGone(Exception):

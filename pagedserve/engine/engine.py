@@ -14,16 +14,15 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
+from pagedserve.tokenizer import load_tokenizer
 
 
 class Engine(EngineCore):
     """A paged-KV, continuously batched inference engine for one model, text in and out. Not thread-safe."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoTokenizer
-
         super().__init__(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_source)
+        self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -47,14 +47,15 @@ import zmq.asyncio
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
 from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, EngineStartupError, spawn_core_process
-from pagedserve.engine.core_proc import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
+from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from pagedserve.engine.core import ModelFacts
+    from pagedserve.engine.wire import ModelFacts
 
 # CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
 __all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
@@ -112,8 +113,6 @@ class MPEngineClient(StreamingClient):
     def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
                  on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False):
-        from transformers import AutoTokenizer
-
         super().__init__(observer, log_requests)
         self.core = core
         self.facts = core.facts
@@ -130,9 +129,10 @@ class MPEngineClient(StreamingClient):
         self._launch: CoreLaunch | None = None  # a replacement core while it loads
         self._watching_blocks = False  # resent to a replacement core
         self._dead = False  # for good: no restart follows
-        # The front end's own tokenizer instance (for detokenization on the event loop); the
-        # server tokenizes prompts with another one, on its worker thread.
-        self.output_processor = OutputProcessor(AutoTokenizer.from_pretrained(core.facts.tokenizer))
+        # The front end's tokenizer instance for the event loop (detokenization here, the text of
+        # logprobs in the server); the server tokenizes prompts with another one, on its worker thread.
+        self.loop_tokenizer = load_tokenizer(core.facts.tokenizer)
+        self.output_processor = OutputProcessor(self.loop_tokenizer)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreBatch)
         self._ctx: zmq.asyncio.Context | None = None

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core import CoreOutput
+from pagedserve.engine.wire import CoreOutput
 from pagedserve.engine.detokenizer import Detokenizer, TextState, find_stop_string
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams

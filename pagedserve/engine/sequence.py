@@ -5,12 +5,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.engine.outputs import RequestMetrics, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the front end imports this module (through the block map) and needs no torch
+    import torch
 
 _seq_ids = itertools.count()
 

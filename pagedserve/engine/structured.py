@@ -25,12 +25,11 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagedserve.engine.sampling_params import StructuredOutputsParams
 from pagedserve.errors import InvalidRequest
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the front end imports check(); xgrammar (which imports torch) loads on first use
+    import torch
     import xgrammar
 
 logger = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
     ``core_restarts``: the supervisor replaces a dead core and sends its link down ``start_line``."""
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api-server {index}]: %(message)s")
-    from pagedserve.engine.core_proc import die_with_parent
+    from pagedserve.engine.core_launch import die_with_parent
 
     die_with_parent()
     supervisor = multiprocessing.parent_process()

@@ -1,9 +1,10 @@
 """``serve --chat-template``: a Jinja chat template that replaces the tokenizer's own.
 
 The value is a path to a template file, or the template itself (anything with ``{{`` or
-``{%`` in it). It is compiled once at startup, in the same kind of sandboxed Jinja environment
-transformers renders chat templates in, so a template that cannot compile stops the server before
-the model loads, with one line naming the problem, instead of failing every chat request.
+``{%`` in it). It is compiled once at startup, in the environment chat templates are rendered in
+(:func:`pagedserve.chat_templates.template_environment`), so a template that cannot compile stops
+the server before the model loads, with one line naming the problem, instead of failing every
+chat request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ MAX_TEMPLATE_BYTES = 1 << 20  # far above any real template; keeps a wrong path 
 def load_chat_template(value: str) -> str:
     """The template text of ``--chat-template VALUE``, checked to compile; ValueError otherwise."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pagedserve.chat_templates import template_environment
 
     path = Path(value).expanduser()
     looks_inline = "{{" in value or "{%" in value
@@ -33,9 +35,8 @@ def load_chat_template(value: str) -> str:
             raise ValueError(f"--chat-template {value}: not UTF-8 text ({exc.reason})") from None
     else:
         text = value
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     try:
-        env.from_string(text)  # compiles: unknown filters and tests fail here too
+        template_environment().from_string(text)  # compiles: unknown filters and tests fail here too
     except jinja2.TemplateSyntaxError as exc:
         where = f"{value}:{exc.lineno}" if not looks_inline else f"line {exc.lineno}"
         raise ValueError(f"--chat-template does not compile ({where}): {exc.message}") from None

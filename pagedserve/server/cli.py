@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
-    from pagedserve.engine.core import ModelFacts
+    from pagedserve.engine.wire import ModelFacts
     from pagedserve.engine.core_launch import CoreLaunch
     from pagedserve.engine.core_restart import CoreRestarter
     from pagedserve.server.config import ServerConfig
@@ -232,13 +232,10 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_port_free(args.host, args.port)
         launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
         # While the core process imports torch and loads the model (seconds), this one imports its
-        # own side and transformers' tokenizer code: on two cores the start-ups overlap.
+        # own side (no torch, no transformers): on two cores the start-ups overlap.
         from pagedserve.engine.mp_client import MPEngineClient
         from pagedserve.server.app import build_app
         from pagedserve.server.limits import uvicorn_limits
-        from pagedserve.server.tokenization import import_tokenizer_code
-
-        import_tokenizer_code()
         client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)

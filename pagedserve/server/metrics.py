@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from pagedserve.engine.core import ModelFacts
+from pagedserve.engine.wire import ModelFacts
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 
 NS = "pagedserve_"

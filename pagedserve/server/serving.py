@@ -33,6 +33,7 @@ from pagedserve.server.structured import requested_spec, tool_call_spec
 from pagedserve.server.tokenization import TokenizerWorker, encode
 from pagedserve.server.tool_parsers import PARSERS, ParsedCall, StreamingToolCalls, ToolParser
 from pagedserve.streaming import ClosingStreamingResponse
+from pagedserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +112,15 @@ class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: EngineClient, config: ServerConfig, tokenizers: TokenizerWorker):
-        from transformers import AutoTokenizer
-
         self.engine = engine
         self.config = config
         self.tokenizers = tokenizers  # prompts and chat templates: on the worker thread
-        # The event loop's own instance, for the per-token text of logprobs (never shared across threads).
-        self.tokenizer = AutoTokenizer.from_pretrained(engine.facts.tokenizer)
-        if config.chat_template is not None:  # (only whether there is one is read here)
-            self.tokenizer.chat_template = config.chat_template
+        # The event loop's instance, for the per-token text of logprobs (never used from another
+        # thread): the engine client's own where it has one for its event loop.
+        shared = engine.loop_tokenizer
+        self.tokenizer = shared if shared is not None else load_tokenizer(engine.facts.tokenizer)
+        self.has_chat_template = (config.chat_template is not None
+                                  or getattr(self.tokenizer, "chat_template", None) is not None)
         self.model_name = config.served_model_name or engine.facts.model_name
         self.max_model_len: int = engine.facts.max_model_len
         self.vocab_size = len(self.tokenizer)
@@ -196,7 +197,7 @@ class OpenAIServing:
             if m.name is not None:
                 message["name"] = m.name
             rendered.append(message)
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if not self.has_chat_template:
             raise errors.InvalidRequest(
                 "This model's tokenizer has no chat template; use /v1/completions with a plain prompt.",
                 param="messages")

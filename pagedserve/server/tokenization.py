@@ -5,7 +5,8 @@ every stream. Here it runs on a dedicated thread, through the tokenizer's batch 
 which releases the GIL while the Rust backend works. The worker owns its tokenizer instance (a
 Hugging Face fast tokenizer used from two threads at once can fail with "Already borrowed"), and
 its queue is bounded: past ``max_pending`` jobs a request is told to retry (503), not queued
-without limit.
+without limit. The tokenizer is :func:`pagedserve.tokenizer.load_tokenizer`'s: no transformers
+(nor torch) in the front unless the model's tokenizer needs them.
 
 A prompt that cannot fit whatever it tokenizes to is refused before any work: every token
 covers at most ``max_token_chars`` characters, so a text longer than ``max_model_len ×
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedserve import errors
+from pagedserve.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 # Margin on the "cannot fit" bound, for normalizers that shrink text a little (NFKC and the like).
@@ -30,13 +32,10 @@ class TokenizerWorker:
     """Runs tokenizer work on one thread; ``await worker.run(fn, ...)`` calls ``fn(tokenizer, ...)`` there."""
 
     def __init__(self, tokenizer_source: str, max_pending: int = 256, chat_template: str | None = None):
-        from transformers import AutoTokenizer
-
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tok")
-        # Loaded on the worker thread itself, so nothing else ever holds this instance.
-        self.tokenizer = self._executor.submit(AutoTokenizer.from_pretrained, tokenizer_source).result()
-        if chat_template is not None:  # serve --chat-template: replaces the tokenizer's own
-            self.tokenizer.chat_template = chat_template
+        # Loaded on the worker thread itself, so nothing else ever holds this instance. A
+        # --chat-template replaces the tokenizer's own.
+        self.tokenizer = self._executor.submit(load_tokenizer, tokenizer_source, chat_template).result()
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=16)
         self.max_pending = max_pending
@@ -62,19 +61,6 @@ class TokenizerWorker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def import_tokenizer_code() -> None:
-    """Import what the first ``AutoTokenizer.from_pretrained`` of a process would (transformers'
-    tokenizer and configuration code, about 3 s), so a caller can do it while it waits anyway."""
-    from transformers import AutoTokenizer  # noqa: F401  (the lazy module resolves the auto classes)
-
-    try:
-        # Every configuration class imports type_validators (which pulls in torch.distributed.tensor).
-        import transformers.tokenization_utils_tokenizers  # noqa: F401
-        import transformers.utils.type_validators  # noqa: F401
-    except ImportError:  # another transformers layout: the first from_pretrained imports what it needs
-        pass
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -51,6 +51,20 @@ def fault_server(fault_process) -> str:  # type: ignore[no-untyped-def]
     return fault_process[0]
 
 
+def test_the_front_end_runs_without_torch_and_the_core_with_it(fault_process):
+    """A served front end never loads torch (nor transformers, which would import it): its start
+    would cost seconds of CPU more. Checked on the live processes' memory maps, before any request
+    (a structured-output request loads xgrammar, which imports torch, in the front)."""
+    url, proc = fault_process
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "libtorch" in maps(core_pid(proc.pid))  # the check can see torch where it is
+    assert "libtorch" not in maps(proc.pid)
+
+
 def _stream(url: str, body: dict) -> tuple[str | None, list[str]]:
     """Stream a completion; (the error event's message or None, the raw data lines)."""
     lines = []
