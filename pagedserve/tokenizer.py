@@ -26,6 +26,7 @@ special ids and rendered templates on every model directory the suite uses.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -51,20 +52,58 @@ class UnsupportedTokenizer(Exception):
     """The directory needs transformers' own loading to be reproduced exactly (the message says why)."""
 
 
-def load_tokenizer(source: str, chat_template: str | None = None) -> Any:
+def load_tokenizer(source: str, chat_template: str | None = None, preload: TokenizerPreload | None = None) -> Any:
     """The tokenizer of ``source`` (a model or tokenizer directory, or a hub id): a
     :class:`FastTokenizer` where it reproduces transformers' exactly, else transformers'
-    ``AutoTokenizer``. ``chat_template`` (``serve --chat-template``) replaces the tokenizer's own."""
-    try:
-        tokenizer: Any = FastTokenizer.from_dir(source)
-    except UnsupportedTokenizer as why:
-        logger.info("tokenizer of %s: loading transformers' AutoTokenizer (%s)", source, why)
-        from transformers import AutoTokenizer
+    ``AutoTokenizer``. ``chat_template`` (``serve --chat-template``) replaces the tokenizer's own.
+    ``preload``: take an instance loaded ahead of time from there, if it loaded this source."""
+    tokenizer: Any = preload.take(source) if preload is not None else None
+    if tokenizer is None:
+        try:
+            tokenizer = FastTokenizer.from_dir(source)
+        except UnsupportedTokenizer as why:
+            logger.info("tokenizer of %s: loading transformers' AutoTokenizer (%s)", source, why)
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _directory_key(source: str | None) -> Path | None:
+    if source is None:
+        return None
+    path = Path(source).expanduser()
+    return path.resolve() if path.is_dir() else None
+
+
+class TokenizerPreload:
+    """``count`` tokenizers of a directory, loaded on a thread while the caller waits for something
+    else: a front end waits seconds for its core to load the model, and loading its tokenizers only
+    after that would add tenths of a second each to its start. :meth:`take` hands one out for the
+    same directory (each to one thread only, as always), else None and the caller loads its own."""
+
+    def __init__(self, source: str | None, count: int = 2):
+        self._key = _directory_key(source)
+        self._loaded: concurrent.futures.Future[list[FastTokenizer]] | None = None
+        if self._key is not None:
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tok-preload")
+            self._loaded = pool.submit(self._load, str(self._key), count)
+            pool.shutdown(wait=False)
+
+    @staticmethod
+    def _load(directory: str, count: int) -> list[FastTokenizer]:
+        try:
+            return [FastTokenizer.from_dir(directory) for _ in range(count)]
+        except UnsupportedTokenizer:
+            return []  # load_tokenizer loads transformers' (and says why) when it is asked
+
+    def take(self, source: str) -> FastTokenizer | None:
+        if self._loaded is None or _directory_key(source) != self._key:
+            return None
+        instances = self._loaded.result()
+        return instances.pop() if instances else None  # list.pop is atomic: callers on two threads
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -273,6 +273,21 @@ def test_falls_back_to_transformers_where_it_cannot_be_exact(tiny_model_dir, tmp
 
 # ---- the front end's start path ----------------------------------------------------------------
 
+
+def test_preloaded_tokenizers_are_handed_out_once_each_for_their_directory(tiny_model_dir, tmp_path):
+    from pagedserve.tokenizer import TokenizerPreload
+
+    preload = TokenizerPreload(str(tiny_model_dir), count=2)
+    assert preload.take(str(tmp_path)) is None  # another directory: the caller loads its own
+    first = preload.take(str(tiny_model_dir) + "/.")  # the same directory, spelt otherwise
+    second = load_tokenizer(str(tiny_model_dir), chat_template="{{ messages[0].content }}", preload=preload)
+    assert isinstance(first, FastTokenizer) and isinstance(second, FastTokenizer) and first is not second
+    assert second.chat_template == "{{ messages[0].content }}" and first.chat_template != second.chat_template
+    assert preload.take(str(tiny_model_dir)) is None  # both handed out
+    assert TokenizerPreload("not-a-directory").take("not-a-directory") is None
+    _compare(first, AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
 _FRONT_IMPORTS = """
 import sys
 import pagedserve.cli, pagedserve.server.cli

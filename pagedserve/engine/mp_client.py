@@ -52,7 +52,7 @@ from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.tokenizer import load_tokenizer
+from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
 if TYPE_CHECKING:
     from pagedserve.engine.wire import ModelFacts
@@ -112,7 +112,7 @@ class MPEngineClient(StreamingClient):
 
     def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
                  on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
-                 restarted_by_supervisor: bool = False):
+                 restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
         super().__init__(observer, log_requests)
         self.core = core
         self.facts = core.facts
@@ -131,7 +131,7 @@ class MPEngineClient(StreamingClient):
         self._dead = False  # for good: no restart follows
         # The front end's tokenizer instance for the event loop (detokenization here, the text of
         # logprobs in the server); the server tokenizes prompts with another one, on its worker thread.
-        self.loop_tokenizer = load_tokenizer(core.facts.tokenizer)
+        self.loop_tokenizer = load_tokenizer(core.facts.tokenizer, preload=preload)
         self.output_processor = OutputProcessor(self.loop_tokenizer)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreBatch)

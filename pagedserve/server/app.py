@@ -28,6 +28,7 @@ from pagedserve.server.middleware import API_SERVER_HEADER, GuardMiddleware, Res
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
 from pagedserve.streaming import ClosingStreamingResponse
+from pagedserve.tokenizer import TokenizerPreload
 from pagedserve.web import install_offline_docs, mount_dashboard
 
 logger = logging.getLogger(__name__)
@@ -37,19 +38,21 @@ _ERRORS = {400: {"model": p.ErrorResponse}, 401: {"model": p.ErrorResponse}, 404
 
 
 def build_app(client: EngineClient, config: ServerConfig,
-              on_started: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+              on_started: Callable[[], Awaitable[None]] | None = None,
+              preload: TokenizerPreload | None = None) -> FastAPI:
     """An app serving through ``client`` (in-process or the engine core's process). The client
     starts with the app's lifespan and stops with it, after in-flight requests finished (up to
     ``config.shutdown_timeout_s``) or were aborted. The app knows the engine only through it.
     ``on_started`` is awaited at the end of the lifespan's start-up, before the server accepts
-    connections (the API-server supervisor holds every front there until all are ready)."""
+    connections (the API-server supervisor holds every front there until all are ready).
+    ``preload``: where the tokenizer worker may take its tokenizer, loaded while the core started."""
     model_name = config.served_model_name or client.facts.model_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = ServerMetrics(model_name, client.stats, client.facts, lambda: client.core_restarts)
         client.observer = metrics
-        tokenizers = TokenizerWorker(client.facts.tokenizer, chat_template=config.chat_template)
+        tokenizers = TokenizerWorker(client.facts.tokenizer, chat_template=config.chat_template, preload=preload)
         await client.start()
         app.state.engine = client
         app.state.metrics = metrics

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.client import EngineClient
     from pagedserve.engine.wire import ModelFacts
     from pagedserve.engine.core_launch import CoreLaunch
+    from pagedserve.tokenizer import TokenizerPreload
     from pagedserve.engine.core_restart import CoreRestarter
     from pagedserve.server.config import ServerConfig
 
@@ -236,12 +237,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from pagedserve.engine.mp_client import MPEngineClient
         from pagedserve.server.app import build_app
         from pagedserve.server.limits import uvicorn_limits
-        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter)
+        from pagedserve.tokenizer import TokenizerPreload
+
+        # The front's two tokenizers (event loop, worker thread) load while the core loads the model.
+        preload = TokenizerPreload(engine_config.tokenizer or engine_config.model) if launch is not None else None
+        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter, preload)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
     _log_startup(client.facts, server_config, args.engine_process)
-    app = build_app(client, server_config)
+    app = build_app(client, server_config, preload=preload)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                     timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
                                     **uvicorn_limits(server_config))
@@ -291,7 +296,7 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
 
 
 def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool,
-                  restarter: CoreRestarter | None = None) -> EngineClient:
+                  restarter: CoreRestarter | None = None, preload: TokenizerPreload | None = None) -> EngineClient:
     """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of
     this one. ``restarter``: replace the core if it dies (``--restart-engine-core``)."""
     from pagedserve.engine.mp_client import MPEngineClient
@@ -299,7 +304,7 @@ def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: st
     if launch is not None:
         core = launch.wait_ready()
         logger.info("engine core running in process %d", core.process.pid)
-        return MPEngineClient(core, log_requests=log_requests, restarter=restarter)
+        return MPEngineClient(core, log_requests=log_requests, restarter=restarter, preload=preload)
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.engine import Engine
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedserve import errors
-from pagedserve.tokenizer import load_tokenizer
+from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
 T = TypeVar("T")
 # Margin on the "cannot fit" bound, for normalizers that shrink text a little (NFKC and the like).
@@ -31,11 +31,12 @@ _SAFETY_FACTOR = 4
 class TokenizerWorker:
     """Runs tokenizer work on one thread; ``await worker.run(fn, ...)`` calls ``fn(tokenizer, ...)`` there."""
 
-    def __init__(self, tokenizer_source: str, max_pending: int = 256, chat_template: str | None = None):
+    def __init__(self, tokenizer_source: str, max_pending: int = 256, chat_template: str | None = None,
+                 preload: TokenizerPreload | None = None):
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tok")
-        # Loaded on the worker thread itself, so nothing else ever holds this instance. A
-        # --chat-template replaces the tokenizer's own.
-        self.tokenizer = self._executor.submit(load_tokenizer, tokenizer_source, chat_template).result()
+        # Loaded (or taken from ``preload``) on the worker thread itself: nothing else ever uses
+        # this instance. A --chat-template replaces the tokenizer's own.
+        self.tokenizer = self._executor.submit(load_tokenizer, tokenizer_source, chat_template, preload).result()
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=16)
         self.max_pending = max_pending
