@@ -15,7 +15,8 @@
   and grouped int8 weights (GGUF's Q4_0 / Q4_1 / Q8_0 kept quantized), AVX2 + FMA with a scalar
   fallback: a decode step reads the packed bytes once instead of dequantizing them, and prefill-sized
   batches get one native dequantization for the float GEMM (``pagedserve.models.quant``); opt-in with
-  ``PAGEDSERVE_GROUP_KERNELS=1``, as the two paths' summation orders differ by batch size.
+  ``PAGEDSERVE_GROUP_KERNELS=1``, as torch's int4pack path decodes bf16 activations faster on two
+  AVX2 threads (docs/QUANTIZATION.md).
 
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the

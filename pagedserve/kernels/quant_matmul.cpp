@@ -38,7 +38,7 @@ using pagedserve::from_float;
 using pagedserve::to_float;
 
 constexpr int64_t kGroup = 32;
-constexpr int kTile = 4;  // rows of x sharing one unpacked group (4 accumulators + 4 weight vectors fit the 16 ymm)
+constexpr int kTile = 4;  // rows of x sharing one unpacked group (8 accumulators + 4 weight vectors fit the 16 ymm)
 
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
@@ -72,10 +72,12 @@ struct Int8Group {
 };
 
 // out[m] = sum_g s[g] * dot(q_g, x[m, g]) for MT rows of x (row stride K) against one row of W.
-// With one or two rows, two accumulators per row (even / odd groups) hide the FMA latency.
+// Two accumulators per row (even / odd groups) hide the FMA latency. Every tile size takes the same
+// two, in the same order: a row's result is then the same bit for bit whatever rows share its call
+// (batch-invariant), so a prompt's logits do not depend on its batch or on what the prefix cache held.
 template <typename Group, int MT>
 inline void tile_dot(const float* x, int64_t K, const uint8_t* wrow, const float* srow, float* out) {
-  constexpr int NA = MT <= 2 ? 2 : 1;
+  constexpr int NA = 2;
   __m256 acc[MT][NA];
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < NA; ++a) acc[m][a] = _mm256_setzero_ps();
@@ -99,7 +101,7 @@ inline void tile_dot(const float* x, int64_t K, const uint8_t* wrow, const float
   for (; g < groups; ++g) step(g, 0);
   for (int m = 0; m < MT; ++m) {
     __m256 t = acc[m][0];
-    if constexpr (NA == 2) t = _mm256_add_ps(t, acc[m][1]);
+    t = _mm256_add_ps(t, acc[m][1]);
     out[m] = hsum(t);
   }
 }

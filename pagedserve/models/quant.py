@@ -34,8 +34,10 @@ INT4_GROUP_SIZE = 32
 _INT4_INNER_K_TILES = 2  # the CPU packing's tile parameter (K must be a multiple of 16 × this)
 # The native group kernels' batch limit: up to this many rows, one pass over the packed weight
 # (unpacked in registers, reused for 4 rows at a time) beats dequantizing it for the float GEMM;
-# beyond, the GEMM's register blocking wins (measured on SmolLM2's shapes, AVX2, docs/QUANTIZATION.md).
-_NATIVE_MAX_ROWS = 16
+# beyond, dequantizing once for the GEMM's register blocking wins. The kernel's time grows with the
+# rows, the dequantization's barely: they cross between 45 and 64 rows on SmolLM2's three weight
+# shapes (AVX2, 2 threads; docs/QUANTIZATION.md), so a batched decode of up to 48 stays in the kernel.
+_NATIVE_MAX_ROWS = 48
 
 
 def _use_cpu_kernels(device: torch.device) -> bool:
@@ -45,11 +47,12 @@ def _use_cpu_kernels(device: torch.device) -> bool:
 def _native_group_kernels(device: torch.device, group_size: int) -> object | None:
     """The native ops namespace when the group-of-32 kernels can serve a layer on ``device``.
 
-    Opt-in (``PAGEDSERVE_GROUP_KERNELS=1``): they take two summation orders by batch size (the
-    kernel up to 16 rows, dequantize + GEMM beyond), so a prompt's last logits depend on how much
-    of it the prefix cache held, and SmolLM2 flipped its near-tied first token ("The" / "L'")
-    between a cold and a cached run of the same chat. Until one order serves every batch size,
-    torch's int4pack path (one order) stays the default."""
+    Opt-in (``PAGEDSERVE_GROUP_KERNELS=1``). Both batch-size paths compute with the stored weights
+    exactly and sum in float32 (the kernel up to :data:`_NATIVE_MAX_ROWS` rows, batch-invariant
+    within that; a float32 GEMM over the float32 dequantization beyond), so a prompt's last logits
+    cold and after a prefix-cache hit differ by summation order only. Not the default because on
+    this project's AVX2 machine torch's int4pack path decodes SmolLM2 faster on two threads
+    (docs/QUANTIZATION.md)."""
     if os.environ.get("PAGEDSERVE_GROUP_KERNELS", "0") != "1":
         return None
     return native_ops() if device.type == "cpu" and group_size == 32 else None
@@ -77,9 +80,13 @@ def _native_linear(ops, kind: str, x2: torch.Tensor, weight: torch.Tensor, scale
         else:
             ops.int8_group_matmul(y, x2, weight, scales, bias)
         return y
-    w = torch.empty(weight.shape[0], x2.shape[1], dtype=x2.dtype)
+    # float32 weights, exactly as stored, and float32 sums: what the kernel computes, so a row's
+    # result does not depend on how many rows came with it beyond summation order (a prompt's last
+    # logits cold and after a prefix-cache hit agree). float32 GEMMs are also the fast ones on a
+    # CPU without bf16 hardware.
+    w = torch.empty(weight.shape[0], x2.shape[1], dtype=torch.float32)
     ops.group_dequantize(w, weight, scales, offsets)
-    return F.linear(x2, w, bias).to(out_dtype)
+    return F.linear(x2.float(), w, None if bias is None else bias.float()).to(out_dtype)
 
 
 class Int8Linear(nn.Module):

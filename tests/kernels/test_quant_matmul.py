@@ -136,3 +136,21 @@ def test_layers_without_the_native_kernels_fall_back_to_torch(monkeypatch, dtype
         assert torch.allclose(readable(x).float(), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
         want8 = _reference(int8, x)
         assert torch.allclose(int8(x).float(), want8, atol=0.02 * want8.abs().max().item(), rtol=0.02)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(kind, threads):
+    """Batch invariance up to the kernel's 16 rows: every tile size sums a row in one order, so a
+    row alone, at the end of a 3-row tile or inside a 16-row batch gives identical bits (what lets a
+    cached re-ask of a chat give the cold answer); and the prefill path, float32 over the exact
+    weights, stays within float32 summation error of it."""
+    torch.manual_seed(3)
+    layer = Int4Linear.from_linear(_linear(96, 256, False, torch.float32)) if kind == "int4" else \
+        _int8_grouped(96, 256, False, torch.float32)
+    x = torch.randn(40, 256)
+    batch = layer(x[:16])
+    for rows in ([5], [4, 5, 6], list(range(2, 16))):
+        assert torch.equal(layer(x[rows]), batch[rows])
+    prefill = layer(x)  # 40 rows: the dequantize + float32 GEMM path
+    assert torch.allclose(prefill[:16], batch, rtol=1e-5, atol=1e-5 * batch.abs().max().item())
