@@ -37,7 +37,7 @@ from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
-from pagedserve.models.eos import eos_ids_from_files
+from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
@@ -81,20 +81,7 @@ def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
     where they don't settle it (a hub id as the tokenizer, an unnamed EOS token) is transformers'
     tokenizer built to ask."""
     ids = eos_ids_from_files(tokenizer_dir, model_dir)
-    if ids is not None:
-        return ids
-    from transformers import AutoTokenizer, GenerationConfig
-
-    ids = set()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer's EOS is all there is
-    return ids
+    return ids if ids is not None else eos_ids_from_transformers(tokenizer_dir, model_dir)
 
 
 def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, device: torch.device) -> EngineConfig:

@@ -105,3 +105,21 @@ def eos_ids_from_files(tokenizer_dir: str | Path, model_dir: str | Path) -> set[
     if eos is None:
         return None
     return {eos, *generation_eos(Path(model_dir))}
+
+
+def eos_ids_from_transformers(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int]:
+    """The same answer through transformers' tokenizer and generation config: the fallback where
+    the files don't settle it (a hub id as the tokenizer, an unnamed EOS token), and the reference
+    the tests compare :func:`eos_ids_from_files` with."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids = set()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the tokenizer's EOS is all there is
+    return ids

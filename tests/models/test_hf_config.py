@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pagedserve.engine.core import eos_token_ids
+from pagedserve.models.eos import eos_ids_from_transformers
 from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import resolve_dtype
@@ -99,22 +100,6 @@ def test_light_config_refuses_what_the_engine_cannot_run_in_one_line(tmp_path):
         read_hf_config(tmp_path)
 
 
-def _eos_with_transformers(tokenizer_dir: Path, model_dir: Path) -> set[int]:
-    """The engine's former answer: transformers' tokenizer and generation config."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    ids = set()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    except (OSError, ValueError):
-        pass
-    return ids
-
-
 def test_eos_ids_from_files_equal_transformers(tiny_model_dir, smollm2_gguf, tmp_path):
     from pagedserve.models.eos import eos_ids_from_files
     from pagedserve.models.gguf import prepare_gguf_dir
@@ -139,7 +124,7 @@ def test_eos_ids_from_files_equal_transformers(tiny_model_dir, smollm2_gguf, tmp
         dirs.append(trained_model_dir(DEFAULT_SPEC))
     for d in dirs:
         assert eos_ids_from_files(d, d) is not None, d  # settled by the files: no transformers
-        assert eos_token_ids(str(d), str(d)) == _eos_with_transformers(d, d), d
+        assert eos_token_ids(str(d), str(d)) == eos_ids_from_transformers(d, d), d
     assert eos_token_ids(str(shared), str(shared)) == {2, 7}
     assert eos_token_ids(str(added), str(added)) - {2} != set()  # "def" is an ordinary vocabulary token
 
