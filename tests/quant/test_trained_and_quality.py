@@ -13,7 +13,6 @@ from pagedserve.bench import quality
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.models.packed import can_pack
 from pagedserve.models.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
 
 SPEC = TrainSpec(name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -88,13 +87,12 @@ def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
         assert math.isfinite(r["perplexity"]) and r["mean_kl"] >= 0
         assert abs(r["ppl_change"]) < 0.05  # int8 on a barely trained model: a few percent at most
     assert rows[1]["seats"] > 1.7 * ref["seats"]
-    # The tied model keeps its bf16 embedding table for lookups; where oneDNN prepacks bf16 the
-    # logits matmul gets its own packed copy (ref = body + 2 tables), elsewhere it shares the table
-    # (ref = body + 1). Quantized, the head is an int8 copy, and int8 halves every matmul weight:
+    # The tied model keeps its bf16 embedding table for lookups, and its logits read that same table
+    # (a tied head is never prepacked: models/packed.py), so ref = body + 1 table on every CPU.
+    # Quantized, the head is an int8 copy, and int8 halves every matmul weight:
     # bytes = half the body + the table + half the table (+ scales).
     table = SPEC.vocab_size * SPEC.hidden_size * 2
-    tables_in_ref = 2 if dtype == "bfloat16" and can_pack(torch.bfloat16, torch.device("cpu")) else 1
-    body = ref["weight_bytes"] - tables_in_ref * table
+    body = ref["weight_bytes"] - table
     assert rows[2]["weight_bytes"] == pytest.approx(body / 2 + 1.5 * table, rel=0.03)
 
 

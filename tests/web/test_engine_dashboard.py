@@ -20,6 +20,7 @@ from tests.helpers.servers import free_port, run_engine_server, wait_for_idle
 
 KEY = "dash-key"
 NUM_BLOCKS = 12  # 192 token slots: three requests of ~100 tokens cannot all fit
+ROUNDS = 20  # most rounds of the three requests the grid test runs (it stops once it saw the pool mid-run)
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--api-key", KEY, "--served-model-name", "tiny",
         "--log-level", "warning")
 
@@ -86,14 +87,20 @@ def test_grid_follows_load_and_shows_preemptions_and_evictions(server: str, page
     _open(page, server)
     _wait_grid(page, {"total": NUM_BLOCKS}, timeout=5)
     # Three concurrent requests of 40 + 60 tokens want 3 x 7 blocks of a 12-block pool: the newest
-    # is preempted, and its (and finished requests') cached blocks are evicted for reuse.
+    # is preempted, and its (and finished requests') cached blocks are evicted for reuse. On a fast
+    # CPU one round ends within half a second, between two polls of the page: each client repeats
+    # its request (new text each round) until the moment below has been seen, at most ROUNDS times.
     errors: list[BaseException] = []
+    seen = threading.Event()
 
     def run(i: int) -> None:
         try:
             with openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=180) as c:
-                c.completions.create(model="tiny", prompt=f"request {i} " + "word " * 36, max_tokens=60,
-                                     extra_body={"ignore_eos": True})
+                for r in range(ROUNDS):
+                    if r and seen.is_set():
+                        return
+                    c.completions.create(model="tiny", prompt=f"request {i} round {r} " + "word " * 34,
+                                         max_tokens=60, extra_body={"ignore_eos": True})
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
@@ -112,6 +119,8 @@ def test_grid_follows_load_and_shows_preemptions_and_evictions(server: str, page
             matched = True
         states.update(page.evaluate(
             "() => [...document.querySelectorAll('#requests tbody tr')].map(r => r.dataset.state)"))
+        if matched and "running" in states:
+            seen.set()
         time.sleep(0.1)
     for t in threads:
         t.join(180)
