@@ -10,6 +10,7 @@
 #include "convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -145,12 +146,21 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// How many threads one at::parallel_for over `items` runs on: what every kernel here gets. Built
+// without OpenMP, ATen's parallel_for silently runs on the calling thread alone; the tests ask this.
+int64_t parallel_threads(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("parallel_threads(int items) -> int", &parallel_threads);  // no tensor: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -108,3 +108,16 @@ def test_native_causal_softmax_matches_masked_softmax(dtype, atol, q_len, ctx):
     OPS.causal_softmax_(got, q_len)
     assert torch.allclose(got.float(), want.float(), atol=atol)
     assert torch.all(got[..., future] == 0)
+
+
+def test_kernels_run_on_every_torch_thread():
+    """The kernels' at::parallel_for spreads over torch's threads (it ran on one thread alone while
+    the library was built without OpenMP: the decode kernel took as long on two threads as on one)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert OPS.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert OPS.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
