@@ -1,0 +1,33 @@
+"""The engine offline on W4b's lengths: 64 requests of random token ids, prompts U[216, 360] and
+outputs U[108, 180] (vLLM's `random` dataset at 288 / 144 with range ratio 0.75), greedy with
+``ignore_eos``, all submitted at once. Prints output tokens/s: the figure a server's rate-inf
+throughput is compared with (examples/serve_vs_vllm.sh).
+
+Usage: python examples/offline_random_lengths.py MODEL_DIR [DTYPE] [SEED]
+"""
+
+import random
+import sys
+import time
+
+from pagedserve import LLM, SamplingParams
+
+
+def main() -> None:
+    model, dtype = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32"
+    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    llm = LLM(model, dtype=dtype, kv_cache_memory="4GiB", max_num_seqs=64, max_model_len=4096)
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(64):
+        prompts.append({"prompt_token_ids": [rng.randrange(100, 31_000) for _ in range(rng.randint(216, 360))]})
+        params.append(SamplingParams(max_tokens=rng.randint(108, 180), ignore_eos=True, temperature=0))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{tokens} output tokens in {seconds:.1f} s: {tokens / seconds:.1f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
