@@ -6,9 +6,10 @@ throughput is compared with (examples/serve_vs_vllm.sh).
 Usage: python examples/offline_random_lengths.py MODEL_DIR [DTYPE] [SEED]
 """
 
-import random
 import sys
 import time
+
+from random_lengths import w4b_batch  # beside this file (the script's directory is on sys.path)
 
 from pagedserve import LLM, SamplingParams
 
@@ -17,11 +18,9 @@ def main() -> None:
     model, dtype = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32"
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     llm = LLM(model, dtype=dtype, kv_cache_memory="4GiB", max_num_seqs=64, max_model_len=4096)
-    rng = random.Random(seed)
-    prompts, params = [], []
-    for _ in range(64):
-        prompts.append({"prompt_token_ids": [rng.randrange(100, 31_000) for _ in range(rng.randint(216, 360))]})
-        params.append(SamplingParams(max_tokens=rng.randint(108, 180), ignore_eos=True, temperature=0))
+    batch = w4b_batch(seed)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in batch]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for _, n in batch]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start

@@ -7,10 +7,10 @@ project's; set its serving environment first (docs/BENCHMARKS.md, "W4b on an Ice
     $VLLM_VENV/bin/python examples/vllm_offline_random_lengths.py MODEL_DIR [DTYPE] [SEED ...]
 """
 
-import random
 import sys
 import time
 
+from random_lengths import w4b_batch  # beside this file (the script's directory is on sys.path)
 from vllm import LLM, SamplingParams
 
 
@@ -19,11 +19,9 @@ def main() -> None:
     seeds = [int(s) for s in sys.argv[3:]] or [0]
     llm = LLM(model=model, dtype=dtype, max_model_len=4096, max_num_seqs=64, seed=0)
     for seed in seeds:  # one engine start, one batch per seed (fresh prompts: no prefix-cache hits)
-        rng = random.Random(seed)
-        prompts, params = [], []
-        for _ in range(64):
-            prompts.append({"prompt_token_ids": [rng.randrange(100, 31_000) for _ in range(rng.randint(216, 360))]})
-            params.append(SamplingParams(max_tokens=rng.randint(108, 180), ignore_eos=True, temperature=0))
+        batch = w4b_batch(seed)
+        prompts = [{"prompt_token_ids": ids} for ids, _ in batch]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for _, n in batch]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

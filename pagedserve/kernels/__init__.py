@@ -62,6 +62,7 @@ _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compile
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by
 # name, which resolves to the copy torch has already loaded: one OpenMP runtime, one thread pool.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fopenmp"]
+_LINK_FLAGS = ["-fopenmp"]
 LIBRARY = "pagedserve_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
@@ -95,7 +96,7 @@ def build_key() -> str:
     """What the compiled library depends on: sources, compiler and flags, torch (version and
     install path), Python, CPU features."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), _compiler().encode(),
+    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS + _LINK_FLAGS).encode(), _compiler().encode(),
                  torch.__version__.encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part + b"\0")  # separated, so no two different part lists hash alike
@@ -131,7 +132,7 @@ def _compile(work: Path) -> Path:
     for path in _SOURCES + _HEADERS:
         shutil.copy2(path, src / path.name)
     cpp_extension.load(name=LIBRARY, sources=[str(src / p.name) for p in _SOURCES], extra_cflags=_FLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False, verbose=False)
+                       extra_ldflags=_LINK_FLAGS, build_directory=str(work), is_python_module=False, verbose=False)
     return work / f"{LIBRARY}.so"
 
 
