@@ -43,12 +43,15 @@ class ServeBenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     api_key: str | None = None
+    temperature: float = 0.0  # 1.0 is what vLLM's bench serve gets (it sends none: the server default)
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError("rates must be positive request/s values (or inf)")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2] (the OpenAI API's range), got {self.temperature}")
         for name, (lo, hi) in (("prompt_len", self.prompt_len), ("output_len", self.output_len)):
             if not 0 < lo <= hi:
                 raise ValueError(f"{name} must be LO:HI with 0 < LO <= HI, got {lo}:{hi}")
@@ -102,9 +105,9 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 
 async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
-                       cache_salt: str) -> RequestRecord:
+                       cache_salt: str, temperature: float = 0.0) -> RequestRecord:
     rec = RequestRecord(prompt_tokens=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": cache_salt}
     start = time.perf_counter()
     last = start
@@ -151,7 +154,7 @@ async def run_rate(cfg: ServeBenchConfig, model: str, rate: float, progress: obj
 
         async def launch(offset: float, prompt: list[int], out_len: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            rec = await _one_request(http, model, prompt, out_len, salt)
+            rec = await _one_request(http, model, prompt, out_len, salt, cfg.temperature)
             if progress is not None:
                 progress.update(1)  # type: ignore[attr-defined]
             return rec
@@ -275,6 +278,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--vocab-size", type=int, default=32000,
                         help="prompt token ids are drawn below this (default 32000, the standard models)")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, token ids and arrivals (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature sent with every request, 0..2 (default 0, greedy). 1 matches "
+                             "vLLM's bench serve, which sends none and so gets the server's default of 1.0")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument("--out", type=Path, default=Path("bench-results/serve"),
                         help="directory for w4.json and w4_latency_cdf.png (default bench-results/serve)")
@@ -290,7 +296,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = ServeBenchConfig(url=args.url or "", model=args.served_model, rates=args.rates,
                                num_requests=args.num_requests, prompt_len=args.prompt_len,
                                output_len=args.output_len, vocab_size=args.vocab_size, seed=args.seed,
-                               api_key=args.api_key)
+                               api_key=args.api_key, temperature=args.temperature)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, process_logits, sampling_probs
+from pagedserve.engine.sampler import SamplingRow, draw, process_logits, sampling_probs
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs`` (``[vocab]``, need not sum to 1) by the exponential race the plain sampler uses."""
-    q = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / q).argmax())
+def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from ``probs`` (``[vocab]``, need not sum to 1), as the plain sampler draws."""
+    return int(draw(probs.unsqueeze(0), torch.rand(1, device=probs.device, generator=generator))[0])
 
 
 def accept_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
@@ -44,10 +43,10 @@ def accept_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Gene
     else:
         a = 0
     if a == k:
-        return drafts + [_race(probs[k], generator)]
+        return drafts + [_draw_one(probs[k], generator)]
     residual = probs[a].clone()
-    residual[drafts[a]] = 0.0  # p_target with the rejected draft removed (the race renormalises)
-    return drafts[:a] + [_race(residual, generator)]
+    residual[drafts[a]] = 0.0  # p_target with the rejected draft removed (the draw renormalises)
+    return drafts[:a] + [_draw_one(residual, generator)]
 
 
 def accept_greedy(argmax: list[int], drafts: list[int]) -> list[int]:

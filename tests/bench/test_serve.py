@@ -16,7 +16,7 @@ def test_bench_serve_reports_percentiles_and_plot(server_url: str, tmp_path: Pat
     bench_serve.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--url", server_url, "--rates", "40,inf", "--num-requests", "8",
                               "--prompt-len", "16:64", "--output-len", "4:12", "--out", str(tmp_path),
-                              "--no-progress"])
+                              "--temperature", "1", "--no-progress"])  # sampled, as vLLM's client gets
     assert args.func(args) == 0
     report = json.loads((tmp_path / "w4.json").read_text())
     assert [r["rate"] for r in report["results"]] == ["40.0", "inf"]
@@ -28,6 +28,16 @@ def test_bench_serve_reports_percentiles_and_plot(server_url: str, tmp_path: Pat
         assert r["output_tokens_per_s"] > 0 and r["request_throughput"] > 0
     assert (tmp_path / "w4_latency_cdf.png").stat().st_size > 10_000
     assert "TTFT p50/p95/p99" in capsys.readouterr().out
+
+
+def test_temperature_outside_the_api_range_is_refused() -> None:
+    for bad in (-0.1, 2.5):
+        try:
+            bench_serve.ServeBenchConfig(url="http://unused", temperature=bad)
+        except ValueError as exc:
+            assert "temperature" in str(exc)
+        else:
+            raise AssertionError(f"temperature {bad} was accepted")
 
 
 def test_w1_lengths_and_arrivals_are_seeded() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, sample
+from pagedserve.engine.sampler import SamplingRow, draw, sample
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 
@@ -117,3 +117,11 @@ def test_sampling_params_at_the_bounds_are_accepted():
                    presence_penalty=-2, frequency_penalty=2, min_p=1)
     p = SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5), top_k=-1, stop_token_ids=(1, 2))
     assert p.top_k == 0 and p.stop_token_ids == [1, 2]
+
+
+def test_draw_never_picks_a_zero_mass_token():
+    # Inverse transform over [0, .5, 0, .5, 0]: u = 0 and u just below 1 are the edges where a
+    # rounding slip would land on a zero-mass neighbour (or past the vocabulary).
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(4, 1)
+    u = torch.tensor([0.0, 0.25, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))])
+    assert draw(probs, u).tolist() == [1, 1, 3, 3]
