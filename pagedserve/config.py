@@ -13,6 +13,7 @@ SPECULATIVE_METHODS = (None, "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
 MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
 MAX_PRIORITY_PREFILL_PAUSE = 1024  # most steps in a row worse-priority work may wait for better prompts
+MAX_NUM_THREADS = 1024  # the step's CPU threads (more than any machine here has cores)
 
 
 def cache_dir() -> Path:
@@ -153,6 +154,9 @@ class EngineConfig:
     ngram_prompt_lookup_min: int = 1
     priority_prefill_first: bool = True
     priority_prefill_max_pause: int = 8
+    # CPU threads of the model step (torch's intra-op pool, in the process that runs the engine);
+    # None = torch's default, one per core it may use.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
@@ -193,6 +197,9 @@ class EngineConfig:
         if type(pause) is not int or not 1 <= pause <= MAX_PRIORITY_PREFILL_PAUSE:
             raise ValueError(f"priority_prefill_max_pause must be an integer in [1, {MAX_PRIORITY_PREFILL_PAUSE}] "
                              f"(steps), got {pause!r}")
+        threads = self.num_threads
+        if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_NUM_THREADS):
+            raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {threads!r}")
         if isinstance(self.kv_events, dict):  # e.g. LLM(..., kv_events={"enable_kv_cache_events": True, ...})
             self.kv_events = KVEventsConfig(**self.kv_events)
 

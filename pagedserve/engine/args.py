@@ -57,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                    help="paged attention implementation: auto = fused on CPU (native decode kernel, compiled on "
                         "first use; matmul if it cannot be built), sdpa on GPU; reference = plain torch, for checking")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
+    g.add_argument("--num-threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the model step (torch's intra-op pool, in the engine core's process), "
+                        "1..1024. A step is a chain of parallel regions split evenly over the threads, so when "
+                        "HTTP fronts, a gateway or load generators share the cores, a thread they preempt "
+                        "stalls the others: fewer threads than cores can then be faster (default: one per "
+                        "core torch may use)")
     g.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="stream a request's output every N new tokens instead of every token: the first token "
                         "always goes out at once (TTFT unchanged) and the finish flushes the rest; N > 1 means "
@@ -103,7 +109,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),
         ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1),
         priority_prefill_first=getattr(args, "priority_prefill_first", True),
-        priority_prefill_max_pause=getattr(args, "priority_prefill_max_pause", 8))
+        priority_prefill_max_pause=getattr(args, "priority_prefill_max_pause", 8),
+        num_threads=getattr(args, "num_threads", None))
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

@@ -104,6 +104,9 @@ class EngineCore:
     """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe."""
 
     def __init__(self, config: EngineConfig):
+        if config.num_threads is not None:
+            # Before the weights are prepacked and the kernels run: all of the step uses this count.
+            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir)
@@ -184,11 +187,13 @@ class EngineCore:
 
             self.kv_event_publisher = ZmqEventPublisher(events)
         logger.info(
-            "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s in %.1fs; KV pool (%s): %d blocks × %d "
-            "tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d (%s reservation)",
+            "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s (%d threads) in %.1fs; KV pool (%s): "
+            "%d blocks × %d tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d "
+            "(%s reservation)",
             config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers,
             config.quantization if config.quantization != "none" else "unquantized", self.weight_bytes / 2**20,
-            self.device, time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks, config.block_size, pool_tokens,
+            self.device, torch.get_num_threads(), time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks,
+            config.block_size, pool_tokens,
             pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
             pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
 
@@ -201,7 +206,7 @@ class EngineCore:
             num_kv_blocks=self.num_kv_blocks, kv_bytes_per_token=self.kv_bytes_per_token, kv_dtype=self.kv_dtype,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             attention_backend=c.attention_backend, weight_bytes=self.weight_bytes,
-            enable_prefix_caching=c.enable_prefix_caching)
+            enable_prefix_caching=c.enable_prefix_caching, num_threads=torch.get_num_threads())
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

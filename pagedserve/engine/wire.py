@@ -60,6 +60,7 @@ class ModelFacts:
     attention_backend: str
     weight_bytes: int
     enable_prefix_caching: bool = True  # /metrics' vllm:cache_config_info reports it
+    num_threads: int = 1  # CPU threads of the model step in the core's process (the startup log says it)
 
 
 # ---- front end → core, and the core's answers (pagedserve.engine.core_proc) ----

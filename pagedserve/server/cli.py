@@ -333,9 +333,11 @@ def _log_startup(facts: ModelFacts, config: ServerConfig, own_process: bool) -> 
     """One block that says what is served, how much KV it has and where it listens."""
     tokens = facts.num_kv_blocks * facts.block_size
     kv_bytes = tokens * facts.kv_bytes_per_token
-    logger.info("model: %s (served as '%s'), dtype %s, device %s, max_model_len %d; engine core %s",
+    threads = f" ({facts.num_threads} step threads)" if facts.device == "cpu" else ""
+    logger.info("model: %s (served as '%s'), dtype %s, device %s%s, max_model_len %d; engine core %s",
                 facts.model_name, config.served_model_name or facts.model_name, facts.dtype, facts.device,
-                facts.max_model_len, "in its own process" if own_process else "on a thread of the server process")
+                threads, facts.max_model_len,
+                "in its own process" if own_process else "on a thread of the server process")
     logger.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d B/token); seats at max_model_len: %d; "
                 "max_num_seqs %d", facts.num_kv_blocks, facts.block_size, tokens, kv_bytes / 2**20,
                 facts.kv_bytes_per_token, tokens // facts.max_model_len, facts.max_num_seqs)

@@ -72,7 +72,8 @@ def test_parity_prefix_and_priority_through_the_core_process(checkpoint_dir):
 
 def test_stop_strings_aborts_and_refusals_through_the_core_process(tiny_model_dir):
     core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                           max_model_len=256, max_num_seqs=4))
+                                           max_model_len=256, max_num_seqs=4, num_threads=1))
+    assert core.facts.num_threads == 1  # --num-threads reaches the core's process, not this one
 
     async def main():
         client = MPEngineClient(core)
@@ -107,3 +108,20 @@ def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path):
     with pytest.raises(EngineStartupError) as info:
         start_core_process(EngineConfig(model=str(tmp_path / "no-such-model")))
     assert "\n" not in str(info.value) and "no-such-model" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, 1025, 2.5, True])
+def test_num_threads_is_bounded(bad):
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(model="x", num_threads=bad)
+
+
+def test_num_threads_flag_reaches_the_config():
+    import argparse
+
+    from pagedserve.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--model", "x"])).num_threads is None
+    assert engine_config_from_args(parser.parse_args(["--model", "x", "--num-threads", "1"])).num_threads == 1
