@@ -54,12 +54,29 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar (0.2.9) lets a string with maxLength / minLength hold raw control characters (its
+# plain strings exclude them), which JSON (RFC 8259) forbids: json.loads refuses such output.
+_LOOSE_JSON_CHAR = r'[^\"\\\r\n]'
+_STRICT_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_grammar(schema: str) -> xgrammar.Grammar:
+    """The schema's grammar, with every string character class closed to U+0000-U+001F."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    text = str(grammar)
+    if _LOOSE_JSON_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR))
+
+
 def _grammar(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     kind, text = spec.key
     if kind == "json":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        return _json_grammar(text)
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     if kind == "choice":
@@ -67,8 +84,7 @@ def _grammar(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(text)
     # json_object: OpenAI's JSON mode, any object (xgrammar's builtin JSON grammar takes arrays too)
-    return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
-                                        max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    return _json_grammar('{"type": "object"}')
 
 
 def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:

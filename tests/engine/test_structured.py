@@ -103,3 +103,17 @@ def test_a_spec_that_fails_in_the_core_fails_only_its_request(engine):
     assert engine.abort("gone")
     assert not engine.compiling
     assert_no_leaks(engine)
+
+
+def test_json_strings_never_hold_raw_control_characters():
+    # xgrammar's maxLength strings allow U+0000-U+001F raw; JSON forbids them (json.loads refuses).
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pagedserve.engine.structured import _grammar
+
+    so = StructuredOutputsParams
+    grammar = _grammar(so(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}},
+                                "required": ["a"]}))
+    assert accepts(grammar, '{"a": "ab"}')
+    assert not accepts(grammar, '{"a": "a\x11"}') and not accepts(grammar, '{"a": "\t"}')
+    assert not accepts(_grammar(so(json_object=True)), '{"a": "\x01"}')
