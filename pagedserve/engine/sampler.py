@@ -158,7 +158,8 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # u × total can round up to total itself; the largest float below it keeps the pick in range.
-    target = torch.minimum(uniforms.unsqueeze(1).to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniforms.unsqueeze(1).to(cdf.dtype) * total, below_total)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
