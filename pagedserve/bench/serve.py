@@ -107,8 +107,8 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
 async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
                        cache_salt: str, temperature: float = 0.0) -> RequestRecord:
     rec = RequestRecord(prompt_tokens=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": cache_salt}
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": cache_salt}
     start = time.perf_counter()
     last = start
     try:

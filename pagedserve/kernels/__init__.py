@@ -96,8 +96,8 @@ def build_key() -> str:
     """What the compiled library depends on: sources, compiler and flags, torch (version and
     install path), Python, CPU features."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS + _LINK_FLAGS).encode(), _compiler().encode(),
-                 torch.__version__.encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode(),
+    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS + _LINK_FLAGS).encode(),
+                 _compiler().encode(), torch.__version__.encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part + b"\0")  # separated, so no two different part lists hash alike
     return h.hexdigest()[:16]

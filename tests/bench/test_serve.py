@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from pagedserve.bench import serve as bench_serve
 from pagedserve.bench.workloads import w1_offline
 
@@ -30,14 +32,10 @@ def test_bench_serve_reports_percentiles_and_plot(server_url: str, tmp_path: Pat
     assert "TTFT p50/p95/p99" in capsys.readouterr().out
 
 
-def test_temperature_outside_the_api_range_is_refused() -> None:
-    for bad in (-0.1, 2.5):
-        try:
-            bench_serve.ServeBenchConfig(url="http://unused", temperature=bad)
-        except ValueError as exc:
-            assert "temperature" in str(exc)
-        else:
-            raise AssertionError(f"temperature {bad} was accepted")
+@pytest.mark.parametrize("bad", [-0.1, 2.5])
+def test_temperature_outside_the_api_range_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        bench_serve.ServeBenchConfig(url="http://unused", temperature=bad)
 
 
 def test_w1_lengths_and_arrivals_are_seeded() -> None:
