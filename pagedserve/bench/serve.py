@@ -19,11 +19,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
 from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server
+from pagedserve.bench.sse_client import CLIENT_ERRORS, stream_post
+from pagedserve.bench.sse_client import session as sse_session
 from pagedserve.bench.workloads import BenchRequest, random_prompt
 
 DEFAULT_RATES = "1,2,4,inf"
@@ -104,7 +107,7 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
-async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
+async def _one_request(http: aiohttp.ClientSession, model: str, prompt: list[int], output_len: int,
                        cache_salt: str, temperature: float = 0.0) -> RequestRecord:
     rec = RequestRecord(prompt_tokens=len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
@@ -112,14 +115,14 @@ async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], o
     start = time.perf_counter()
     last = start
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with stream_post(http, "/v1/completions", body) as r:
+            if r.status != 200:
+                rec.error = f"HTTP {r.status}: {(await r.body())[:200]!r}"
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in r.data_lines():
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = chunk["error"].get("message", "stream error")
                     return rec
@@ -133,7 +136,7 @@ async def _one_request(http: httpx.AsyncClient, model: str, prompt: list[int], o
                         rec.itls.append(now - last)
                     last = now
         rec.e2e = time.perf_counter() - start
-    except httpx.HTTPError as exc:
+    except CLIENT_ERRORS as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
     return rec
 
@@ -143,8 +146,7 @@ async def run_rate(cfg: ServeBenchConfig, model: str, rate: float, progress: obj
     requests = [(r.prompt_token_ids, r.output_len) for r in w1_requests(cfg)]
     offsets = poisson_offsets(len(requests), rate, cfg.seed)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits, headers=headers) as http:
+    async with sse_session(cfg.url, cfg.timeout_s, headers) as http:
         # Warm-up: one short request so the first measured one does not pay for lazy setup.
         await _one_request(http, model, requests[0][0][:16], 2, cache_salt="w4-warm-up")
         # Every rate replays the same W1 prompts: a salt per run keeps one run's prefix cache from

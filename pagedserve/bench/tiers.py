@@ -45,11 +45,13 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 
 from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
+from pagedserve.bench.sse_client import CLIENT_ERRORS, stream_post
+from pagedserve.bench.sse_client import session as sse_session
 from pagedserve.engine.client import read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
@@ -191,31 +193,32 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
             yield Stack(f"http://127.0.0.1:{gport}", log_path)
 
 
-async def _shot(http: httpx.AsyncClient, tier: str, prompt: list[int], output_len: int) -> Shot:
+async def _shot(http: aiohttp.ClientSession, tier: str, prompt: list[int], output_len: int,
+                model: str = "w6") -> Shot:
     key = PAID_KEY if tier == "paid" else FREE_KEY
     # Unique across the run's phases and processes: the replica's request log is joined on it.
     request_id = f"w6-{tier}-{uuid.uuid4().hex}"
-    body = {"model": "w6", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "request_id": request_id}
     shot = Shot(tier, request_id=request_id)
     start = time.perf_counter()
     try:
-        async with http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-            shot.status = r.status_code
+        async with stream_post(http, "/v1/completions", body, {"Authorization": f"Bearer {key}"}) as r:
+            shot.status = r.status
             if "x-pagedserve-est-queue-wait-ms" in r.headers:
                 shot.est_wait = float(r.headers["x-pagedserve-est-queue-wait-ms"]) / 1000
             if "x-pagedserve-queue-wait-ms" in r.headers:
                 shot.queued = float(r.headers["x-pagedserve-queue-wait-ms"]) / 1000
-            if r.status_code != 200:
+            if r.status != 200:
                 try:
-                    shot.code = json.loads(await r.aread())["error"]["code"]
+                    shot.code = json.loads(await r.body())["error"]["code"]
                 except (ValueError, KeyError, TypeError):
-                    shot.code = f"http_{r.status_code}"
+                    shot.code = f"http_{r.status}"
                 return shot
-            async for line in r.aiter_lines():
-                if shot.ttft is None and line.startswith("data: {"):
+            async for data in r.data_lines():
+                if shot.ttft is None and data.startswith("{"):
                     shot.ttft = time.perf_counter() - start
-    except httpx.HTTPError as e:
+    except CLIENT_ERRORS as e:
         shot.code = type(e).__name__
     return shot
 
@@ -235,21 +238,14 @@ async def _tier_loop(url: str, cfg: TiersBenchConfig, index: int, tier: str, rat
     offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * cfg.duration_s * 1.5) + 10))
     offsets = offsets[offsets < cfg.duration_s]
     prompts = _prompts(len(offsets), cfg, cfg.seed + 101 * (index + 1))
-    # Several small connection pools, not one big one: httpcore's pool does work proportional to
-    # its connections × waiting requests on every request, and with the hundreds of connections
-    # the free tier keeps open (queued up to its budget) one pool made this client CPU-bound and
-    # its own timestamps seconds late. About one pool per request/s keeps each to a handful.
-    pools = max(1, min(64, math.ceil(rate)))
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
-                   for _ in range(pools)]
+    async with sse_session(url, 300) as http:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
 
-        async def launch(i: int, offset: float, prompt: list[int]) -> Shot:
+        async def launch(offset: float, prompt: list[int]) -> Shot:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            return await _shot(clients[i % pools], tier, prompt, cfg.output_len)
-        return list(await asyncio.gather(*(launch(i, float(o), p) for i, (o, p) in enumerate(zip(offsets, prompts)))))
+            return await _shot(http, tier, prompt, cfg.output_len)
+        return list(await asyncio.gather(*(launch(float(o), p) for o, p in zip(offsets, prompts))))
 
 
 def _tier_process(url: str, cfg: TiersBenchConfig, index: int, tier: str, rate: float, start_at: float) -> list[Shot]:
@@ -274,7 +270,7 @@ def _open_loop(url: str, cfg: TiersBenchConfig, rates: dict[str, float], progres
 
 async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float, float]:
     """(capacity in requests/s from a closed loop of 2 × seats paid requests, idle TTFT in s)."""
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+    async with sse_session(url, 300) as http:
         idle = []
         for p in _prompts(5, cfg, cfg.seed + 999):
             s = await _shot(http, "paid", p, 2)
