@@ -3,7 +3,7 @@
 Built on aiohttp, as vLLM's ``bench serve`` is: its HTTP parser is C, where httpx's (h11) is
 Python. The load generators run on the same cores as the servers they measure, so what they
 spend per streamed event is taken from the server: W6's free-tier client reading every admitted
-stream through httpx used about 0.4 of this 2-core machine's cores (docs/BENCHMARKS.md, W6).
+stream through httpx used 0.22-0.39 cores of a 2-core machine (docs/BENCHMARKS.md, W6).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def session(base_url: str, timeout_s: float, headers: Mapping[str, str] | None =
     """A session for one load generator: no cap on open connections (every arrival is sent when
     it is due, as an open-loop load must be), ``timeout_s`` for a whole request."""
     return aiohttp.ClientSession(base_url, headers=dict(headers or {}),
-                                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                 connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
