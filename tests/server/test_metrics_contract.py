@@ -49,7 +49,7 @@ BUCKETS = {
     "vllm:e2e_request_latency_seconds": _REQUEST_LATENCY,
     "vllm:request_queue_time_seconds": _REQUEST_LATENCY,
 }
-N_STREAMS, MAX_TOKENS = 8, 120
+N_STREAMS, MAX_TOKENS = 8, 224  # long enough for 20+ scrapes on a fast machine; prompt + 224 < 256
 
 
 def families(url: str) -> dict:
