@@ -14,6 +14,7 @@ MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
 MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
 MAX_PRIORITY_PREFILL_PAUSE = 1024  # most steps in a row worse-priority work may wait for better prompts
 MAX_NUM_THREADS = 1024  # the step's CPU threads (more than any machine here has cores)
+MAX_NICE = 19  # the largest niceness Linux has
 
 
 def cache_dir() -> Path:
@@ -157,6 +158,10 @@ class EngineConfig:
     # CPU threads of the model step (torch's intra-op pool, in the process that runs the engine);
     # None = torch's default, one per core it may use.
     num_threads: int | None = None
+    # Niceness of the engine core's own process (serve; the in-process engine ignores it): above 0
+    # the core also runs under SCHED_BATCH, so on cores it shares with HTTP front ends, a gateway or
+    # clients, their short bursts preempt the step loop instead of waiting out its time slice.
+    engine_core_nice: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
@@ -200,6 +205,9 @@ class EngineConfig:
         threads = self.num_threads
         if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_NUM_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {threads!r}")
+        nice = self.engine_core_nice
+        if type(nice) is not int or not 0 <= nice <= MAX_NICE:
+            raise ValueError(f"engine_core_nice must be an integer in [0, {MAX_NICE}], got {nice!r}")
         if isinstance(self.kv_events, dict):  # e.g. LLM(..., kv_events={"enable_kv_cache_events": True, ...})
             self.kv_events = KVEventsConfig(**self.kv_events)
 

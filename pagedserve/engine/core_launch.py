@@ -9,8 +9,10 @@ This module therefore imports nothing heavy: the child imports
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -153,8 +155,27 @@ def _launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],
     return CoreLaunch(process, addrs, socket_dir, receiver)
 
 
+def yield_cpu_to_front_ends(nice: int) -> None:
+    """Run this thread, and every thread it starts from now on, under SCHED_BATCH at niceness
+    ``nice`` (no-ops where the OS has neither; both need no privilege).
+
+    On cores the step loop shares with the HTTP processes, each token they stream is a short burst
+    of work after a wake-up; at equal priority the scheduler may let the step loop (and torch's
+    worker threads, which spin between parallel regions) finish its slice first, so every hop of a
+    request queues behind model steps. Lower priority and no wake-up preemption of its own make the
+    loop the one that waits, while it still gets every cycle the fronts leave idle."""
+    if nice <= 0:
+        return
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(nice)
+
+
 def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
     """The child's entry point: only here is the engine imported."""
+    # Before torch starts its thread pool, so that its threads inherit the priority.
+    yield_cpu_to_front_ends(config.engine_core_nice)
     from pagedserve.engine.core_proc import run_engine_core
 
     run_engine_core(config, addrs, ready, log_level)

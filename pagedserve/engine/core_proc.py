@@ -52,6 +52,8 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
 
     ``addrs``: one (input, output) address pair per front end."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    if config.engine_core_nice > 0:
+        _log_priority()
     die_with_parent()
     # Ctrl-C in a terminal reaches the whole process group; the server stops the core itself (a
     # Shutdown command, or a signal after its front ends drained), so the core must not die first.
@@ -86,6 +88,17 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         for sock in results:
             sock.close(linger=1000)
         ctx.term()
+
+
+def _log_priority() -> None:
+    """Say the priority the core runs at (set by core_launch before torch started its threads)."""
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        batch = os.sched_getscheduler(0) == os.SCHED_BATCH
+    except (AttributeError, OSError):
+        return
+    logger.info("engine core at niceness %d%s: the HTTP front ends preempt its step loop on shared cores "
+                "(--engine-core-nice)", nice, " under SCHED_BATCH" if batch else "")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

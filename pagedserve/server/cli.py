@@ -54,6 +54,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_API_SERVERS}, got {text}")
         return value
 
+    def _nice(text: str) -> int:
+        from pagedserve.config import MAX_NICE
+
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= MAX_NICE:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_NICE}, got {text}")
+        return value
+
     def _max_restarts(text: str) -> int:
         try:
             value = int(text)
@@ -128,6 +139,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
                              "GIL and a crash of the core fails open requests fast instead of hanging them "
                              "(default); --no-engine-process runs it on a thread of the server process")
+    server.add_argument("--engine-core-nice", type=_nice, default=10, metavar="N",
+                        help="niceness of the engine core process (0-19, Linux), which also runs under "
+                             "SCHED_BATCH when N > 0: on cores shared with the HTTP fronts, a gateway or load "
+                             "generators, their short bursts (a request to parse, a token to stream) then "
+                             "preempt the step loop instead of queueing behind it, and the step loop takes "
+                             "every cycle they leave. 0 = the fronts' own priority (default 10; needs "
+                             "--engine-process)")
     server.add_argument("--api-server-count", type=_api_server_count, default=1, metavar="N",
                         help="run N HTTP front processes (1-16) on the one port, all feeding one engine core "
                              "process: each tokenizes, applies the chat template, detokenizes and streams its "

@@ -4,6 +4,8 @@ aborts through a real core process, and nothing left in the pool afterwards."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 import torch
@@ -125,3 +127,54 @@ def test_num_threads_flag_reaches_the_config():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--model", "x"])).num_threads is None
     assert engine_config_from_args(parser.parse_args(["--model", "x", "--num-threads", "1"])).num_threads == 1
+
+
+def _thread_priorities(pid: int) -> set[tuple[int, int]]:
+    """(niceness, scheduling policy) of every thread of process ``pid``."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        out.add((int(fields[16]), int(fields[38])))  # stat fields 19 (nice) and 41 (policy)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness and SCHED_BATCH as Linux has them")
+def test_engine_core_nice_lowers_every_core_thread_and_only_the_core(tiny_model_dir):
+    core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           max_model_len=256, max_num_seqs=4, num_threads=2, engine_core_nice=7))
+
+    async def main():
+        client = MPEngineClient(core)
+        await client.start()
+        try:  # a step, so that torch's worker thread exists too
+            out = await _collect(client, "r", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))
+            return out, _thread_priorities(core.process.pid), client.stats()
+        finally:
+            await client.shutdown()
+
+    out, threads, stats = asyncio.run(main())
+    assert len(out.outputs[0].token_ids) == 4
+    assert threads == {(7, os.SCHED_BATCH)}  # main, ZMQ I/O and torch's threads alike
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0 and os.sched_getscheduler(0) == os.SCHED_OTHER  # not this one
+    assert stats.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True])
+def test_engine_core_nice_is_bounded(bad):
+    with pytest.raises(ValueError, match="engine_core_nice"):
+        EngineConfig(model="x", engine_core_nice=bad)
+
+
+def test_serve_lowers_the_core_by_default_and_the_flag_says_how_much():
+    import argparse
+
+    from pagedserve.engine.args import engine_config_from_args
+    from pagedserve.server.cli import add_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve = add_parser(sub)
+    assert engine_config_from_args(serve.parse_args(["--model", "x"])).engine_core_nice == 10
+    assert engine_config_from_args(serve.parse_args(["--model", "x", "--engine-core-nice", "0"])).engine_core_nice == 0
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model", "x", "--engine-core-nice", "20"])
