@@ -23,7 +23,9 @@ replica runs with ``--log-requests``, so each admitted request's figures are joi
 - *engine TTFT* = the replica's ``ttft_ms``: from the server receiving the request to its first
   token, so it includes waiting for the step in flight and the prefill;
 - *TTFT* at the client, and *TTFT − idle* (the client TTFT minus an idle request's, floored at 0:
-  what the paid tier feels, queueing or not, CPU contention included).
+  what the paid tier feels, queueing or not, CPU contention included);
+- *outside the replica* = client TTFT − engine TTFT, per request: the gateway, the HTTP hops and
+  the client's own reading, so a rise under free traffic is placed on one side or the other.
 
 Writes ``w6.json``, ``w6_waits.png`` (per-tier distributions) and the replicas' request logs.
 """
@@ -124,6 +126,7 @@ class TierResult:
     engine_queue: dict[str, float] = field(default_factory=dict)
     engine_ttft: dict[str, float] = field(default_factory=dict)
     ttft_excess: dict[str, float] = field(default_factory=dict)  # client TTFT − idle TTFT, floored at 0
+    outside_engine: dict[str, float] = field(default_factory=dict)  # client TTFT − the replica's TTFT, per request
     unmatched: int = 0  # admitted requests without a replica log line (should be 0)
     shed_after_wait: int = 0  # 429s answered after waiting in the gateway's queue (the rest at once)
     waits: list[float] = field(default_factory=list, repr=False)  # queue waits, for the plot
@@ -317,6 +320,7 @@ def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot]
             engine_queue=percentiles([s.engine_queue for s in joined]),  # type: ignore[misc]
             engine_ttft=percentiles([s.engine_ttft for s in joined]),  # type: ignore[misc]
             ttft_excess=percentiles([max(0.0, t - idle_ttft) for t in ttfts]),
+            outside_engine=percentiles([s.ttft - s.engine_ttft for s in joined]),  # type: ignore[operator]
             unmatched=len(ok) - len(joined),
             # The header is whole milliseconds: a shed after < 0.5 ms in the queue counts as at once.
             shed_after_wait=len([s for s in mine if s.status == 429 and (s.queued or 0) > 0]),
@@ -367,8 +371,8 @@ def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
             "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | TTFT p50 | "
-            "TTFT p95 | TTFT − idle p95 | shed after queueing |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "TTFT p95 | TTFT − idle p95 | outside the replica p95 | shed after queueing |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():
             if t.offered == 0:
@@ -379,7 +383,8 @@ def format_table(report: dict) -> str:
                         f"{_ms(t.queue_wait['p50'])} | {_ms(t.queue_wait['p95'])} | "
                         f"{_ms(t.gateway_queue.get('p95', math.nan))} | {_ms(t.engine_queue.get('p95', math.nan))} | "
                         f"{_ms(t.engine_ttft.get('p95', math.nan))} | {_ms(t.ttft['p50'])} | {_ms(t.ttft['p95'])} | "
-                        f"{_ms(t.ttft_excess.get('p95', math.nan))} | {t.shed_after_wait} |")
+                        f"{_ms(t.ttft_excess.get('p95', math.nan))} | {_ms(t.outside_engine.get('p95', math.nan))} | "
+                        f"{t.shed_after_wait} |")
     return "\n".join(rows)
 
 
@@ -483,7 +488,7 @@ def main(args: argparse.Namespace) -> int:
     by_name = {ph.name: ph.tiers["paid"] for ph in report["phases"]}
     for base, mixed in ((names[0], names[1]), (names[2], names[3])):
         for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"), ("TTFT", "ttft"),
-                          ("TTFT − idle", "ttft_excess")):
+                          ("TTFT − idle", "ttft_excess"), ("TTFT outside the replica", "outside_engine")):
             b, m = getattr(by_name[base], key)["p95"], getattr(by_name[mixed], key)["p95"]
             ratio = f"{m / b:.2f}x" if b > 0 else "ratio n/a"
             print(f"{mixed}: paid p95 {what} {_ms(m)} with free traffic vs {_ms(b)} without ({ratio}); "

@@ -31,6 +31,7 @@ def test_summary_counts_shed_and_waits() -> None:
     assert paid.waits == pytest.approx([0.002, 0.001])  # gateway queue (none) + engine queue
     assert paid.ttft_excess["p50"] == pytest.approx(0.05)  # TTFT − idle TTFT, floored at 0: median of 0.1 and 0
     assert paid.engine_ttft["p50"] == pytest.approx(0.008)
+    assert paid.outside_engine["p50"] == pytest.approx(0.092)  # client − replica TTFT: median of 0.138 and 0.046
     assert free.waits == pytest.approx([2.0005])
     assert (free.offered, free.admitted, free.errors) == (4, 1, 1)
     assert free.shed == {"overloaded": 1, "rate_limit_exceeded": 1}
