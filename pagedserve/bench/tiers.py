@@ -75,6 +75,7 @@ class TiersBenchConfig:
     free_budget_s: float = 5.0
     reserved_seats: int = 2   # of the replica's seats, kept for paid (free gets the rest)
     stream_interval: int = 1  # the replica's --stream-interval: tokens per streamed event after the first
+    free_stream_interval: int = 1  # the gateway's stream_interval for the free tier (1: every token)
     seed: int = 0
     server_args: tuple[str, ...] = ()  # extra `pagedserve serve` arguments for the replica, e.g. ("--dtype=float32",)
 
@@ -92,8 +93,8 @@ class TiersBenchConfig:
             raise ValueError("duration_s and paid_load must be > 0, free_load >= 0")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError("prompt_len and output_len must be >= 1")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
+        if self.stream_interval < 1 or self.free_stream_interval < 1:
+            raise ValueError("stream_interval and free_stream_interval must be >= 1")
 
 
 @dataclass
@@ -155,8 +156,10 @@ token_burst = {big}
 pools = ["shared"]
 priority = {priority}
 max_queue_wait_s = {budget}
+stream_interval = {interval}
 bucket = "tier"
-""" for name, priority, budget in (("paid", 0, cfg.paid_budget_s), ("free", 10, cfg.free_budget_s)))
+""" for name, priority, budget, interval in (("paid", 0, cfg.paid_budget_s, 1),
+                                             ("free", 10, cfg.free_budget_s, cfg.free_stream_interval)))
     return f"""
 [gateway]
 port = {port}
@@ -449,6 +452,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="the replica's --stream-interval: after the first token, one streamed event per this many "
                         "tokens (default 1: every token); fewer events is less CPU in the replica, the gateway "
                         "and the clients, which share this machine's cores")
+    p.add_argument("--free-stream-interval", type=int, default=1,
+                   help="the gateway's stream_interval for the free tier: its streams get one event per this "
+                        "many tokens (the first token at once), a tiering policy that spends less CPU per free "
+                        "token in the replica, the gateway and the clients (default 1: every token, as paid)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request, ignore_eos (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
@@ -468,6 +475,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
                            duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
                            reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
+                           free_stream_interval=args.free_stream_interval,
                            prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
                            server_args=tuple(args.server_arg))
     if Path(cfg.model).is_dir():

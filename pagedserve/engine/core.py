@@ -296,9 +296,10 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Run one scheduled batch and return the outputs of every request it advanced.
 
-        With ``stream_interval`` N > 1 a running request's output is returned only when due (its
-        first token, then every N tokens, and its finish); skipped steps' tokens arrive in the next
-        output's deltas, so nothing is lost and the step may return no output at all.
+        With ``stream_interval`` N > 1 (the engine's, or the request's own if coarser) a running
+        request's output is returned only when due (its first token, then every N tokens, and its
+        finish); skipped steps' tokens arrive in the next output's deltas, so nothing is lost and
+        the step may return no output at all.
         """
         failed: dict[str, str] = {}
         if self.compiling:
@@ -522,9 +523,10 @@ class EngineCore:
             if req.params.n > 1:
                 req.forked = True
         outputs = []
-        interval = self.config.stream_interval
+        floor = self.config.stream_interval
         for req in touched.values():
             finished = all(s.is_finished for s in req.seqs)
+            interval = max(floor, req.params.stream_interval)  # a request may ask for coarser, not finer
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]

@@ -32,6 +32,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_STREAM_INTERVAL = 1024  # tokens per streamed output; far beyond any useful batching of a stream
 MAX_STOP_CHARS = 512  # per stop string: streamed text holds back the longest one's length
 MAX_STOP_TOKEN_IDS = 128
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; the engine compares ids with its own vocab
@@ -150,6 +151,9 @@ class SamplingParams:
     # top logprobs per prompt token (vLLM's prompt_logprobs); 0 = only the prompt token's own
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Stream this request's output every N new tokens (the first at once); the engine's own
+    # stream_interval is a floor: a request can ask for coarser streaming, never finer.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,6 +190,8 @@ class SamplingParams:
                 raise bad(name, f"{name} must be {what}, got {value}.")
 
         integer("n", self.n, 1, MAX_N, f"between 1 and {MAX_N}")
+        integer("stream_interval", self.stream_interval, 1, MAX_STREAM_INTERVAL,
+                f"between 1 and {MAX_STREAM_INTERVAL} (tokens per streamed output)")
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT, f"between 1 and {MAX_TOKENS_LIMIT}")
         integer("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT, f"between 0 and {MAX_TOKENS_LIMIT}")

@@ -236,6 +236,7 @@ def _prepare(body: dict[str, Any], tier: TierConfig, entry: KeyEntry, path: str)
         return shape
     body["priority"] = tier.priority  # the tier decides, never the client
     body["cache_salt"] = _cache_salt(tier, entry)
+    _apply_stream_interval(tier, body)
     return shape
 
 
@@ -435,6 +436,17 @@ class _Settle:
         m.tokens_used.labels(self.tier.name).inc(actual)
         if delta > 0:
             m.tokens_returned.labels(self.tier.name).inc(delta)
+
+
+def _apply_stream_interval(tier: TierConfig, body: dict[str, Any]) -> None:
+    """A streamed request of a tier with ``stream_interval`` N > 1 asks the replica for one event per
+    N tokens; a client asking for coarser keeps its own, and a value that is not a whole number is
+    left for the replica to refuse with its 400."""
+    if tier.stream_interval <= 1 or not body.get("stream"):
+        return
+    asked = body.get("stream_interval")
+    if asked is None or (type(asked) is int and asked < tier.stream_interval):
+        body["stream_interval"] = tier.stream_interval
 
 
 def _has_usage_object(line: str) -> bool:

@@ -93,6 +93,7 @@ TIER_BOUNDS = {
     "priority": Bound(-(2**31), 2**31 - 1, integer=True, unit="lower is served sooner"),
     "max_queue_wait_s": Bound(0, 3600, above=True, unit="seconds"),
     "default_max_tokens": Bound(1, 10**9, integer=True, unit="tokens"),
+    "stream_interval": Bound(1, 1024, integer=True, unit="tokens per streamed event"),
 }
 POOL_BOUNDS = {
     # Below the 1e6 the seat arithmetic uses for "unknown" (seats._finite).
@@ -133,6 +134,9 @@ class TierConfig:
     priority: int = 0
     max_queue_wait_s: float = 5.0
     default_max_tokens: int = 256
+    # Streamed requests of the tier get one event per this many tokens (the first at once): fewer
+    # events to relay per token, in the replica, here and in the client, for a tier that can wait.
+    stream_interval: int = 1
     bucket: str = "key"
     cache_salt: str = "key"
     on_limiter_error: str = "closed"

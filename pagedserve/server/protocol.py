@@ -30,6 +30,7 @@ from pagedserve.engine.sampling_params import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STREAM_INTERVAL,
     MAX_TOKEN_ID,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
@@ -189,6 +190,11 @@ class SamplingFields(_Strict):
                     "(the first token gets null). The request then skips the prefix cache; not with stream=true.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stream_interval: int | None = Field(
+        None, ge=1, le=MAX_STREAM_INTERVAL,
+        description="Stream one event per this many new tokens (the first token at once, the finish flushes the "
+                    "rest): fewer events and writes per token for a client that needs no per-token updates. The "
+                    "server's --stream-interval is a floor. A pagedserve extension; the gateway sets it per tier.")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1,
                           description="Engine priority: lower is served sooner (vLLM's convention).")
     cache_salt: Name | None = Field(None, min_length=1,

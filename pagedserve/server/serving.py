@@ -273,6 +273,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
             prompt_logprobs=req.prompt_logprobs,
+            stream_interval=req.stream_interval or 1,
         )
 
     async def structured_spec(self, req: p.SamplingFields,

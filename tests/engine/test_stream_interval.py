@@ -239,3 +239,47 @@ def test_server_streams_every_fourth_token(interval_log_server, server_url):
     # One inter-token observation per token after the first, as with per-token streaming.
     assert grew("inter_token_latency_seconds_count") == 8
     assert grew("time_to_first_token_seconds_count") == 1
+
+
+# ---- a request's own stream_interval ---------------------------------------------------------
+
+
+def test_a_request_may_ask_for_coarser_streaming_never_finer(engines):
+    every, interval4 = engines
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref, _ = stream_one(every, PROMPT, params)
+    coarse, empty = stream_one(every, PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                             stream_interval=4))
+    assert [len(c.delta_token_ids) for c in deltas(coarse)] == [1, 4, 4, 1] and empty == 6
+    assert coarse[-1].outputs[0].token_ids == ref[-1].outputs[0].token_ids
+    assert coarse[-1].outputs[0].text == ref[-1].outputs[0].text
+    # The engine's interval is a floor: a request asking for 2 on the interval-4 engine gets 4.
+    floor, _ = stream_one(interval4, PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                            stream_interval=2))
+    assert [len(c.delta_token_ids) for c in deltas(floor)] == [1, 4, 4, 1]
+
+
+@pytest.mark.parametrize("bad", [0, 1025, 2.5, True])
+def test_a_request_stream_interval_is_bounded(bad):
+    from pagedserve.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="stream_interval") as info:
+        SamplingParams(stream_interval=bad)
+    assert info.value.param == "stream_interval"
+
+
+def test_server_streams_a_request_at_its_own_interval(server_url):
+    body = {"prompt": PROMPT, "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "cache_salt": "request-stream-interval"}
+    ref = _stream_completion(server_url, body)  # the shared server streams every token
+    events = _stream_completion(server_url, {**body, "stream_interval": 4})
+    load = wait_for_idle(server_url)
+    assert load["kv_blocks_used"] == 0 and load["running"] == 0, load
+    content = [e for e in events if e.get("choices") and e["choices"][0]["text"]]
+    ref_content = [e for e in ref if e.get("choices") and e["choices"][0]["text"]]
+    assert len(ref_content) == 9 and len(content) == 3  # 1 + 4 + 4 tokens
+    assert "".join(e["choices"][0]["text"] for e in content) == "".join(e["choices"][0]["text"] for e in ref_content)
+    for bad in (0, 1025, "4"):
+        r = httpx.post(f"{server_url}/v1/completions", json={**body, "stream": True, "stream_interval": bad},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval", r.text

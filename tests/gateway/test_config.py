@@ -137,6 +137,8 @@ def test_a_replica_in_two_pools_has_one_shape() -> None:
     (("max_queue_wait_s = 1.0", "max_queue_wait_s = inf"), 12, "tiers.paid.max_queue_wait_s must be a number > 0"),
     (("max_queue_wait_s = 1.0", "max_queue_wait_s = 0"), 12, "max_queue_wait_s must be a number > 0"),
     (("priority = 5", "priority = 5\ndefault_max_tokens = 2.5"), 19, "default_max_tokens must be an integer >= 1"),
+    (("priority = 5", "priority = 5\nstream_interval = 0"), 19, "tiers.free.stream_interval must be an integer >= 1 and <= 1024"),
+    (("priority = 5", "priority = 5\nstream_interval = 2.5"), 19, "stream_interval must be an integer"),
     (("port = 9000", "port = 70000"), 2, "gateway.port must be an integer >= 0 and <= 65535"),
     (("port = 9000", "port = true"), 2, "gateway.port must be an integer"),
     (("port = 9000", "port = 9000\nload_poll_interval_s = 0.0001"), 3, "load_poll_interval_s must be a number >= 0.01"),
