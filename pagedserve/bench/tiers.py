@@ -20,12 +20,14 @@ replica runs with ``--log-requests``, so each admitted request's figures are joi
 - *queue wait* = time in the gateway's seat queue (its ``x-pagedserve-queue-wait-ms`` header) +
   time in the engine's waiting queue (the replica's ``queue_ms``: enqueued → the start of the
   scheduling pass that admits it, vLLM V1's stamps);
-- *engine TTFT* = the replica's ``ttft_ms``: from the server receiving the request to its first
-  token, so it includes waiting for the step in flight and the prefill;
+- *engine TTFT* = the replica's ``ttft_ms``: from its front end handing the parsed request to the
+  engine core to the step that sampled its first token, so it includes the hop to the core,
+  waiting for the step in flight and the prefill;
 - *TTFT* at the client, and *TTFT − idle* (the client TTFT minus an idle request's, floored at 0:
   what the paid tier feels, queueing or not, CPU contention included);
-- *outside the replica* = client TTFT − engine TTFT, per request: the gateway, the HTTP hops and
-  the client's own reading, so a rise under free traffic is placed on one side or the other.
+- *outside the engine* = client TTFT − engine TTFT, per request: the client, the gateway and the
+  front end's own work (parsing the request, streaming the token), so a rise under free traffic
+  is placed on one side or the other.
 
 Writes ``w6.json``, ``w6_waits.png`` (per-tier distributions) and the replicas' request logs.
 """
@@ -109,7 +111,7 @@ class Shot:
     queued: float | None = None  # time spent in the gateway's queue, admitted or shed (x-pagedserve-queue-wait-ms)
     request_id: str = ""
     engine_queue: float | None = None  # the replica's queue time (its --log-requests line)
-    engine_ttft: float | None = None  # the replica's TTFT, from the server receiving the request
+    engine_ttft: float | None = None  # the replica's TTFT, from the front handing the request to the core
 
 
 @dataclass
@@ -127,7 +129,7 @@ class TierResult:
     engine_queue: dict[str, float] = field(default_factory=dict)
     engine_ttft: dict[str, float] = field(default_factory=dict)
     ttft_excess: dict[str, float] = field(default_factory=dict)  # client TTFT − idle TTFT, floored at 0
-    outside_engine: dict[str, float] = field(default_factory=dict)  # client TTFT − the replica's TTFT, per request
+    outside_engine: dict[str, float] = field(default_factory=dict)  # client TTFT − engine TTFT, per request
     unmatched: int = 0  # admitted requests without a replica log line (should be 0)
     shed_after_wait: int = 0  # 429s answered after waiting in the gateway's queue (the rest at once)
     waits: list[float] = field(default_factory=list, repr=False)  # queue waits, for the plot
@@ -374,7 +376,7 @@ def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
             "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | TTFT p50 | "
-            "TTFT p95 | TTFT − idle p95 | outside the replica p95 | shed after queueing |",
+            "TTFT p95 | TTFT − idle p95 | outside the engine p95 | shed after queueing |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():
@@ -496,7 +498,7 @@ def main(args: argparse.Namespace) -> int:
     by_name = {ph.name: ph.tiers["paid"] for ph in report["phases"]}
     for base, mixed in ((names[0], names[1]), (names[2], names[3])):
         for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"), ("TTFT", "ttft"),
-                          ("TTFT − idle", "ttft_excess"), ("TTFT outside the replica", "outside_engine")):
+                          ("TTFT − idle", "ttft_excess"), ("TTFT outside the engine", "outside_engine")):
             b, m = getattr(by_name[base], key)["p95"], getattr(by_name[mixed], key)["p95"]
             ratio = f"{m / b:.2f}x" if b > 0 else "ratio n/a"
             print(f"{mixed}: paid p95 {what} {_ms(m)} with free traffic vs {_ms(b)} without ({ratio}); "

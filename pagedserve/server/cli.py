@@ -8,10 +8,11 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedserve.config import parse_bytes
+from pagedserve.config import MAX_NICE, parse_bytes
 
 if TYPE_CHECKING:
     import uvicorn
@@ -42,37 +43,19 @@ then:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``serve`` (engine flags from ``pagedserve.engine.args`` plus the server's own)."""
     from pagedserve.engine.args import add_engine_args
+    from pagedserve.server.api_servers import MAX_API_SERVERS
 
-    def _api_server_count(text: str) -> int:
-        from pagedserve.server.api_servers import MAX_API_SERVERS
-
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= MAX_API_SERVERS:
-            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_API_SERVERS}, got {text}")
-        return value
-
-    def _nice(text: str) -> int:
-        from pagedserve.config import MAX_NICE
-
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if not 0 <= value <= MAX_NICE:
-            raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_NICE}, got {text}")
-        return value
-
-    def _max_restarts(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= 100:
-            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100, got {text}")
-        return value
+    def _whole_number(low: int, high: int) -> Callable[[str], int]:
+        """An argparse type: an integer in [low, high], else a one-line error naming the range."""
+        def parse(text: str) -> int:
+            try:
+                value = int(text)
+            except ValueError:
+                value = low - 1
+            if not low <= value <= high:
+                raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, got {text}")
+            return value
+        return parse
 
     def _seconds(text: str) -> float:  # a positive, finite number of seconds
         value = float(text)
@@ -139,14 +122,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
                              "GIL and a crash of the core fails open requests fast instead of hanging them "
                              "(default); --no-engine-process runs it on a thread of the server process")
-    server.add_argument("--engine-core-nice", type=_nice, default=10, metavar="N",
+    server.add_argument("--engine-core-nice", type=_whole_number(0, MAX_NICE), default=10, metavar="N",
                         help="niceness of the engine core process (0-19, Linux), which also runs under "
                              "SCHED_BATCH when N > 0: on cores shared with the HTTP fronts, a gateway or load "
                              "generators, their short bursts (a request to parse, a token to stream) then "
                              "preempt the step loop instead of queueing behind it, and the step loop takes "
                              "every cycle they leave. 0 = the fronts' own priority (default 10; needs "
                              "--engine-process)")
-    server.add_argument("--api-server-count", type=_api_server_count, default=1, metavar="N",
+    server.add_argument("--api-server-count", type=_whole_number(1, MAX_API_SERVERS), default=1, metavar="N",
                         help="run N HTTP front processes (1-16) on the one port, all feeding one engine core "
                              "process: each tokenizes, applies the chat template, detokenizes and streams its "
                              "own requests, so that work is spread over N CPU cores; /load and /metrics stay "
@@ -161,7 +144,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "status 1 as without the flag (default off: exit with status 1 for a process "
                              "supervisor to restart the server; needs --engine-process). With --api-server-count "
                              "N the supervisor restarts the core and every front serves through the new one")
-    server.add_argument("--engine-core-max-restarts", type=_max_restarts, default=3, metavar="K",
+    server.add_argument("--engine-core-max-restarts", type=_whole_number(1, 100), default=3, metavar="K",
                         help="with --restart-engine-core: at most K restarts (1-100) within "
                              "--engine-core-restart-window; the next death exits with status 1 (default 3)")
     server.add_argument("--engine-core-restart-window", type=_seconds, default=60.0, metavar="S",

@@ -28,9 +28,9 @@ PROMPT = [5, 6, 7]  # token ids: counted exactly, without a /tokenize call
 
 
 def _config(url: str, *, poll_s: float = 60.0, budget_s: float = 5.0, seats: int | None = None,
-            load_source: str = "auto", extra_pool: str = "") -> GatewayConfig:
+            load_source: str = "auto", extra_pool: str = "", tier_extra: str = "") -> GatewayConfig:
     """One pool of ``url`` (plus ``extra_pool`` replicas); a bucket that does not refill (0.001/s), so
-    its level says exactly what each request was charged."""
+    its level says exactly what each request was charged. ``tier_extra``: more lines of the tier."""
     replicas = ", ".join(f'"{u}"' for u in [url, *filter(None, [extra_pool])])
     return parse_config(f"""
 [gateway]
@@ -48,6 +48,7 @@ request_rate = 0.001
 request_burst = 100
 pools = ["p"]
 max_queue_wait_s = {budget_s}
+{tier_extra}
 
 [keys]
 "sk-t" = "t"

@@ -11,33 +11,13 @@ from pagedserve.gateway.config import parse_config
 from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_server import GatewayThread
 from tests.gateway.stub_replica import StubReplica
-from tests.gateway.test_replica_faults import PROMPT, _config, _stream_lines
-
-
-def _with_interval(url: str, interval: int):
-    """One pool of ``url`` and one tier streaming every ``interval`` tokens."""
-    return parse_config(f"""
-[gateway]
-load_poll_interval_s = 60
-
-[pools.p]
-replicas = ["{url}"]
-
-[tiers.t]
-token_rate = 1000
-token_burst = 100000
-pools = ["p"]
-stream_interval = {interval}
-
-[keys]
-"sk-t" = "t"
-""")
+from tests.gateway.test_replica_faults import AUTH, PROMPT, _config, _stream_lines
 
 
 @pytest.mark.parametrize("asked, sent", [(None, 4), (2, 4), (8, 8), ("x", "x")])
 def test_a_tier_interval_reaches_the_replica_on_streams(asked, sent) -> None:
     with StubReplica(status=200, stream_events=2, stream_end="done") as stub, \
-            GatewayThread(_with_interval(stub.url, 4)) as gw:
+            GatewayThread(_config(stub.url, tier_extra="stream_interval = 4")) as gw:
         body = {"prompt": PROMPT, "max_tokens": 8} | ({} if asked is None else {"stream_interval": asked})
         lines = _stream_lines(gw, body)
         assert lines[-1] == "data: [DONE]"
@@ -46,8 +26,8 @@ def test_a_tier_interval_reaches_the_replica_on_streams(asked, sent) -> None:
 
 
 def test_plain_requests_and_tiers_without_an_interval_are_left_alone() -> None:
-    with StubReplica(status=200) as stub, GatewayThread(_with_interval(stub.url, 4)) as gw:
-        r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer sk-t"},
+    with StubReplica(status=200) as stub, GatewayThread(_config(stub.url, tier_extra="stream_interval = 4")) as gw:
+        r = httpx.post(f"{gw.url}/v1/completions", headers=AUTH,
                        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=10)
         assert r.status_code == 200, r.text
         assert "stream_interval" not in stub.last_body  # not streamed: nothing to space out
