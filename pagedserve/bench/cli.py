@@ -9,6 +9,7 @@ BENCHMARKS = [
     "pagedserve.bench.make_model",
     "pagedserve.bench.throughput",
     "pagedserve.bench.decode",
+    "pagedserve.bench.sampler",
     "pagedserve.bench.spec",
     "pagedserve.bench.seats",
     "pagedserve.bench.prefix",

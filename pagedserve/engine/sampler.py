@@ -23,6 +23,37 @@ from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 
 
+# Chunk width of row_argmax's first pass: wide enough that the chunk maxima are few, narrow
+# enough that the winning chunk's second pass is short (256 and 64 measure within 20% of it).
+ARGMAX_CHUNK = 128
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a ``[rows, vocab]`` tensor, 5-10x faster on CPU, same result.
+
+    Torch's CPU argmax walks each row one element at a time (33 us per 32,000-token row, 2 ms
+    for a decode batch of 64), while ``amax`` is vectorized (1.6 us per row). So: the maximum of
+    each 128-wide chunk, the first chunk holding the row's maximum, and the argmax within that
+    chunk only. Ties go to the first index, as in torch, and so does NaN (amax propagates it,
+    argmax takes it as the largest); a vocabulary that is not a multiple of the chunk keeps its
+    tail in a second, short comparison."""
+    rows, vocab = x.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if chunks < 2:
+        return x.argmax(dim=-1)
+    body = x[:, :chunks * ARGMAX_CHUNK].view(rows, chunks, ARGMAX_CHUNK)
+    best_chunk = body.amax(dim=-1).argmax(dim=-1)
+    winners = body[torch.arange(rows, device=x.device), best_chunk]
+    index = best_chunk * ARGMAX_CHUNK + winners.argmax(dim=-1)
+    if chunks * ARGMAX_CHUNK < vocab:
+        tail_value, tail_index = x[:, chunks * ARGMAX_CHUNK:].max(dim=-1)
+        best = x.gather(1, index.unsqueeze(1)).squeeze(1)
+        # Strictly larger (the body's index comes first on a tie), or a NaN the body lacks.
+        later = (tail_value > best) | (tail_value.isnan() & ~best.isnan())
+        index = torch.where(later, tail_index + chunks * ARGMAX_CHUNK, index)
+    return index
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs to know about one row of logits."""
@@ -103,7 +134,7 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if (min_p > 0).any():
         probs = logits.softmax(dim=-1)
-        keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(~keep, float("-inf"))
     return logits
 
@@ -185,7 +216,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
 
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
-        chosen = logits.argmax(dim=-1)
+        chosen = row_argmax(logits)
     else:
         # Each pass over the batch's logits costs 1-2 ms on CPU at 64 rows: an all-sampled batch
         # (the API's default temperature) makes no argmax and no gathered copy.
@@ -196,7 +227,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         if idx is None:
             chosen = drawn
         else:
-            chosen = logits.argmax(dim=-1)
+            chosen = row_argmax(logits)
             chosen[idx] = drawn
 
     token_ids = chosen.tolist()

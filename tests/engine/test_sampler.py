@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, draw, sample
+from pagedserve.engine.sampler import ARGMAX_CHUNK, SamplingRow, draw, row_argmax, sample
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 
@@ -125,3 +125,25 @@ def test_draw_never_picks_a_zero_mass_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(4, 1)
     u = torch.tensor([0.0, 0.25, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))])
     assert draw(probs, u).tolist() == [1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, 2 * ARGMAX_CHUNK, 32000, 32003, 49152 + 5])
+def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab):
+    """The chunked argmax picks what torch's does: the first maximum, the first NaN, a tail past the
+    last whole chunk included."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=gen),
+            torch.randint(0, 3, (vocab,), generator=gen).float(),   # ties everywhere
+            torch.full((vocab,), float("-inf")),                    # nothing allowed (a fully masked row)
+            torch.zeros(vocab)]
+    tail_max = torch.randn(vocab, generator=gen)
+    tail_max[-1] = 100.0                                            # the maximum in the tail
+    tied_tail = torch.zeros(vocab)
+    tied_tail[vocab // 3] = tied_tail[-1] = 5.0                     # a tie between body and tail: body wins
+    nan_tail = torch.randn(vocab, generator=gen)
+    nan_tail[-1] = float("nan")
+    nan_body = torch.randn(vocab, generator=gen)
+    nan_body[vocab // 2] = nan_body[-1] = float("nan")
+    x = torch.stack(rows + [tail_max, tied_tail, nan_tail, nan_body])
+    assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert row_argmax(x[:0]).shape == (0,)
