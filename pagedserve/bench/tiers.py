@@ -22,7 +22,8 @@ replica runs with ``--log-requests``, so each admitted request's figures are joi
   scheduling pass that admits it, vLLM V1's stamps);
 - *engine TTFT* = the replica's ``ttft_ms``: from its front end handing the parsed request to the
   engine core to the step that sampled its first token, so it includes the hop to the core,
-  waiting for the step in flight and the prefill;
+  waiting for the step in flight and the prefill; of which *to the core* (``to_core_ms``) is the
+  part before the core enqueued it: the hop and the wait for the step in flight;
 - *TTFT* at the client, and *TTFT − idle* (the client TTFT minus an idle request's, floored at 0:
   what the paid tier feels, queueing or not, CPU contention included);
 - *outside the engine* = client TTFT − engine TTFT, per request: the client, the gateway and the
@@ -56,7 +57,7 @@ from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
 from pagedserve.bench.sse_client import CLIENT_ERRORS, stream_post
 from pagedserve.bench.sse_client import session as sse_session
-from pagedserve.engine.client import read_request_log
+from pagedserve.engine.client import EngineTimes, read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 
@@ -112,6 +113,7 @@ class Shot:
     request_id: str = ""
     engine_queue: float | None = None  # the replica's queue time (its --log-requests line)
     engine_ttft: float | None = None  # the replica's TTFT, from the front handing the request to the core
+    engine_to_core: float | None = None  # of which: until the core enqueued it (the hop, the step in flight)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class TierResult:
     gateway_queue: dict[str, float] = field(default_factory=dict)  # time admitted requests spent queued there
     engine_queue: dict[str, float] = field(default_factory=dict)
     engine_ttft: dict[str, float] = field(default_factory=dict)
+    engine_to_core: dict[str, float] = field(default_factory=dict)
     ttft_excess: dict[str, float] = field(default_factory=dict)  # client TTFT − idle TTFT, floored at 0
     outside_engine: dict[str, float] = field(default_factory=dict)  # client TTFT − engine TTFT, per request
     unmatched: int = 0  # admitted requests without a replica log line (should be 0)
@@ -301,14 +304,15 @@ async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float
 
 
 def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float,
-               engine_log: dict[str, tuple[float, float]]) -> PhaseResult:
+               engine_log: dict[str, EngineTimes]) -> PhaseResult:
     tiers = {}
     for tier in ("paid", "free"):
         mine = [s for s in shots if s.tier == tier]
         ok = [s for s in mine if s.status == 200 and s.ttft is not None]
         for s in ok:
             if s.request_id in engine_log:
-                s.engine_queue, s.engine_ttft = engine_log[s.request_id]
+                times = engine_log[s.request_id]
+                s.engine_queue, s.engine_ttft, s.engine_to_core = times.queue, times.ttft, times.to_core
         joined = [s for s in ok if s.engine_queue is not None]
         shed: dict[str, int] = {}
         for s in mine:
@@ -324,6 +328,7 @@ def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot]
             gateway_queue=percentiles([s.queued for s in ok if s.queued is not None]),
             engine_queue=percentiles([s.engine_queue for s in joined]),  # type: ignore[misc]
             engine_ttft=percentiles([s.engine_ttft for s in joined]),  # type: ignore[misc]
+            engine_to_core=percentiles([s.engine_to_core for s in joined if s.engine_to_core is not None]),
             ttft_excess=percentiles([max(0.0, t - idle_ttft) for t in ttfts]),
             outside_engine=percentiles([s.ttft - s.engine_ttft for s in joined]),  # type: ignore[operator]
             unmatched=len(ok) - len(joined),
@@ -375,9 +380,10 @@ def _ms(seconds: float) -> str:
 def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
-            "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | TTFT p50 | "
+            "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | of which to the core p95 | "
+            "TTFT p50 | "
             "TTFT p95 | TTFT − idle p95 | outside the engine p95 | shed after queueing |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():
             if t.offered == 0:
@@ -387,7 +393,8 @@ def format_table(report: dict) -> str:
             rows.append(f"| {ph.name} | {ph.seats} | {tier} | {rate:.2f} | {t.offered} | {t.admitted} | {shed} | "
                         f"{_ms(t.queue_wait['p50'])} | {_ms(t.queue_wait['p95'])} | "
                         f"{_ms(t.gateway_queue.get('p95', math.nan))} | {_ms(t.engine_queue.get('p95', math.nan))} | "
-                        f"{_ms(t.engine_ttft.get('p95', math.nan))} | {_ms(t.ttft['p50'])} | {_ms(t.ttft['p95'])} | "
+                        f"{_ms(t.engine_ttft.get('p95', math.nan))} | {_ms(t.engine_to_core.get('p95', math.nan))} | "
+                        f"{_ms(t.ttft['p50'])} | {_ms(t.ttft['p95'])} | "
                         f"{_ms(t.ttft_excess.get('p95', math.nan))} | {_ms(t.outside_engine.get('p95', math.nan))} | "
                         f"{t.shed_after_wait} |")
     return "\n".join(rows)
@@ -497,7 +504,8 @@ def main(args: argparse.Namespace) -> int:
     names = [ph.name for ph in report["phases"]]
     by_name = {ph.name: ph.tiers["paid"] for ph in report["phases"]}
     for base, mixed in ((names[0], names[1]), (names[2], names[3])):
-        for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"), ("TTFT", "ttft"),
+        for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"),
+                          ("engine TTFT's part to the core", "engine_to_core"), ("TTFT", "ttft"),
                           ("TTFT − idle", "ttft_excess"), ("TTFT outside the engine", "outside_engine")):
             b, m = getattr(by_name[base], key)["p95"], getattr(by_name[mixed], key)["p95"]
             ratio = f"{m / b:.2f}x" if b > 0 else "ratio n/a"

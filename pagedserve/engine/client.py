@@ -315,17 +315,29 @@ class StreamingClient(EngineClient):
         return ahead * mean_e2e / max(s.max_num_seqs, 1)
 
 
-_REQUEST_LINE = re.compile(r"request (\S+) finished: .*queue_ms=(\S+) ttft_ms=(\S+)")
+_REQUEST_LINE = re.compile(
+    r"request (\S+) finished: .*?(?:to_core_ms=(\S+) )?queue_ms=(\S+) ttft_ms=(\S+)")
 
 
-def read_request_log(path: Path) -> dict[str, tuple[float, float]]:
-    """request id → (engine queue time, engine TTFT) in seconds, from the ``log_requests`` lines
-    :func:`_log_finished` writes (the format and its reader kept together)."""
+@dataclass(frozen=True)
+class EngineTimes:
+    """One request's engine-side times in seconds, from its ``log_requests`` line."""
+
+    queue: float  # the engine's waiting queue: enqueued -> the scheduling pass that admits it
+    ttft: float  # the front handing the request over -> the step that sampled its first token
+    to_core: float | None = None  # the front handing it over -> enqueued in the core (None: an older line)
+
+
+def read_request_log(path: Path) -> dict[str, EngineTimes]:
+    """request id → its :class:`EngineTimes`, from the ``log_requests`` lines :func:`_log_finished`
+    writes (the format and its reader kept together)."""
     out = {}
     for line in path.read_text(errors="replace").splitlines():
         m = _REQUEST_LINE.search(line)
-        if m and m.group(2) != "-" and m.group(3) != "-":
-            out[m.group(1)] = (float(m.group(2)) / 1000, float(m.group(3)) / 1000)
+        if m and m.group(3) != "-" and m.group(4) != "-":
+            to_core = m.group(2)
+            out[m.group(1)] = EngineTimes(float(m.group(3)) / 1000, float(m.group(4)) / 1000,
+                                          float(to_core) / 1000 if to_core not in (None, "-") else None)
     return out
 
 
@@ -337,8 +349,8 @@ def _log_finished(out: RequestOutput, priority: int) -> None:
         return f"{(end - start) * 1000:.3f}" if start is not None and end is not None else "-"
     request_log.info(
         "request %s finished: priority=%d reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
-        "queue_ms=%s ttft_ms=%s e2e_ms=%s", out.request_id, priority,
+        "to_core_ms=%s queue_ms=%s ttft_ms=%s e2e_ms=%s", out.request_id, priority,
         out.outputs[0].finish_reason if out.outputs else "-", len(out.prompt_token_ids),
         sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
-        ms(m.queued_time, m.first_scheduled_time), ms(m.arrival_time, m.first_token_time),
-        ms(m.arrival_time, m.finished_time))
+        ms(m.arrival_time, m.queued_time), ms(m.queued_time, m.first_scheduled_time),
+        ms(m.arrival_time, m.first_token_time), ms(m.arrival_time, m.finished_time))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, Shot, TiersBenchConfig, _summarise, format_table,
-                                   gateway_toml, read_request_log)
+from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, EngineTimes, Shot, TiersBenchConfig, _summarise,
+                                   format_table, gateway_toml, read_request_log)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
 
@@ -24,13 +26,16 @@ def test_summary_counts_shed_and_waits() -> None:
     shots = [Shot("paid", 200, ttft=0.15, queued=0.0, request_id="p1"), Shot("paid", 200, ttft=0.05, request_id="p2"),
              Shot("free", 200, ttft=2.05, queued=2.0, request_id="f1"), Shot("free", 429, code="overloaded"),
              Shot("free", 429, code="rate_limit_exceeded"), Shot("free", 502, code="replica_unreachable")]
-    log = {"p1": (0.002, 0.012), "p2": (0.001, 0.004), "f1": (0.0005, 0.03)}
+    log = {"p1": EngineTimes(0.002, 0.012, 0.006), "p2": EngineTimes(0.001, 0.004, 0.002),
+           "f1": EngineTimes(0.0005, 0.03)}  # an older line: no to_core
     ph = _summarise("paid+free", 8, {"paid": 1.0, "free": 3.0}, shots, idle_ttft=0.05, engine_log=log)
     paid, free = ph.tiers["paid"], ph.tiers["free"]
     assert (paid.offered, paid.admitted, paid.shed, paid.unmatched) == (2, 2, {}, 0)
     assert paid.waits == pytest.approx([0.002, 0.001])  # gateway queue (none) + engine queue
     assert paid.ttft_excess["p50"] == pytest.approx(0.05)  # TTFT − idle TTFT, floored at 0: median of 0.1 and 0
     assert paid.engine_ttft["p50"] == pytest.approx(0.008)
+    assert paid.engine_to_core["p50"] == pytest.approx(0.004)
+    assert free.engine_ttft["p50"] == pytest.approx(0.03) and math.isnan(free.engine_to_core["p95"])
     assert paid.outside_engine["p50"] == pytest.approx(0.092)  # client − replica TTFT: median of 0.138 and 0.046
     assert free.waits == pytest.approx([2.0005])
     assert (free.offered, free.admitted, free.errors) == (4, 1, 1)
@@ -52,8 +57,14 @@ def test_request_log_lines_are_parsed(tmp_path) -> None:
     log = tmp_path / "engine.log"
     log.write_text(
         "2026-11-29 14:00:00,000 INFO pagedserve.requests: request w6-paid-1-0 finished: priority=0 reason=length "
+        "prompt_tokens=64 output_tokens=64 cached_tokens=0 to_core_ms=2.50 queue_ms=0.12 ttft_ms=5.40 e2e_ms=250.00\n"
+        "2026-11-29 14:00:00,000 INFO pagedserve.requests: request older-1 finished: priority=0 reason=length "
         "prompt_tokens=64 output_tokens=64 cached_tokens=0 queue_ms=0.12 ttft_ms=5.40 e2e_ms=250.00\n"
         "2026-11-29 14:00:00,001 INFO pagedserve.engine: 900 tokens/s computed\n"
         "2026-11-29 14:00:00,002 INFO pagedserve.requests: request x finished: priority=0 reason=length "
         "prompt_tokens=1 output_tokens=1 cached_tokens=0 queue_ms=- ttft_ms=- e2e_ms=-\n")
-    assert read_request_log(log) == {"w6-paid-1-0": pytest.approx((0.00012, 0.0054))}
+    times = read_request_log(log)
+    assert set(times) == {"w6-paid-1-0", "older-1"}
+    new, old = times["w6-paid-1-0"], times["older-1"]
+    assert (new.queue, new.ttft, new.to_core) == pytest.approx((0.00012, 0.0054, 0.0025))
+    assert (old.queue, old.ttft, old.to_core) == (pytest.approx(0.00012), pytest.approx(0.0054), None)
