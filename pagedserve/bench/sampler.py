@@ -66,7 +66,7 @@ def add_parser(bench) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     if args.vocab < 1 or not rows or min(rows) < 1 or args.rounds < 1 or args.calls < 1:
         raise SystemExit("--vocab, every --rows entry, --rounds and --calls must be >= 1")
@@ -76,3 +76,4 @@ def run(args: argparse.Namespace) -> None:
         print(f"  {r.rows:4d} rows: torch.argmax {r.torch_us:8.1f} us   row_argmax {r.ours_us:8.1f} us   "
               f"{r.speedup:5.2f}x")
     write_result(args.json_out, {"vocab": args.vocab, "results": [asdict(r) | {"speedup": r.speedup} for r in results]})
+    return 0

@@ -380,9 +380,9 @@ def _ms(seconds: float) -> str:
 def format_table(report: dict) -> str:
     """A markdown table: one row per phase and tier."""
     rows = ["| phase | seats | tier | offered/s | offered | admitted | shed (429) | queue wait p50 | "
-            "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | of which to the core p95 | "
-            "TTFT p50 | "
-            "TTFT p95 | TTFT − idle p95 | outside the engine p95 | shed after queueing |",
+            "queue wait p95 | in gateway queue p95 | in engine queue p95 | engine TTFT p95 | "
+            "of which to the core p95 | TTFT p50 | TTFT p95 | TTFT − idle p95 | outside the engine p95 | "
+            "shed after queueing |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         for tier, t in ph.tiers.items():

@@ -21,7 +21,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_times_both_picks_at_each_batch_size(tmp_path, capsys):
     out = tmp_path / "picks.json"
     args = parse("--vocab", "1000", "--rows", "1,3", "--rounds", "2", "--calls", "5", "--json", str(out))
-    args.func(args)
+    assert args.func(args) == 0
     result = json.loads(out.read_text())
     assert result["vocab"] == 1000 and [r["rows"] for r in result["results"]] == [1, 3]
     for r in result["results"]:
