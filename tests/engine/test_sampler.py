@@ -147,3 +147,5 @@ def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab):
     x = torch.stack(rows + [tail_max, tied_tail, nan_tail, nan_body])
     assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist()
     assert row_argmax(x[:0]).shape == (0,)
+    columns = x.t().contiguous().t()  # the same values, laid out column by column
+    assert row_argmax(columns).tolist() == x.argmax(dim=-1).tolist()
