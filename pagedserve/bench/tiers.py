@@ -81,6 +81,9 @@ class TiersBenchConfig:
     free_stream_interval: int = 1  # the gateway's stream_interval for the free tier (1: every token)
     seed: int = 0
     server_args: tuple[str, ...] = ()  # extra `pagedserve serve` arguments for the replica, e.g. ("--dtype=float32",)
+    # Requests/s to take as the pool's capacity instead of measuring it: two builds compared at the
+    # same offered rates (a measured capacity moves with the machine's load, and W6's loads with it).
+    capacity_rps: float | None = None
 
     @property
     def reduced_seats(self) -> int:
@@ -98,6 +101,8 @@ class TiersBenchConfig:
             raise ValueError("prompt_len and output_len must be >= 1")
         if self.stream_interval < 1 or self.free_stream_interval < 1:
             raise ValueError("stream_interval and free_stream_interval must be >= 1")
+        if self.capacity_rps is not None and not (math.isfinite(self.capacity_rps) and self.capacity_rps > 0):
+            raise ValueError("capacity_rps must be a finite number of requests/s > 0")
 
 
 @dataclass
@@ -280,13 +285,17 @@ def _open_loop(url: str, cfg: TiersBenchConfig, rates: dict[str, float], progres
 
 
 async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float, float]:
-    """(capacity in requests/s from a closed loop of 2 × seats paid requests, idle TTFT in s)."""
+    """(capacity in requests/s from a closed loop of 2 × seats paid requests, or ``cfg.capacity_rps``
+    when given; idle TTFT in s)."""
     async with sse_session(url, 300) as http:
         idle = []
         for p in _prompts(5, cfg, cfg.seed + 999):
             s = await _shot(http, "paid", p, 2)
             if s.ttft is not None:
                 idle.append(s.ttft)
+        idle_ttft = float(np.median(idle)) if idle else 0.0
+        if cfg.capacity_rps is not None:
+            return cfg.capacity_rps, idle_ttft
         done = 0
         end = time.perf_counter() + max(8.0, cfg.duration_s / 3)
         prompts = _prompts(4096, cfg, cfg.seed + 7)
@@ -300,7 +309,7 @@ async def _calibrate(url: str, cfg: TiersBenchConfig, seats: int) -> tuple[float
                 i += 2 * seats
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(2 * seats)))
-        return done / (time.perf_counter() - t0), float(np.median(idle)) if idle else 0.0
+        return done / (time.perf_counter() - t0), idle_ttft
 
 
 def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot], idle_ttft: float,
@@ -355,7 +364,8 @@ def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_pr
     phases: list[PhaseResult] = []
     with serving_stack(model_dir, full, cfg, workdir) as stack:
         capacity, idle_ttft = asyncio.run(_calibrate(stack.url, cfg, full))
-        print(f"capacity {capacity:.2f} requests/s with {full} seats; idle TTFT {idle_ttft * 1000:.1f} ms",
+        how = "given (--capacity)" if cfg.capacity_rps is not None else "measured"
+        print(f"capacity {capacity:.2f} requests/s with {full} seats ({how}); idle TTFT {idle_ttft * 1000:.1f} ms",
               file=sys.stderr)
         rates = {"paid": cfg.paid_load * capacity, "free": cfg.free_load * capacity}
         for name, r in (("paid-only", {"paid": rates["paid"]}), ("paid+free", rates)):
@@ -455,6 +465,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    "(default 0.25)")
     p.add_argument("--free-load", type=float, default=3.0, help="free arrival rate as a multiple of capacity "
                    "(default 3)")
+    p.add_argument("--capacity", type=float, default=None, metavar="REQ_PER_S",
+                   help="take this as the pool's capacity instead of measuring it, so that two builds or "
+                        "settings are compared at the same offered rates (a measured capacity moves with the "
+                        "machine's load from run to run, and both tiers' rates with it); default: measured")
     p.add_argument("--reserved-seats", type=int, default=2, help="seats of the replica kept for paid; free "
                    "gets the rest (default 2)")
     p.add_argument("--stream-interval", type=int, default=1,
@@ -478,15 +492,22 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def _config_from(args: argparse.Namespace) -> TiersBenchConfig:
+    return TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
+                            duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
+                            reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
+                            free_stream_interval=args.free_stream_interval,
+                            prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
+                            server_args=tuple(args.server_arg), capacity_rps=args.capacity)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run W6 and write its JSON, table and plot."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the results
-    cfg = TiersBenchConfig(model=args.model, max_num_seqs=args.max_num_seqs, removed_fraction=args.removed_fraction,
-                           duration_s=args.duration, paid_load=args.paid_load, free_load=args.free_load,
-                           reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
-                           free_stream_interval=args.free_stream_interval,
-                           prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
-                           server_args=tuple(args.server_arg))
+    try:
+        cfg = _config_from(args)
+    except ValueError as e:  # a bad flag: one line, not a traceback
+        raise SystemExit(f"pagedserve bench tiers: {e}") from None
     if Path(cfg.model).is_dir():
         model_dir = Path(cfg.model)
     else:

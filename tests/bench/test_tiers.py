@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
 from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, EngineTimes, Shot, TiersBenchConfig, _summarise,
-                                   format_table, gateway_toml, read_request_log)
+                                   add_parser, format_table, gateway_toml, read_request_log)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
 
@@ -68,3 +69,24 @@ def test_request_log_lines_are_parsed(tmp_path) -> None:
     new, old = times["w6-paid-1-0"], times["older-1"]
     assert (new.queue, new.ttft, new.to_core) == pytest.approx((0.00012, 0.0054, 0.0025))
     assert (old.queue, old.ttft, old.to_core) == (pytest.approx(0.00012), pytest.approx(0.0054), None)
+
+
+def test_a_given_capacity_is_checked_and_reaches_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="bench"))
+    assert parser.parse_args(["tiers"]).capacity is None  # default: measured
+    assert parser.parse_args(["tiers", "--capacity", "25.5"]).capacity == 25.5
+    assert TiersBenchConfig(capacity_rps=25.5).capacity_rps == 25.5
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="capacity_rps"):
+            TiersBenchConfig(capacity_rps=bad)
+
+
+def test_bad_flags_end_in_one_line_not_a_traceback() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="bench"))
+    for argv in (["tiers", "--capacity", "-1"], ["tiers", "--reserved-seats", "99"]):
+        args = parser.parse_args(argv)
+        with pytest.raises(SystemExit) as exc:
+            args.func(args)
+        assert str(exc.value).startswith("pagedserve bench tiers: ") and "\n" not in str(exc.value)
