@@ -6,8 +6,9 @@ One shared pool of engine replicas; paid (priority 0, queue-wait budget 1 s) and
 a client process of its own (as separate tenants would; one event loop reading the free streams
 would also delay the paid client's own timestamps):
 
-1. calibrate: a closed loop of 2 × seats paid requests measures the pool's capacity C (requests/s)
-   and an idle request's TTFT;
+1. calibrate: a closed loop of 2 × seats paid requests measures the pool's capacity C (requests/s;
+   ``--capacity`` gives it instead, to compare builds at the same offered rates) and an idle
+   request's TTFT;
 2. ``paid-only``: paid at ``--paid-load`` × C (0.25 by default), no free traffic (the reference);
 3. ``paid+free``: the same paid traffic plus free at ``--free-load`` × C (3 × by default);
 4. and 5. the same two with 30% of the pool's seats removed (``--max-num-seqs`` × 0.7), same
