@@ -93,6 +93,8 @@ TIER_BOUNDS = {
     "priority": Bound(-(2**31), 2**31 - 1, integer=True, unit="lower is served sooner"),
     "max_queue_wait_s": Bound(0, 3600, above=True, unit="seconds"),
     "default_max_tokens": Bound(1, 10**9, integer=True, unit="tokens"),
+    # pagedserve's request field takes 1-1024 (engine.sampling_params.MAX_STREAM_INTERVAL); the gateway
+    # keeps its own copy because it imports nothing of the engine (its replicas may be vLLM too).
     "stream_interval": Bound(1, 1024, integer=True, unit="tokens per streamed event"),
 }
 POOL_BOUNDS = {

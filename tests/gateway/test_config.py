@@ -181,3 +181,10 @@ def test_bounds_allow_what_deployments_use() -> None:
                        .replace("token_burst = 1000\n", "token_burst = 10000000\n")
                        .replace("token_rate = 10\n", "token_rate = 0.001\n"))
     assert cfg.tiers["paid"].token_rate == 1e7 and cfg.tiers["free"].token_rate == 0.001
+
+
+def test_the_tier_stream_interval_bound_is_the_replica_fields():
+    from pagedserve.engine.sampling_params import MAX_STREAM_INTERVAL
+    from pagedserve.gateway.config import TIER_BOUNDS
+
+    assert TIER_BOUNDS["stream_interval"].high == MAX_STREAM_INTERVAL
