@@ -162,6 +162,11 @@ class EngineConfig:
     # the core also runs under SCHED_BATCH, so on cores it shares with HTTP front ends, a gateway or
     # clients, their short bursts preempt the step loop instead of waiting out its time slice.
     engine_core_nice: int = 0
+    # Pin the engine core's step threads one per CPU core (serve; the in-process engine ignores it),
+    # when the step has exactly one thread per core it may use and the environment sets no OpenMP
+    # affinity of its own. Unpinned, a worker woken after an idle moment can land on its master's
+    # core and the two spin against each other for a time slice: an idle server's first token late.
+    bind_step_threads: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto":
@@ -205,6 +210,8 @@ class EngineConfig:
         threads = self.num_threads
         if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_NUM_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {threads!r}")
+        if type(self.bind_step_threads) is not bool:
+            raise ValueError(f"bind_step_threads must be true or false, got {self.bind_step_threads!r}")
         nice = self.engine_core_nice
         if type(nice) is not int or not 0 <= nice <= MAX_NICE:
             raise ValueError(f"engine_core_nice must be an integer in [0, {MAX_NICE}], got {nice!r}")

@@ -31,7 +31,8 @@ replica runs with ``--log-requests``, so each admitted request's figures are joi
   front end's own work (parsing the request, streaming the token), so a rise under free traffic
   is placed on one side or the other.
 
-Writes ``w6.json``, ``w6_waits.png`` (per-tier distributions) and the replicas' request logs.
+Writes ``w6.json``, ``w6_waits.png`` (per-tier distributions), the replicas' request logs and the
+gateway's decision logs.
 """
 
 from __future__ import annotations
@@ -206,7 +207,10 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))
         gateway = [sys.executable, "-m", "pagedserve.gateway", "--config", str(toml)]
-        with running_process(gateway, f"http://127.0.0.1:{gport}/health"):
+        # The gateway's decision log (admit / shed, and how long each admitted request queued) is
+        # kept beside the replica's: it says why a request waited.
+        with open(workdir / f"gateway-{seats}.log", "w+") as gateway_log, \
+                running_process(gateway, f"http://127.0.0.1:{gport}/health", log=gateway_log):
             yield Stack(f"http://127.0.0.1:{gport}", log_path)
 
 

@@ -110,7 +110,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1),
         priority_prefill_first=getattr(args, "priority_prefill_first", True),
         priority_prefill_max_pause=getattr(args, "priority_prefill_max_pause", 8),
-        num_threads=getattr(args, "num_threads", None), engine_core_nice=getattr(args, "engine_core_nice", 0))
+        num_threads=getattr(args, "num_threads", None), engine_core_nice=getattr(args, "engine_core_nice", 0),
+        bind_step_threads=getattr(args, "bind_step_threads", False))
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

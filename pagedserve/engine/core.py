@@ -206,7 +206,8 @@ class EngineCore:
             num_kv_blocks=self.num_kv_blocks, kv_bytes_per_token=self.kv_bytes_per_token, kv_dtype=self.kv_dtype,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             attention_backend=c.attention_backend, weight_bytes=self.weight_bytes,
-            enable_prefix_caching=c.enable_prefix_caching, num_threads=torch.get_num_threads())
+            enable_prefix_caching=c.enable_prefix_caching, num_threads=torch.get_num_threads(),
+            threads_pinned=os.environ.get("OMP_PROC_BIND", "false").strip().lower() not in ("false", ""))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

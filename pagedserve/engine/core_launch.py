@@ -172,10 +172,55 @@ def yield_cpu_to_front_ends(nice: int) -> None:
         os.nice(nice)
 
 
+# Any of these set: the user (or vLLM-style tooling) placed the threads already; leave them be.
+OPENMP_AFFINITY_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def usable_cores() -> int:
+    """Physical cores among the CPUs this process may run on (its affinity mask: taskset, a cgroup's
+    cpuset); each CPU counts as its own core where the topology cannot be read."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return len(cores)
+
+
+def bind_step_threads(num_threads: int | None) -> bool:
+    """Pin the step's OpenMP threads one per core, when it runs one thread per usable core and the
+    environment places none itself; True if pinned. Sets the environment torch's OpenMP runtime
+    reads when it starts, so it must run before torch is imported.
+
+    Why: between steps the worker threads spin, then sleep. A worker woken for the first step after
+    an idle moment may be queued on its master's core, where the master spins at the region's
+    barrier waiting for it: the step, and an idle server's first token, comes a time slice late
+    (vLLM's CPU backend pins its threads too). With fewer threads than cores nothing is pinned, so
+    that servers sharing a machine are not stacked onto the same cores."""
+    if any(name in os.environ for name in OPENMP_AFFINITY_VARIABLES):
+        return False
+    cores = usable_cores()
+    threads = num_threads
+    if threads is None:
+        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else cores
+    if threads != cores or cores < 2:
+        return False
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # what torch would pick; made explicit to match the places
+    os.environ["OMP_PROC_BIND"] = "close"
+    os.environ["OMP_PLACES"] = "cores"  # libgomp limits the places to this process's affinity mask
+    return True
+
+
 def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
     """The child's entry point: only here is the engine imported."""
-    # Before torch starts its thread pool, so that its threads inherit the priority.
+    # Before torch starts its thread pool, so that its threads inherit the priority and the places.
     yield_cpu_to_front_ends(config.engine_core_nice)
+    cpus = os.sched_getaffinity(0)  # before any pinning: the core's other threads keep all of them
+    if config.bind_step_threads:
+        bind_step_threads(config.num_threads)
     from pagedserve.engine.core_proc import run_engine_core
 
-    run_engine_core(config, addrs, ready, log_level)
+    run_engine_core(config, addrs, ready, log_level, cpus)

@@ -47,10 +47,12 @@ STATS_INTERVAL_S = 0.02
 _IDLE_POLL_MS = 1000
 
 
-def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
+def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str,
+                    cpus: set[int] | None = None) -> None:
     """The child process's entry point (spawned): build the core, report ready, serve until told to stop.
 
-    ``addrs``: one (input, output) address pair per front end."""
+    ``addrs``: one (input, output) address pair per front end; ``cpus``: the CPUs the process may
+    use, which ZMQ's threads get even when the step threads are pinned (``bind_step_threads``)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     if config.engine_core_nice > 0:
         _log_priority()
@@ -67,6 +69,11 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         raise SystemExit(2) from None
     ctx = zmq.Context(io_threads=1)
     commands, results = [], []
+    # ZMQ starts its I/O thread with the first socket, and a new thread inherits its creator's CPUs:
+    # unpinned, it moves the outputs while this (pinned) thread already runs the next step.
+    pinned = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     for input_addr, output_addr in addrs:
         pull = ctx.socket(zmq.PULL)
         pull.connect(input_addr)
@@ -77,6 +84,7 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         push.setsockopt(zmq.SNDTIMEO, 1000)
         push.connect(output_addr)
         results.append(push)
+    os.sched_setaffinity(0, pinned)
     ready.send(("ready", core.facts()))
     ready.close()
     try:

@@ -61,6 +61,7 @@ class ModelFacts:
     weight_bytes: int
     enable_prefix_caching: bool = True  # /metrics' vllm:cache_config_info reports it
     num_threads: int = 1  # CPU threads of the model step in the core's process (the startup log says it)
+    threads_pinned: bool = False  # OpenMP binds them to places (serve --bind-step-threads, or OMP_PROC_BIND)
 
 
 # ---- front end → core, and the core's answers (pagedserve.engine.core_proc) ----

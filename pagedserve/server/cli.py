@@ -129,6 +129,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "preempt the step loop instead of queueing behind it, and the step loop takes "
                              "every cycle they leave. 0 = the fronts' own priority (default 10; needs "
                              "--engine-process)")
+    server.add_argument("--bind-step-threads", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin the engine core's step threads one per CPU core (OpenMP's OMP_PROC_BIND=close, "
+                             "OMP_PLACES=cores) when the step runs one thread per core this process may use "
+                             "and OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY / KMP_AFFINITY are not set: "
+                             "unpinned, a worker thread woken after an idle moment can land on the core of the "
+                             "thread that woke it, and the first token after idle comes a time slice late. "
+                             "Fewer threads than cores (--num-threads) are never pinned, so that servers "
+                             "sharing a machine do not stack onto the same cores (default on; needs "
+                             "--engine-process)")
     server.add_argument("--api-server-count", type=_whole_number(1, MAX_API_SERVERS), default=1, metavar="N",
                         help="run N HTTP front processes (1-16) on the one port, all feeding one engine core "
                              "process: each tokenizes, applies the chat template, detokenizes and streams its "
@@ -334,7 +343,8 @@ def _log_startup(facts: ModelFacts, config: ServerConfig, own_process: bool) -> 
     """One block that says what is served, how much KV it has and where it listens."""
     tokens = facts.num_kv_blocks * facts.block_size
     kv_bytes = tokens * facts.kv_bytes_per_token
-    threads = f" ({facts.num_threads} step threads)" if facts.device == "cpu" else ""
+    pinned = ", pinned one per core" if facts.threads_pinned else ""
+    threads = f" ({facts.num_threads} step threads{pinned})" if facts.device == "cpu" else ""
     logger.info("model: %s (served as '%s'), dtype %s, device %s%s, max_model_len %d; engine core %s",
                 facts.model_name, config.served_model_name or facts.model_name, facts.dtype, facts.device,
                 threads, facts.max_model_len,

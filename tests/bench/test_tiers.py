@@ -11,6 +11,7 @@ from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, EngineTimes, Shot, Tiers
                                    add_parser, format_table, gateway_toml, read_request_log)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
+from tests.helpers.servers import wait_for_idle
 
 
 def test_gateway_toml_is_valid_and_paid_outranks_free() -> None:
@@ -90,3 +91,20 @@ def test_bad_flags_end_in_one_line_not_a_traceback() -> None:
         with pytest.raises(SystemExit) as exc:
             args.func(args)
         assert str(exc.value).startswith("pagedserve bench tiers: ") and "\n" not in str(exc.value)
+
+
+def test_the_stack_keeps_the_replica_and_gateway_logs(tiny_model_dir, tmp_path) -> None:
+    import httpx
+
+    from pagedserve.bench.tiers import serving_stack
+
+    cfg = TiersBenchConfig(server_args=["--dtype", "float32", "--max-model-len", "256"])
+    with serving_stack(tiny_model_dir, 4, cfg, tmp_path) as stack:
+        r = httpx.post(f"{stack.url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {PAID_KEY}"},
+                       json={"model": "w6", "prompt": [5, 6, 7, 8], "max_tokens": 2, "request_id": "w6-paid-log"})
+        assert r.status_code == 200, r.text
+        replica = parse_config((tmp_path / "gateway-4.toml").read_text()).pools["shared"].replicas[0]
+        assert wait_for_idle(replica)["kv_blocks_used"] == 0
+    gateway_log = (tmp_path / "gateway-4.log").read_text()
+    assert "admit reason=admitted tier=paid" in gateway_log and "queued_s=" in gateway_log  # why it waited, or not
+    assert "w6-paid-log" in read_request_log(stack.engine_log)

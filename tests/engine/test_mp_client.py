@@ -178,3 +178,93 @@ def test_serve_lowers_the_core_by_default_and_the_flag_says_how_much():
     assert engine_config_from_args(serve.parse_args(["--model", "x", "--engine-core-nice", "0"])).engine_core_nice == 0
     with pytest.raises(SystemExit):
         serve.parse_args(["--model", "x", "--engine-core-nice", "20"])
+
+
+def _thread_cpus(pid: int) -> dict[str, list[frozenset[int]]]:
+    """The CPUs each thread of process ``pid`` may run on, by thread name."""
+    out: dict[str, list[frozenset[int]]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            name = f.read().strip()
+        out.setdefault(name, []).append(frozenset(os.sched_getaffinity(int(tid))))
+    return out
+
+
+@pytest.fixture
+def no_openmp_placement(monkeypatch):
+    """No OpenMP affinity or thread count in the environment (restored afterwards, whatever is set)."""
+    from pagedserve.engine.core_launch import OPENMP_AFFINITY_VARIABLES
+
+    for name in (*OPENMP_AFFINITY_VARIABLES, "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "")  # recorded as it was, so what bind_step_threads sets is undone too
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
+def test_bind_step_threads_pins_only_one_thread_per_core(no_openmp_placement):
+    from pagedserve.engine.core_launch import bind_step_threads, usable_cores
+
+    cores = usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    assert not bind_step_threads(cores + 1) and "OMP_PROC_BIND" not in os.environ
+    if cores >= 2:
+        assert not bind_step_threads(cores - 1) and "OMP_PROC_BIND" not in os.environ  # servers sharing cores
+    no_openmp_placement.setenv("OMP_NUM_THREADS", str(cores + 1))
+    assert not bind_step_threads(None)
+    no_openmp_placement.setenv("OMP_NUM_THREADS", str(cores))
+    no_openmp_placement.setenv("GOMP_CPU_AFFINITY", "0")  # the user's own placement wins
+    assert not bind_step_threads(None) and "OMP_PROC_BIND" not in os.environ
+    no_openmp_placement.delenv("GOMP_CPU_AFFINITY")
+    no_openmp_placement.delenv("OMP_NUM_THREADS")
+    if cores >= 2:
+        assert bind_step_threads(None)
+        assert (os.environ["OMP_NUM_THREADS"], os.environ["OMP_PROC_BIND"], os.environ["OMP_PLACES"]) == \
+            (str(cores), "close", "cores")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
+def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tiny_model_dir, no_openmp_placement):
+    from pagedserve.engine.core_launch import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("one core: nothing to pin")
+    everywhere = frozenset(os.sched_getaffinity(0))
+    core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           max_model_len=256, max_num_seqs=4, bind_step_threads=True))
+    assert core.facts.threads_pinned and core.facts.num_threads == usable_cores()
+
+    async def main():
+        client = MPEngineClient(core)
+        await client.start()
+        try:  # a step, so that torch's worker threads exist too
+            out = await _collect(client, "r", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))
+            return out, _thread_cpus(core.process.pid), client.stats()
+        finally:
+            await client.shutdown()
+
+    out, threads, stats = asyncio.run(main())
+    assert len(out.outputs[0].token_ids) == 4 and stats.kv_blocks_used == 0
+    pinned = {cpus for sets in threads.values() for cpus in sets if cpus != everywhere}
+    # One place per core: disjoint sets that cover every CPU the process may use.
+    assert len(pinned) == usable_cores() and frozenset().union(*pinned) == everywhere
+    assert sum(len(cpus) for cpus in pinned) == len(everywhere)
+    assert threads["ZMQbg/IO/0"] == [everywhere]  # the sockets' thread moves freely
+    assert frozenset(os.sched_getaffinity(0)) == everywhere  # this process is untouched
+
+
+def test_serve_pins_step_threads_by_default_and_the_flag_turns_it_off():
+    import argparse
+
+    from pagedserve.engine.args import engine_config_from_args
+    from pagedserve.server.cli import add_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve = add_parser(sub)
+    assert engine_config_from_args(serve.parse_args(["--model", "x"])).bind_step_threads is True
+    assert engine_config_from_args(serve.parse_args(["--model", "x", "--no-bind-step-threads"])).bind_step_threads \
+        is False
+    assert EngineConfig(model="x").bind_step_threads is False  # the library's engine leaves threads alone
+    with pytest.raises(ValueError, match="bind_step_threads"):
+        EngineConfig(model="x", bind_step_threads="yes")
