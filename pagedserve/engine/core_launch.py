@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -178,7 +179,10 @@ OPENMP_AFFINITY_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY",
 
 def usable_cores() -> int:
     """Physical cores among the CPUs this process may run on (its affinity mask: taskset, a cgroup's
-    cpuset); each CPU counts as its own core where the topology cannot be read."""
+    cpuset); each CPU counts as its own core where the topology cannot be read; 1 where the OS has
+    no affinity masks."""
+    if not hasattr(os, "sched_getaffinity"):
+        return 1
     cores = set()
     for cpu in os.sched_getaffinity(0):
         topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
@@ -214,11 +218,35 @@ def bind_step_threads(num_threads: int | None) -> bool:
     return True
 
 
+def unpin_helper_threads(cpus: set[int] | None) -> int:
+    """Give ``cpus`` back to the threads that inherited the step loop's pin; how many.
+
+    A new thread inherits its creator's CPUs, so the threads the core's main thread started after
+    OpenMP pinned it (ZMQ's I/O threads, the KV event publisher's) would share its one core and, under
+    SCHED_BATCH, wait out its time slice to move a step's outputs. Threads started later still
+    inherit the pin (the grammar compiler's pool, on first use). OpenMP's workers keep their own
+    places, which are never the main thread's."""
+    if not cpus or not hasattr(os, "sched_getaffinity"):
+        return 0
+    pinned = os.sched_getaffinity(0)
+    if pinned == cpus:
+        return 0
+    main, moved = threading.get_native_id(), 0
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if tid != main and os.sched_getaffinity(tid) == pinned:
+                os.sched_setaffinity(tid, cpus)
+                moved += 1
+    return moved
+
+
 def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
     """The child's entry point: only here is the engine imported."""
     # Before torch starts its thread pool, so that its threads inherit the priority and the places.
     yield_cpu_to_front_ends(config.engine_core_nice)
-    cpus = os.sched_getaffinity(0)  # before any pinning: the core's other threads keep all of them
+    # Before any pinning: the core's other threads get all of these back (unpin_helper_threads).
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if config.bind_step_threads:
         bind_step_threads(config.num_threads)
     from pagedserve.engine.core_proc import run_engine_core

@@ -35,7 +35,7 @@ from pagedserve import errors
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_map import BlockMapFeed
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.core_launch import die_with_parent
+from pagedserve.engine.core_launch import die_with_parent, unpin_helper_threads
 # The messages, named here too (the front imports them from wire, without the engine core).
 from pagedserve.engine.wire import (  # noqa: F401
     Abort, AddRequest, Admission, Command, CoreBatch, Shutdown, WatchBlocks)
@@ -52,7 +52,7 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
     """The child process's entry point (spawned): build the core, report ready, serve until told to stop.
 
     ``addrs``: one (input, output) address pair per front end; ``cpus``: the CPUs the process may
-    use, which ZMQ's threads get even when the step threads are pinned (``bind_step_threads``)."""
+    use, which its helper threads get back when the step threads are pinned (``bind_step_threads``)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     if config.engine_core_nice > 0:
         _log_priority()
@@ -69,11 +69,6 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         raise SystemExit(2) from None
     ctx = zmq.Context(io_threads=1)
     commands, results = [], []
-    # ZMQ starts its I/O thread with the first socket, and a new thread inherits its creator's CPUs:
-    # unpinned, it moves the outputs while this (pinned) thread already runs the next step.
-    pinned = os.sched_getaffinity(0)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
     for input_addr, output_addr in addrs:
         pull = ctx.socket(zmq.PULL)
         pull.connect(input_addr)
@@ -84,7 +79,7 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         push.setsockopt(zmq.SNDTIMEO, 1000)
         push.connect(output_addr)
         results.append(push)
-    os.sched_setaffinity(0, pinned)
+    unpin_helper_threads(cpus)  # ZMQ starts its I/O thread with the first socket: it exists now
     ready.send(("ready", core.facts()))
     ready.close()
     try:
