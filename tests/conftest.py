@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +88,22 @@ SHARED_SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", 
 
 
 @pytest.fixture(scope="session")
-def kv_events_port() -> int:
-    """The loopback port the shared server's KV event publisher connects to (a test binds a SUB there)."""
-    from tests.helpers.servers import free_port
+def kv_events_port_reservation() -> Iterator[socket.socket]:
+    """A socket bound, not listening, to the port the shared server's KV event publisher connects to,
+    until the test that binds a SUB there closes it. Unreserved for minutes, the port could be taken
+    by another test's server, or by the publisher itself: it reconnects every 100 ms, and a connect
+    whose ephemeral source port is the destination port connects the socket to itself. Linux never
+    picks a port something is bound to as an ephemeral source port."""
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.bind(("127.0.0.1", 0))
+    yield reservation
+    reservation.close()
 
-    return free_port()
+
+@pytest.fixture(scope="session")
+def kv_events_port(kv_events_port_reservation: socket.socket) -> int:
+    """The loopback port the shared server's KV event publisher connects to (a test binds a SUB there)."""
+    return kv_events_port_reservation.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ connecting to a subscriber that binds, as llm-d's does; the events name the prom
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 
 import httpx
@@ -24,11 +25,13 @@ def _wait_connected(sub: zmq.Socket, timeout_s: float) -> None:
         monitor.close(linger=0)
 
 
-def test_server_publishes_the_prompts_blocks(server_url: str, kv_events_port: int) -> None:
+def test_server_publishes_the_prompts_blocks(server_url: str, kv_events_port: int,
+                                            kv_events_port_reservation: socket.socket) -> None:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     try:
+        kv_events_port_reservation.close()  # the port was held for this bind (see the fixture)
         sub.bind(f"tcp://127.0.0.1:{kv_events_port}")
         _wait_connected(sub, 10)
         last_seq = None
