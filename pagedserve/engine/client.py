@@ -303,16 +303,22 @@ class StreamingClient(EngineClient):
         )
 
     def _estimate_queue_wait(self, s: EngineStats, finished_per_s: float) -> float:
-        """Queue wait for a request arriving now: the requests ahead of it divided by the rate at
-        which seats free up (Little's law). Zero when a seat is free and nobody waits."""
-        if s.num_waiting == 0 and s.num_running < s.max_num_seqs:
-            return 0.0
-        ahead = s.num_waiting + 1
-        if finished_per_s > 0:
-            return ahead / finished_per_s
-        # Nothing finished lately: fall back to the mean end-to-end time of recent requests.
         mean_e2e = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
-        return ahead * mean_e2e / max(s.max_num_seqs, 1)
+        return queue_wait_estimate(s.num_running, s.num_waiting, s.max_num_seqs, finished_per_s, mean_e2e)
+
+
+def queue_wait_estimate(running: int, waiting: int, seats: int, finished_per_s: float, mean_e2e_s: float) -> float:
+    """Queue wait for a request arriving now: the seats that must free up before it gets one,
+    divided by the rate at which they do (Little's law); without a rate, recent requests' mean
+    end-to-end time per seat. Zero while running + waiting leave a seat: a request that has just
+    been queued, between its arrival and the next scheduling pass, holds up nobody behind it (a
+    snapshot taken in that moment must not tell a router to go elsewhere)."""
+    ahead = running + waiting + 1 - seats
+    if ahead <= 0:
+        return 0.0
+    if finished_per_s > 0:
+        return ahead / finished_per_s
+    return ahead * mean_e2e_s / max(seats, 1)
 
 
 _REQUEST_LINE = re.compile(

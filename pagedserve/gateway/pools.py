@@ -170,8 +170,8 @@ class Replica:
             seats = max(1, load.running)
         depth = self.depth()
         if load.est_queue_wait_s > 0 and (load.waiting > 0 or load.running >= seats):
-            # The engine measured how fast seats free up: (waiting + 1) / finished_per_s.
-            per_seat = load.est_queue_wait_s / (load.waiting + 1)
+            # The engine measured how fast seats free up: (running + waiting + 1 − seats) / finished_per_s.
+            per_seat = load.est_queue_wait_s / max(1, load.running + load.waiting + 1 - seats)
         else:
             per_seat = (self.service_s if self.service_s is not None else default_service_s) / seats
         lower = self._worse(priority)

@@ -159,3 +159,16 @@ def test_a_crashing_step_fails_streams_and_refuses_new_work(fresh: Engine, monke
 
     asyncio.run(main())
     fresh.abort("doomed")  # the step thread is gone, so the test may touch the engine directly
+
+
+def test_queue_wait_estimate_counts_only_the_seats_that_must_free_up():
+    from pagedserve.engine.client import queue_wait_estimate
+
+    # A request queued a moment ago, before the next scheduling pass, with a seat left: nobody waits.
+    assert queue_wait_estimate(running=0, waiting=1, seats=2, finished_per_s=0.5, mean_e2e_s=4.0) == 0.0
+    assert queue_wait_estimate(running=1, waiting=0, seats=2, finished_per_s=0.5, mean_e2e_s=4.0) == 0.0
+    # Full: one seat must free up (at 0.5 per second: 2 s); each waiter ahead adds one more.
+    assert queue_wait_estimate(running=2, waiting=0, seats=2, finished_per_s=0.5, mean_e2e_s=4.0) == 2.0
+    assert queue_wait_estimate(running=1, waiting=3, seats=2, finished_per_s=0.5, mean_e2e_s=4.0) == 6.0
+    # Nothing finished lately: recent requests' mean end-to-end time per seat.
+    assert queue_wait_estimate(running=2, waiting=1, seats=2, finished_per_s=0.0, mean_e2e_s=4.0) == 4.0
