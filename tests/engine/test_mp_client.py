@@ -138,22 +138,29 @@ def _thread_priorities(pid: int) -> set[tuple[int, int]]:
     return out
 
 
+def _one_step_then(core, read_threads):
+    """Run one request through ``core`` (so that torch's worker threads exist), then read its threads
+    with ``read_threads(pid)``: (the output, what was read, the engine's stats), the core shut down."""
+
+    async def main():
+        client = MPEngineClient(core)
+        await client.start()
+        try:
+            out = await _collect(client, "r", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))
+            return out, read_threads(core.process.pid), client.stats()
+        finally:
+            await client.shutdown()
+
+    return asyncio.run(main())
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness and SCHED_BATCH as Linux has them")
 def test_engine_core_nice_lowers_every_core_thread_and_only_the_core(tiny_model_dir):
     core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
                                            max_model_len=256, max_num_seqs=4, num_threads=2, engine_core_nice=7))
 
-    async def main():
-        client = MPEngineClient(core)
-        await client.start()
-        try:  # a step, so that torch's worker thread exists too
-            out = await _collect(client, "r", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                          ignore_eos=True))
-            return out, _thread_priorities(core.process.pid), client.stats()
-        finally:
-            await client.shutdown()
-
-    out, threads, stats = asyncio.run(main())
+    out, threads, stats = _one_step_then(core, _thread_priorities)
     assert len(out.outputs[0].token_ids) == 4
     assert threads == {(7, os.SCHED_BATCH)}  # main, ZMQ I/O and torch's threads alike
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0 and os.sched_getscheduler(0) == os.SCHED_OTHER  # not this one
@@ -234,17 +241,7 @@ def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tin
                                            max_model_len=256, max_num_seqs=4, bind_step_threads=True))
     assert core.facts.threads_pinned and core.facts.num_threads == usable_cores()
 
-    async def main():
-        client = MPEngineClient(core)
-        await client.start()
-        try:  # a step, so that torch's worker threads exist too
-            out = await _collect(client, "r", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                          ignore_eos=True))
-            return out, _thread_cpus(core.process.pid), client.stats()
-        finally:
-            await client.shutdown()
-
-    out, threads, stats = asyncio.run(main())
+    out, threads, stats = _one_step_then(core, _thread_cpus)
     assert len(out.outputs[0].token_ids) == 4 and stats.kv_blocks_used == 0
     pinned = [cpus for sets in threads.values() for cpus in sets if cpus != everywhere]
     # One step thread per core, each on its own: disjoint sets that cover every CPU the process may
