@@ -14,6 +14,12 @@ would also delay the paid client's own timestamps):
 4. and 5. the same two with 30% of the pool's seats removed (``--max-num-seqs`` × 0.7), same
    offered rates.
 
+With ``--rounds N`` each seat count runs N alternated pairs of 2. and 3. (4. and 5.), each round
+with arrivals and prompts of its own seed. A p95 over one 40-second phase rests on its dozen
+slowest paid requests, and this machine's speed drifts between phases, so one pair's ratio moves
+a lot from run to run; alternating spreads the drift over both sides, and the verdict is the
+paid p95 pooled over every round of each side (also each round's own ratio, and their median).
+
 Per tier: offered, admitted, shed (429, by error code; how many after waiting in the gateway's
 queue), queue wait p50/p95 and TTFT p50/p95. Every request carries its own ``request_id``, and the
 replica runs with ``--log-requests``, so each admitted request's figures are joined exactly:
@@ -41,6 +47,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -86,6 +93,7 @@ class TiersBenchConfig:
     # Requests/s to take as the pool's capacity instead of measuring it: two builds compared at the
     # same offered rates (a measured capacity moves with the machine's load, and W6's loads with it).
     capacity_rps: float | None = None
+    rounds: int = 1  # alternated (paid-only, paid+free) pairs per seat count, pooled in the verdict
 
     @property
     def reduced_seats(self) -> int:
@@ -103,6 +111,8 @@ class TiersBenchConfig:
             raise ValueError("prompt_len and output_len must be >= 1")
         if self.stream_interval < 1 or self.free_stream_interval < 1:
             raise ValueError("stream_interval and free_stream_interval must be >= 1")
+        if type(self.rounds) is not int or self.rounds < 1:
+            raise ValueError("rounds must be a whole number >= 1")
         if self.capacity_rps is not None and not (math.isfinite(self.capacity_rps) and self.capacity_rps > 0):
             raise ValueError("capacity_rps must be a finite number of requests/s > 0")
 
@@ -155,6 +165,46 @@ class PhaseResult:
     paid_rate: float
     free_rate: float
     tiers: dict[str, TierResult]
+    round: int = 1  # which of the --rounds pairs of its seat count
+
+
+@dataclass
+class PaidVerdict:
+    """W6's bar for one seat count: the paid client TTFT p95 with free traffic against without,
+    per round and pooled over every round (seconds)."""
+
+    seats: int
+    round_ratios: list[float]
+    alone_p95: float
+    with_free_p95: float
+
+    @property
+    def ratio(self) -> float:
+        return self.with_free_p95 / self.alone_p95 if self.alone_p95 > 0 else math.nan
+
+    @property
+    def median_round_ratio(self) -> float:
+        return float(np.median(self.round_ratios)) if self.round_ratios else math.nan
+
+
+def paid_verdicts(phases: list[PhaseResult]) -> list[PaidVerdict]:
+    """Per seat count, in the order they ran: the paid tier's client TTFT p95 with free traffic
+    against alone, each round's and pooled (the TTFTs of every round's phase of each side
+    together). Phases come in (paid-only, paid+free) pairs."""
+    verdicts: dict[int, PaidVerdict] = {}
+    pooled: dict[int, tuple[list[float], list[float]]] = {}
+    for alone, mixed in zip(phases[0::2], phases[1::2]):
+        a, m = alone.tiers["paid"], mixed.tiers["paid"]
+        v = verdicts.setdefault(alone.seats, PaidVerdict(alone.seats, [], math.nan, math.nan))
+        if a.ttft["p95"] > 0:
+            v.round_ratios.append(m.ttft["p95"] / a.ttft["p95"])
+        both = pooled.setdefault(alone.seats, ([], []))
+        both[0].extend(a.ttfts)
+        both[1].extend(m.ttfts)
+    for seats, (alone_ttfts, mixed_ttfts) in pooled.items():
+        verdicts[seats].alone_p95 = percentiles(alone_ttfts)["p95"]
+        verdicts[seats].with_free_p95 = percentiles(mixed_ttfts)["p95"]
+    return list(verdicts.values())
 
 
 def gateway_toml(engine_urls: list[str], cfg: TiersBenchConfig, port: int) -> str:
@@ -353,17 +403,33 @@ def _summarise(name: str, seats: int, rates: dict[str, float], shots: list[Shot]
 
 
 def _phase(stack: Stack, cfg: TiersBenchConfig, name: str, seats: int, rates: dict[str, float],
-           idle_ttft: float, show_progress: bool) -> PhaseResult:
+           idle_ttft: float, show_progress: bool, round_: int = 1) -> PhaseResult:
     from tqdm import tqdm
 
+    # Round k's arrivals and prompts come from a seed of its own: N rounds are N samples, not one
+    # sample N times (round 1 keeps the run's seed, so one round is the run it always was).
+    cfg = dataclasses.replace(cfg, seed=cfg.seed + 1000 * (round_ - 1))
+    name = name if cfg.rounds == 1 else f"{name} #{round_}"
     with tqdm(total=int(cfg.duration_s), desc=f"W6 {name} ({seats} seats)", unit="s",
               disable=not show_progress, file=sys.stderr) as bar:
         shots = _open_loop(stack.url, cfg, rates, bar)
-    return _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
+    result = _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
+    result.round = round_
+    return result
+
+
+def _rounds(stack: Stack, cfg: TiersBenchConfig, seats: int, names: tuple[str, str], rates: dict[str, float],
+            idle_ttft: float, show_progress: bool) -> list[PhaseResult]:
+    """``cfg.rounds`` alternated pairs of phases: paid alone, then paid with free traffic."""
+    phases = []
+    for k in range(1, cfg.rounds + 1):
+        phases.append(_phase(stack, cfg, names[0], seats, {"paid": rates["paid"]}, idle_ttft, show_progress, k))
+        phases.append(_phase(stack, cfg, names[1], seats, rates, idle_ttft, show_progress, k))
+    return phases
 
 
 def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_progress: bool = True) -> dict:
-    """Run the calibration and the four phases; returns the report (also the plot's data)."""
+    """Run the calibration and the phases (four per round); returns the report (also the plot's data)."""
     full = cfg.max_num_seqs
     reduced = cfg.reduced_seats
     phases: list[PhaseResult] = []
@@ -373,14 +439,13 @@ def run_benchmark(cfg: TiersBenchConfig, model_dir: Path, workdir: Path, show_pr
         print(f"capacity {capacity:.2f} requests/s with {full} seats ({how}); idle TTFT {idle_ttft * 1000:.1f} ms",
               file=sys.stderr)
         rates = {"paid": cfg.paid_load * capacity, "free": cfg.free_load * capacity}
-        for name, r in (("paid-only", {"paid": rates["paid"]}), ("paid+free", rates)):
-            phases.append(_phase(stack, cfg, name, full, r, idle_ttft, show_progress))
+        phases += _rounds(stack, cfg, full, ("paid-only", "paid+free"), rates, idle_ttft, show_progress)
     with serving_stack(model_dir, reduced, cfg, workdir) as stack:
-        for name, r in ((f"paid-only -{cfg.removed_fraction:.0%}", {"paid": rates["paid"]}),
-                        (f"paid+free -{cfg.removed_fraction:.0%}", rates)):
-            phases.append(_phase(stack, cfg, name, reduced, r, idle_ttft, show_progress))
+        removed = f" -{cfg.removed_fraction:.0%}"
+        phases += _rounds(stack, cfg, reduced, ("paid-only" + removed, "paid+free" + removed), rates, idle_ttft,
+                          show_progress)
     return {"workload": "W6", "config": asdict(cfg), "capacity_rps": capacity, "idle_ttft_s": idle_ttft,
-            "phases": phases}
+            "phases": phases, "verdicts": paid_verdicts(phases)}
 
 
 def _ms(seconds: float) -> str:
@@ -424,20 +489,25 @@ def plot_waits(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey=True)
     cfg = report["config"]
-    groups = (report["phases"][:2], report["phases"][2:])
+    phases = report["phases"]
+    groups = ([ph for ph in phases if ph.seats == phases[0].seats], [ph for ph in phases if ph.seats != phases[0].seats])
     for row, (attr, label) in enumerate((("waits", "queue wait (s): gateway seat queue + engine queue"),
                                          ("ttfts", "TTFT at the client (s)"))):
         for k, group in enumerate(groups):
             ax = axes[row][k]
-            for ph in group:
-                for tier, t in ph.tiers.items():
-                    values = getattr(t, attr)
+            # Each side's rounds pooled into one curve (one round: its phase as it was).
+            for mixed in (False, True):
+                side = [ph for ph in group if (ph.free_rate > 0) == mixed]
+                if not side:
+                    continue
+                name = side[0].name.split(" #")[0] + (f" ×{len(side)} rounds" if len(side) > 1 else "")
+                for tier in ("paid", "free"):
+                    values = [v for ph in side for v in getattr(ph.tiers[tier], attr)]
                     if not values:
                         continue
                     xs = np.sort(np.asarray(values))
                     ys = np.arange(1, len(xs) + 1) / len(xs)
-                    style = "-" if "free" in ph.name else "--"
-                    ax.step(xs, ys, style, where="post", label=f"{tier} ({ph.name})",
+                    ax.step(xs, ys, "-" if mixed else "--", where="post", label=f"{tier} ({name})",
                             color="tab:blue" if tier == "paid" else "tab:orange")
             ax.axvline(cfg["paid_budget_s"], color="tab:blue", lw=0.8, ls=":")
             ax.axvline(cfg["free_budget_s"], color="tab:orange", lw=0.8, ls=":")
@@ -447,7 +517,8 @@ def plot_waits(report: dict, path: Path) -> None:
             removed = f" ({cfg['removed_fraction']:.0%} of seats removed)" if k else " (full pool)"
             ax.set_title(f"{group[0].seats} seats{removed}")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8, loc="lower right")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="lower right")
         axes[row][0].set_ylabel("fraction of admitted requests")
     fig.suptitle(f"W6 per tier: paid {cfg['paid_load']:g}× capacity (budget {cfg['paid_budget_s']:g} s), "
                  f"free {cfg['free_load']:g}× capacity (budget {cfg['free_budget_s']:g} s)")
@@ -487,6 +558,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request, ignore_eos (default 64)")
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="alternated pairs of paid-only and paid+free phases per seat count, each with arrivals "
+                        "of its own seed; the verdict pools the paid TTFTs of every round of each side, so it "
+                        "rests on N times the requests and the machine's drift falls on both sides (default 1)")
     p.add_argument("--out", type=Path, default=Path("bench-results/w6"), help="output directory for w6.json "
                    "and w6_waits.png (default bench-results/w6)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -503,7 +578,7 @@ def _config_from(args: argparse.Namespace) -> TiersBenchConfig:
                             reserved_seats=args.reserved_seats, stream_interval=args.stream_interval,
                             free_stream_interval=args.free_stream_interval,
                             prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed,
-                            server_args=tuple(args.server_arg), capacity_rps=args.capacity)
+                            server_args=tuple(args.server_arg), capacity_rps=args.capacity, rounds=args.rounds)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -523,20 +598,26 @@ def main(args: argparse.Namespace) -> int:
     report = run_benchmark(cfg, model_dir, args.out, show_progress=not args.no_progress)
     out = {**report, "phases": [{**asdict(ph), "tiers": {t: {k: v for k, v in asdict(r).items() if k not in ("waits", "ttfts")}
                                                            for t, r in ph.tiers.items()}}
-                                for ph in report["phases"]]}
+                                for ph in report["phases"]],
+           "verdicts": [{**asdict(v), "ratio": v.ratio, "median_round_ratio": v.median_round_ratio}
+                        for v in report["verdicts"]]}
     (args.out / "w6.json").write_text(json.dumps(out, indent=2))
     plot_waits(report, args.out / "w6_waits.png")
     print(format_table(report))
-    names = [ph.name for ph in report["phases"]]
-    by_name = {ph.name: ph.tiers["paid"] for ph in report["phases"]}
-    for base, mixed in ((names[0], names[1]), (names[2], names[3])):
+    phases = report["phases"]
+    for base, mixed in zip(phases[0::2], phases[1::2]):
         for what, key in (("queue wait", "queue_wait"), ("engine TTFT", "engine_ttft"),
                           ("engine TTFT's part to the core", "engine_to_core"), ("TTFT", "ttft"),
                           ("TTFT − idle", "ttft_excess"), ("TTFT outside the engine", "outside_engine")):
-            b, m = getattr(by_name[base], key)["p95"], getattr(by_name[mixed], key)["p95"]
+            b, m = getattr(base.tiers["paid"], key)["p95"], getattr(mixed.tiers["paid"], key)["p95"]
             ratio = f"{m / b:.2f}x" if b > 0 else "ratio n/a"
-            print(f"{mixed}: paid p95 {what} {_ms(m)} with free traffic vs {_ms(b)} without ({ratio}); "
+            print(f"{mixed.name}: paid p95 {what} {_ms(m)} with free traffic vs {_ms(b)} without ({ratio}); "
                   f"budget {cfg.paid_budget_s * 1000:.0f} ms")
+    for v in report["verdicts"]:
+        rounds = ", ".join(f"{r:.2f}" for r in v.round_ratios)
+        print(f"verdict, {v.seats} seats: paid client TTFT p95 with free traffic {_ms(v.with_free_p95)} vs "
+              f"{_ms(v.alone_p95)} alone, pooled over {len(v.round_ratios)} round(s): {v.ratio:.2f}x "
+              f"(rounds: {rounds}; median {v.median_round_ratio:.2f}x)")
     unmatched = sum(t.unmatched for ph in report["phases"] for t in ph.tiers.values())
     if unmatched:
         print(f"warning: {unmatched} admitted requests had no line in the replica's request log")

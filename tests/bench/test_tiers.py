@@ -8,7 +8,8 @@ import math
 import pytest
 
 from pagedserve.bench.tiers import (FREE_KEY, PAID_KEY, EngineTimes, Shot, TiersBenchConfig, _summarise,
-                                   add_parser, format_table, gateway_toml, read_request_log)
+                                   add_parser, format_table, gateway_toml, paid_verdicts, plot_waits,
+                                   read_request_log)
 from pagedserve.gateway.config import parse_config
 from pagedserve.gateway.keys import KeyRing
 from tests.helpers.servers import wait_for_idle
@@ -83,10 +84,47 @@ def test_a_given_capacity_is_checked_and_reaches_the_config() -> None:
             TiersBenchConfig(capacity_rps=bad)
 
 
+def _paid_phase(name: str, seats: int, ttfts: list[float], free_rate: float = 0.0):
+    shots = [Shot("paid", 200, ttft=t, request_id=f"{name}{i}") for i, t in enumerate(ttfts)]
+    shots += [Shot("free", 429, code="overloaded")] * (3 if free_rate else 0)
+    rates = {"paid": 1.0} | ({"free": free_rate} if free_rate else {})
+    return _summarise(name, seats, rates, shots, idle_ttft=0.01, engine_log={})
+
+
+def test_the_verdict_pools_every_rounds_paid_ttfts(tmp_path) -> None:
+    # Round 1 is quiet on both sides, round 2 slow on both: each round's own ratio is 1.5, the pooled
+    # p95s compare the two sides' slowest requests over both rounds.
+    phases = [_paid_phase("paid-only #1", 8, [0.010] * 20), _paid_phase("paid+free #1", 8, [0.015] * 20, 3.0),
+              _paid_phase("paid-only #2", 8, [0.020] * 20), _paid_phase("paid+free #2", 8, [0.030] * 20, 3.0),
+              _paid_phase("paid-only -30% #1", 6, [0.010] * 20), _paid_phase("paid+free -30% #1", 6, [0.012] * 20, 3.0)]
+    eight, six = paid_verdicts(phases)
+    assert (eight.seats, six.seats) == (8, 6)
+    assert eight.round_ratios == pytest.approx([1.5, 1.5]) and eight.median_round_ratio == pytest.approx(1.5)
+    assert (eight.alone_p95, eight.with_free_p95) == (pytest.approx(0.020), pytest.approx(0.030))
+    assert eight.ratio == pytest.approx(1.5)
+    assert six.round_ratios == pytest.approx([1.2]) and six.ratio == pytest.approx(1.2)
+    # Pooled, not the mean of the rounds' p95s: one slow request in each side's 40 is under the p95.
+    phases[1] = _paid_phase("paid+free #1", 8, [0.015] * 19 + [0.5], 3.0)
+    assert paid_verdicts(phases)[0].with_free_p95 == pytest.approx(0.030)
+    plot_waits({"config": {"paid_budget_s": 1.0, "free_budget_s": 5.0, "removed_fraction": 0.3, "paid_load": 0.25,
+                           "free_load": 3.0}, "phases": phases}, tmp_path / "w6_waits.png")
+    assert (tmp_path / "w6_waits.png").stat().st_size > 0
+
+
+def test_rounds_are_checked_and_reach_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="bench"))
+    assert parser.parse_args(["tiers"]).rounds == 1
+    assert parser.parse_args(["tiers", "--rounds", "3"]).rounds == 3
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="rounds"):
+            TiersBenchConfig(rounds=bad)  # type: ignore[arg-type]
+
+
 def test_bad_flags_end_in_one_line_not_a_traceback() -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="bench"))
-    for argv in (["tiers", "--capacity", "-1"], ["tiers", "--reserved-seats", "99"]):
+    for argv in (["tiers", "--capacity", "-1"], ["tiers", "--reserved-seats", "99"], ["tiers", "--rounds", "0"]):
         args = parser.parse_args(argv)
         with pytest.raises(SystemExit) as exc:
             args.func(args)
