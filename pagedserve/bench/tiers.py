@@ -174,6 +174,7 @@ class PaidVerdict:
     per round and pooled over every round (seconds)."""
 
     seats: int
+    phase: str  # the paid+free phase's name, without its round
     round_ratios: list[float]
     alone_p95: float
     with_free_p95: float
@@ -188,22 +189,24 @@ class PaidVerdict:
 
 
 def paid_verdicts(phases: list[PhaseResult]) -> list[PaidVerdict]:
-    """Per seat count, in the order they ran: the paid tier's client TTFT p95 with free traffic
-    against alone, each round's and pooled (the TTFTs of every round's phase of each side
-    together). Phases come in (paid-only, paid+free) pairs."""
-    verdicts: dict[int, PaidVerdict] = {}
-    pooled: dict[int, tuple[list[float], list[float]]] = {}
+    """Per pool size (full, then with seats removed), in the order they ran: the paid tier's client
+    TTFT p95 with free traffic against alone, each round's and pooled (the TTFTs of every round's
+    phase of each side together). Phases come in (paid-only, paid+free) pairs; a pair's rounds
+    share the phase name before `` #``."""
+    verdicts: dict[str, PaidVerdict] = {}
+    pooled: dict[str, tuple[list[float], list[float]]] = {}
     for alone, mixed in zip(phases[0::2], phases[1::2]):
         a, m = alone.tiers["paid"], mixed.tiers["paid"]
-        v = verdicts.setdefault(alone.seats, PaidVerdict(alone.seats, [], math.nan, math.nan))
+        key = mixed.name.split(" #")[0]
+        v = verdicts.setdefault(key, PaidVerdict(mixed.seats, key, [], math.nan, math.nan))
         if a.ttft["p95"] > 0:
             v.round_ratios.append(m.ttft["p95"] / a.ttft["p95"])
-        both = pooled.setdefault(alone.seats, ([], []))
+        both = pooled.setdefault(key, ([], []))
         both[0].extend(a.ttfts)
         both[1].extend(m.ttfts)
-    for seats, (alone_ttfts, mixed_ttfts) in pooled.items():
-        verdicts[seats].alone_p95 = percentiles(alone_ttfts)["p95"]
-        verdicts[seats].with_free_p95 = percentiles(mixed_ttfts)["p95"]
+    for key, (alone_ttfts, mixed_ttfts) in pooled.items():
+        verdicts[key].alone_p95 = percentiles(alone_ttfts)["p95"]
+        verdicts[key].with_free_p95 = percentiles(mixed_ttfts)["p95"]
     return list(verdicts.values())
 
 
@@ -490,7 +493,8 @@ def plot_waits(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey=True)
     cfg = report["config"]
     phases = report["phases"]
-    groups = ([ph for ph in phases if ph.seats == phases[0].seats], [ph for ph in phases if ph.seats != phases[0].seats])
+    half = len(phases) // 2  # the full pool's rounds, then the reduced pool's (as many)
+    groups = (phases[:half], phases[half:])
     for row, (attr, label) in enumerate((("waits", "queue wait (s): gateway seat queue + engine queue"),
                                          ("ttfts", "TTFT at the client (s)"))):
         for k, group in enumerate(groups):
@@ -615,7 +619,7 @@ def main(args: argparse.Namespace) -> int:
                   f"budget {cfg.paid_budget_s * 1000:.0f} ms")
     for v in report["verdicts"]:
         rounds = ", ".join(f"{r:.2f}" for r in v.round_ratios)
-        print(f"verdict, {v.seats} seats: paid client TTFT p95 with free traffic {_ms(v.with_free_p95)} vs "
+        print(f"verdict, {v.phase} ({v.seats} seats): paid client TTFT p95 with free traffic {_ms(v.with_free_p95)} vs "
               f"{_ms(v.alone_p95)} alone, pooled over {len(v.round_ratios)} round(s): {v.ratio:.2f}x "
               f"(rounds: {rounds}; median {v.median_round_ratio:.2f}x)")
     unmatched = sum(t.unmatched for ph in report["phases"] for t in ph.tiers.values())

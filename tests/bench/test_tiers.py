@@ -98,7 +98,7 @@ def test_the_verdict_pools_every_rounds_paid_ttfts(tmp_path) -> None:
               _paid_phase("paid-only #2", 8, [0.020] * 20), _paid_phase("paid+free #2", 8, [0.030] * 20, 3.0),
               _paid_phase("paid-only -30% #1", 6, [0.010] * 20), _paid_phase("paid+free -30% #1", 6, [0.012] * 20, 3.0)]
     eight, six = paid_verdicts(phases)
-    assert (eight.seats, six.seats) == (8, 6)
+    assert (eight.seats, six.seats) == (8, 6) and (eight.phase, six.phase) == ("paid+free", "paid+free -30%")
     assert eight.round_ratios == pytest.approx([1.5, 1.5]) and eight.median_round_ratio == pytest.approx(1.5)
     assert (eight.alone_p95, eight.with_free_p95) == (pytest.approx(0.020), pytest.approx(0.030))
     assert eight.ratio == pytest.approx(1.5)
