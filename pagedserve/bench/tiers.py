@@ -165,7 +165,11 @@ class PhaseResult:
     paid_rate: float
     free_rate: float
     tiers: dict[str, TierResult]
-    round: int = 1  # which of the --rounds pairs of its seat count
+
+    @property
+    def pair_name(self) -> str:
+        """The name without its round (`` #k`` with ``--rounds`` > 1): what the rounds of one side share."""
+        return self.name.split(" #")[0]
 
 
 @dataclass
@@ -193,21 +197,17 @@ def paid_verdicts(phases: list[PhaseResult]) -> list[PaidVerdict]:
     TTFT p95 with free traffic against alone, each round's and pooled (the TTFTs of every round's
     phase of each side together). Phases come in (paid-only, paid+free) pairs; a pair's rounds
     share the phase name before `` #``."""
-    verdicts: dict[str, PaidVerdict] = {}
-    pooled: dict[str, tuple[list[float], list[float]]] = {}
+    pairs: dict[str, list[tuple[PhaseResult, PhaseResult]]] = {}
     for alone, mixed in zip(phases[0::2], phases[1::2]):
-        a, m = alone.tiers["paid"], mixed.tiers["paid"]
-        key = mixed.name.split(" #")[0]
-        v = verdicts.setdefault(key, PaidVerdict(mixed.seats, key, [], math.nan, math.nan))
-        if a.ttft["p95"] > 0:
-            v.round_ratios.append(m.ttft["p95"] / a.ttft["p95"])
-        both = pooled.setdefault(key, ([], []))
-        both[0].extend(a.ttfts)
-        both[1].extend(m.ttfts)
-    for key, (alone_ttfts, mixed_ttfts) in pooled.items():
-        verdicts[key].alone_p95 = percentiles(alone_ttfts)["p95"]
-        verdicts[key].with_free_p95 = percentiles(mixed_ttfts)["p95"]
-    return list(verdicts.values())
+        pairs.setdefault(mixed.pair_name, []).append((alone, mixed))
+    verdicts = []
+    for name, rounds in pairs.items():
+        sides = [[ph.tiers["paid"] for ph in side] for side in zip(*rounds)]  # [alone rounds], [mixed rounds]
+        alone, mixed = ([t for r in side for t in r.ttfts] for side in sides)
+        ratios = [m.ttft["p95"] / a.ttft["p95"] for a, m in zip(*sides) if a.ttft["p95"] > 0]
+        verdicts.append(PaidVerdict(rounds[0][1].seats, name, ratios, percentiles(alone)["p95"],
+                                    percentiles(mixed)["p95"]))
+    return verdicts
 
 
 def gateway_toml(engine_urls: list[str], cfg: TiersBenchConfig, port: int) -> str:
@@ -416,9 +416,7 @@ def _phase(stack: Stack, cfg: TiersBenchConfig, name: str, seats: int, rates: di
     with tqdm(total=int(cfg.duration_s), desc=f"W6 {name} ({seats} seats)", unit="s",
               disable=not show_progress, file=sys.stderr) as bar:
         shots = _open_loop(stack.url, cfg, rates, bar)
-    result = _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
-    result.round = round_
-    return result
+    return _summarise(name, seats, rates, shots, idle_ttft, read_request_log(stack.engine_log))
 
 
 def _rounds(stack: Stack, cfg: TiersBenchConfig, seats: int, names: tuple[str, str], rates: dict[str, float],
@@ -504,7 +502,7 @@ def plot_waits(report: dict, path: Path) -> None:
                 side = [ph for ph in group if (ph.free_rate > 0) == mixed]
                 if not side:
                     continue
-                name = side[0].name.split(" #")[0] + (f" ×{len(side)} rounds" if len(side) > 1 else "")
+                name = side[0].pair_name + (f" ×{len(side)} rounds" if len(side) > 1 else "")
                 for tier in ("paid", "free"):
                     values = [v for ph in side for v in getattr(ph.tiers[tier], attr)]
                     if not values:
@@ -564,8 +562,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--seed", type=int, default=0, help="arrival and prompt seed (default 0)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="alternated pairs of paid-only and paid+free phases per seat count, each with arrivals "
-                        "of its own seed; the verdict pools the paid TTFTs of every round of each side, so it "
-                        "rests on N times the requests and the machine's drift falls on both sides (default 1)")
+                        "of its own seed; the verdict (one per pool) pools the paid TTFTs of every round of each "
+                        "side, so it rests on N times the requests and the machine's drift falls on both sides "
+                        "(default 1)")
     p.add_argument("--out", type=Path, default=Path("bench-results/w6"), help="output directory for w6.json "
                    "and w6_waits.png (default bench-results/w6)")
     p.add_argument("--server-arg", action="append", default=[],
