@@ -255,7 +255,10 @@ def serving_stack(model_dir: Path, seats: int, cfg: TiersBenchConfig, workdir: P
     log_path = workdir / f"engine-{seats}.log"
     with open(log_path, "w+") as log, engine_server(
             "--model", str(model_dir), "--max-num-seqs", str(seats), "--served-model-name", "w6", "--log-requests",
-            "--stream-interval", str(cfg.stream_interval), *cfg.server_args, log=log) as engine_url:
+            "--stream-interval", str(cfg.stream_interval),
+            # W6 puts a gateway and two load generators on the replica's cores: the core steps aside
+            # for their bursts (serve's option for a gateway on the same host; a later --server-arg wins)
+            "--engine-core-nice", "10", *cfg.server_args, log=log) as engine_url:
         gport = free_port()
         toml = workdir / f"gateway-{seats}.toml"
         toml.write_text(gateway_toml([engine_url], cfg, gport))

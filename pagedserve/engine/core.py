@@ -111,7 +111,8 @@ class EngineCore:
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir)
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.dtype, why = resolve_dtype(config.dtype, hf_config, self.device)
+        logger.info("compute dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
                            "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU")

@@ -54,9 +54,9 @@ log = logging.getLogger("pagedserve.kernels")
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
-                         "quant_matmul.cpp", "cpu_isa.cpp")]
+                         "quant_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h", "cpu_isa.h")]
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by

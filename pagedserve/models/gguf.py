@@ -47,6 +47,9 @@ import torch
 from torch import nn
 
 from pagedserve.config import cache_dir
+from pagedserve.kernels import native_ops
+from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
+from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
 from pagedserve.models.meta import meta_without_init
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
@@ -425,10 +428,11 @@ class _Builder:
     """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded."""
 
     def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-                 keep_quantized: bool, permuted: bool):
+                 keep_quantized: bool, permuted: bool, ops=None):
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch, self.dtype, self.device = arch, dtype, device
         self.keep, self.permuted = keep_quantized, permuted
+        self.ops = ops  # the native kernels: GGUF blocks kept as they are (GGUFLinear)
         self.packed_for_cpu = device.type == "cpu"  # int4 layout: the CPU kernel's, or the portable one
         self.used: set[str] = set()
         self.loaded: Counter = Counter()  # "Q4_1 -> int4" etc., for the log line
@@ -458,8 +462,25 @@ class _Builder:
     def _count(self, t, target: str, dequantize: bool) -> None:
         kind = t.tensor_type.name
         self.loaded[f"{kind} -> {target}"] += 1
-        if dequantize and kind not in FLOAT_TYPES and not (kind in KEPT_TYPES and not self.keep):
+        if dequantize and kind not in FLOAT_TYPES and not (self._keeps(kind) and not self.keep):
             self.dequantized[kind] += 1
+
+    def _keeps(self, kind: str) -> bool:
+        """Whether tensors of ``kind`` stay quantized when ``keep`` (else they are dequantized)."""
+        return kind in KERNEL_FORMATS if self.ops is not None else kind in KEPT_TYPES
+
+    def _blocks(self, parts: list[_Part], in_features: int, bias: torch.Tensor | None) -> GGUFLinear:
+        """The parts' GGUF blocks as they are, one segment per run of parts of one format."""
+        segments: list[tuple[str, list[torch.Tensor]]] = []
+        for p in parts:
+            kind = p.tensor.tensor_type.name
+            rows = p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features)))
+            self._count(p.tensor, f"{kind} blocks", dequantize=False)
+            if segments and segments[-1][0] == kind:
+                segments[-1][1].append(rows)
+            else:
+                segments.append((kind, [rows]))
+        return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -470,6 +491,8 @@ class _Builder:
         if bias is not None:
             b = torch.cat([p.fix(_dequantize(p.tensor)) for p in bias]).to(device=self.device, dtype=self.dtype)
         kinds = {p.tensor.tensor_type.name for p in parts}
+        if self.keep and self.ops is not None and kinds <= set(KERNEL_FORMATS):
+            return self._blocks(parts, in_features, b)
         kind = kinds.pop() if len(kinds) == 1 else None
         if self.keep and kind == "Q8_0":
             qs, scales = [], []
@@ -503,25 +526,29 @@ class _Builder:
 
     def quantized_table(self, t) -> nn.Module | None:
         """A kept-quantized embedding table as a lookup-capable layer, or None for a float one."""
-        kind = t.tensor_type.name
-        if not self.keep or kind not in KEPT_TYPES:
+        if not self.keep or not self._keeps(t.tensor_type.name):
             return None
         return self.linear([_Part(t)], [self.arch.vocab_size], self.arch.hidden_size, packed_for_cpu=False)
 
 
 def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
-                    packed_for_cpu: bool | None = None) -> LlamaForCausalLM:
+                    packed_for_cpu: bool | None = None, native_kernels: bool | None = None) -> LlamaForCausalLM:
     """Build the model from a GGUF file's tensors, without ever materializing random weights.
 
     ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
     (module docstring); otherwise every tensor is dequantized to ``dtype``. ``packed_for_cpu``
     (default: on a CPU) lays int4 weights out for the CPU kernel; False keeps the portable,
-    readable layout (tests compare it with the GGUF's values).
+    readable layout (tests compare it with the GGUF's values). ``native_kernels`` (default: on a
+    CPU where they build) keeps every format the native GGUF kernels read as :class:`GGUFLinear`
+    blocks; without them, Q8_0 / Q4_0 / Q4_1 go to the project's int8 / int4 layers.
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2])
+    if native_kernels is None:
+        native_kernels = device.type == "cpu"
+    ops = native_ops() if native_kernels and device.type == "cpu" else None
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2], ops=ops)
     b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
     for t in reader.tensors:
         if not can_load(t.tensor_type):
@@ -573,7 +600,7 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     if not a.tie_word_embeddings:
         model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
 
-    if isinstance(model.lm_head, Int8GroupedLinear):
+    if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
         model.lm_head.float_output = True  # compute_logits wants float32 anyway
     unused = sorted(set(b.tensors) - b.used)
     if unused:

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from pagedserve.kernels import native_ops
+from pagedserve.kernels import cpu_has_native_bf16, native_ops
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.hf_config import HFConfig, read_hf_config
 from pagedserve.models.meta import meta_without_init
@@ -61,8 +61,14 @@ def load_hf_config(model_dir: Path) -> HFConfig:
     return read_hf_config(model_dir)
 
 
-def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype; float16 on CPU becomes bfloat16 (fast kernels there).
+def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torch.dtype, str]:
+    """The compute dtype and why it was chosen (the engine logs both).
+
+    ``auto`` takes the checkpoint's dtype, except that 16-bit compute on a CPU depends on the CPU:
+    bfloat16 where it multiplies bf16 natively (AVX-512 BF16 or AMX; a float16 checkpoint becomes
+    bfloat16 there), float32 elsewhere, where torch emulates bf16 several times slower than float32
+    (measured 7x on an AVX2 EPYC). Quantized GGUF weights stay quantized either way; their kernels
+    quantize the activations themselves (:mod:`pagedserve.models.gguf_linear`).
 
     The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``), which
     :func:`load_model` reads for GGUF files: quantized tensors stay quantized under ``auto`` and are
@@ -72,13 +78,19 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtyp
     except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
         pass
     if requested != "auto":
-        return DTYPES[requested]
+        return DTYPES[requested], "asked for with --dtype"
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     if isinstance(saved, str):
         saved = DTYPES.get(saved, torch.float32)
-    if saved == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
-    return saved if saved in DTYPES.values() else torch.float32
+    if saved not in DTYPES.values():
+        saved = torch.float32
+    name = str(saved).removeprefix("torch.")
+    if saved in (torch.float16, torch.bfloat16) and device.type == "cpu":
+        if cpu_has_native_bf16():
+            return torch.bfloat16, f"auto: the checkpoint's {name}, computed in bfloat16 (this CPU has native bf16)"
+        return torch.float32, (f"auto: the checkpoint is {name}, but this CPU has no native bf16 (AVX-512 BF16 or "
+                               "AMX), where float32 is several times faster")
+    return saved, f"auto: the checkpoint's {name}"
 
 
 def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:

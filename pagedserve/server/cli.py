@@ -122,13 +122,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
                              "GIL and a crash of the core fails open requests fast instead of hanging them "
                              "(default); --no-engine-process runs it on a thread of the server process")
-    server.add_argument("--engine-core-nice", type=_whole_number(0, MAX_NICE), default=10, metavar="N",
+    server.add_argument("--engine-core-nice", type=_whole_number(0, MAX_NICE), default=0, metavar="N",
                         help="niceness of the engine core process (0-19, Linux), which also runs under "
-                             "SCHED_BATCH when N > 0: on cores shared with the HTTP fronts, a gateway or load "
-                             "generators, their short bursts (a request to parse, a token to stream) then "
-                             "preempt the step loop instead of queueing behind it, and the step loop takes "
-                             "every cycle they leave. 0 = the fronts' own priority (default 10; needs "
-                             "--engine-process)")
+                             "SCHED_BATCH when N > 0: for a gateway or load generators on the same cores, whose "
+                             "short bursts (a request to parse, a token to stream) then preempt the step loop "
+                             "instead of queueing behind it. Default 0, the fronts' own priority: at 10, with a "
+                             "compiler running beside it, the default model took 118-213 s for 64 tokens "
+                             "(needs --engine-process)")
     server.add_argument("--bind-step-threads", action=argparse.BooleanOptionalAction, default=True,
                         help="pin the engine core's step threads one per CPU core (OpenMP's OMP_PROC_BIND=close, "
                              "OMP_PLACES=cores) when the step runs one thread per core this process may use "

@@ -173,7 +173,7 @@ def test_engine_core_nice_is_bounded(bad):
         EngineConfig(model="x", engine_core_nice=bad)
 
 
-def test_serve_lowers_the_core_by_default_and_the_flag_says_how_much():
+def test_serve_runs_the_core_at_normal_priority_by_default_and_the_flag_lowers_it():
     import argparse
 
     from pagedserve.engine.args import engine_config_from_args
@@ -181,8 +181,8 @@ def test_serve_lowers_the_core_by_default_and_the_flag_says_how_much():
 
     sub = argparse.ArgumentParser().add_subparsers()
     serve = add_parser(sub)
-    assert engine_config_from_args(serve.parse_args(["--model", "x"])).engine_core_nice == 10
-    assert engine_config_from_args(serve.parse_args(["--model", "x", "--engine-core-nice", "0"])).engine_core_nice == 0
+    assert engine_config_from_args(serve.parse_args(["--model", "x"])).engine_core_nice == 0
+    assert engine_config_from_args(serve.parse_args(["--model", "x", "--engine-core-nice", "10"])).engine_core_nice == 10
     with pytest.raises(SystemExit):
         serve.parse_args(["--model", "x", "--engine-core-nice", "20"])
 

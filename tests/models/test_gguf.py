@@ -16,10 +16,12 @@ from pagedserve.models.gguf import (GGUFError, find_gguf_file, gguf_source, hf_c
 from pagedserve.models.gguf_index import GGUFTensorIndex
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import resolve_model_dir
+from pagedserve.kernels import native_ops
+from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, weight_bytes
 from tests.models.gguf_files import hf_weights, reference_weight, write_gguf
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 @pytest.fixture(autouse=True)
@@ -45,11 +47,12 @@ def tiny_ggufs(tiny_model_dir, tmp_path_factory):
     return get
 
 
-def _load(path: Path, keep: bool, dtype=torch.float32, packed=False):
-    """The model of a GGUF file (weights and metadata only: no tokenizer needed)."""
+def _load(path: Path, keep: bool, dtype=torch.float32, packed=False, native=True):
+    """The model of a GGUF file (weights and metadata only: no tokenizer needed); ``native`` False
+    loads it as a machine without the native kernels would."""
     arch = ModelArchitecture.from_hf_config(hf_config_from_gguf(open_gguf(path)))
     return load_gguf_model(path, arch, dtype, torch.device("cpu"), 64, "reference", keep_quantized=keep,
-                           packed_for_cpu=packed)
+                           packed_for_cpu=packed, native_kernels=native)
 
 
 def _weight(module, dtype=torch.float32) -> torch.Tensor:
@@ -65,12 +68,19 @@ def test_every_tensor_type_dequantizes_exactly(kind, tiny_ggufs, tiny_model_dir)
     path = tiny_ggufs(kind)
     hf = hf_weights(tiny_model_dir)
     ref = {k: reference_weight(v, kind) for k, v in hf.items()}
-    for keep in (True, False):
-        model = _load(path, keep)
-        if keep and kind in ("Q8_0", "Q4_0", "Q4_1"):
+    quantized = kind.startswith("Q")
+    for keep, native in ((True, True), (True, False), (False, True)):
+        model = _load(path, keep, native=native)
+        if keep and quantized and (native and native_ops() is not None):  # the GGUF blocks as they are
+            assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
+            assert model.layers[0].self_attn.qkv_proj.formats == [kind]
+            assert isinstance(model.embed_tokens, QuantizedEmbedding)
+        elif keep and kind in ("Q8_0", "Q4_0", "Q4_1"):  # no native kernels: the project's int8 / int4
             want = Int8GroupedLinear if kind == "Q8_0" else Int4Linear
             assert isinstance(model.layers[0].self_attn.qkv_proj, want)
             assert isinstance(model.embed_tokens, QuantizedEmbedding)
+        elif quantized:  # dequantized
+            assert type(model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([ref[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -85,9 +95,12 @@ def test_every_tensor_type_dequantizes_exactly(kind, tiny_ggufs, tiny_model_dir)
         assert torch.equal(model.embed_tokens(ids).float(), ref["model.embed_tokens.weight"][ids])
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
-def test_cpu_kernels_on_kept_weights_match_their_dequantized_matmul(kind, tiny_ggufs):
-    fast = _load(tiny_ggufs(kind), keep=True, dtype=torch.bfloat16, packed=True)
+@pytest.mark.parametrize("native", [True, False], ids=["gguf-kernels", "int8-int4-layers"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
+def test_cpu_kernels_on_kept_weights_match_their_dequantized_matmul(kind, native, tiny_ggufs):
+    if kind == "Q5_0" and not native:
+        pytest.skip("without the native kernels Q5_0 is dequantized")
+    fast = _load(tiny_ggufs(kind), keep=True, dtype=torch.bfloat16, packed=True, native=native)
     exact = _load(tiny_ggufs(kind), keep=True, dtype=torch.float32, packed=False)
     torch.manual_seed(0)
     for rows in (1, 5, 40):  # the grouped int8 layer's kernel loop, and its dequantized fallback

@@ -1,0 +1,168 @@
+// GGUF's quantized block formats, as llama.cpp writes them, and their portable dequantization: the
+// reference every SIMD path is tested against (and the tests check it against the `gguf` package's
+// own dequantizer). A block covers `elems` consecutive weights of one row in `bytes` bytes; a
+// row is its blocks back to back. Scales are float16; K-quants pack 6-bit sub-block scales.
+//
+//   Q4_0  d, 16 B nibbles                   w = (q - 8) d          q in [0, 15]
+//   Q4_1  d, m, 16 B nibbles                w = q d + m
+//   Q5_0  d, 4 B high bits, 16 B nibbles    w = (q - 16) d         q in [0, 31]
+//   Q5_1  d, m, 4 B high bits, 16 B         w = q d + m
+//   Q8_0  d, 32 int8                        w = q d
+//   Q4_K  256 weights: d, dmin, 12 B of eight 6-bit (scale, min), 128 B nibbles
+//                                           w = d sc_j q - dmin m_j    (sub-blocks j of 32)
+//   Q5_K  as Q4_K plus 32 B of high bits    q in [0, 31]
+//   Q6_K  256 weights: 128 B low nibbles, 64 B of 2-bit highs, 16 int8 scales, d
+//                                           w = d sc_i (q - 32)        (sub-blocks i of 16)
+// In the 32-weight formats byte j holds weight j (low nibble) and j + 16 (high nibble); K-quants
+// lay each 64 weights out as 32 bytes, low nibbles the first 32, high nibbles the next 32.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+namespace pagedserve::gguf {
+
+enum class Format : int { q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k };
+
+struct FormatInfo {
+  const char* name;
+  int elems;  // weights per block
+  int bytes;  // bytes per block
+};
+
+inline FormatInfo info(Format f) {
+  switch (f) {
+    case Format::q4_0: return {"Q4_0", 32, 18};
+    case Format::q4_1: return {"Q4_1", 32, 20};
+    case Format::q5_0: return {"Q5_0", 32, 22};
+    case Format::q5_1: return {"Q5_1", 32, 24};
+    case Format::q8_0: return {"Q8_0", 32, 34};
+    case Format::q4_k: return {"Q4_K", 256, 144};
+    case Format::q5_k: return {"Q5_K", 256, 176};
+    case Format::q6_k: return {"Q6_K", 256, 210};
+  }
+  return {"?", 1, 1};
+}
+
+inline Format parse_format(std::string_view name, const char* op) {
+  for (Format f : {Format::q4_0, Format::q4_1, Format::q5_0, Format::q5_1, Format::q8_0, Format::q4_k,
+                   Format::q5_k, Format::q6_k})
+    if (name == info(f).name) return f;
+  TORCH_CHECK(false, op, ": unsupported GGUF format '", name, "' (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// K-quants' j-th (scale, min) of eight, 6 bits each, packed into 12 bytes: the first four in the
+// low 6 bits of bytes 0-3 / 4-7, the last four split between bytes 8-11 and the top bits of 0-7.
+inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Activations are quantized per 32 values to int8 with scale d = max|x| / 127 (llama.cpp's Q8
+// activations): these two give d and the multiplier 1 / d, shared by every path so they all see the
+// same integers.
+inline float activation_scale(float amax) { return amax / 127.f; }
+inline float activation_inverse(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+
+// One block's weights as floats, in row order.
+inline void dequantize_block(Format f, const uint8_t* b, float* y) {
+  switch (f) {
+    case Format::q4_0:
+    case Format::q4_1: {
+      const float d = half_at(b);
+      const float m = f == Format::q4_1 ? half_at(b + 2) : -8.f * d;
+      const uint8_t* qs = b + (f == Format::q4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        y[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
+        y[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+      }
+      return;
+    }
+    case Format::q5_0:
+    case Format::q5_1: {
+      const bool with_min = f == Format::q5_1;
+      const float d = half_at(b);
+      const float m = with_min ? half_at(b + 2) : -16.f * d;
+      uint32_t qh;
+      std::memcpy(&qh, b + (with_min ? 4 : 2), 4);
+      const uint8_t* qs = b + (with_min ? 8 : 6);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        y[j] = static_cast<float>(lo) * d + m;
+        y[j + 16] = static_cast<float>(hi) * d + m;
+      }
+      return;
+    }
+    case Format::q8_0: {
+      const float d = half_at(b);
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+      return;
+    }
+    case Format::q4_k:
+    case Format::q5_k: {
+      const bool five = f == Format::q5_k;
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int c = 0; c < 4; ++c) {  // 64 weights: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+        int sc0, m0, sc1, m1;
+        k_scale_min(scales, 2 * c, sc0, m0);
+        k_scale_min(scales, 2 * c + 1, sc1, m1);
+        const float d0 = d * sc0, d1 = d * sc1, n0 = dmin * m0, n1 = dmin * m1;
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+          if (five) {
+            lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+          }
+          y[64 * c + l] = d0 * static_cast<float>(lo) - n0;
+          y[64 * c + 32 + l] = d1 * static_cast<float>(hi) - n1;
+        }
+      }
+      return;
+    }
+    case Format::q6_k: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int h = 0; h < 2; ++h) {  // two halves of 128: four runs of 32 from 64 low bytes, 32 high bytes
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q0 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q1 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[128 * h + l] = d * sc[is] * q0;
+          y[128 * h + l + 32] = d * sc[is + 2] * q1;
+          y[128 * h + l + 64] = d * sc[is + 4] * q2;
+          y[128 * h + l + 96] = d * sc[is + 6] * q3;
+        }
+        ql += 64;
+        qh += 32;
+        sc += 8;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace pagedserve::gguf

@@ -1,0 +1,289 @@
+// y = x W^T (+ bias) straight from GGUF's quantized blocks (gguf_formats.h), never dequantized to
+// memory, for decode-sized batches; and the blocks dequantized to a float matrix, for the GEMM of
+// prefill-sized ones and for embedding lookups.
+//
+// The product is llama.cpp's recipe, written anew: each activation row is quantized per 32 values
+// to int8 (scale max|x| / 127), each 32 weights' integers are multiplied with those in int8 x int8
+// → int32 instructions (AVX2 maddubs + madd, AVX-512 VNNI vpdpbusd), and the int32 sum is scaled
+// once by both scales in float32. A decode step then reads the weights' bytes (4.5-6.6 bits per
+// weight) once, and spends a handful of instructions per 32 weights.
+//
+// Paths (cpu_isa.h): the scalar reference (dequantize a block to float, dot with the dequantized
+// activations: the same numbers up to float summation order), AVX2 and AVX-512 VNNI, compiled on
+// every x86 machine and chosen at run time; `isa` names one to force it (the tests run each path
+// the CPU can execute).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "convert.h"
+#include "cpu_isa.h"
+#include "gguf_formats.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PS_X86 1
+#else
+#define PS_X86 0
+#endif
+
+namespace pagedserve::gguf {
+
+// The activation rows a call works on, quantized per 32: q int8 [rows, K], d and s float [rows, K/32]
+// (d the scale, s = d x the sum of the 32 q: the run's sum, for the weights' offsets).
+struct Rows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t q_stride, d_stride;  // between consecutive rows
+};
+
+// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows].
+using RowKernel = void (*)(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* out);
+using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
+
+namespace scalar {
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const float* xc = x + 32 * c;
+    float top = 0.f;
+    for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(xc[i]));
+    const float scale = activation_scale(top), inv = activation_inverse(top);
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xc[i] * inv));
+      q[32 * c + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[c] = scale;
+    s[c] = scale * static_cast<float>(sum);
+  }
+}
+
+template <Format F>
+void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* out) {
+  const FormatInfo fi = info(F);
+  float wf[256];
+  for (int r = 0; r < rows; ++r) out[r] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    dequantize_block(F, w + b * fi.bytes, wf);
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < fi.elems / 32; ++c) {
+        const int64_t run = b * (fi.elems / 32) + c;
+        const int8_t* xq = x.q + r * x.q_stride + 32 * run;
+        float dot = 0.f;
+        for (int i = 0; i < 32; ++i) dot += wf[32 * c + i] * static_cast<float>(xq[i]);
+        out[r] += dot * x.d[r * x.d_stride + run];
+      }
+    }
+  }
+}
+
+RowKernel row_kernel(Format f) {
+  switch (f) {
+    case Format::q4_0: return &dot_rows<Format::q4_0>;
+    case Format::q4_1: return &dot_rows<Format::q4_1>;
+    case Format::q5_0: return &dot_rows<Format::q5_0>;
+    case Format::q5_1: return &dot_rows<Format::q5_1>;
+    case Format::q8_0: return &dot_rows<Format::q8_0>;
+    case Format::q4_k: return &dot_rows<Format::q4_k>;
+    case Format::q5_k: return &dot_rows<Format::q5_k>;
+    case Format::q6_k: return &dot_rows<Format::q6_k>;
+  }
+  return nullptr;
+}
+
+}  // namespace scalar
+
+#if PS_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define PS_VNNI 0
+#include "gguf_simd.inc"
+#undef PS_VNNI
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace avx512 {
+#define PS_VNNI 1
+#include "gguf_simd.inc"
+#undef PS_VNNI
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+struct Path {
+  RowKernel kernel;
+  QuantizeRow quantize;
+};
+
+Path path_for(Isa isa, Format f) {
+#if PS_X86
+  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row};
+  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row};
+#endif
+  return {scalar::row_kernel(f), &scalar::quantize_row};
+}
+
+// Rows of x in float32: a view of x itself, or a converted copy in `buffer`.
+const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
+  const float* out = nullptr;
+  dispatch_model_dtype(x.scalar_type(), "gguf_matmul", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, float>) {
+      out = x.data_ptr<float>();
+    } else {
+      buffer.resize(x.numel());
+      const T* src = x.data_ptr<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) buffer[i] = to_float(src[i]);
+      out = buffer.data();
+    }
+  });
+  return out;
+}
+
+constexpr int kTile = 4;        // activation rows sharing one unpacked weight run
+constexpr int64_t kPanel = 64;  // activation rows kept hot while a thread walks its weight rows
+
+// out [M, N] (float32; rows may be strided, a column slice of a wider output) = x [M, K] W^T (+ bias),
+// W [N, row bytes] the format's blocks.
+//
+// `residual`: each activation row is quantized twice, x ≈ d1 q1 + d2 q2 with q2 the int8 value of
+// what q1 left over, and both go through the integer kernel as two rows sharing each unpacked
+// weight run: about 16 bits of activation precision for twice the integer work and no more weight
+// bytes. An LM head takes it: int8 activations there moved SmolLM2's logits by up to ~0.05 and
+// flipped a near-tie ("The" / "L" before "Paris").
+void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
+  const char* op = "gguf_matmul";
+  const Format f = parse_format(std::string_view(format.data(), format.size()), op);
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
+  const FormatInfo fi = info(f);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % fi.elems == 0, op, ": in_features ", K, " is not a multiple of ", fi.name, "'s block of ", fi.elems);
+  const int64_t blocks = K / fi.elems, row_bytes = blocks * fi.bytes;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes, op,
+              ": weight must be a contiguous uint8 [out_features, ", row_bytes, "] of ", fi.name, " blocks");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N &&
+                  out.stride(1) == 1 && out.stride(0) >= N,
+              op, ": out must be a float32 [rows, out_features] with unit column stride");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [out_features]");
+  }
+  if (M == 0 || N == 0) return;
+  const Path path = path_for(isa, f);
+  std::vector<float> converted;
+  const float* xf = float_rows(x, converted);
+  const int64_t runs = K / 32;
+  const int per_row = residual ? 2 : 1;  // quantized rows per activation row
+  const int64_t Mq = M * per_row;
+  std::vector<int8_t> q(Mq * K);
+  std::vector<float> d(Mq * runs), s(Mq * runs);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    std::vector<float> left(residual ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t r = m * per_row;
+      path.quantize(xf + m * K, K, q.data() + r * K, d.data() + r * runs, s.data() + r * runs);
+      if (!residual) continue;
+      for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
+        left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
+      path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+    }
+  });
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const int64_t ld = out.stride(0);
+  // At least ~32k weights per task: a small matrix is not split into slivers that cost more to
+  // schedule than to compute.
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+    float dots[kTile];
+    for (int64_t p0 = 0; p0 < Mq; p0 += kPanel) {  // kTile and kPanel even: a row's pair stays together
+      const int64_t p1 = std::min(Mq, p0 + kPanel);
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wrow = wp + n * row_bytes;
+        const float b = bp ? bp[n] : 0.f;
+        for (int64_t m = p0; m < p1; m += kTile) {
+          const int rows = static_cast<int>(std::min<int64_t>(kTile, p1 - m));
+          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs};
+          path.kernel(wrow, blocks, xr, rows, dots);
+          for (int r = 0; r < rows; r += per_row)
+            y[(m + r) / per_row * ld + n] = (residual ? dots[r] + dots[r + 1] : dots[r]) + b;
+        }
+      }
+    }
+  });
+}
+
+// out [N, K] (float32, bfloat16 or float16) = the weight's blocks dequantized.
+void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view format) {
+  const char* op = "gguf_dequantize";
+  const Format f = parse_format(std::string_view(format.data(), format.size()), op);
+  const FormatInfo fi = info(f);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % fi.elems == 0, op,
+              ": out must be a contiguous [rows, in_features] with in_features a multiple of ", fi.elems);
+  const int64_t N = out.size(0), K = out.size(1), blocks = K / fi.elems;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == N &&
+                  w.size(1) == blocks * fi.bytes,
+              op, ": weight must be a contiguous uint8 [rows, ", blocks * fi.bytes, "] of ", fi.name, " blocks");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, N * blocks, std::max<int64_t>(1, 4096 / fi.elems), [&](int64_t b0, int64_t b1) {
+      float buf[256];
+      for (int64_t b = b0; b < b1; ++b) {
+        dequantize_block(f, wp + b * fi.bytes, buf);
+        T* ob = o + b * fi.elems;
+        for (int i = 0; i < fi.elems; ++i) ob[i] = from_float<T>(buf[i]);
+      }
+    });
+  });
+}
+
+// The int8 activations every path computes with (tests: the paths agree on them).
+void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, const at::Tensor& x,
+                               c10::string_view isa_name) {
+  const char* op = "gguf_quantize_activations";
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, op,
+              ": x must be a contiguous float32 [rows, K] with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.numel() == M * K, op, ": q must be int8 [rows, K]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == M * K / 32 && s.sizes() == d.sizes() &&
+                  s.scalar_type() == at::kFloat && s.is_contiguous(),
+              op, ": d and s must be float32 [rows, K/32]");
+  const QuantizeRow quantize = path_for(isa, Format::q8_0).quantize;
+  for (int64_t m = 0; m < M; ++m)
+    quantize(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * K / 32,
+             s.data_ptr<float>() + m * K / 32);
+}
+
+}  // namespace pagedserve::gguf
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
+        "str isa='auto') -> ()");
+  m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format) -> ()");
+  m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto') -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("gguf_matmul", &pagedserve::gguf::gguf_matmul);
+  m.impl("gguf_dequantize", &pagedserve::gguf::gguf_dequantize);
+  m.impl("gguf_quantize_activations", &pagedserve::gguf::gguf_quantize_activations);
+}

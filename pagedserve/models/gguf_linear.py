@@ -1,0 +1,111 @@
+"""GGUF's quantized blocks as a linear layer, computed by the native kernels without leaving them.
+
+A :class:`GGUFLinear` holds a weight matrix exactly as the GGUF file stores it (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, one row of blocks per output feature) and multiplies it
+two ways (``pagedserve/kernels/gguf_matmul.cpp``):
+
+* up to ``kernel_rows`` rows of activations (decode batches): ``gguf_matmul`` reads the blocks
+  once and multiplies their integers with the activations quantized per 32 values to int8, as
+  llama.cpp does; float32 out. An LM head (``float_output``) quantizes its activations twice (int8
+  and the int8 residual): near-tied logits keep their order.
+* more rows (prefill chunks): the blocks are dequantized once per call into a float matrix of the
+  activations' dtype and the GEMM of that dtype runs over it, reusing each weight across the rows.
+
+A fused layer (QKV, gate/up) whose parts have different formats (a Q4_K_M file mixes Q4_K and
+Q6_K) holds one segment per run of output rows with the same format; each segment writes its
+columns of the output. A table (the token embedding) looks rows up with :meth:`rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# format → (weights per block, bytes per block), as GGUF lays them out
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+# Up to this many activation rows the integer kernel runs; beyond, dequantize + GEMM. Measured on
+# SmolLM2-135M's shapes (docs/QUANTIZATION.md, "GGUF kernels").
+KERNEL_ROWS = 16
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights in ``fmt``."""
+    elems, size = BLOCKS[fmt]
+    if in_features % elems:
+        raise ValueError(f"{fmt} rows hold whole blocks of {elems} weights; in_features {in_features} is not one")
+    return in_features // elems * size
+
+
+class GGUFLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` in GGUF blocks: ``segments`` is ``[(format, uint8 [rows, row_bytes])]``
+    stacked along the output dimension; ``bias`` float ``[out]`` or None; ``ops`` the native namespace."""
+
+    def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
+                 ops, kernel_rows: int = KERNEL_ROWS):
+        super().__init__()
+        self.in_features = in_features
+        self.formats = [fmt for fmt, _ in segments]
+        self.widths = [int(w.shape[0]) for _, w in segments]
+        self.out_features = sum(self.widths)
+        for i, (fmt, w) in enumerate(segments):
+            if fmt not in BLOCKS:
+                raise ValueError(f"no native kernel for GGUF format {fmt}")
+            if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(fmt, in_features):
+                raise ValueError(f"{fmt} weight must be uint8 [rows, {row_bytes(fmt, in_features)}], "
+                                 f"got {w.dtype} {tuple(w.shape)}")
+            self.register_buffer(f"weight{i}", w.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.ops = ops
+        self.kernel_rows = kernel_rows
+        # True for an LM head: float32 logits, from activations quantized to ~16 bits (int8 plus
+        # an int8 residual) rather than 8, which moved near-tied logits enough to flip a greedy pick
+        self.float_output = False
+
+    def _segments(self):
+        offset = 0
+        for i, (fmt, width) in enumerate(zip(self.formats, self.widths)):
+            yield fmt, getattr(self, f"weight{i}"), offset, width
+            offset += width
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight this layer computes with, ``[out, in]`` (exact in float32)."""
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        for fmt, w, offset, width in self._segments():
+            self.ops.gguf_dequantize(out[offset:offset + width], w, fmt)
+        return out
+
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (all rows for None): a quantized embedding's lookups."""
+        if ids is None:
+            return self.dequantized_weight(dtype)
+        if len(self.formats) != 1:
+            raise RuntimeError("row lookups need a single-format table")
+        picked = self.weight0.index_select(0, ids.reshape(-1))
+        out = torch.empty(picked.shape[0], self.in_features, dtype=dtype)
+        self.ops.gguf_dequantize(out, picked, self.formats[0])
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.kernel_rows:
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            for fmt, w, offset, width in self._segments():
+                bias = None if self.bias is None else self.bias[offset:offset + width]
+                self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.float_output)
+            if not self.float_output:
+                y = y.to(x.dtype)
+        else:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = F.linear(x2, self.dequantized_weight(x.dtype), bias)
+            if self.float_output:
+                y = y.float()
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"GGUF {'+'.join(dict.fromkeys(self.formats))}")

@@ -1,0 +1,203 @@
+"""The native GGUF kernels (gguf_matmul.cpp) on every block format and every instruction-set path
+this CPU runs: dequantization bit for bit against the ``gguf`` package's own dequantizer, the
+integer products against the scalar reference and against the float matmul, the int8 activations
+identical on every path, the residual (two-pass) activations' precision, batch invariance, strided
+outputs, one-line errors; and :class:`GGUFLinear` over them (mixed-format segments, lookups)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import isa_paths, kernel_error, native_ops
+from pagedserve.models.gguf_linear import BLOCKS, GGUFLinear, row_bytes
+
+OPS = native_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
+FORMATS = list(BLOCKS)
+PATHS = isa_paths()
+
+
+def random_blocks(fmt: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """``rows`` rows of valid ``fmt`` blocks: random integers, and float16 scales of a trained
+    model's size (K-quants' super-block scales small, as their 6-bit sub-scales multiply them)."""
+    rng = np.random.default_rng(seed)
+    elems, size = BLOCKS[fmt]
+    nb = in_features // elems
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+
+    def put_half(offset: int, lo: float, hi: float) -> None:
+        v = rng.uniform(lo, hi, size=(rows, nb)).astype(np.float16)
+        raw[..., offset:offset + 2] = v.view(np.uint8).reshape(rows, nb, 2)
+
+    if fmt in ("Q4_0", "Q5_0", "Q8_0"):
+        put_half(0, -0.02, 0.02)
+    elif fmt in ("Q4_1", "Q5_1"):
+        put_half(0, 0.0, 0.02)
+        put_half(2, -0.1, 0.1)
+    elif fmt in ("Q4_K", "Q5_K"):
+        put_half(0, 0.0, 0.002)
+        put_half(2, 0.0, 0.002)
+    else:  # Q6_K: its d is the block's last two bytes
+        put_half(size - 2, -0.002, 0.002)
+    if fmt == "Q8_0":  # int8 values as llama.cpp writes them: -127..127
+        raw[..., 2:] = rng.integers(-127, 128, size=(rows, nb, 32)).astype(np.int8).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, nb * size))
+
+
+def reference_dequantize(fmt: str, w: torch.Tensor, in_features: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    out = quants.dequantize(w.numpy(), GGMLQuantizationType[fmt])
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(w.shape[0], in_features)
+
+
+def _in_features(fmt: str) -> int:
+    return 512 if BLOCKS[fmt][0] == 256 else 160  # K-quants: two super-blocks; others: five blocks
+
+
+def _matmul(x, w, fmt, isa="auto", bias=None, residual=False):
+    out = torch.empty(x.shape[0], w.shape[0])
+    OPS.gguf_matmul(out, x, w, fmt, bias, residual, isa)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
+    k = _in_features(fmt)
+    w = random_blocks(fmt, 21, k)
+    want = reference_dequantize(fmt, w, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.empty(21, k, dtype=dtype)
+        OPS.gguf_dequantize(got, w, fmt)
+        assert torch.equal(got, want.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_path_matches_the_scalar_reference_and_the_float_matmul(fmt, isa, threads):
+    """Every row count a decode batch or a prefill chunk has (tiles of 4, panels of 64); bias; the
+    integer sums equal the scalar path's float ones to float rounding, and the float matmul over the
+    dequantized weight to the int8 activations' precision (~1/254 of each 32 values' maximum)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k, n = _in_features(fmt), 37
+        w = random_blocks(fmt, n, k, seed=threads)
+        dense = reference_dequantize(fmt, w, k)
+        bias = torch.randn(n)
+        torch.manual_seed(n)
+        for m in (1, 2, 3, 5, 8, 67, 130):
+            x = torch.randn(m, k)
+            got = _matmul(x, w, fmt, isa, bias)
+            scale = (x @ dense.T).abs().max().item()
+            assert torch.allclose(got, _matmul(x, w, fmt, "scalar", bias), atol=2e-5 * scale, rtol=0), (m, isa)
+            assert torch.allclose(got, F.linear(x, dense, bias), atol=0.02 * scale, rtol=0), m
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_every_path_quantizes_activations_to_the_same_integers(isa):
+    torch.manual_seed(1)
+    x = torch.randn(9, 256) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[3, :32] = 0.0  # an all-zero run: scale 0, values 0
+    got, want = [], []
+    for path, into in ((isa, got), ("scalar", want)):
+        q, d, s = torch.empty(9, 256, dtype=torch.int8), torch.empty(9, 8), torch.empty(9, 8)
+        OPS.gguf_quantize_activations(q, d, s, x, path)
+        into.extend([q, d, s])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    q, d, s = want
+    assert q.abs().max().item() == 127 and d[3, 0].item() == 0.0
+    dq = (q.float().view(9, 8, 32) * d.unsqueeze(-1)).view(9, 256)
+    assert ((dq - x).abs() <= d.repeat_interleave(32, dim=1) * 0.5001).all()  # rounded to nearest
+    assert torch.allclose(s, d * q.float().view(9, 8, 32).sum(-1))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
+def test_residual_activations_are_a_hundred_times_closer_to_the_float_matmul(fmt):
+    k = _in_features(fmt)
+    w = random_blocks(fmt, 64, k, seed=3)
+    dense = reference_dequantize(fmt, w, k)
+    x = torch.randn(3, k) * 3
+    want = (x.double() @ dense.double().T)
+    err8 = (_matmul(x, w, fmt).double() - want).abs().max().item()
+    err16 = (_matmul(x, w, fmt, residual=True).double() - want).abs().max().item()
+    assert err16 * 100 < err8, (err8, err16)
+    assert err16 < 1e-3 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_rows_result_does_not_depend_on_its_batch(residual):
+    """Each row is quantized and summed on its own, in the same order whatever tile it lands in, so
+    a prompt's logits are the same bits alone, in a batch, or after a prefix-cache hit."""
+    w = random_blocks("Q4_1", 50, 192, seed=4)
+    torch.manual_seed(4)
+    x = torch.randn(71, 192)
+    whole = _matmul(x, w, "Q4_1", residual=residual)
+    for lo, hi in ((0, 1), (5, 8), (13, 70), (70, 71)):
+        assert torch.equal(_matmul(x[lo:hi].contiguous(), w, "Q4_1", residual=residual), whole[lo:hi])
+
+
+def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
+    w = random_blocks("Q5_0", 24, 96, seed=5)
+    x = torch.randn(4, 96)
+    wide = torch.full((4, 40), -7.0)
+    OPS.gguf_matmul(wide[:, 10:34], x, w, "Q5_0", None)
+    want = _matmul(x, w, "Q5_0")
+    assert torch.equal(wide[:, 10:34], want)
+    assert (wide[:, :10] == -7).all() and (wide[:, 34:] == -7).all()
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(_matmul(xb, w, "Q5_0"), _matmul(xb.float(), w, "Q5_0"))
+
+
+def test_bad_calls_are_one_line_errors():
+    w = random_blocks("Q4_0", 8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="unsupported GGUF format 'Q3_K'"):
+        _matmul(x, w, "Q3_K")
+    with pytest.raises(RuntimeError, match="multiple of Q4_K's block of 256"):
+        _matmul(x, w, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"uint8 \[out_features, 36\]"):
+        _matmul(x, w[:, :30].contiguous(), "Q4_0")
+    with pytest.raises(RuntimeError, match="unknown instruction-set path 'sse9'"):
+        _matmul(x, w, "Q4_0", isa="sse9")
+    for isa in {"scalar", "avx2", "avx512"} - set(PATHS):
+        with pytest.raises(RuntimeError, match=f"cannot run the {isa} path"):
+            _matmul(x, w, "Q4_0", isa=isa)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        row_bytes("Q6_K", 300)
+
+
+def test_a_layer_of_mixed_formats_computes_each_segment_and_looks_rows_up():
+    """A fused QKV from a Q4_K_M file: Q4_K rows then Q6_K rows; decode rows through the kernel,
+    prefill rows through the dequantized GEMM, an LM head's float32 logits, and table lookups."""
+    k = 256
+    q_k = random_blocks("Q4_K", 40, k, seed=6)
+    v = random_blocks("Q6_K", 24, k, seed=7)
+    bias = torch.randn(64)
+    layer = GGUFLinear([("Q4_K", q_k), ("Q6_K", v)], k, bias, OPS, kernel_rows=8)
+    dense = torch.cat([reference_dequantize("Q4_K", q_k, k), reference_dequantize("Q6_K", v, k)])
+    assert torch.equal(layer.dequantized_weight(torch.float32), dense)
+    for rows in (1, 8, 9, 40):  # kernel, kernel, GEMM, GEMM
+        x = torch.randn(2, rows, k)
+        want = F.linear(x, dense, bias)
+        got = layer(x)
+        assert got.shape == (2, rows, 64) and got.dtype == torch.float32
+        assert torch.allclose(got, want, atol=0.02 * want.abs().max().item(), rtol=0), rows
+    assert layer(torch.randn(1, k, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer.float_output = True
+    assert layer(torch.randn(1, k, dtype=torch.bfloat16)).dtype == torch.float32
+    table = GGUFLinear([("Q8_0", random_blocks("Q8_0", 30, 64, seed=8))], 64, None, OPS)
+    ids = torch.tensor([[3, 0], [29, 3]])
+    rows = table.rows(ids, torch.float32)
+    assert torch.equal(rows, table.dequantized_weight(torch.float32)[ids.reshape(-1)])
+    with pytest.raises(RuntimeError, match="single-format"):
+        layer.rows(ids, torch.float32)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 144\]"):
+        GGUFLinear([("Q4_K", v)], k, None, OPS)
