@@ -11,6 +11,7 @@ BENCHMARKS = [
     "pagedserve.bench.decode",
     "pagedserve.bench.sampler",
     "pagedserve.bench.spec",
+    "pagedserve.bench.compare",
     "pagedserve.bench.seats",
     "pagedserve.bench.prefix",
     "pagedserve.bench.serve",

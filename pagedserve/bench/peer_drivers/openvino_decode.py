@@ -1,0 +1,51 @@
+"""OpenVINO GenAI's decode tokens/s on a Hugging Face checkpoint: one greedy request through
+``LLMPipeline.generate`` on the CPU (run with the venv-openvino Python by ``pagedserve bench
+compare``; prints one JSON line). The checkpoint is exported to OpenVINO IR once, into ``--ir``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from peer_timing import arguments, decode_rate, prompt_ids, report
+
+
+def export_once(model: str, ir: Path) -> None:
+    """optimum-cli's export (weights in its default precision, tokenizers included), renamed into
+    place when complete so that an interrupted export is redone."""
+    if (ir / "openvino_model.xml").exists():
+        return
+    part = ir.with_name(ir.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    cli = Path(sys.executable).with_name("optimum-cli")
+    subprocess.run([str(cli), "export", "openvino", "--model", model, "--task", "text-generation-with-past", str(part)],
+                   check=True, stdout=sys.stderr)  # stdout carries only the result line
+    os.replace(part, ir)
+
+
+def main() -> None:
+    p = arguments(__doc__)
+    p.add_argument("--ir", required=True, help="directory of the exported model (made once)")
+    args = p.parse_args()
+    export_once(args.model, Path(args.ir))
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    pipe = ov_genai.LLMPipeline(args.ir, "CPU", INFERENCE_NUM_THREADS=args.threads)
+    tokenizer = pipe.get_tokenizer()
+    ids = prompt_ids(lambda text: tokenizer.encode(text).input_ids.data[0].tolist(), args.prompt)
+
+    def generate(prompt: list[int], max_tokens: int) -> None:
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = max_tokens, True, False
+        pipe.generate(ov.Tensor(np.array([prompt], dtype=np.int64)), config)
+
+    report(decode_rate(generate, ids, args.output))
+
+
+if __name__ == "__main__":
+    main()

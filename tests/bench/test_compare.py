@@ -1,0 +1,320 @@
+"""``pagedserve bench compare``: llama.cpp's outputs are read right, the engines alternate, the table
+and ratios add up, a missing llama.cpp is one line and exit 2, and the pagedserve worker times each
+row's tokens. llama.cpp itself never runs here: stand-in scripts print its output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.bench import compare
+
+# Real output of this project's llama.cpp build (scripts/setup_peers.sh: llama-cpp-python 0.3.36's
+# vendored llama.cpp, commit 0c1e570) on SmolLM2-135M-Instruct Q4_1, 2 threads, small runs on a busy
+# machine (hence the low rates). stdout only: the model-loading log goes to stderr.
+
+# llama-bench -m FILE -t 2 -fa 1 -p 0 -n 8 -r 1 -o json
+LLAMA_BENCH_JSON = """[
+  {
+    "build_commit": "0c1e570",
+    "build_number": 1,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/root/.cache/pagedserve/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1",
+    "model_size": 96576768,
+    "model_n_params": 134515008,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": 1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 0,
+    "n_gen": 8,
+    "n_depth": 0,
+    "test_time": "2026-12-03T15:52:39Z",
+    "avg_ns": 566237146,
+    "stddev_ns": 0,
+    "avg_ts": 14.128356,
+    "stddev_ts": 0.000000,
+    "samples_ns": [ 566237146 ],
+    "samples_ts": [ 14.1284 ]
+  }
+]
+"""
+
+# llama-batched-bench -m FILE -c 256 -b 2048 -ub 512 -npp 8 -ntg 4 -npl 2 -t 2 -fa on
+BATCHED_BENCH_TABLE = """
+llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_shared = 0, \
+is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|     8 |      4 |    2 |     24 |    0.678 |    23.60 |    0.271 |    29.56 |    0.949 |    25.30 |
+
+"""
+
+# The same with --output-format jsonl
+BATCHED_BENCH_JSONL = """\
+{"n_kv_max": 512, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 1, "is_pp_shared": 0, "n_gpu_layers": -1, \
+"n_threads": 2, "n_threads_batch": 2, "pp": 8, "tg": 4, "pl": 2, "n_kv": 24, "t_pp": 3.351407, \
+"speed_pp": 4.774114, "t_tg": 1.240598, "speed_tg": 6.448503, "t": 4.592005, "speed": 5.226475}
+
+"""
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_parser(parser.add_subparsers(dest="bench"))
+    return parser.parse_args(["compare", *argv])
+
+
+def test_llama_bench_json_gives_avg_ts():
+    assert compare.parse_llama_bench(LLAMA_BENCH_JSON) == pytest.approx(14.128356)
+    two = json.dumps(json.loads(LLAMA_BENCH_JSON) * 2)
+    for bad in ("", "error: failed to load model", "[]", two):
+        with pytest.raises(ValueError):
+            compare.parse_llama_bench(bad)
+
+
+def test_batched_bench_gives_the_generation_rate_from_the_table_or_jsonl():
+    assert compare.parse_batched_bench(BATCHED_BENCH_TABLE) == pytest.approx(29.56)
+    assert compare.parse_batched_bench("main: loading\n" + BATCHED_BENCH_JSONL) == pytest.approx(6.448503)
+    header_only = "\n".join(BATCHED_BENCH_TABLE.splitlines()[:5])
+    for bad in (header_only, BATCHED_BENCH_TABLE + BATCHED_BENCH_JSONL):  # none, or two results
+        with pytest.raises(ValueError):
+            compare.parse_batched_bench(bad)
+
+
+def test_llama_cpp_commands_are_the_issues():
+    bin_dir, model = Path("/b"), Path("/m.gguf")
+    shapes = compare.shapes()
+    assert compare.llama_cpp_command(bin_dir, "decode", shapes["decode"], model, 4, False) == [
+        "/b/llama-bench", "-m", "/m.gguf", "-t", "4", "-fa", "1", "-p", "0", "-n", "256", "-r", "1", "-o", "json"]
+    assert compare.llama_cpp_command(bin_dir, "prefill", shapes["prefill"], model, 4, False) == [
+        "/b/llama-bench", "-m", "/m.gguf", "-t", "4", "-fa", "1", "-p", "512", "-n", "0", "-r", "1", "-o", "json"]
+    batch = ["/b/llama-batched-bench", "-m", "/m.gguf", "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "64",
+             "-ntg", "128", "-npl", "16", "-t", "4", "-fa", "on"]
+    assert compare.llama_cpp_command(bin_dir, "batch", shapes["batch"], model, 4, False) == batch
+    assert compare.llama_cpp_command(bin_dir, "batch", shapes["batch"], model, 4, True) == \
+        batch + ["--output-format", "jsonl"]
+    assert compare.shapes(32)["decode"] == compare.Shape(16, 32)
+
+
+def test_engines_alternate_within_each_row():
+    plan = {"decode": {"pagedserve": ["a"], "llama.cpp": ["b"]}, "batch": {"pagedserve": ["c"], "llama.cpp": ["d"]}}
+    assert compare.schedule(plan, 2) == [
+        ("decode", 1, "pagedserve"), ("decode", 1, "llama.cpp"), ("decode", 2, "pagedserve"),
+        ("decode", 2, "llama.cpp"), ("batch", 1, "pagedserve"), ("batch", 1, "llama.cpp"),
+        ("batch", 2, "pagedserve"), ("batch", 2, "llama.cpp")]
+    ran = []
+    figures = iter([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 1.0, 2.0])
+
+    def fake_run(engine, row, cmd):
+        ran.append(cmd[0])
+        return next(figures)
+
+    results = compare.measure(plan, 2, run=fake_run, log=lambda line: None)
+    assert ran == ["a", "b", "a", "b", "c", "d", "c", "d"]
+    assert results == {"decode": {"pagedserve": [10.0, 30.0], "llama.cpp": [20.0, 40.0]},
+                       "batch": {"pagedserve": [50.0, 1.0], "llama.cpp": [60.0, 2.0]}}
+
+
+def test_medians_ratios_and_the_table():
+    summary = compare.summarize({"decode": {"pagedserve": [90.0, 100.0, 130.0], "llama.cpp": [210.0, 200.0, 190.0],
+                                            "vllm": [50.0, 40.0, 60.0]},
+                                 "prefill": {"pagedserve": [1000.0], "llama.cpp": [500.0]}})
+    decode = summary["decode"]
+    assert decode["engines"]["pagedserve"]["median"] == 100.0 and decode["engines"]["llama.cpp"]["median"] == 200.0
+    assert decode["ratios"] == {"pagedserve/llama.cpp": pytest.approx(0.5), "pagedserve/vllm": pytest.approx(2.0)}
+    assert summary["prefill"]["ratios"] == {"pagedserve/llama.cpp": pytest.approx(2.0)}
+    lines = compare.format_table(summary).splitlines()
+    assert lines[0].split() == ["row", "pagedserve", "tok/s", "(rounds)", "llama.cpp", "tok/s", "(rounds)", "vllm",
+                                "tok/s", "(rounds)", "pagedserve/llama.cpp", "pagedserve/vllm"]
+    assert lines[1].split() == ["decode", "100.0", "(90.0,", "100.0,", "130.0)", "200.0", "(210.0,", "200.0,",
+                                "190.0)", "50.0", "(50.0,", "40.0,", "60.0)", "0.50x", "2.00x"]
+    assert lines[2].split() == ["prefill", "1000.0", "(1000.0)", "500.0", "(500.0)", "-", "2.00x", "-"]
+
+
+def test_cpu_summary_names_the_model_and_the_isa_flags_present():
+    cpuinfo = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+               "flags\t\t: fpu sse2 avx512fp16 amx_bf16 avx2 avx_vnni f16c avx512_vnni fma amx_tile avx512_bf16\n"
+               "\nprocessor\t: 1\nmodel name\t: other\nflags\t\t: fpu avx512f\n")
+    assert compare.cpu_summary(cpuinfo) == {
+        "model": "Intel(R) Xeon(R) Platinum 8480+",
+        # ISA_FLAGS' order; avx512fp16 is not avx512f, and only the first CPU's flags count
+        "isa": ["avx2", "fma", "f16c", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16"]}
+    assert compare.cpu_summary("") == {"model": "unknown CPU", "isa": []}
+
+
+def test_missing_llama_cpp_is_one_line_and_exit_2(tmp_path, capsys):
+    from pagedserve.cli import main
+
+    (tmp_path / "llama-bench").write_text("#!/bin/sh\n")  # present but not executable, and no batched-bench
+    assert main(["bench", "compare", "--llama-cpp", str(tmp_path)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err.strip().splitlines() == [
+        f"llama.cpp's llama-bench, llama-batched-bench not found in {tmp_path}: run scripts/setup_peers.sh llamacpp "
+        "(or pass --llama-cpp DIR)"]
+
+
+@pytest.mark.parametrize("argv", [("--rounds", "0"), ("--rounds", "two"), ("--rows", "decode,bogus"), ("--rows", ","),
+                                  ("--threads", "0"), ("--decode-tokens", "1"), ("--dtype", "int4"),
+                                  ("--quantize", "Q8_0,../x")])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2
+
+
+def test_defaults_and_row_lists():
+    args = parse()
+    assert (args.rows, args.rounds, args.dtype, args.decode_tokens, args.quantize) == (
+        ["decode", "prefill", "batch"], 3, "auto", 256, [])
+    assert parse("--rows", "batch,decode,batch", "--quantize", "Q8_0,Q4_K_M").rows == ["batch", "decode"]
+    assert parse("--quantize", "Q8_0, Q4_K_M").quantize == ["Q8_0", "Q4_K_M"]
+
+
+def test_model_must_be_a_gguf_file(tmp_path):
+    args = parse("--llama-cpp", str(_fake_llama_cpp(tmp_path / "bin")), "--model", str(tmp_path))
+    assert args.func(args) == 2
+
+
+def test_worker_times_each_row(tiny_model_dir):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="32MiB",
+                                 enable_prefix_caching=False))
+    t = compare.timed_run(engine, [[5, 6, 7, 8]] * 3, 5)
+    assert t.gen_tokens == 3 * 4 and t.first_s > 0 and t.gen_s > 0  # the tokens after each stream's first
+    assert compare.timed_run(engine, [[5, 6, 7, 8]], 1).gen_tokens == 0
+    for row, shape in (("decode", compare.Shape(4, 6)), ("prefill", compare.Shape(48, 1)),
+                       ("batch", compare.Shape(8, 4, 3))):
+        assert compare.worker_rate(engine, row, shape) > 0
+    with pytest.raises(RuntimeError, match="at least 2 output tokens"):
+        compare.worker_rate(engine, "decode", compare.Shape(4, 1))
+    assert not engine.has_unfinished_requests()
+
+
+def _fake_llama_cpp(bin_dir: Path, log: Path | None = None) -> Path:
+    """Stand-ins for llama-bench and llama-batched-bench that print their real output formats (and
+    note each call in ``log``); this batched-bench has no jsonl in its --help, so its table is read."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    note = f'echo "$0 $*" >> {log}\n' if log else ""
+    for name, text in (("llama-bench", LLAMA_BENCH_JSON), ("llama-batched-bench", BATCHED_BENCH_TABLE)):
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\n{note}cat <<'EOF'\n{text}EOF\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return bin_dir
+
+
+def test_a_whole_run_with_a_stand_in_llama_cpp(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """The pagedserve worker really runs, then llama-bench's stand-in; the report adds up. The
+    worker loads the tiny checkpoint directory as if it were the GGUF file: a GGUF written here
+    would be new to the cache and spend seconds being prepared."""
+    monkeypatch.setattr(compare, "resolve_gguf", lambda model: tiny_model_dir)
+    log = tmp_path / "calls.log"
+    bin_dir = _fake_llama_cpp(tmp_path / "bin", log)
+    out = tmp_path / "compare.json"
+    args = parse("--llama-cpp", str(bin_dir), "--rows", "decode", "--rounds", "1", "--decode-tokens", "4",
+                 "--threads", "1", "--json", str(out))
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    order = re.findall(r"round \d+/\d+ +(\S+)", printed)
+    assert order == ["pagedserve", "llama.cpp"]
+    assert log.read_text().splitlines() == [
+        f"{bin_dir}/llama-bench -m {tiny_model_dir} -t 1 -fa 1 -p 0 -n 4 -r 1 -o json"]
+    report = json.loads(out.read_text())
+    decode = report["files"][0]["rows"]["decode"]
+    ours = decode["engines"]["pagedserve"]
+    assert len(ours["rounds"]) == 1 and ours["median"] > 0
+    assert decode["engines"]["llama.cpp"]["rounds"] == [pytest.approx(14.128356)]
+    assert decode["ratios"]["pagedserve/llama.cpp"] == pytest.approx(ours["median"] / 14.128356)
+    assert report["threads"] == 1 and report["cpu"]["model"]
+    cmd = report["files"][0]["commands"]["decode"]["pagedserve"]
+    assert "-m pagedserve.bench.compare --worker decode" in cmd and "--threads 1" in cmd and "--output 4" in cmd
+    assert "pagedserve/llama.cpp" in printed and f"CPU: {report['cpu']['model']}" in printed
+
+
+def test_a_failed_round_is_an_error_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    bin_dir = _fake_llama_cpp(tmp_path / "bin")
+    (bin_dir / "llama-bench").write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    measure = compare.measure
+
+    def llama_only(plan, rounds):  # no pagedserve worker: this file is no model
+        return measure({row: {"llama.cpp": e["llama.cpp"]} for row, e in plan.items()}, rounds)
+
+    monkeypatch.setattr(compare, "measure", llama_only)
+    args = parse("--llama-cpp", str(bin_dir), "--model", str(model), "--rows", "prefill", "--rounds", "1")
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert "llama.cpp (prefill row) exited with status 1" in err and "failed to load model" in err
+    assert "Traceback" not in err
+
+
+def test_optional_peers_run_only_with_their_venv_and_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    assert compare.optional_peers(str(tmp_path)) == ([], [])  # no venv: nothing to say
+    python = tmp_path / "peers" / "venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    peers, skipped = compare.optional_peers(None)
+    assert peers == [] and len(skipped) == 1 and skipped[0].startswith("vllm: skipped")
+    assert compare.optional_peers(str(tmp_path)) == (["vllm"], [])
+    args = parse("--rows", "decode,prefill", "--decode-tokens", "8", "--hf-checkpoint", str(tmp_path / "ckpt"))
+    files = [Path("/m.gguf"), Path("/m.Q8_0.gguf")]
+    plan = compare.build_plan(files, args, Path("/b"), 2, False, ["vllm", "openvino"])
+    assert list(plan["/m.gguf"]["decode"]) == ["pagedserve", "llama.cpp", "vllm", "openvino"]
+    assert list(plan["/m.gguf"]["prefill"]) == list(plan["/m.Q8_0.gguf"]["decode"]) == ["pagedserve", "llama.cpp"]
+    vllm = plan["/m.gguf"]["decode"]["vllm"]
+    assert vllm[0] == str(python) and vllm[1].endswith("peer_drivers/vllm_decode.py")
+    assert vllm[2:] == ["--model", str(tmp_path / "ckpt"), "--threads", "2", "--prompt", "16", "--output", "8"]
+    ir = plan["/m.gguf"]["decode"]["openvino"][-1]
+    assert ir.startswith(str(tmp_path / "peers" / "openvino-ir" / "ckpt-"))
+
+
+def test_peer_drivers_time_the_tokens_after_the_first():
+    from pagedserve.bench.peer_drivers import peer_timing
+
+    assert peer_timing.prompt_ids(lambda text: [1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    calls = []
+
+    def generate(ids, max_tokens):  # 20 ms to the first token, then 5 ms a token
+        calls.append(max_tokens)
+        time.sleep(0.02 + 0.005 * (max_tokens - 1))
+
+    assert peer_timing.decode_rate(generate, [1], 21) == pytest.approx(200, rel=0.25)
+    assert calls == [4, 1, 21]  # warm-up, one token, all
+    with pytest.raises(RuntimeError, match="cannot time"):
+        peer_timing.decode_rate(lambda ids, n: None, [1], 1)
