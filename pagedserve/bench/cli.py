@@ -10,6 +10,7 @@ BENCHMARKS = [
     "pagedserve.bench.throughput",
     "pagedserve.bench.decode",
     "pagedserve.bench.sampler",
+    "pagedserve.bench.gguf_kernels",
     "pagedserve.bench.spec",
     "pagedserve.bench.compare",
     "pagedserve.bench.seats",

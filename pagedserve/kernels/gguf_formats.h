@@ -73,6 +73,16 @@ inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
   }
 }
 
+// The kernels' layout of a row of a 32-weight format ("planes"): every block's integer bytes back
+// to back (Q5's 4 high-bit bytes, then its 16 nibble bytes), then every block's d, then every
+// block's m (Q4_1, Q5_1). The same bytes as GGUF's, regrouped so that a kernel converts eight blocks'
+// scales with one instruction instead of one at a time. K-quants keep GGUF's layout.
+constexpr bool planar(Format f) { return f != Format::q4_k && f != Format::q5_k && f != Format::q6_k; }
+constexpr bool with_min(Format f) { return f == Format::q4_1 || f == Format::q5_1; }
+constexpr int quant_bytes(Format f) {
+  return f == Format::q8_0 ? 32 : (f == Format::q5_0 || f == Format::q5_1) ? 20 : 16;
+}
+
 // Activations are quantized per 32 values to int8 with scale d = max|x| / 127 (llama.cpp's Q8
 // activations): these two give d and the multiplier 1 / d, shared by every path so they all see the
 // same integers.
@@ -163,6 +173,17 @@ inline void dequantize_block(Format f, const uint8_t* b, float* y) {
       return;
     }
   }
+}
+
+// Block b of a row (`blocks` blocks) in the kernels' layout, as floats.
+inline void dequantize_row_block(Format f, const uint8_t* row, int64_t blocks, int64_t b, float* y) {
+  if (!planar(f)) return dequantize_block(f, row + b * info(f).bytes, y);
+  uint8_t block[34];  // reassembled in GGUF's order: d, m (with_min), then the integer bytes
+  const int qb = quant_bytes(f), head = with_min(f) ? 4 : 2;
+  std::memcpy(block, row + blocks * qb + 2 * b, 2);
+  if (with_min(f)) std::memcpy(block + 2, row + blocks * qb + 2 * blocks + 2 * b, 2);
+  std::memcpy(block + head, row + qb * b, qb);
+  dequantize_block(f, block, y);
 }
 
 }  // namespace pagedserve::gguf

@@ -12,6 +12,10 @@
 // activations: the same numbers up to float summation order), AVX2 and AVX-512 VNNI, compiled on
 // every x86 machine and chosen at run time; `isa` names one to force it (the tests run each path
 // the CPU can execute).
+// Float sums in exactly the order written (the build's -ffast-math lets GCC reassociate them, and it
+// did so differently per tile size): a row's result must not depend on the rows beside it.
+#pragma GCC optimize("no-fast-math")
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -26,6 +30,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -75,7 +80,7 @@ void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* 
   float wf[256];
   for (int r = 0; r < rows; ++r) out[r] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    dequantize_block(F, w + b * fi.bytes, wf);
+    dequantize_row_block(F, w, blocks, b, wf);
     for (int r = 0; r < rows; ++r) {
       for (int c = 0; c < fi.elems / 32; ++c) {
         const int64_t run = b * (fi.elems / 32) + c;
@@ -105,6 +110,9 @@ RowKernel row_kernel(Format f) {
 }  // namespace scalar
 
 #if PS_X86
+// The SIMD helpers are small and called per 32 weights: forced inline, since a call would move the
+// accumulators through memory (GCC left some of them out of line on its own budget).
+#define PS_INLINE inline __attribute__((always_inline))
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -176,7 +184,8 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   TORCH_CHECK(K % fi.elems == 0, op, ": in_features ", K, " is not a multiple of ", fi.name, "'s block of ", fi.elems);
   const int64_t blocks = K / fi.elems, row_bytes = blocks * fi.bytes;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes, op,
-              ": weight must be a contiguous uint8 [out_features, ", row_bytes, "] of ", fi.name, " blocks");
+              ": weight must be a contiguous uint8 [out_features, ", row_bytes, "] of ", fi.name,
+              " blocks (planes for 32-weight formats: gguf_formats.h)");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1 && out.stride(0) >= N,
               op, ": out must be a float32 [rows, out_features] with unit column stride");
@@ -247,7 +256,7 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
     at::parallel_for(0, N * blocks, std::max<int64_t>(1, 4096 / fi.elems), [&](int64_t b0, int64_t b1) {
       float buf[256];
       for (int64_t b = b0; b < b1; ++b) {
-        dequantize_block(f, wp + b * fi.bytes, buf);
+        dequantize_row_block(f, wp + b / blocks * blocks * fi.bytes, blocks, b % blocks, buf);
         T* ob = o + b * fi.elems;
         for (int i = 0; i < fi.elems; ++i) ob[i] = from_float<T>(buf[i]);
       }

@@ -39,7 +39,9 @@ class HeadMajorKVCache:
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]``."""
         kvh, nb, bs, hd = self.data.shape
-        self.data.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, x.transpose(0, 1).to(self.data.dtype))
+        if x.dtype != self.data.dtype:  # a no-op .to() still costs microseconds per layer per step
+            x = x.to(self.data.dtype)
+        self.data.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, x.transpose(0, 1))
 
     def gather_head_major(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Blocks ``block_ids`` (shape ``S``) as a contiguous ``[kv_heads, *S, block_size, head_dim]``."""

@@ -1,7 +1,8 @@
 """GGUF's quantized blocks as a linear layer, computed by the native kernels without leaving them.
 
-A :class:`GGUFLinear` holds a weight matrix exactly as the GGUF file stores it (Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, one row of blocks per output feature) and multiplies it
+A :class:`GGUFLinear` holds a weight matrix's bytes exactly as the GGUF file stores them (Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, one row of blocks per output feature; the
+32-weight formats' bytes regrouped per row into planes, :func:`kernel_layout`) and multiplies it
 two ways (``pagedserve/kernels/gguf_matmul.cpp``):
 
 * up to ``kernel_rows`` rows of activations (decode batches): ``gguf_matmul`` reads the blocks
@@ -31,6 +32,21 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 16
 
 
+def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF rows of ``fmt`` blocks (uint8 ``[rows, row bytes]``) in the kernels' layout: for the
+    32-weight formats, every block's integer bytes, then every d, then every m (Q4_1, Q5_1) — the
+    same bytes regrouped, so the kernel converts eight blocks' scales at once (gguf_formats.h);
+    K-quants as they are."""
+    elems, size = BLOCKS[fmt]
+    if elems != 32:
+        return blocks.contiguous()
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, size)
+    head = 4 if fmt in ("Q4_1", "Q5_1") else 2  # d (and m), float16 each
+    planes = [b[..., head:], b[..., 0:2]] + ([b[..., 2:4]] if head == 4 else [])
+    return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
+
+
 def row_bytes(fmt: str, in_features: int) -> int:
     """Bytes of one row of ``in_features`` weights in ``fmt``."""
     elems, size = BLOCKS[fmt]
@@ -56,7 +72,7 @@ class GGUFLinear(nn.Module):
             if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(fmt, in_features):
                 raise ValueError(f"{fmt} weight must be uint8 [rows, {row_bytes(fmt, in_features)}], "
                                  f"got {w.dtype} {tuple(w.shape)}")
-            self.register_buffer(f"weight{i}", w.contiguous())
+            self.register_buffer(f"weight{i}", kernel_layout(fmt, w))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.ops = ops
         self.kernel_rows = kernel_rows
@@ -92,12 +108,17 @@ class GGUFLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.kernel_rows:
+            # The decode hot path: one native call per segment, nothing else allocated but y.
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-            for fmt, w, offset, width in self._segments():
-                bias = None if self.bias is None else self.bias[offset:offset + width]
-                self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.float_output)
-            if not self.float_output:
+            if len(self.formats) == 1:  # _buffers read directly: nn.Module's __getattr__ costs ~1 us a name
+                buffers = self._buffers
+                self.ops.gguf_matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.float_output)
+            else:
+                for fmt, w, offset, width in self._segments():
+                    bias = None if self.bias is None else self.bias[offset:offset + width]
+                    self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.float_output)
+            if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
         else:
             bias = None if self.bias is None else self.bias.to(x.dtype)

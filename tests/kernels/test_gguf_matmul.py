@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
-from pagedserve.models.gguf_linear import BLOCKS, GGUFLinear, row_bytes
+from pagedserve.models.gguf_linear import BLOCKS, GGUFLinear, kernel_layout, row_bytes
 
 OPS = native_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
@@ -21,8 +21,8 @@ PATHS = isa_paths()
 
 
 def random_blocks(fmt: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """``rows`` rows of valid ``fmt`` blocks: random integers, and float16 scales of a trained
-    model's size (K-quants' super-block scales small, as their 6-bit sub-scales multiply them)."""
+    """``rows`` rows of valid ``fmt`` blocks in GGUF's layout: random integers, and float16 scales of
+    a trained model's size (K-quants' super-block scales small, as their 6-bit sub-scales multiply them)."""
     rng = np.random.default_rng(seed)
     elems, size = BLOCKS[fmt]
     nb = in_features // elems
@@ -55,12 +55,14 @@ def reference_dequantize(fmt: str, w: torch.Tensor, in_features: int) -> torch.T
 
 
 def _in_features(fmt: str) -> int:
-    return 512 if BLOCKS[fmt][0] == 256 else 160  # K-quants: two super-blocks; others: five blocks
+    # K-quants: two super-blocks; others: 19 blocks, two groups of eight scales and three on their own
+    return 512 if BLOCKS[fmt][0] == 256 else 608
 
 
 def _matmul(x, w, fmt, isa="auto", bias=None, residual=False):
+    """The op on GGUF-layout rows ``w`` (put into the kernels' layout first)."""
     out = torch.empty(x.shape[0], w.shape[0])
-    OPS.gguf_matmul(out, x, w, fmt, bias, residual, isa)
+    OPS.gguf_matmul(out, x, kernel_layout(fmt, w), fmt, bias, residual, isa)
     return out
 
 
@@ -71,7 +73,7 @@ def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
     want = reference_dequantize(fmt, w, k)
     for dtype in (torch.float32, torch.bfloat16):
         got = torch.empty(21, k, dtype=dtype)
-        OPS.gguf_dequantize(got, w, fmt)
+        OPS.gguf_dequantize(got, kernel_layout(fmt, w), fmt)
         assert torch.equal(got, want.to(dtype)), dtype
 
 
@@ -136,9 +138,9 @@ def test_residual_activations_are_a_hundred_times_closer_to_the_float_matmul(fmt
 def test_a_rows_result_does_not_depend_on_its_batch(residual):
     """Each row is quantized and summed on its own, in the same order whatever tile it lands in, so
     a prompt's logits are the same bits alone, in a batch, or after a prefix-cache hit."""
-    w = random_blocks("Q4_1", 50, 192, seed=4)
+    w = random_blocks("Q4_1", 50, 320, seed=4)
     torch.manual_seed(4)
-    x = torch.randn(71, 192)
+    x = torch.randn(71, 320)
     whole = _matmul(x, w, "Q4_1", residual=residual)
     for lo, hi in ((0, 1), (5, 8), (13, 70), (70, 71)):
         assert torch.equal(_matmul(x[lo:hi].contiguous(), w, "Q4_1", residual=residual), whole[lo:hi])
@@ -148,7 +150,7 @@ def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
     w = random_blocks("Q5_0", 24, 96, seed=5)
     x = torch.randn(4, 96)
     wide = torch.full((4, 40), -7.0)
-    OPS.gguf_matmul(wide[:, 10:34], x, w, "Q5_0", None)
+    OPS.gguf_matmul(wide[:, 10:34], x, kernel_layout("Q5_0", w), "Q5_0", None)
     want = _matmul(x, w, "Q5_0")
     assert torch.equal(wide[:, 10:34], want)
     assert (wide[:, :10] == -7).all() and (wide[:, 34:] == -7).all()
@@ -159,12 +161,13 @@ def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
 def test_bad_calls_are_one_line_errors():
     w = random_blocks("Q4_0", 8, 64)
     x = torch.randn(2, 64)
+    y = torch.empty(2, 8)
     with pytest.raises(RuntimeError, match="unsupported GGUF format 'Q3_K'"):
-        _matmul(x, w, "Q3_K")
+        OPS.gguf_matmul(y, x, w, "Q3_K", None)
     with pytest.raises(RuntimeError, match="multiple of Q4_K's block of 256"):
-        _matmul(x, w, "Q4_K")
+        OPS.gguf_matmul(y, x, w, "Q4_K", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[out_features, 36\]"):
-        _matmul(x, w[:, :30].contiguous(), "Q4_0")
+        OPS.gguf_matmul(y, x, w[:, :30].contiguous(), "Q4_0", None)
     with pytest.raises(RuntimeError, match="unknown instruction-set path 'sse9'"):
         _matmul(x, w, "Q4_0", isa="sse9")
     for isa in {"scalar", "avx2", "avx512"} - set(PATHS):

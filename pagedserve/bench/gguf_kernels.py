@@ -1,0 +1,148 @@
+"""``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 activations × the blocks' integers)
+against dequantizing the blocks and running torch's float32 GEMM, and against a float32 ``F.linear``
+over weights already dequantized (what a float32 model pays), at the row counts of a decode batch
+and of a prefill chunk, alternating round by round. The crossover row count is where
+:class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedserve.bench.common import machine_summary, write_result
+
+# (format, out_features, in_features): SmolLM2-135M's fused QKV, gate/up, down and its Q8_0 LM head;
+# a Q4_K_M file's K-quants on a 1024-wide model.
+SHAPES = [("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576),
+          ("Q4_K", 3072, 1024), ("Q6_K", 1024, 3072)]
+
+
+@dataclass
+class ShapeTimes:
+    format: str
+    out_features: int
+    in_features: int
+    rows: int
+    kernel_us: float  # medians over the rounds
+    dequant_gemm_us: float
+    float_us: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """The kernel's weight bytes read per second (one pass over the blocks per call)."""
+        from pagedserve.models.gguf_linear import row_bytes
+
+        return self.out_features * row_bytes(self.format, self.in_features) / self.kernel_us / 1e3
+
+
+def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Rows of valid ``fmt`` blocks (GGUF layout): the ``gguf`` package's quantization of random
+    weights where it has one, random integers with a trained model's scales otherwise."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, in_features)) * 0.02).astype(np.float32)
+    try:
+        return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[fmt]))
+    except NotImplementedError:  # K-quants: the package dequantizes them but cannot quantize
+        from pagedserve.models.gguf_linear import BLOCKS
+
+        elems, size = BLOCKS[fmt]
+        raw = rng.integers(0, 256, size=(rows, in_features // elems, size), dtype=np.uint8)
+        scale = rng.uniform(0, 0.002, size=raw.shape[:2]).astype(np.float16).view(np.uint8)
+        raw[..., :2] = scale.reshape(*raw.shape[:2], 2)  # Q4_K / Q5_K: d first
+        raw[..., -2:] = scale.reshape(*raw.shape[:2], 2)  # Q6_K: d last
+        raw[..., 2:4] = scale.reshape(*raw.shape[:2], 2)
+        return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def _median_us(fn: Callable[[], object], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes]:
+    from pagedserve.kernels import native_ops
+    from pagedserve.models.gguf_linear import kernel_layout
+
+    ops = native_ops()
+    if ops is None:
+        raise RuntimeError("the native kernels are not available here")
+    out: list[ShapeTimes] = []
+    for fmt, n, k in shapes:
+        w = kernel_layout(fmt, random_gguf_rows(fmt, n, k))
+        dense = torch.empty(n, k)
+        ops.gguf_dequantize(dense, w, fmt)
+        for m in rows:
+            x = torch.randn(m, k)
+            y = torch.empty(m, n)
+
+            def kernel():
+                ops.gguf_matmul(y, x, w, fmt, None)
+
+            def dequant_gemm():
+                full = torch.empty(n, k)
+                ops.gguf_dequantize(full, w, fmt)
+                return F.linear(x, full)
+
+            def float_gemm():
+                return F.linear(x, dense)
+
+            ways = (kernel, dequant_gemm, float_gemm)
+            for fn in ways:
+                fn()  # warm-up
+            per_way: list[list[float]] = [[], [], []]
+            for _ in range(rounds):  # alternating, so drift hits every way alike
+                for i, fn in enumerate(ways):
+                    per_way[i].append(_median_us(fn, calls))
+            out.append(ShapeTimes(fmt, n, k, m, *(statistics.median(t) for t in per_way)))
+    return out
+
+
+def add_parser(bench) -> None:
+    p = bench.add_parser("gguf-kernels", help="GGUF kernel vs dequantize + GEMM vs float32, per row count",
+                         description=__doc__)
+    p.add_argument("--rows", default="1,4,16,32,64,512", help="activation row counts, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (median reported; >= 1)")
+    p.add_argument("--calls", type=int, default=20, help="calls per way per round (median taken; >= 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the rows as JSON here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        print(f"error: --rows must be whole numbers separated by commas, got {args.rows!r}")
+        return 2
+    if min(rows) < 1 or args.rounds < 1 or args.calls < 1:
+        print("error: --rows, --rounds and --calls must be at least 1")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagedserve.kernels import best_isa
+
+    results = measure(SHAPES, rows, args.rounds, args.calls)
+    print(f"GGUF kernels ({best_isa()} path; {machine_summary()}), medians of {args.rounds} alternated rounds")
+    print(f"{'format':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
+          f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}")
+    for r in results:
+        print(f"{r.format:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
+              f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
+              f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x")
+    write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
+                                 "rows": [asdict(r) for r in results]})
+    return 0
