@@ -18,6 +18,15 @@
   ``PAGEDSERVE_GROUP_KERNELS=1``, as torch's int4pack path decodes bf16 activations faster on two
   AVX2 threads (docs/QUANTIZATION.md).
 
+* ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
+  with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``), each
+  32's sum scaled once; and the blocks dequantized for prefill GEMMs and lookups
+  (:mod:`pagedserve.models.gguf_linear`).
+* ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
+  compile a scalar, an AVX2 and an AVX-512 path on every x86 machine and take the best the CPU runs
+  (:func:`best_isa`); the tests run each path the CPU can (:func:`isa_paths`).
+
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the
 sources' content, the compiler and its flags (the build uses ``-march=native``, so the CPU's

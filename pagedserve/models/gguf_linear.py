@@ -29,7 +29,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 
 # Up to this many activation rows the integer kernel runs; beyond, dequantize + GEMM. Measured on
 # SmolLM2-135M's shapes (docs/QUANTIZATION.md, "GGUF kernels").
-KERNEL_ROWS = 16
+KERNEL_ROWS = 32
 
 
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
