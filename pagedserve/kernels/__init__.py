@@ -54,7 +54,7 @@ log = logging.getLogger("pagedserve.kernels")
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
-                         "quant_matmul.cpp", "cpu_isa.cpp")]
+                         "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
