@@ -114,7 +114,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
-                           "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU")
+                           "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU "
+                           "(a bf16 checkpoint's linear weights then stay bf16 for decode: --decode-weights)")
         self.config = config = resolve_config(config, hf_config, arch, self.device)
         self.model_name = config.model
         self.model_dir = str(model_dir)

@@ -17,6 +17,12 @@
   batches get one native dequantization for the float GEMM (``pagedserve.models.quant``); opt-in with
   ``PAGEDSERVE_GROUP_KERNELS=1``, as torch's int4pack path decodes bf16 activations faster on two
   AVX2 threads (docs/QUANTIZATION.md).
+* ``half_matmul.cpp`` — ``half_linear``: ``y = x Wᵀ + b`` for float32 activations with ``W`` stored
+  float16 or bfloat16 and widened in registers (F16C's ``vcvtph2ps``; a 16-bit shift for bf16), for
+  decode-sized batches of a float32 model on a CPU without native bf16
+  (:class:`~pagedserve.models.half_linear.HalfWeightLinear`, ``--decode-weights``): half float32's
+  bytes per token, 1.6-2x float32 ``F.linear``'s speed for one row on ``small``'s shapes. The first
+  kernel on the run-time instruction-set choice of ``cpu_isa.h`` (scalar, avx2, avx512 paths).
 
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the

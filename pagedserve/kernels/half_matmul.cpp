@@ -131,8 +131,8 @@ inline float hsum8(__m256 v) {
 template <bool BF16>
 struct Avx2 {
   // 12 accumulators + 3 weight vectors of the 16 ymm (x is the FMAs' memory operand). Measured
-  // against 4 x 2, 2 x 4, 4 x 3 and 4 x 4 on small's shapes: as fast for one row, 1.1-1.5x faster for
-  // 8-16 (fewer widenings per FMA); 4 x 4 spills.
+  // against 4 x 2, 2 x 4, 4 x 3 and 4 x 4 on small's shapes: as fast for one row, up to 1.5x faster
+  // for 8-16 (fewer widenings per FMA; 1.0-1.8x by shape on a noisy machine); 4 x 4 spills.
   static constexpr int kNR = 3, kMR = 4;
 
   template <int NR, int MR>

@@ -30,7 +30,7 @@ from pagedserve.models.replace import replace_linears
 
 # Up to this many rows the kernel's single pass over the 16-bit weight beats widening it for
 # torch's GEMM; beyond, the GEMM's register blocking wins. Measured on small's five shapes (AVX2
-# EPYC, 1 thread, the widened path against the kernel): 1.4-1.7x at 16 rows, 1.0-1.6x at 32, 0.95-1.15x
+# EPYC, 1 thread, the widened path against the kernel): 1.4-1.7x at 16 rows, 1.0-1.6x at 32, 0.9-1.15x
 # at 40-48; on 2 threads the kernel still led at 48 (docs/QUANTIZATION.md).
 KERNEL_MAX_ROWS = 32
 # float32 bytes widened per F.linear call on the prefill path: a few MiB stay in cache and in the

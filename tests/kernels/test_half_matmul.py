@@ -33,14 +33,6 @@ ROWS = [1, 2, 3, 5, 8, 16]
 SHAPES = [(37, 64), (33, 100), (5, 7), (130, 264)]  # (N odd or not, K a multiple of 8 or not)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _operands(n: int, k: int, m: int, dtype: torch.dtype, bias: bool):
     torch.manual_seed(n * 1000 + k * 10 + m)
     w = torch.randn(n, k).to(dtype)
