@@ -43,6 +43,10 @@ def parse_bytes(value: int | float | str) -> int:
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 # Weight-only quantization applied at load: none, int8 (per-output-channel) or int4 (group-wise).
 QUANTIZATIONS = ("none", "int8", "int4")
+# How a float32 model's linear weights are stored on a CPU without native bf16 (models/half_linear.py):
+# auto = 16-bit where lossless (a bf16 or f16 checkpoint), else float32; float16 / bfloat16 round a
+# float32 checkpoint's weights, so they are asked for by name.
+DECODE_WEIGHTS = ("auto", "float32", "float16", "bfloat16")
 
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -115,6 +119,8 @@ class EngineConfig:
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
     ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
+    ``decode_weights``: on a CPU without native bf16, a float32 model's linear weights stored 16-bit
+    for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
@@ -134,6 +140,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
+    decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
@@ -191,6 +198,8 @@ class EngineConfig:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

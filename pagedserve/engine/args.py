@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import (ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, MAX_NGRAM, MAX_PRIORITY_PREFILL_PAUSE,
-                               MAX_SPECULATIVE_TOKENS, QUANTIZATIONS, EngineConfig, KVEventsConfig)
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, KV_CACHE_DTYPES, MAX_NGRAM,
+                               MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, QUANTIZATIONS, EngineConfig,
+                               KVEventsConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -22,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="weight-only quantization applied at load: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads")
+    g.add_argument("--decode-weights", default="auto", choices=list(DECODE_WEIGHTS),
+                   help="on a CPU without native bf16 (no AVX512_BF16, no AMX), with a float32 model: how linear "
+                        "weights are stored. float16 / bfloat16 keep them 16-bit and widen them in registers, so "
+                        "decode reads half float32's bytes (prompt chunks still run float32 GEMMs); auto does so "
+                        "only where lossless, for a bf16 or f16 checkpoint (a float32 one stays float32); float16 "
+                        "rounds a float32 checkpoint's weights. Ignored elsewhere (default auto)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
@@ -103,7 +110,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, stream_interval=args.stream_interval,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        decode_weights=getattr(args, "decode_weights", "auto"), stream_interval=args.stream_interval,
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),

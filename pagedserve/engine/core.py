@@ -115,7 +115,8 @@ class EngineCore:
         logger.info("compute dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
-                           "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU")
+                           "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU "
+                           "(a bf16 checkpoint's linear weights then stay bf16 for decode: --decode-weights)")
         self.config = config = resolve_config(config, hf_config, arch, self.device)
         self.model_name = config.model
         self.model_dir = str(model_dir)
@@ -124,7 +125,7 @@ class EngineCore:
 
         t0 = time.monotonic()
         model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
-                           config.attention_backend, config.quantization)
+                           config.attention_backend, config.quantization, config.decode_weights)
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,

@@ -17,6 +17,12 @@
   batches get one native dequantization for the float GEMM (``pagedserve.models.quant``); opt-in with
   ``PAGEDSERVE_GROUP_KERNELS=1``, as torch's int4pack path decodes bf16 activations faster on two
   AVX2 threads (docs/QUANTIZATION.md).
+* ``half_matmul.cpp`` — ``half_linear``: ``y = x Wᵀ + b`` for float32 activations with ``W`` stored
+  float16 or bfloat16 and widened in registers (F16C's ``vcvtph2ps``; a 16-bit shift for bf16), for
+  decode-sized batches of a float32 model on a CPU without native bf16
+  (:class:`~pagedserve.models.half_linear.HalfWeightLinear`, ``--decode-weights``): half float32's
+  bytes per token, 1.6-2x float32 ``F.linear``'s speed for one row on ``small``'s shapes. The first
+  kernel on the run-time instruction-set choice of ``cpu_isa.h`` (scalar, avx2, avx512 paths).
 
 * ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
@@ -63,7 +69,7 @@ log = logging.getLogger("pagedserve.kernels")
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
-                         "quant_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp")]
+                         "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled

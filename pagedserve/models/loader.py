@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.kernels import cpu_has_native_bf16, native_ops
 from pagedserve.models.gguf import gguf_source, load_gguf_model
+from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
 from pagedserve.models.hf_config import HFConfig, read_hf_config
 from pagedserve.models.meta import meta_without_init
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
@@ -129,8 +130,14 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> 
     return out
 
 
+def _checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The one floating dtype a checkpoint's weights are stored in, or None if it mixes several."""
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               attention_backend: str, quantization: str = "none") -> LlamaForCausalLM:
+               attention_backend: str, quantization: str = "none", decode_weights: str = "auto") -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors.
 
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
@@ -139,12 +146,20 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     off, ``=panel`` puts float32 weights into panels for the native kernel instead: faster for
     decode batches of up to ~8 rows, slower for W1's 64-row batches, so not the default). On CPU the native layer kernels are switched on where they build. The engine's load log
     line states the resulting weight bytes.
+
+    ``decode_weights`` (``auto`` | ``float32`` | ``float16`` | ``bfloat16``): on a CPU without native
+    bf16, a float32 model's linear weights may be kept 16-bit for decode
+    (:mod:`pagedserve.models.half_linear`); ``auto`` does so where it is lossless (a bf16 or f16
+    checkpoint). One log line says what was chosen and why.
     """
+    checkpoint_dtype = None  # unknown or mixed (a GGUF file): auto then keeps float32
+    weight_format = quantization  # what choose_decode_weights is told the linears hold
     arch = ModelArchitecture.from_hf_config(hf_config)
     gguf = gguf_source(model_dir)
     if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
         keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
         model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep)
+        weight_format = "GGUF, kept quantized" if keep else weight_format
     else:
         # Built on the meta device and filled by assignment: no random initialization of weights
         # the checkpoint replaces anyway. The rotary tables, the one thing not in a checkpoint, are
@@ -154,6 +169,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         with meta_without_init():
             model = LlamaForCausalLM(arch, max_positions, attention_backend, rotary=rotary)
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
+        checkpoint_dtype = _checkpoint_dtype(state)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")
@@ -168,6 +184,12 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
     ops = native_ops() if device.type == "cpu" else None  # None (torch paths) where the kernels can't be built
+    half, why = choose_decode_weights(decode_weights, checkpoint_dtype, dtype, device, weight_format,
+                                      device.type == "cpu" and cpu_has_native_bf16(),
+                                      ops is not None and hasattr(ops, "half_linear"))
+    logger.info("decode weights: %s (%s)", str(half if half is not None else dtype).removeprefix("torch."), why)
+    if half is not None:  # before prepacking, which then finds no plain float32 linear left
+        store_linears_16bit(model, half, ops)
     if quantization in (None, "none") and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
         # CPU: prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
         # decode batches, 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.

@@ -50,14 +50,6 @@ def _reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), layer.dequantized_weight(torch.float32), bias)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
