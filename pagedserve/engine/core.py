@@ -111,7 +111,7 @@ class EngineCore:
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir)
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
-        self.dtype, why = resolve_dtype(config.dtype, hf_config, self.device)
+        self.dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, self.device)
         logger.info("compute dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
@@ -127,9 +127,9 @@ class EngineCore:
         model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
                            config.attention_backend, config.quantization, config.decode_weights)
         self.weight_bytes = weight_bytes(model)
-        self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, self.dtype)  # e.g. "bfloat16" or "int8"
+        self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                                           config.kv_cache_dtype, self.dtype)
+                                                           config.kv_cache_dtype, kv_model_dtype)
         auto = None
         if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
             auto = choose_auto_kv_budget(arch, config, self.device, self.kv_bytes_per_token)
@@ -149,7 +149,10 @@ class EngineCore:
                            "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
                            "--max-model-len", pool_tokens, config.max_model_len, self.kv_bytes_per_token)
         kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
-                                       arch.head_dim, self.dtype, self.device, config.kv_cache_dtype)
+                                       arch.head_dim,
+                                       # the pools' own dtype for auto; what quantized pools dequantize to
+                                       kv_model_dtype if config.kv_cache_dtype == "auto" else self.dtype,
+                                       self.device, config.kv_cache_dtype)
         # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
         # recorded or sent.
         events = config.kv_events if config.kv_events is not None and config.kv_events.enabled else None

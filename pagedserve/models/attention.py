@@ -97,8 +97,8 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
     tables = meta.decode_block_tables
     # [D, blocks, block_size, kvh, hd] -> [D, kvh, L, hd]
-    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)
-    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
+    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)
@@ -115,8 +115,8 @@ def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, heads, hd = q.shape
     tables = meta.decode_block_tables
-    k = gather_head_major(k_cache, tables).flatten(2, 3)  # [kvh, D, L, hd]
-    v = gather_head_major(v_cache, tables).flatten(2, 3)
+    k = gather_head_major(k_cache, tables).flatten(2, 3).to(q.dtype)  # [kvh, D, L, hd]
+    v = gather_head_major(v_cache, tables).flatten(2, 3).to(q.dtype)
     kvh = k.shape[0]
     # The query heads that share each KV head form the rows of one small matmul per (head, seq).
     qg = (q * scale).view(d, kvh, heads // kvh, hd).transpose(0, 1)  # [kvh, D, group, hd]
@@ -223,8 +223,9 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if d:
         out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
     for start, q_len, ctx_len, block_ids in meta.prefills:
-        k = gather_head_major(k_cache, block_ids).flatten(1, 2)[:, :ctx_len]  # [kvh, ctx, hd]
-        v = gather_head_major(v_cache, block_ids).flatten(1, 2)[:, :ctx_len]
+        # .to: pools may hold bf16 under float32 compute (a CPU without native bf16); no-op otherwise
+        k = gather_head_major(k_cache, block_ids).flatten(1, 2)[:, :ctx_len].to(q.dtype)  # [kvh, ctx, hd]
+        v = gather_head_major(v_cache, block_ids).flatten(1, 2)[:, :ctx_len].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
         out[start:start + q_len] = prefill(qs, k, v, scale).transpose(0, 1)
     return out

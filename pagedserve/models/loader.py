@@ -62,8 +62,10 @@ def load_hf_config(model_dir: Path) -> HFConfig:
     return read_hf_config(model_dir)
 
 
-def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torch.dtype, str]:
-    """The compute dtype and why it was chosen (the engine logs both).
+def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torch.dtype, str, torch.dtype]:
+    """The compute dtype, why it was chosen (the engine logs both), and the dtype of the KV pools'
+    ``auto`` (the compute dtype, except that a 16-bit checkpoint computed in float32 only because
+    this CPU lacks native bf16 keeps bfloat16 KV: float32 would halve the seats a budget holds).
 
     ``auto`` takes the checkpoint's dtype, except that 16-bit compute on a CPU depends on the CPU:
     bfloat16 where it multiplies bf16 natively (AVX-512 BF16 or AMX; a float16 checkpoint becomes
@@ -79,7 +81,7 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
         pass
     if requested != "auto":
-        return DTYPES[requested], "asked for with --dtype"
+        return DTYPES[requested], "asked for with --dtype", DTYPES[requested]
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     if isinstance(saved, str):
         saved = DTYPES.get(saved, torch.float32)
@@ -88,10 +90,11 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     name = str(saved).removeprefix("torch.")
     if saved in (torch.float16, torch.bfloat16) and device.type == "cpu":
         if cpu_has_native_bf16():
-            return torch.bfloat16, f"auto: the checkpoint's {name}, computed in bfloat16 (this CPU has native bf16)"
+            return (torch.bfloat16, f"auto: the checkpoint's {name}, computed in bfloat16 (this CPU has native bf16)",
+                    torch.bfloat16)
         return torch.float32, (f"auto: the checkpoint is {name}, but this CPU has no native bf16 (AVX-512 BF16 or "
-                               "AMX), where float32 is several times faster")
-    return saved, f"auto: the checkpoint's {name}"
+                               "AMX), where float32 is several times faster; KV stays bfloat16"), torch.bfloat16
+    return saved, f"auto: the checkpoint's {name}", saved
 
 
 def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
