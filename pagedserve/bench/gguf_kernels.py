@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.bench.common import machine_summary, write_result
+from pagedserve.bench.common import machine_summary, median_call_us, write_result
 
 # (format, out_features, in_features): SmolLM2-135M's fused QKV, gate/up, down and its Q8_0 LM head;
 # a Q4_K_M file's K-quants on a 1024-wide model.
@@ -64,15 +62,6 @@ def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> to
         return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def _median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
-
-
 def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes]:
     from pagedserve.kernels import native_ops
     from pagedserve.models.gguf_linear import kernel_layout
@@ -101,12 +90,10 @@ def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes
                 return F.linear(x, dense)
 
             ways = (kernel, dequant_gemm, float_gemm)
-            for fn in ways:
-                fn()  # warm-up
             per_way: list[list[float]] = [[], [], []]
             for _ in range(rounds):  # alternating, so drift hits every way alike
                 for i, fn in enumerate(ways):
-                    per_way[i].append(_median_us(fn, calls))
+                    per_way[i].append(median_call_us(fn, calls))
             out.append(ShapeTimes(fmt, n, k, m, *(statistics.median(t) for t in per_way)))
     return out
 

@@ -153,7 +153,10 @@ def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
     """Mean over positions of KL(reference ‖ other), both given as log-probabilities."""
     total, count = 0.0, 0
     for p, q in zip(reference, other):
-        total += float((p.exp() * (p - q)).sum())
+        p, q = p.double(), q.double()
+        # Each position's KL is >= 0; float32 log-probabilities of two near-identical distributions
+        # can sum to -1e-8 (measured), rounding and nothing else.
+        total += float((p.exp() * (p - q)).sum(-1).clamp_min(0).sum())
         count += p.shape[0]
     return total / count
 
@@ -283,11 +286,11 @@ def models_loaded_once():
     loaded: dict[tuple, torch.nn.Module] = {}
     load = core.load_model
 
-    def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, quantization="none"):
-        key = (str(model_dir), dtype, str(device), max_positions, attention_backend, quantization)
+    def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options):
+        key = (str(model_dir), dtype, str(device), max_positions, attention_backend, *options)
         if key not in loaded:
             loaded.clear()  # one model at a time: rows run weight by weight
-            loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, quantization)
+            loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options)
         return loaded[key]
 
     with mock.patch.object(core, "load_model", cached):

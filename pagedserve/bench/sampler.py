@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedserve.bench.common import machine_summary, write_result
+from pagedserve.bench.common import machine_summary, median_call_us, write_result
 from pagedserve.engine.sampler import row_argmax
 
 
@@ -26,16 +24,6 @@ class PickTimes:
         return self.torch_us / self.ours_us
 
 
-def _median_us(fn: Callable[[], object], calls: int) -> float:
-    fn()  # warm-up (first-call allocations)
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
-
-
 def measure(vocab: int, rows: list[int], rounds: int, calls: int, seed: int = 0) -> list[PickTimes]:
     """Per batch size: the median pick time of each way, the two alternating round by round (so a
     noisy neighbour costs both alike); raises if they ever pick differently."""
@@ -47,8 +35,8 @@ def measure(vocab: int, rows: list[int], rounds: int, calls: int, seed: int = 0)
             raise AssertionError(f"row_argmax disagrees with torch.argmax at {n} x {vocab}")
         theirs, ours = [], []
         for _ in range(rounds):
-            theirs.append(_median_us(lambda: logits.argmax(dim=-1), calls))
-            ours.append(_median_us(lambda: row_argmax(logits), calls))
+            theirs.append(median_call_us(lambda: logits.argmax(dim=-1), calls))
+            ours.append(median_call_us(lambda: row_argmax(logits), calls))
         out.append(PickTimes(n, statistics.median(theirs), statistics.median(ours)))
     return out
 

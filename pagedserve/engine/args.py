@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, KV_CACHE_DTYPES, MAX_NGRAM,
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, KV_CACHE_DTYPES, MAX_NGRAM,
                                MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, QUANTIZATIONS, EngineConfig,
                                KVEventsConfig)
 
@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "decode reads half float32's bytes (prompt chunks still run float32 GEMMs); auto does so "
                         "only where lossless, for a bf16 or f16 checkpoint (a float32 one stays float32); float16 "
                         "rounds a float32 checkpoint's weights. Ignored elsewhere (default auto)")
+    g.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
+                   help="how the native GGUF kernels quantize a layer's activations before the integer dot "
+                        "products: int16 (int8 plus the int8 of its residual: logits within ~0.001 of a float "
+                        "computation, so a prompt answers the same cold and after a prefix-cache hit) or int8 "
+                        "(llama.cpp's: about half the integer work, logits off by up to ~0.1, enough to swap "
+                        "near-tied tokens). An LM head always takes int16 (default int16)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
@@ -111,7 +117,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         attention_backend=args.attention_backend, seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        decode_weights=getattr(args, "decode_weights", "auto"), stream_interval=args.stream_interval,
+        decode_weights=getattr(args, "decode_weights", "auto"),
+        gguf_activations=getattr(args, "gguf_activations", "int16"), stream_interval=args.stream_interval,
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),

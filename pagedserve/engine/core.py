@@ -125,7 +125,8 @@ class EngineCore:
 
         t0 = time.monotonic()
         model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
-                           config.attention_backend, config.quantization, config.decode_weights)
+                           config.attention_backend, config.quantization, config.decode_weights,
+                           config.gguf_activations)
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
         self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,

@@ -533,7 +533,8 @@ class _Builder:
 
 def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
-                    packed_for_cpu: bool | None = None, native_kernels: bool | None = None) -> LlamaForCausalLM:
+                    packed_for_cpu: bool | None = None, native_kernels: bool | None = None,
+                    activations: str = "int16") -> LlamaForCausalLM:
     """Build the model from a GGUF file's tensors, without ever materializing random weights.
 
     ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
@@ -541,7 +542,8 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     (default: on a CPU) lays int4 weights out for the CPU kernel; False keeps the portable,
     readable layout (tests compare it with the GGUF's values). ``native_kernels`` (default: on a
     CPU where they build) keeps every format the native GGUF kernels read as :class:`GGUFLinear`
-    blocks; without them, Q8_0 / Q4_0 / Q4_1 go to the project's int8 / int4 layers.
+    blocks; without them, Q8_0 / Q4_0 / Q4_1 go to the project's int8 / int4 layers. Their
+    ``activations``: ``int16`` (int8 plus the int8 residual) or ``int8``; an LM head takes int16.
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
@@ -602,6 +604,9 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
 
     if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
         model.lm_head.float_output = True  # compute_logits wants float32 anyway
+    for m in model.modules():  # an LM head's activations always at ~16 bits: near-tied logits keep their order
+        if isinstance(m, GGUFLinear):
+            m.residual = activations == "int16" or m is model.lm_head
     unused = sorted(set(b.tensors) - b.used)
     if unused:
         raise GGUFError(f"GGUF file has tensors this model does not use: {unused[:5]}")

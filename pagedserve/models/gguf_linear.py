@@ -76,9 +76,11 @@ class GGUFLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.ops = ops
         self.kernel_rows = kernel_rows
-        # True for an LM head: float32 logits, from activations quantized to ~16 bits (int8 plus
-        # an int8 residual) rather than 8, which moved near-tied logits enough to flip a greedy pick
-        self.float_output = False
+        self.float_output = False  # True for an LM head: float32 logits
+        # Activations quantized to ~16 bits (int8 plus the int8 residual) rather than 8: an LM head
+        # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
+        # layers when the engine asks (EngineConfig.gguf_activations)
+        self.residual = False
 
     def _segments(self):
         offset = 0
@@ -113,11 +115,11 @@ class GGUFLinear(nn.Module):
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if len(self.formats) == 1:  # _buffers read directly: nn.Module's __getattr__ costs ~1 us a name
                 buffers = self._buffers
-                self.ops.gguf_matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.float_output)
+                self.ops.gguf_matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
             else:
                 for fmt, w, offset, width in self._segments():
                     bias = None if self.bias is None else self.bias[offset:offset + width]
-                    self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.float_output)
+                    self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
         else:

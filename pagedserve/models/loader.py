@@ -140,7 +140,8 @@ def _checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               attention_backend: str, quantization: str = "none", decode_weights: str = "auto") -> LlamaForCausalLM:
+               attention_backend: str, quantization: str = "none", decode_weights: str = "auto",
+               gguf_activations: str = "int16") -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors.
 
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
@@ -153,7 +154,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     ``decode_weights`` (``auto`` | ``float32`` | ``float16`` | ``bfloat16``): on a CPU without native
     bf16, a float32 model's linear weights may be kept 16-bit for decode
     (:mod:`pagedserve.models.half_linear`); ``auto`` does so where it is lossless (a bf16 or f16
-    checkpoint). One log line says what was chosen and why.
+    checkpoint). One log line says what was chosen and why. ``gguf_activations`` (``int16`` |
+    ``int8``): the GGUF kernels' activation precision (:mod:`pagedserve.models.gguf_linear`).
     """
     checkpoint_dtype = None  # unknown or mixed (a GGUF file): auto then keeps float32
     weight_format = quantization  # what choose_decode_weights is told the linears hold
@@ -161,7 +163,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     gguf = gguf_source(model_dir)
     if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
         keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
-        model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep)
+        model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep,
+                                activations=gguf_activations)
         weight_format = "GGUF, kept quantized" if keep else weight_format
     else:
         # Built on the meta device and filled by assignment: no random initialization of weights

@@ -68,7 +68,10 @@ def test_window_scoring_matches_transformers_and_identical_runs_agree(trained_di
 
 def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
     out, _ = trained_dir
-    args = argparse.Namespace(model=str(out), weights=["none", "int8"], kv=["auto", "int8"], dtype=None, corpus=None,
+    # bfloat16 on every CPU: the byte arithmetic below is bf16's (auto computes in float32 on a CPU
+    # without native bf16, where the lookup table is float32)
+    args = argparse.Namespace(model=str(out), weights=["none", "int8"], kv=["auto", "int8"], dtype="bfloat16",
+                              corpus=None,
                               windows=2,
                               window_len=32, prompts=2, prompt_len=16, gen_tokens=6, kv_budget="1MiB", threads=None,
                               max_model_len=256, decode_tokens=4, repeats=1, json_out=str(tmp_path / "q.json"))

@@ -1,0 +1,49 @@
+"""``pagedserve bench gguf-kernels``: every shape is timed three ways at every row count asked for,
+the weights it times are valid GGUF rows of their format, and bad arguments are one-line refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from pagedserve.bench import gguf_kernels
+from pagedserve.kernels import kernel_error, native_ops
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    gguf_kernels.add_parser(parser.add_subparsers(dest="bench"))
+    return parser.parse_args(["gguf-kernels", *argv])
+
+
+def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gguf_kernels, "SHAPES", [("Q4_1", 40, 64), ("Q6_K", 24, 256)])
+    out = tmp_path / "kernels.json"
+    args = parse("--rows", "1,5", "--rounds", "2", "--calls", "2", "--json", str(out))
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["rows"]) for r in rows] == [("Q4_1", 1), ("Q4_1", 5), ("Q6_K", 1), ("Q6_K", 5)]
+    assert all(r["kernel_us"] > 0 and r["dequant_gemm_us"] > 0 and r["float_us"] > 0 for r in rows)
+    assert "GEMM/kernel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_timed_weights_are_valid_rows_of_their_format(fmt):
+    from gguf import GGMLQuantizationType, quants
+
+    rows = gguf_kernels.random_gguf_rows(fmt, 8, 256)
+    w = quants.dequantize(rows.numpy(), GGMLQuantizationType[fmt])
+    assert w.shape == (8, 256) and np.isfinite(w).all() and np.abs(w).max() > 0
+
+
+@pytest.mark.parametrize("argv", [["--rows", "1,x"], ["--rows", "0"], ["--rounds", "0"], ["--calls", "0"]])
+def test_bad_arguments_are_refused_in_one_line(argv, capsys):
+    args = parse(*argv)
+    assert args.func(args) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error:") and out.count("\n") == 1
