@@ -1,0 +1,51 @@
+"""``--dtype auto`` by the CPU: 16-bit checkpoints compute in bfloat16 only where the CPU multiplies
+bf16 natively, in float32 elsewhere with the KV pools kept bfloat16; float32 checkpoints stay
+float32; an explicit dtype is taken as asked. The engine on this machine agrees with the rule."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve.models import loader
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("saved", ["bfloat16", "float16", "float32"])
+def test_auto_follows_the_checkpoint_and_the_cpu(saved, native, monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    dtype, why, kv = loader.resolve_dtype("auto", SimpleNamespace(dtype=saved), CPU)
+    if saved == "float32":
+        assert (dtype, kv) == (torch.float32, torch.float32)
+    elif native:
+        assert (dtype, kv) == (torch.bfloat16, torch.bfloat16) and "native bf16" in why
+    else:
+        assert (dtype, kv) == (torch.float32, torch.bfloat16) and "no native bf16" in why
+
+
+def test_an_explicit_dtype_is_taken_as_asked(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert loader.resolve_dtype("bfloat16", SimpleNamespace(dtype="float32"), CPU) == \
+        (torch.bfloat16, "asked for with --dtype", torch.bfloat16)
+    gpu = loader.resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), torch.device("cuda"))
+    assert gpu[0] == torch.bfloat16 and gpu[2] == torch.bfloat16  # GPUs are not this rule's concern
+
+
+def test_the_engine_on_this_cpu_computes_and_pages_as_the_rule_says(tiny_model_dir):
+    """tiny is a bf16 checkpoint: KV is bfloat16 everywhere (2 bytes), compute follows the CPU."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.kernels import cpu_has_native_bf16
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="1MiB"))
+    assert e.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert e.kv_dtype == "bfloat16" and e.kv_bytes_per_token == 256
+    e.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.block_manager.num_free_blocks == e.num_kv_blocks  # every block back
