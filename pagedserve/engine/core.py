@@ -197,7 +197,7 @@ class EngineCore:
             "%d blocks × %d tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d "
             "(%s reservation)",
             config.model, arch.model_type, str(self.dtype).removeprefix("torch."), arch.num_layers,
-            config.quantization if config.quantization != "none" else "unquantized", self.weight_bytes / 2**20,
+            config.quantization if config.quantization != "none" else "as stored", self.weight_bytes / 2**20,
             self.device, torch.get_num_threads(), time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks,
             config.block_size, pool_tokens,
             pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,

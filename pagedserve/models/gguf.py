@@ -10,16 +10,18 @@ transformers' GGUF tokenizer converter), ``generation_config.json`` with the EOS
 Weights, by GGUF tensor type:
 
 * ``F32``, ``F16``, ``BF16`` → the model dtype.
-* ``Q8_0`` (32 int8 values and one float16 scale per block) → :class:`Int8GroupedLinear`
-  (``w = q × s`` per group of 32 input columns), the int8 values as stored.
-* ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d + m``), q in [0, 15], 32 per block →
-  :class:`Int4Linear` with group 32, the project's asymmetric int4 format ``w = (q − 8) × s + z``:
-  the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d`` (Q4_1). In the readable
-  layout the native kernels read, scales and offsets (``d`` and ``m``) are float16, exactly as
-  stored, as are Q8_0's scales. Without the native kernels, on CPU, they are held in the model
-  dtype for torch's kernels: exact in float32, rounded in bfloat16 (the nibbles are unchanged).
-* Other types the ``gguf`` package can dequantize (K-quants, Q5_0, ...) → dequantized to the
-  model dtype, with a warning naming them; any other type is an error naming it.
+* ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0``, ``Q4_K``, ``Q5_K``, ``Q6_K`` with the native
+  kernels (a CPU where they build) → :class:`~pagedserve.models.gguf_linear.GGUFLinear`: the
+  file's blocks as they are, one segment per format when a fused layer's parts differ.
+* Without them: ``Q8_0`` (32 int8 values and one float16 scale per block) →
+  :class:`Int8GroupedLinear` (``w = q × s`` per group of 32 input columns), the int8 values as
+  stored; ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d + m``), q in [0, 15], 32 per
+  block → :class:`Int4Linear` with group 32, the project's asymmetric int4 format
+  ``w = (q − 8) × s + z``: the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d``
+  (Q4_1), the scales held in the model dtype for torch's kernels (exact in float32, rounded in
+  bfloat16; the nibbles unchanged).
+* Other types the ``gguf`` package can dequantize → dequantized to the model dtype, with a
+  warning naming them; any other type is an error naming it.
 
 Quantized tensors are kept quantized when ``keep_quantized`` (the engine's default: ``--dtype
 auto`` and ``--quantization none``): no full-precision copy is ever made. With an explicit

@@ -49,5 +49,5 @@ def test_tied_embedding_is_held_and_counted_once(checkpoint_dir, caplog, dtype, 
     if can_pack(getattr(torch, dtype), torch.device("cpu")):  # the other linears are still prepacked
         assert sum(isinstance(m, (PackedLinear, PanelLinear)) for m in model.modules()) == 2 * 4  # qkv, o, gate_up, down
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
-    logged = float(re.search(r"weights unquantized ([\d.]+) MiB", line).group(1))
+    logged = float(re.search(r"weights as stored ([\d.]+) MiB", line).group(1))
     assert logged == round(stored / 2**20, 1)
