@@ -42,24 +42,33 @@ class ShapeTimes:
 
 
 def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Rows of valid ``fmt`` blocks (GGUF layout): the ``gguf`` package's quantization of random
-    weights where it has one, random integers with a trained model's scales otherwise."""
-    from gguf import GGMLQuantizationType, quants
+    """``rows`` rows of valid ``fmt`` blocks in GGUF's layout: random integers, and float16 scales of
+    a trained model's size (K-quants' super-block scales small, as their 6-bit sub-scales multiply
+    them). The kernel tests and this benchmark both time / check such rows."""
+    from pagedserve.models.gguf_linear import BLOCKS
 
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((rows, in_features)) * 0.02).astype(np.float32)
-    try:
-        return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[fmt]))
-    except NotImplementedError:  # K-quants: the package dequantizes them but cannot quantize
-        from pagedserve.models.gguf_linear import BLOCKS
+    elems, size = BLOCKS[fmt]
+    nb = in_features // elems
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
 
-        elems, size = BLOCKS[fmt]
-        raw = rng.integers(0, 256, size=(rows, in_features // elems, size), dtype=np.uint8)
-        scale = rng.uniform(0, 0.002, size=raw.shape[:2]).astype(np.float16).view(np.uint8)
-        raw[..., :2] = scale.reshape(*raw.shape[:2], 2)  # Q4_K / Q5_K: d first
-        raw[..., -2:] = scale.reshape(*raw.shape[:2], 2)  # Q6_K: d last
-        raw[..., 2:4] = scale.reshape(*raw.shape[:2], 2)
-        return torch.from_numpy(raw.reshape(rows, -1))
+    def put_half(offset: int, lo: float, hi: float) -> None:
+        v = rng.uniform(lo, hi, size=(rows, nb)).astype(np.float16)
+        raw[..., offset:offset + 2] = v.view(np.uint8).reshape(rows, nb, 2)
+
+    if fmt in ("Q4_0", "Q5_0", "Q8_0"):
+        put_half(0, -0.02, 0.02)
+    elif fmt in ("Q4_1", "Q5_1"):
+        put_half(0, 0.0, 0.02)
+        put_half(2, -0.1, 0.1)
+    elif fmt in ("Q4_K", "Q5_K"):
+        put_half(0, 0.0, 0.002)
+        put_half(2, 0.0, 0.002)
+    else:  # Q6_K: its d is the block's last two bytes
+        put_half(size - 2, -0.002, 0.002)
+    if fmt == "Q8_0":  # int8 values as llama.cpp writes them: -127..127
+        raw[..., 2:] = rng.integers(-127, 128, size=(rows, nb, 32)).astype(np.int8).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, nb * size))
 
 
 def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes]:

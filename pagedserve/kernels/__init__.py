@@ -11,19 +11,10 @@
   (:class:`~pagedserve.models.packed.PanelLinear`): a register-blocked AVX2 kernel, faster than
   torch's oneDNN float32 path on an AVX2-only CPU for 1-8 rows but slower for 64-row decode
   batches, so used only with ``PAGEDSERVE_PACK_WEIGHTS=panel``.
-* ``quant_matmul.cpp`` — ``y = x Wᵀ + b`` straight from int4 (groups of 32, two nibbles per byte)
-  and grouped int8 weights (GGUF's Q4_0 / Q4_1 / Q8_0 kept quantized), AVX2 + FMA with a scalar
-  fallback: a decode step reads the packed bytes once instead of dequantizing them, and prefill-sized
-  batches get one native dequantization for the float GEMM (``pagedserve.models.quant``); opt-in with
-  ``PAGEDSERVE_GROUP_KERNELS=1``, as torch's int4pack path decodes bf16 activations faster on two
-  AVX2 threads (docs/QUANTIZATION.md).
-* ``half_matmul.cpp`` — ``half_linear``: ``y = x Wᵀ + b`` for float32 activations with ``W`` stored
-  float16 or bfloat16 and widened in registers (F16C's ``vcvtph2ps``; a 16-bit shift for bf16), for
-  decode-sized batches of a float32 model on a CPU without native bf16
-  (:class:`~pagedserve.models.half_linear.HalfWeightLinear`, ``--decode-weights``): half float32's
-  bytes per token, 1.6-2x float32 ``F.linear``'s speed for one row on ``small``'s shapes. The first
-  kernel on the run-time instruction-set choice of ``cpu_isa.h`` (scalar, avx2, avx512 paths).
-
+* ``quant_matmul.cpp`` — ``y = x Wᵀ + b`` straight from the project's int4 (groups of 32, two
+  nibbles per byte) and grouped int8 weights, AVX2 + FMA with a scalar fallback, float activations:
+  the ``--quantization int4|int8`` layers with ``PAGEDSERVE_GROUP_KERNELS=1`` (docs/QUANTIZATION.md).
+  GGUF files no longer come here: their blocks go to ``gguf_matmul``.
 * ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
   with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``), each

@@ -149,14 +149,13 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     kernel = paged_decode_kernel()
     if kernel is None or not isinstance(k_cache, HeadMajorKVCache):
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
-    if q.dtype == k_cache.dtype:  # the engine's pools hold the model dtype: no conversions
-        out = torch.empty_like(q)
-        kernel(out, q, k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens, scale)
-        return out
+    # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without native
+    # bf16) take q converted and give the output back; otherwise no conversion call at all.
+    same = q.dtype == k_cache.dtype
     out = torch.empty_like(q, dtype=k_cache.dtype)
-    kernel(out, q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables, meta.decode_context_lens,
-           scale)
-    return out.to(q.dtype)
+    kernel(out, q if same else q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables,
+           meta.decode_context_lens, scale)
+    return out if same else out.to(q.dtype)
 
 
 def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.bench.gguf_kernels import random_gguf_rows
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
 from pagedserve.models.gguf_linear import BLOCKS, GGUFLinear, kernel_layout, row_bytes
 
@@ -18,33 +19,6 @@ OPS = native_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
 FORMATS = list(BLOCKS)
 PATHS = isa_paths()
-
-
-def random_blocks(fmt: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """``rows`` rows of valid ``fmt`` blocks in GGUF's layout: random integers, and float16 scales of
-    a trained model's size (K-quants' super-block scales small, as their 6-bit sub-scales multiply them)."""
-    rng = np.random.default_rng(seed)
-    elems, size = BLOCKS[fmt]
-    nb = in_features // elems
-    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
-
-    def put_half(offset: int, lo: float, hi: float) -> None:
-        v = rng.uniform(lo, hi, size=(rows, nb)).astype(np.float16)
-        raw[..., offset:offset + 2] = v.view(np.uint8).reshape(rows, nb, 2)
-
-    if fmt in ("Q4_0", "Q5_0", "Q8_0"):
-        put_half(0, -0.02, 0.02)
-    elif fmt in ("Q4_1", "Q5_1"):
-        put_half(0, 0.0, 0.02)
-        put_half(2, -0.1, 0.1)
-    elif fmt in ("Q4_K", "Q5_K"):
-        put_half(0, 0.0, 0.002)
-        put_half(2, 0.0, 0.002)
-    else:  # Q6_K: its d is the block's last two bytes
-        put_half(size - 2, -0.002, 0.002)
-    if fmt == "Q8_0":  # int8 values as llama.cpp writes them: -127..127
-        raw[..., 2:] = rng.integers(-127, 128, size=(rows, nb, 32)).astype(np.int8).view(np.uint8)
-    return torch.from_numpy(raw.reshape(rows, nb * size))
 
 
 def reference_dequantize(fmt: str, w: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -69,7 +43,7 @@ def _matmul(x, w, fmt, isa="auto", bias=None, residual=False):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
     k = _in_features(fmt)
-    w = random_blocks(fmt, 21, k)
+    w = random_gguf_rows(fmt, 21, k)
     want = reference_dequantize(fmt, w, k)
     for dtype in (torch.float32, torch.bfloat16):
         got = torch.empty(21, k, dtype=dtype)
@@ -88,7 +62,7 @@ def test_every_path_matches_the_scalar_reference_and_the_float_matmul(fmt, isa, 
     torch.set_num_threads(threads)
     try:
         k, n = _in_features(fmt), 37
-        w = random_blocks(fmt, n, k, seed=threads)
+        w = random_gguf_rows(fmt, n, k, seed=threads)
         dense = reference_dequantize(fmt, w, k)
         bias = torch.randn(n)
         torch.manual_seed(n)
@@ -124,7 +98,7 @@ def test_every_path_quantizes_activations_to_the_same_integers(isa):
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
 def test_residual_activations_are_a_hundred_times_closer_to_the_float_matmul(fmt):
     k = _in_features(fmt)
-    w = random_blocks(fmt, 64, k, seed=3)
+    w = random_gguf_rows(fmt, 64, k, seed=3)
     dense = reference_dequantize(fmt, w, k)
     x = torch.randn(3, k) * 3
     want = (x.double() @ dense.double().T)
@@ -138,7 +112,7 @@ def test_residual_activations_are_a_hundred_times_closer_to_the_float_matmul(fmt
 def test_a_rows_result_does_not_depend_on_its_batch(residual):
     """Each row is quantized and summed on its own, in the same order whatever tile it lands in, so
     a prompt's logits are the same bits alone, in a batch, or after a prefix-cache hit."""
-    w = random_blocks("Q4_1", 50, 320, seed=4)
+    w = random_gguf_rows("Q4_1", 50, 320, seed=4)
     torch.manual_seed(4)
     x = torch.randn(71, 320)
     whole = _matmul(x, w, "Q4_1", residual=residual)
@@ -147,7 +121,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(residual):
 
 
 def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
-    w = random_blocks("Q5_0", 24, 96, seed=5)
+    w = random_gguf_rows("Q5_0", 24, 96, seed=5)
     x = torch.randn(4, 96)
     wide = torch.full((4, 40), -7.0)
     OPS.gguf_matmul(wide[:, 10:34], x, kernel_layout("Q5_0", w), "Q5_0", None)
@@ -159,7 +133,7 @@ def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
 
 
 def test_bad_calls_are_one_line_errors():
-    w = random_blocks("Q4_0", 8, 64)
+    w = random_gguf_rows("Q4_0", 8, 64)
     x = torch.randn(2, 64)
     y = torch.empty(2, 8)
     with pytest.raises(RuntimeError, match="unsupported GGUF format 'Q3_K'"):
@@ -181,8 +155,8 @@ def test_a_layer_of_mixed_formats_computes_each_segment_and_looks_rows_up():
     """A fused QKV from a Q4_K_M file: Q4_K rows then Q6_K rows; decode rows through the kernel,
     prefill rows through the dequantized GEMM, an LM head's float32 logits, and table lookups."""
     k = 256
-    q_k = random_blocks("Q4_K", 40, k, seed=6)
-    v = random_blocks("Q6_K", 24, k, seed=7)
+    q_k = random_gguf_rows("Q4_K", 40, k, seed=6)
+    v = random_gguf_rows("Q6_K", 24, k, seed=7)
     bias = torch.randn(64)
     layer = GGUFLinear([("Q4_K", q_k), ("Q6_K", v)], k, bias, OPS, kernel_rows=8)
     dense = torch.cat([reference_dequantize("Q4_K", q_k, k), reference_dequantize("Q6_K", v, k)])
@@ -196,7 +170,7 @@ def test_a_layer_of_mixed_formats_computes_each_segment_and_looks_rows_up():
     assert layer(torch.randn(1, k, dtype=torch.bfloat16)).dtype == torch.bfloat16
     layer.float_output = True
     assert layer(torch.randn(1, k, dtype=torch.bfloat16)).dtype == torch.float32
-    table = GGUFLinear([("Q8_0", random_blocks("Q8_0", 30, 64, seed=8))], 64, None, OPS)
+    table = GGUFLinear([("Q8_0", random_gguf_rows("Q8_0", 30, 64, seed=8))], 64, None, OPS)
     ids = torch.tensor([[3, 0], [29, 3]])
     rows = table.rows(ids, torch.float32)
     assert torch.equal(rows, table.dequantized_weight(torch.float32)[ids.reshape(-1)])
