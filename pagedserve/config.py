@@ -124,6 +124,8 @@ class EngineConfig:
     for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
     ``gguf_activations``: how the GGUF kernels quantize a layer's activations, ``int16`` (int8 plus
     the int8 residual: near-float logits) or ``int8`` (llama.cpp's, less integer work).
+    ``native_decode``: on CPU, decode steps run every decoder layer in one native call where the
+    model's layers and KV pools allow it (False: always the Python model, the reference).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
@@ -145,6 +147,7 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
     decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
+    native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU

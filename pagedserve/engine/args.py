@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "computation, so a prompt answers the same cold and after a prefix-cache hit) or int8 "
                         "(llama.cpp's: about half the integer work, logits off by up to ~0.1, enough to swap "
                         "near-tied tokens). An LM head always takes int16 (default int16)")
+    g.add_argument("--no-native-decode", dest="native_decode", action="store_false",
+                   help="on CPU, run decode steps through the Python model layer by layer instead of one native "
+                        "call for all layers (the native call is taken where the layers and KV pools allow it: "
+                        "decode-only steps, model-dtype KV pools, the fused attention backend; same results)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
@@ -119,6 +123,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         decode_weights=getattr(args, "decode_weights", "auto"),
         gguf_activations=getattr(args, "gguf_activations", "int16"), stream_interval=args.stream_interval,
+        native_decode=getattr(args, "native_decode", True),
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),

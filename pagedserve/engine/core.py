@@ -32,7 +32,7 @@ from pagedserve.engine.spec_decode import verify
 from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.engine.wire import CoreOutput, ModelFacts, SeqDelta  # noqa: F401  (named here too)
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
-from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
+from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
@@ -173,6 +173,9 @@ class EngineCore:
             priority_prefill_max_pause=config.priority_prefill_max_pause,
         ), self.block_manager)
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
+        decode_path = (model.enable_native_decode(kv_caches, native_ops() if self.device.type == "cpu" else None)
+                       if config.native_decode else "python (--no-native-decode)")
+        logger.info("decode step: %s", decode_path)
         self.requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (on the compiler's thread):
         # they join the scheduler's waiting queue once it is ready.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, write_kv
+from pagedserve.models.native_decode import NativeDecode
 
 
 @dataclass
@@ -242,11 +243,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = ATTENTION_BACKENDS[attention_backend]
+        self.native_decode: NativeDecode | None = None  # set by enable_native_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch."""
         x, residual = self.embed_tokens(input_ids), None
+        native = self.native_decode
+        if native is not None and native.runs(x.shape[0], meta, kv_caches):
+            return native(x, positions, meta)  # the layers below, in one native call
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, meta, self.attention)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
@@ -257,6 +262,12 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
                 m.ops = ops
+
+    def enable_native_decode(self, kv_caches: list, ops) -> str:
+        """Run decode steps over ``kv_caches`` through one native call for all layers where it can
+        (:mod:`pagedserve.models.native_decode`); returns what was decided and why."""
+        self.native_decode, why = NativeDecode.build(self, kv_caches, ops)
+        return why if self.native_decode is not None else f"python ({why})"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""
