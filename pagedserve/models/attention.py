@@ -31,6 +31,7 @@ the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,34 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] tokens attended to, the new one included
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, or None
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (query start, query len, context len, block ids)
+
+    @cached_property
+    def prefill_tensors(self) -> PrefillTensors:
+        """The prompt chunks as device tensors, for kernels that take every chunk in one launch;
+        built on first use, once per step (every layer reads the same)."""
+        return PrefillTensors.of(self.prefills, self.slot_mapping.device)
+
+
+@dataclass(frozen=True)
+class PrefillTensors:
+    """A step's prompt chunks, one row each: where its queries start in the flat batch, how many,
+    its context length, and its block table (padded with block 0 to the widest)."""
+
+    query_starts: torch.Tensor  # [chunks] int32
+    query_lens: torch.Tensor  # [chunks] int32
+    context_lens: torch.Tensor  # [chunks] int32
+    block_tables: torch.Tensor  # [chunks, max blocks] int32
+    max_query_len: int  # on the host: sizes a kernel's grid without a device sync
+
+    @classmethod
+    def of(cls, prefills: list[tuple[int, int, int, torch.Tensor]], device: torch.device) -> PrefillTensors:
+        width = max((len(ids) for *_, ids in prefills), default=0)
+        # Built where the block ids already are (the runner puts them on the device): no copy back.
+        tables = torch.zeros(len(prefills), width, dtype=torch.int32, device=device)
+        for i, (*_, ids) in enumerate(prefills):
+            tables[i, :len(ids)] = ids
+        numbers = torch.tensor([p[:3] for p in prefills], dtype=torch.int32).reshape(-1, 3).T.contiguous()
+        return cls(*numbers.to(device), tables, max((p[1] for p in prefills), default=0))
 
 
 def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
