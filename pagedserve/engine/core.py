@@ -33,6 +33,7 @@ from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.engine.wire import CoreOutput, ModelFacts, SeqDelta  # noqa: F401  (named here too)
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
+from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
@@ -60,11 +61,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
+    """``auto`` → on GPU the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV
+    dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+    if name == "triton":
+        why = triton_unavailable(device)
+        if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
+            why = f"its kernels read {', '.join(TRITON_KV_DTYPES)} KV pools, not {kv_cache_dtype}"
+        if why is not None:
+            raise ValueError(f"attention_backend 'triton' cannot run here: {why}")
     if name == "auto":
         if device.type == "cuda":
-            return "sdpa"
+            why = triton_unavailable(device)
+            if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
+                why = f"no Triton kernel for {kv_cache_dtype} KV pools"
+            name = "triton" if why is None else "sdpa"
+            logger.info("attention backend: %s%s", name, "" if why is None else f" ({why})")
+            return name
         name = "fused" if paged_decode_kernel() is not None else "matmul"
         logger.info("attention backend: %s%s", name,
                     "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
@@ -97,7 +110,8 @@ def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, dev
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
     batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
-                               attention_backend=_resolve_attention_backend(config.attention_backend, device))
+                               attention_backend=_resolve_attention_backend(config.attention_backend, device,
+                                                                            config.kv_cache_dtype))
 
 
 class EngineCore:

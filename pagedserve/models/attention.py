@@ -26,10 +26,15 @@ attend in the stored basis, queries rotated in and the output rotated back; ``re
 rotates every gathered vector back. ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
+
+A fifth, ``triton`` (:mod:`pagedserve.models.triton_attention`, the default on CUDA), reads and
+writes the pools in place with Triton kernels; :func:`load_attention_backend` imports it only when it
+is asked for, since Triton is an optional dependency.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -305,3 +310,23 @@ fused_attention = in_stored_basis(fused_attention)
 
 ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "matmul": matmul_attention,
                       "fused": fused_attention}
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """What a model layer calls: ``write`` stores the step's new K and V by slot mapping, then
+    ``attend`` computes attention through the block tables."""
+
+    attend: Callable[..., torch.Tensor]
+    write: Callable[..., None] = write_kv
+
+
+def load_attention_backend(name: str) -> AttentionBackend:
+    """The backend called ``name`` (any of ``config.ATTENTION_BACKEND_NAMES`` but ``auto``). ``triton``
+    brings its own KV write (one kernel, quantizing as it stores) and is imported only when asked
+    for: Triton is an optional dependency."""
+    if name == "triton":
+        from pagedserve.models.triton_attention import triton_attention, triton_write_kv
+
+        return AttentionBackend(triton_attention, triton_write_kv)
+    return AttentionBackend(ATTENTION_BACKENDS[name])

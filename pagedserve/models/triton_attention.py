@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES
 from pagedserve.kernels.triton_paged.decode import paged_decode
 from pagedserve.kernels.triton_paged.kv_write import write_kv as write_kv_kernel
 from pagedserve.kernels.triton_paged.pools import PoolView
@@ -25,9 +26,6 @@ from pagedserve.kernels.triton_paged.prefill import paged_prefill
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
 from pagedserve.kv.quant import QuantizedKVCache
 from pagedserve.models.attention import AttentionMetadata
-
-# The quantized KV formats the kernels read and write (QuantizedKVCache.kv_cache_dtype values).
-TRITON_KV_DTYPES = ("auto", "int8", "fp8")
 
 
 def pool_view(cache: KVCache) -> PoolView:
