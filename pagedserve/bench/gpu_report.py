@@ -21,6 +21,7 @@ known to work before a card is borrowed.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from dataclasses import asdict, dataclass
 
@@ -132,6 +133,13 @@ def measure_model(name: str, dtype: str, device: torch.device, sizes: Sizes) -> 
 
     engine = Engine(EngineConfig(model=resolve_model(name), dtype=dtype, device=str(device), max_model_len=2048,
                                  kv_cache_memory="auto" if device.type == "cuda" else "256MiB"))
+    try:
+        return _measure(engine, name, sizes)
+    finally:
+        engine.close()
+
+
+def _measure(engine, name: str, sizes: Sizes) -> ModelRow:
     vocab = engine.arch.vocab_size
     w2 = w2_single_stream(vocab_size=vocab)
     w2.output_len = min(w2.output_len, sizes.w2_output)
@@ -182,7 +190,13 @@ def run(args: argparse.Namespace) -> int:
         device, models, dtype = torch.device("cuda"), args.models or GPU_MODELS, args.dtype
         card = measure_card(device, getattr(torch, dtype), copy_bytes=2**30, matmul_n=8192, repeats=10)
         sizes = FULL
-    rows = [measure_model(name, dtype, device, sizes) for name in models]
+    rows = []
+    for name in models:
+        rows.append(measure_model(name, dtype, device, sizes))
+        # The engine took most of the card for its KV pool (auto): give it back before the next one sizes its own.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(format_table(card, rows, str(device) + (" (dry run)" if args.dry_run else ""), dtype))
     write_result(args.json_out, {"card": asdict(card), "rows": [asdict(r) for r in rows], "dtype": dtype,
                                  "device": str(device), "dry_run": args.dry_run})

@@ -12,9 +12,13 @@
 * :mod:`.prefill` — prompt chunks of any length (varlen) against their whole context: causal
   inside the chunk, the cached prefix (a prefix-cache hit, earlier chunks) seen in full.
 
+* :mod:`.paged_tiles` — a tile of K or V read through a block table (shared by both).
+* :mod:`.availability` — whether the kernels can run on a device, asked without importing Triton.
+
 Triton is an optional dependency (``pip install pagedserve[triton]``); nothing outside the
-``triton`` backend (:mod:`pagedserve.models.triton_attention`) imports these modules. The tests
+``triton`` backend (:mod:`pagedserve.models.triton_attention`) imports the kernel modules (the
+engine asks :mod:`.availability`, which imports no Triton). The tests
 run the same kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-the first import), in float32 and float16; bf16 and fp8 are checked on a GPU only (the
-interpreter does not model them faithfully).
+the first import), in float32 and float16 over float, int8 and fp8 pools; bf16 compute and fp8
+writes are checked on a GPU only (the interpreter does not round them as the card does).
 """
