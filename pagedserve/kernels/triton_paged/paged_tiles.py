@@ -24,13 +24,14 @@ def tile_offsets(table_row_ptr, offs_n, n_mask, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def load_tile(cache_ptr, block, offset, n_mask, head, d, d_mask, block_stride, slot_stride, head_stride,
-              FMT: tl.constexpr, DTYPE: tl.constexpr):
-    """``[BLOCK_N, BLOCK_D]`` stored values in ``DTYPE`` (unscaled for quantized pools); masked entries 0."""
+              FMT: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` stored values as stored (fp8 bytes read as e4m3; quantized values not yet
+    scaled; masked entries 0): the caller converts them to its compute dtype."""
     ptrs = cache_ptr + (block * block_stride + offset * slot_stride + head * head_stride)[:, None] + d[None, :]
     raw = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0)
     if FMT == "fp8":
-        return raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
-    return raw.to(DTYPE)
+        return raw.to(tl.float8e4nv, bitcast=True)
+    return raw
 
 
 @triton.jit

@@ -65,7 +65,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         n_mask = offs_n < kv_end
         block, offset = tile_offsets(table_row, offs_n, n_mask, BLOCK_SIZE)
         k = load_tile(k_ptr, block, offset, n_mask, kv_head, d, d_mask, block_stride, slot_stride, head_stride,
-                      FMT, q.dtype)
+                      FMT).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if FMT != "float":
             s = s * load_scales(k_scale_ptr, block, offset, n_mask, kv_head, scale_block_stride, scale_slot_stride,
@@ -80,7 +80,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_ptr, block, offset, n_mask, kv_head, d, d_mask, block_stride, slot_stride, head_stride,
-                      FMT, q.dtype)
+                      FMT).to(q.dtype)
         if FMT != "float":
             p = p * load_scales(v_scale_ptr, block, offset, n_mask, kv_head, scale_block_stride, scale_slot_stride,
                                 scale_head_stride)[None, :]
