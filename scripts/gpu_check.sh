@@ -27,7 +27,8 @@ esac
 
 if [ "$dry" = 1 ]; then
   echo "== GPU tests (dry run: collected; on CPU they run in make test under Triton's interpreter)"
-  "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only tests/gpu | tail -n 1
+  # (no third-party plugins: collecting needs none, and hypothesis and schemathesis take seconds to load)
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only tests/gpu | tail -n 1
   echo "== W2 and W1 (dry run: CPU, tiny, a few tokens)"
   "$PYTHON" -m pagedserve --log-level WARNING bench gpu-report --dry-run
   exit 0
