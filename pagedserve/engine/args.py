@@ -40,8 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--kv-cache-memory", default="1GiB",
                    help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token). "
                         "auto: sized from free memory once the weights are loaded, like vLLM's --gpu-memory-utilization "
-                        "(--kv-cache-memory-fraction of it, less an activation reserve; CPU: MemAvailable; the choice "
-                        "is logged) (default 1GiB)")
+                        "(--kv-cache-memory-fraction of it, less an activation reserve: on CUDA a profiled step's peak, "
+                        "on CPU an estimate from MemAvailable; every term is logged) (default 1GiB)")
     g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    dest="kv_cache_memory_fraction",
                    help="with --kv-cache-memory auto: the share of memory the engine may use, in (0, 1]: of the "
@@ -73,11 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "first use; matmul if it cannot be built), triton on GPU (Triton kernels reading the KV "
                         "pools in place; sdpa where Triton is not installed or the KV cache is int4); "
                         "reference = plain torch, for checking")
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+    g.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="on CUDA with the triton backend, run every decode step eagerly instead of replaying the "
                         "CUDA graphs captured at start for padded batch sizes (1, 2, 4, 8, then every 8 up to "
                         "--max-num-seqs); graphs remove the per-kernel launch cost that dominates small decode "
-                        "batches, at a few seconds of capture and some memory at start")
+                        "batches, at a few seconds of capture and some memory at start (--enforce-eager: vLLM's "
+                        "name)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the model step (torch's intra-op pool, in the engine core's process), "

@@ -122,6 +122,7 @@ def test_the_cuda_flags_reach_the_config():
     config = engine_config_from_args(args)
     assert (config.cuda_graphs, config.kv_cache_memory_fraction, config.attention_backend) == (False, 0.8, "triton")
     assert engine_config_from_args(parser.parse_args(["--model", "m"])).cuda_graphs is True
+    assert engine_config_from_args(parser.parse_args(["--model", "m", "--enforce-eager"])).cuda_graphs is False
     assert "CUDA graphs" in parser.format_help()
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(model="m", cuda_graphs="no")
