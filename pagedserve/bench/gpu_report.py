@@ -173,7 +173,8 @@ def format_table(card: CardRates, rows: list[ModelRow], device: str, dtype: str)
              "prefill TFLOP/s | % of matmul | W1 output tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.attention_backend} | {r.w2_decode_tok_s:.1f} | {r.bytes_per_decode_token / 2**20:.1f} MiB | "
+        lines.append(f"| {r.model} | {r.attention_backend} | {r.w2_decode_tok_s:.1f} | "
+                     f"{r.bytes_per_decode_token / 2**20:.1f} MiB | "
                      f"{r.w2_hbm_gb_s:.1f} | {100 * r.w2_hbm_gb_s / card.copy_gb_s:.0f} % | {r.prefill_tflop_s:.2f} | "
                      f"{100 * r.prefill_tflop_s / card.matmul_tflop_s:.0f} % | {r.w1_output_tok_s:.1f} |")
     return "\n".join(lines)

@@ -40,10 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--kv-cache-memory", default="1GiB",
                    help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token). "
                         "auto: sized from free memory once the weights are loaded, like vLLM's --gpu-memory-utilization "
-                        "(--kv-cache-memory-fraction of it, less an activation reserve: on CUDA a profiled step's peak, "
-                        "on CPU an estimate from MemAvailable; every term is logged) (default 1GiB)")
-    g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   dest="kv_cache_memory_fraction",
+                        "(--kv-cache-memory-fraction of it, less an activation reserve: on CUDA a profiled step's "
+                        "peak, on CPU an estimate from MemAvailable; every term is logged) (default 1GiB)")
+    g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=0.9,
+                   metavar="F", dest="kv_cache_memory_fraction",
                    help="with --kv-cache-memory auto: the share of memory the engine may use, in (0, 1]: of the "
                         "card's total on CUDA (weights, a profiled step's peak activations, CUDA graphs and other "
                         "users counted against it, as vLLM's --gpu-memory-utilization), of the available memory "

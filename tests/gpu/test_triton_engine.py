@@ -21,8 +21,9 @@ PROMPTS = {"a": SHARED, "b": SHARED + "print(fibonacci(10))",  # b after a: a pr
 
 
 def _engine(tiny_model_dir, backend, device, chunk=24, **kw):
-    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device=str(device), attention_backend=backend,
-                               num_kv_blocks=48, max_model_len=128, block_size=16, max_num_batched_tokens=chunk, **kw))
+    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", device=str(device),
+                               attention_backend=backend, num_kv_blocks=48, max_model_len=128, block_size=16,
+                               max_num_batched_tokens=chunk, **kw))
 
 
 def _greedy(engine):
