@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
+ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused", "triton")
 SPECULATIVE_METHODS = (None, "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
 MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
@@ -154,7 +154,11 @@ class EngineConfig:
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
     kv_reservation: str = "paged"  # paged | max
-    attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused
+    attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused | triton
+    # CUDA with the triton backend: decode-only steps replay CUDA graphs captured at start for a
+    # ladder of padded batch sizes (engine/cuda_graphs.py); prefill steps run eagerly. False: every
+    # step eager (slower per token, nothing captured). Ignored on CPU and with other backends.
+    cuda_graphs: bool = True
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
@@ -229,6 +233,8 @@ class EngineConfig:
         threads = self.num_threads
         if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_NUM_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {threads!r}")
+        if type(self.cuda_graphs) is not bool:
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if type(self.bind_step_threads) is not bool:
             raise ValueError(f"bind_step_threads must be true or false, got {self.bind_step_threads!r}")
         nice = self.engine_core_nice

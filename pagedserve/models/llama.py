@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, write_kv
+from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend
 from pagedserve.models.native_decode import NativeDecode
 
 
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -184,8 +184,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend(q, k_cache, v_cache, meta, self.scale)
+        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.attention = ATTENTION_BACKENDS[attention_backend]
+        self.attention = load_attention_backend(attention_backend)
         self.native_decode: NativeDecode | None = None  # set by enable_native_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedserve.kv.cache import HeadMajorKVCache
-from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP, AttentionMetadata, fused_attention
+from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP, AttentionMetadata, fused_attention, write_kv
 from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.half_linear import HalfWeightLinear
 from pagedserve.models.packed import PackedLinear
@@ -64,7 +64,7 @@ class NativeDecode:
         if ops is None:
             return None, "the native kernels are unavailable"
         arch = model.arch
-        if model.attention is not fused_attention:
+        if model.attention.attend is not fused_attention or model.attention.write is not write_kv:
             return None, "the attention backend is not 'fused'"
         if arch.num_heads > FUSED_DECODE_MAX_GROUP * arch.num_kv_heads:
             return None, f"more than {FUSED_DECODE_MAX_GROUP} query heads per KV head"
