@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     req = w2_single_stream()
     decode_rate(engine, req)
     rates = [decode_rate(engine, req) for _ in range(args.repeats)]
-    print(f"\nW2 on {args.model} ({engine.dtype}, {machine_summary()}): "
+    print(f"\nW2 on {args.model} ({engine.core.dtype}, {machine_summary()}): "
           f"{median(rates):.1f} decode tokens/s (median of {args.repeats}: {', '.join(f'{r:.1f}' for r in rates)})")
-    write_result(args.json_out, {"workload": "W2", "model": args.model, "dtype": str(engine.dtype),
+    write_result(args.json_out, {"workload": "W2", "model": args.model, "dtype": str(engine.core.dtype),
                                  "decode_tok_s": rates})
     return 0

@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     ttft(engine, "warmup", w5_shared_prefix(seed=99)[0].prompt_token_ids, 2)
     for i in range(args.repeats):
         first, second = w5_shared_prefix(seed=i)
-        engine.block_manager.reset_prefix_cache()
-        before = engine.block_manager.prefix_hit_tokens
+        engine.core.block_manager.reset_prefix_cache()
+        before = engine.core.block_manager.prefix_hit_tokens
         cold.append(ttft(engine, f"cold{i}", first.prompt_token_ids, first.output_len))
         warm.append(ttft(engine, f"warm{i}", second.prompt_token_ids, second.output_len))
-        hits.append(engine.block_manager.prefix_hit_tokens - before)
+        hits.append(engine.core.block_manager.prefix_hit_tokens - before)
     ratio = median(warm) / median(cold)
     print(f"\nW5 on {args.model} ({machine_summary()}), median of {args.repeats}:")
     print(f"  first request (cold)  TTFT {median(cold) * 1e3:8.1f} ms")

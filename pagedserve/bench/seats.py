@@ -57,7 +57,7 @@ def measure(model_dir: str, reservation: str, reqs, budget_tokens: int, max_mode
     util = [s[2] for s in samples if s[1]]
     return {"reservation": reservation, "steps": len(samples), "peak_running": max(running),
             "mean_running": sum(running) / len(running), "mean_kv_utilization": sum(util) / len(util),
-            "preemptions": engine.scheduler.num_preemptions, "samples": samples}
+            "preemptions": engine.core.scheduler.num_preemptions, "samples": samples}
 
 
 def run(args: argparse.Namespace) -> int:

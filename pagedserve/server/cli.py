@@ -316,9 +316,9 @@ def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: st
         logger.info("engine core running in process %d", core.process.pid)
         return MPEngineClient(core, log_requests=log_requests, restarter=restarter, preload=preload)
     from pagedserve.engine.async_engine import AsyncEngine
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.core import EngineCore
 
-    return AsyncEngine(Engine(config), log_requests=log_requests)
+    return AsyncEngine(EngineCore(config), log_requests=log_requests)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -66,7 +66,7 @@ def test_n_completions_count_against_max_num_seqs_at_admission(tiny_model_dir):
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-        peak = max(peak, len(engine.scheduler.running), engine.scheduler.seats_in_use)
+        peak = max(peak, len(engine.core.scheduler.running), engine.core.scheduler.seats_in_use)
     assert peak <= 8
     assert len(done) == 10 and all(len(o.outputs) == 3 for o in done.values())
     assert_no_leaks(engine)

@@ -90,7 +90,7 @@ def test_logit_bias_bounds(engine):
     with pytest.raises(InvalidRequest, match="finite"):
         SamplingParams(logit_bias={1: float("nan")})
     with pytest.raises(InvalidRequest, match="logit_bias token ids"):
-        engine.add_request("big", [1, 2], SamplingParams(logit_bias={engine.arch.vocab_size: 1.0}))
+        engine.add_request("big", [1, 2], SamplingParams(logit_bias={engine.core.arch.vocab_size: 1.0}))
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     assert_no_leaks(engine)
@@ -104,7 +104,7 @@ def test_prompt_logprobs_survive_preemption(engine, tiny_model_dir):
     other = [(i * 53) % 800 + 7 for i in range(70)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=1, temperature=0)
     both = run(tight, {"a": PROMPT, "b": other}, params)
-    assert tight.scheduler.num_preemptions >= 1
+    assert tight.core.scheduler.num_preemptions >= 1
     for rid, prompt in (("a", PROMPT), ("b", other)):
         alone = run(engine, {f"alone-{rid}": prompt}, params)[f"alone-{rid}"]
         got = both[rid].prompt_logprobs

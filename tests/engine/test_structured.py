@@ -101,7 +101,7 @@ def test_a_spec_that_fails_in_the_core_fails_only_its_request(engine):
     engine.add_request("gone", "x", SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
         regex="[a-z]{1,3}q")))
     assert engine.abort("gone")
-    assert not engine.compiling
+    assert not engine.core.compiling
     assert_no_leaks(engine)
 
 
