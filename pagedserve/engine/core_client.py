@@ -41,12 +41,11 @@ class CoreClient(StreamingClient):
 
     def __init__(self, facts: ModelFacts, tokenizer: Any, observer: StepObserver | None = None,
                  log_requests: bool = False, on_death: Callable[[], None] | None = None):
-        super().__init__(observer, log_requests)
+        super().__init__(observer, log_requests, on_death)
         self.facts = facts
         # The front end's tokenizer for the event loop (detokenization here, the text of logprobs in
         # the server); the server tokenizes prompts with others, on its worker thread.
         self.tokenizer = tokenizer
-        self.on_death = on_death
         self.output_processor = OutputProcessor(tokenizer)
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._stats = idle_stats(facts)  # until the core's first stats arrive

@@ -13,17 +13,17 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import select
 import signal
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.wire import ModelFacts
-    from pagedserve.engine.mp_client import CoreLink
 
 
 class EngineStartupError(RuntimeError):
@@ -62,8 +62,6 @@ class CoreProcess:
 
     def link(self, front: int) -> CoreLink:
         """What front end ``front`` (in another process) needs to attach to this core."""
-        from pagedserve.engine.mp_client import CoreLink
-
         input_addr, output_addr = self.addrs[front]
         return CoreLink(input_addr, output_addr, self.facts, self.process.pid or 0)
 
@@ -74,6 +72,43 @@ class CoreProcess:
 
     def cleanup(self) -> None:
         self.socket_dir.cleanup()
+
+
+@dataclass
+class CoreLink:
+    """A core started by another process, as one of its front ends sees it (picklable: it is
+    handed to the front's process). :meth:`open` must be called in the front's own process."""
+
+    input_addr: str
+    output_addr: str
+    facts: ModelFacts
+    pid: int
+    owned = False  # the process that started the core stops it
+    _pidfd: int | None = field(default=None, repr=False)
+
+    def open(self) -> None:
+        # A pidfd turns readable when the process exits, whoever its parent is (Linux 5.3+).
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def sentinel(self) -> int:
+        assert self._pidfd is not None, "open() the link first"
+        return self._pidfd
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def exit_code(self) -> int | None:
+        return None  # not our child: its status goes to the process that started it
+
+    def kill(self) -> None:
+        pass  # not ours to stop
+
+    def cleanup(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
 
 
 @dataclass

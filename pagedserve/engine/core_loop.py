@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from pagedserve import errors
-from pagedserve.engine.block_map import BlockMapFeed
+from pagedserve.engine.block_map_feed import BlockMapFeed
 from pagedserve.engine.wire import Abort, AddRequest, Admission, Command, CoreBatch, Shutdown, WatchBlocks
 
 if TYPE_CHECKING:

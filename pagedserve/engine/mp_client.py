@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -50,54 +46,15 @@ import zmq.asyncio
 from pagedserve.config import EngineConfig
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver
 from pagedserve.engine.core_client import CoreClient, idle_stats
-from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.core_launch import CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process
 from pagedserve.engine.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
-if TYPE_CHECKING:
-    from pagedserve.engine.wire import ModelFacts
-
-# CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
+# CoreLink, CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
 __all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CoreLink:
-    """A core started by another process, as one of its front ends sees it (picklable: it is
-    handed to the front's process). :meth:`open` must be called in the front's own process."""
-
-    input_addr: str
-    output_addr: str
-    facts: ModelFacts
-    pid: int
-    owned = False  # the process that started the core stops it
-    _pidfd: int | None = field(default=None, repr=False)
-
-    def open(self) -> None:
-        # A pidfd turns readable when the process exits, whoever its parent is (Linux 5.3+).
-        self._pidfd = os.pidfd_open(self.pid)
-
-    @property
-    def sentinel(self) -> int:
-        assert self._pidfd is not None, "open() the link first"
-        return self._pidfd
-
-    def is_alive(self) -> bool:
-        return not select.select([self.sentinel], [], [], 0)[0]
-
-    def exit_code(self) -> int | None:
-        return None  # not our child: its status goes to the process that started it
-
-    def kill(self) -> None:
-        pass  # not ours to stop
-
-    def cleanup(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreProcess:
@@ -179,6 +136,9 @@ class MPEngineClient(CoreClient):
     @property
     def is_running(self) -> bool:
         return self.dead_error is None and self.core.is_alive() and not self._shutting_down
+
+    def kill(self) -> None:
+        self.core.kill()
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -91,6 +91,13 @@ class StructuredOutputsParams:
             return kind, ""
         return kind, getattr(self, kind)
 
+    def check_grammar(self, param: str = "structured_outputs") -> None:
+        """Raise :class:`InvalidRequest` if the spec does not compile (a bad schema, regex or
+        grammar); tokenizer-free, but it loads xgrammar: call it off the event loop."""
+        from pagedserve.engine.structured import check
+
+        check(self, param)
+
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(msg, param="structured_outputs")

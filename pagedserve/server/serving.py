@@ -22,7 +22,6 @@ from pagedserve import errors
 from pagedserve.engine.client import EngineClient, EngineDeadError, RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedserve.engine.structured import check as check_structured
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, error_body
@@ -33,7 +32,6 @@ from pagedserve.server.structured import requested_spec, tool_call_spec
 from pagedserve.server.tokenization import TokenizerWorker, encode
 from pagedserve.server.tool_parsers import PARSERS, ParsedCall, StreamingToolCalls, ToolParser
 from pagedserve.streaming import ClosingStreamingResponse
-from pagedserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +114,8 @@ class OpenAIServing:
         self.config = config
         self.tokenizers = tokenizers  # prompts and chat templates: on the worker thread
         # The event loop's instance, for the per-token text of logprobs (never used from another
-        # thread): the engine client's own where it has one for its event loop.
-        shared = engine.loop_tokenizer
-        self.tokenizer = shared if shared is not None else load_tokenizer(engine.facts.tokenizer)
+        # thread): the engine client's own, which detokenizes on this loop too.
+        self.tokenizer = engine.tokenizer
         self.has_chat_template = (config.chat_template is not None
                                   or getattr(self.tokenizer, "chat_template", None) is not None)
         self.model_name = config.served_model_name or engine.facts.model_name
@@ -666,7 +663,7 @@ def _template_tool_call(call: p.ToolCall) -> dict[str, Any]:
 
 def _check_spec(tokenizer: Any, spec: StructuredOutputsParams, param: str) -> None:
     """On the tokenizer worker's thread (the tokenizer is not needed: parsing is tokenizer-free)."""
-    check_structured(spec, param)
+    spec.check_grammar(param)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,

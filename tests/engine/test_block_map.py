@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED, BlockMapFeed, build_block_map
+from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED
+from pagedserve.engine.block_map_feed import BlockMapFeed, build_block_map
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig

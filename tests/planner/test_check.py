@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.planner.check import CheckConfig, SpeedCheck, render_check, run_check
+from pagedserve.bench.plan_check import CheckConfig, SpeedCheck, render_check, run_check
 from pagedserve.planner.cli import add_parser
 
 
