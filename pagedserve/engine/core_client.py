@@ -26,6 +26,7 @@ from typing import Any
 from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shutdown, WatchBlocks
 
@@ -65,6 +66,7 @@ class CoreClient(StreamingClient):
                           priority: int = 0, cache_salt: str | None = None,
                           prompt: str | None = None) -> RequestStream:
         stream = self._check_accepting(request_id)
+        check_request(self.facts, prompt_token_ids, params)  # the front end's one check; the core trusts it
         stream.priority = priority
         assert self._loop is not None, "start() the client first"
         admitted: asyncio.Future[None] = self._loop.create_future()

@@ -19,10 +19,12 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.engine.core import EngineCore
     from pagedserve.engine.wire import ModelFacts
 
 
@@ -154,12 +156,15 @@ class CoreLaunch:
         self.socket_dir.cleanup()
 
 
-def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreLaunch:
+def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1,
+                       core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> CoreLaunch:
     """Spawn the core; it starts loading at once. :meth:`CoreLaunch.wait_ready` waits for it.
-    ``num_fronts``: how many front ends will attach (one socket pair each)."""
+    ``num_fronts``: how many front ends will attach (one socket pair each). ``core_factory``
+    (picklable; called in the child) builds the core in place of ``EngineCore(config)``: the
+    fault tests' seam (tests/helpers/faults.py), never set by the server itself."""
     socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
     addrs = [(f"ipc://{socket_dir.name}/input-{i}", f"ipc://{socket_dir.name}/output-{i}") for i in range(num_fronts)]
-    return _launch(config, log_level, addrs, socket_dir)
+    return _launch(config, log_level, addrs, socket_dir, core_factory)
 
 
 def respawn_core_process(dead: CoreProcess, config: EngineConfig, log_level: str = "info") -> CoreLaunch:
@@ -181,11 +186,12 @@ def die_with_parent() -> None:
 
 
 def _launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],
-            socket_dir: tempfile.TemporaryDirectory) -> CoreLaunch:
+            socket_dir: tempfile.TemporaryDirectory,
+            core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> CoreLaunch:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run_core, name="pagedserve-core", daemon=True,
-                          args=(config, addrs, sender, log_level))
+                          args=(config, addrs, sender, log_level, core_factory))
     process.start()
     sender.close()
     return CoreLaunch(process, addrs, socket_dir, receiver)
@@ -276,7 +282,8 @@ def unpin_helper_threads(cpus: set[int] | None) -> int:
     return moved
 
 
-def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
+def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str,
+              core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> None:
     """The child's entry point: only here is the engine imported."""
     # Before torch starts its thread pool, so that its threads inherit the priority and the places.
     yield_cpu_to_front_ends(config.engine_core_nice)
@@ -286,4 +293,4 @@ def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, lo
         bind_step_threads(config.num_threads)
     from pagedserve.engine.core_proc import run_engine_core
 
-    run_engine_core(config, addrs, ready, log_level, cpus)
+    run_engine_core(config, addrs, ready, log_level, cpus, core_factory)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -39,7 +40,8 @@ _IDLE_POLL_MS = 1000
 
 
 def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str,
-                    cpus: set[int] | None = None) -> None:
+                    cpus: set[int] | None = None,
+                    core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> None:
     """The child process's entry point (spawned): build the core, report ready, serve until told to stop.
 
     ``addrs``: one (input, output) address pair per front end; ``cpus``: the CPUs the process may
@@ -54,7 +56,7 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parent = os.getppid()
     try:
-        core = EngineCore(config)
+        core = (core_factory or EngineCore)(config)
     except Exception as exc:  # a bad model path, a budget that holds no block, ...: one line for the user
         ready.send(("error", errors.startup_error_line(exc)))
         raise SystemExit(2) from None

@@ -9,10 +9,13 @@ so detokenization and stop strings live in one place whichever way the core is d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 from pagedserve.tokenizer import load_tokenizer
@@ -21,8 +24,9 @@ from pagedserve.tokenizer import load_tokenizer
 class Engine:
     """A paged-KV, continuously batched inference engine for one model, text in and out. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig):
-        self.core = EngineCore(config)
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], EngineCore] = EngineCore):
+        self.core = core_factory(config)  # another factory: the fault tests' seam (tests/helpers/faults.py)
+        self.facts = self.core.facts()
         self.tokenizer = load_tokenizer(self.core.tokenizer_source)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -38,6 +42,7 @@ class Engine:
         if not prompt:  # checked before tokenizing: a BOS token alone is not a prompt
             raise InvalidRequest("the prompt is empty", param="prompt")
         token_ids = self.tokenize(prompt)
+        check_request(self.facts, token_ids, params)  # the front end's one check; the core trusts it
         self.core.add_request(request_id, token_ids, params, priority, cache_salt, arrival_time)
         self.output_processor.add(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
 

@@ -12,6 +12,7 @@ becomes, the :class:`CoreLink` a front in another process attaches through) come
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.core_launch import (
@@ -22,9 +23,13 @@ from pagedserve.engine.core_restart import CoreRestarter, RestartBudget, describ
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
+    from pagedserve.engine.core import EngineCore
     from pagedserve.tokenizer import TokenizerPreload
 
-__all__ = ["CoreLaunch", "CoreLink", "CoreProcess", "EngineStartupError", "connect", "core_restarter",
+# What builds the core in place of ``EngineCore(config)``: the fault tests' seam, never the server's.
+CoreFactory = Callable[["EngineConfig"], "EngineCore"]
+
+__all__ = ["CoreFactory", "CoreLaunch", "CoreLink", "CoreProcess", "EngineStartupError", "connect", "core_restarter",
            "describe_exit", "die_with_parent", "in_process", "spawn_core_process"]
 
 
@@ -43,9 +48,11 @@ def connect(core: CoreProcess | CoreLink, *, log_requests: bool = False, restart
                           restarted_by_supervisor=restarted_by_supervisor, preload=preload)
 
 
-def in_process(config: EngineConfig, log_requests: bool = False) -> EngineClient:
-    """A client whose core loop runs on a thread of this process (loads the model now)."""
+def in_process(config: EngineConfig, log_requests: bool = False,
+               core_factory: CoreFactory | None = None) -> EngineClient:
+    """A client whose core loop runs on a thread of this process (loads the model now).
+    ``core_factory``: as for :func:`spawn_core_process` (the fault tests' seam)."""
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.core import EngineCore
 
-    return AsyncEngine(EngineCore(config), log_requests=log_requests)
+    return AsyncEngine((core_factory or EngineCore)(config), log_requests=log_requests)

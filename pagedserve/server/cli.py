@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
-    from pagedserve.engine.factory import CoreLaunch, CoreRestarter
+    from pagedserve.engine.factory import CoreFactory, CoreLaunch, CoreRestarter
     from pagedserve.engine.wire import ModelFacts
     from pagedserve.tokenizer import TokenizerPreload
     from pagedserve.server.config import ServerConfig
@@ -170,8 +170,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM."""
+def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None) -> int:
+    """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM.
+    ``core_factory``: builds the core in place of ``EngineCore(config)`` (the fault tests' seam,
+    tests/helpers/faults.py; ``pagedserve serve`` never sets it)."""
     import uvicorn
 
     # Only light modules here: the heavy ones (torch, FastAPI, transformers) are imported once the
@@ -238,7 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return run_api_servers(args.api_server_count, engine_config, server_config, log_level, listener,
                                    restarter)
         _check_port_free(args.host, args.port)
-        launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
+        launch = spawn_core_process(engine_config, log_level, core_factory=core_factory) \
+            if args.engine_process else None
         # While the core process imports torch and loads the model (seconds), this one imports its
         # own side (no torch, no transformers): on two cores the start-ups overlap.
         from pagedserve.server.app import build_app
@@ -247,7 +250,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         # The front's two tokenizers (event loop, worker thread) load while the core loads the model.
         preload = TokenizerPreload(engine_config.tokenizer or engine_config.model) if launch is not None else None
-        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter, preload)
+        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter, preload,
+                               core_factory)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
@@ -298,7 +302,8 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
 
 
 def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool,
-                  restarter: CoreRestarter | None = None, preload: TokenizerPreload | None = None) -> EngineClient:
+                  restarter: CoreRestarter | None = None, preload: TokenizerPreload | None = None,
+                  core_factory: CoreFactory | None = None) -> EngineClient:
     """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of
     this one. ``restarter``: replace the core if it dies (``--restart-engine-core``)."""
     from pagedserve.engine import factory
@@ -307,7 +312,7 @@ def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: st
         core = launch.wait_ready()
         logger.info("engine core running in process %d", core.process.pid)
         return factory.connect(core, log_requests=log_requests, restarter=restarter, preload=preload)
-    return factory.in_process(config, log_requests=log_requests)
+    return factory.in_process(config, log_requests=log_requests, core_factory=core_factory)
 
 
 def _check_port_free(host: str, port: int) -> None:

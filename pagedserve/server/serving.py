@@ -120,7 +120,7 @@ class OpenAIServing:
                                   or getattr(self.tokenizer, "chat_template", None) is not None)
         self.model_name = config.served_model_name or engine.facts.model_name
         self.max_model_len: int = engine.facts.max_model_len
-        self.vocab_size = len(self.tokenizer)
+        self.tokenizer_size = len(self.tokenizer)  # what /detokenize can decode
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.tool_parser = PARSERS[config.tool_call_parser]()
 
@@ -148,14 +148,9 @@ class OpenAIServing:
                 self.tokenizers.check_fits(prompt, self.max_model_len, param)
                 ids: list[int] = await self.tokenizers.run(encode, prompt)
             else:
-                ids = list(prompt)
+                ids = list(prompt)  # their range is the client's request check (the model's vocabulary)
                 if not ids:
                     raise errors.InvalidRequest("prompt must not be empty.", param=param)
-                bad = next((t for t in ids if t >= self.vocab_size), None)
-                if bad is not None:
-                    raise errors.InvalidRequest(
-                        f"Token id {bad} in prompt is out of range: ids must be in [0, {self.vocab_size}).",
-                        param=param)
             if not ids:
                 raise errors.InvalidRequest("prompt must not be empty (it tokenized to no tokens).", param=param)
             out.append(ids)
@@ -248,7 +243,8 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Map the request's fields onto the engine's SamplingParams (which validates them again)."""
+        """Map the request's fields onto the engine's SamplingParams (the schema bounded them; the
+        client's request check validates the result once, engine/request_check.py)."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return SamplingParams(
             n=req.n,
@@ -442,9 +438,9 @@ class OpenAIServing:
         """``POST /detokenize``: the text of token ids (special tokens kept, as vLLM does), on the
         tokenizer worker's thread."""
         self.check_model(req.model)
-        bad = next((t for t in req.tokens if t >= self.vocab_size), None)
+        bad = next((t for t in req.tokens if t >= self.tokenizer_size), None)
         if bad is not None:
-            raise errors.InvalidRequest(f"Token id {bad} is out of range: ids must be in [0, {self.vocab_size}).",
+            raise errors.InvalidRequest(f"Token id {bad} is out of range: ids must be in [0, {self.tokenizer_size}).",
                                         param="tokens")
         text = await self.tokenizers.run(_decode, req.tokens)
         return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")

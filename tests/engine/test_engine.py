@@ -44,7 +44,7 @@ def test_requests_that_can_never_fit_are_rejected(engine):
     with pytest.raises(InvalidRequest):
         engine.add_request("e", [10**9], SamplingParams())
     with pytest.raises(InvalidRequest):
-        SamplingParams(top_p=0)
+        SamplingParams(top_p=0).validate()
     assert_no_leaks(engine)
 
 

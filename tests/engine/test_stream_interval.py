@@ -264,7 +264,7 @@ def test_a_request_stream_interval_is_bounded(bad):
     from pagedserve.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="stream_interval") as info:
-        SamplingParams(stream_interval=bad)
+        SamplingParams(stream_interval=bad).validate()
     assert info.value.param == "stream_interval"
 
 
