@@ -11,7 +11,7 @@ from pagedserve.bench.workloads import w2_single_stream
 
 def add_parser(bench) -> None:
     p = bench.add_parser("decode", help="W2: single-stream decode tokens/s",
-                         description="W2 of BENCH.md: one request, 16-token prompt, 256 output tokens, greedy. "
+                         description="W2 of docs/WORKLOADS.md: one request, 16-token prompt, 256 output tokens, greedy. "
                                      "Reports decode tokens/s (after the first token) over several runs.")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (median reported)")

@@ -11,7 +11,7 @@ from pagedserve.bench.workloads import w5_shared_prefix
 
 def add_parser(bench) -> None:
     p = bench.add_parser("prefix", help="W5: TTFT of a prefix-cache hit against a cold request",
-                         description="W5 of BENCH.md: two requests share a 1,024-token prefix, each with a 32-token "
+                         description="W5 of docs/WORKLOADS.md: two requests share a 1,024-token prefix, each with a 32-token "
                                      "suffix and 16 output tokens, sent one after the other. Reports the second "
                                      "request's time to first token against the first's (cold) and the prefix-cache "
                                      "hit count.")

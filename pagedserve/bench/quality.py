@@ -80,7 +80,7 @@ def add_parser(bench) -> None:
 
     d = bench.add_parser(
         "quant-decode", help="W2 decode tokens/s with bf16, int8 and int4 weights side by side",
-        description="W2 of BENCH.md (one request, 16-token prompt, 256 output tokens, greedy) for each weight "
+        description="W2 of docs/WORKLOADS.md (one request, 16-token prompt, 256 output tokens, greedy) for each weight "
                     "precision on each model, runs interleaved round by round; reports medians and ratios to bf16.")
     d.add_argument("--models", nargs="+", default=["small", "qwen05-shape"],
                    help="standard model names or model directories")

@@ -16,7 +16,7 @@ from pagedserve.bench.workloads import w1_offline
 
 def add_parser(bench) -> None:
     p = bench.add_parser("throughput", help="W1: offline output tokens/s, pagedserve vs HF static batching",
-                         description="W1 of BENCH.md: 64 requests (prompts 64-512, outputs 32-256 tokens, seed 0), "
+                         description="W1 of docs/WORKLOADS.md: 64 requests (prompts 64-512, outputs 32-256 tokens, seed 0), "
                                      "greedy with ignore_eos. Reports output and total tokens/s of pagedserve's "
                                      "LLM.generate and of Hugging Face transformers' generate with static batching "
                                      "(batches of 16, left padding), measured in the same process, and their ratio.")
