@@ -40,9 +40,16 @@ class CompletionsServing(ServingBase):
                 self.tokenizers.check_fits(prompt, self.max_model_len, param)
                 ids: list[int] = await self.tokenizers.run(encode, prompt)
             else:
-                ids = list(prompt)  # their range is the client's request check (the model's vocabulary)
+                ids = list(prompt)
                 if not ids:
                     raise errors.InvalidRequest("prompt must not be empty.", param=param)
+                # Here too, against the same vocabulary as the client's check (the model's), so the
+                # error names which prompt of a list is wrong.
+                vocab = self.engine.facts.vocab_size
+                bad = next((t for t in ids if t >= vocab), None)
+                if bad is not None:
+                    raise errors.InvalidRequest(
+                        f"Token id {bad} in prompt is out of range: ids must be in [0, {vocab}).", param=param)
             if not ids:
                 raise errors.InvalidRequest("prompt must not be empty (it tokenized to no tokens).", param=param)
             out.append(ids)
