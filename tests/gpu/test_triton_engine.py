@@ -41,7 +41,7 @@ def test_engine_on_triton_kernels_answers_as_the_reference(tiny_model_dir, devic
     """Prompt chunks of at most 24 tokens (chunked prefill), a shared first block (a prefix hit),
     then decodes: the same greedy tokens as the plain-torch reference, and every block back."""
     triton_engine = _engine(tiny_model_dir, "triton", device, cuda_graphs=False)
-    assert triton_engine.config.attention_backend == "triton"
+    assert triton_engine.core.config.attention_backend == "triton"
     want = _greedy(_engine(tiny_model_dir, "reference", "cpu"))
     assert _greedy(triton_engine) == want
     assert triton_engine.stats().prefix_hit_tokens > 0
