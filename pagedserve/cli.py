@@ -24,6 +24,10 @@ PARTS = [
     ("pagedserve.planner.cli", ("plan", "simulate")),
     ("pagedserve.bench.cli", ("bench",)),
 ]
+# Sub-commands a higher part adds to a lower part's command: ``plan check`` runs the engine, which
+# the planner (arithmetic only) must not import, so the benchmarks' part registers it.
+# (The lower part's add_parser returns {command: its sub-command list}.)
+EXTENSIONS = {"pagedserve.planner.cli": {"plan": "pagedserve.bench.plan_check"}}
 
 
 def package_version() -> str:
@@ -52,7 +56,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     owner = next((m for m, names in PARTS if command in names), None)
     for module, _ in PARTS:
         if owner is None or module == owner:
-            importlib.import_module(module).add_parser(sub)
+            registered = importlib.import_module(module).add_parser(sub)
+            for name, extension in EXTENSIONS.get(module, {}).items():
+                importlib.import_module(extension).add_parser(registered[name])
     return parser
 
 

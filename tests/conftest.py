@@ -49,7 +49,7 @@ def run_all(engine) -> dict:
 def assert_no_leaks(engine) -> None:
     """Every request has ended: no block is referenced and the allocator's invariants hold."""
     assert not engine.has_unfinished_requests()
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     bm.check_invariants()
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks leaked"
     assert not bm.tables

@@ -26,7 +26,7 @@ BENCHMARKS = [
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (W1-W6 of BENCH.md) and standard-model building",
+    p = subparsers.add_parser("bench", help="benchmarks (W1-W6 of docs/WORKLOADS.md) and standard-model building",
                               description="Benchmarks that print ratios against a baseline measured in the same run.")
     bench = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     for module in BENCHMARKS:

@@ -465,7 +465,7 @@ def worker_rate(engine, row: str, shape: Shape, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
 
     def prompts() -> list[list[int]]:  # fresh random prompts each run: no prefix-cache hit either way
-        return [random_prompt(rng, shape.prompt, engine.arch.vocab_size) for _ in range(shape.streams)]
+        return [random_prompt(rng, shape.prompt, engine.core.arch.vocab_size) for _ in range(shape.streams)]
 
     # The warm-up loads kernels and sizes buffers for these batch shapes; a few tokens do that.
     timed_run(engine, prompts(), min(shape.output, 4))
@@ -502,7 +502,7 @@ def worker(argv: list[str]) -> int:
                                  enable_prefix_caching=False))
     load_s = time.perf_counter() - t0
     rate = worker_rate(engine, args.worker, Shape(args.prompt, args.output, args.streams))
-    print(json.dumps({"row": args.worker, "tok_s": rate, "dtype": str(engine.dtype).removeprefix("torch."),
+    print(json.dumps({"row": args.worker, "tok_s": rate, "dtype": str(engine.core.dtype).removeprefix("torch."),
                       "threads": args.threads, "load_s": load_s}))
     return 0
 

@@ -11,7 +11,7 @@ from pagedserve.bench.workloads import w2_single_stream
 
 def add_parser(bench) -> None:
     p = bench.add_parser("decode", help="W2: single-stream decode tokens/s",
-                         description="W2 of BENCH.md: one request, 16-token prompt, 256 output tokens, greedy. "
+                         description="W2 of docs/WORKLOADS.md: one request, 16-token prompt, 256 output tokens, greedy. "
                                      "Reports decode tokens/s (after the first token) over several runs.")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (median reported)")
@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     req = w2_single_stream()
     decode_rate(engine, req)
     rates = [decode_rate(engine, req) for _ in range(args.repeats)]
-    print(f"\nW2 on {args.model} ({engine.dtype}, {machine_summary()}): "
+    print(f"\nW2 on {args.model} ({engine.core.dtype}, {machine_summary()}): "
           f"{median(rates):.1f} decode tokens/s (median of {args.repeats}: {', '.join(f'{r:.1f}' for r in rates)})")
-    write_result(args.json_out, {"workload": "W2", "model": args.model, "dtype": str(engine.dtype),
+    write_result(args.json_out, {"workload": "W2", "model": args.model, "dtype": str(engine.core.dtype),
                                  "decode_tok_s": rates})
     return 0

@@ -103,7 +103,7 @@ def _run(engine, requests, max_tokens) -> float:
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    _sync(engine.device)
+    _sync(engine.core.device)
     return time.perf_counter() - start
 
 
@@ -140,7 +140,7 @@ def measure_model(name: str, dtype: str, device: torch.device, sizes: Sizes) -> 
 
 
 def _measure(engine, name: str, sizes: Sizes) -> ModelRow:
-    vocab = engine.arch.vocab_size
+    vocab = engine.core.arch.vocab_size
     w2 = w2_single_stream(vocab_size=vocab)
     w2.output_len = min(w2.output_len, sizes.w2_output)
     _run(engine, [w2], lambda r: 8)  # warm-up: kernels compiled, graphs already captured
@@ -149,20 +149,20 @@ def _measure(engine, name: str, sizes: Sizes) -> ModelRow:
     whole = median([_run(engine, [w2], lambda r: r.output_len) for _ in range(3)])
     decode_tok_s = (w2.output_len - 1) / max(whole - first, 1e-9)
     mean_context = len(w2.prompt_token_ids) + w2.output_len / 2
-    bytes_per_token = int(engine.weight_bytes + engine.kv_bytes_per_token * mean_context)
+    bytes_per_token = int(engine.core.weight_bytes + engine.core.kv_bytes_per_token * mean_context)
 
     w1 = w1_offline(sizes.w1_requests, vocab_size=vocab)
     for r in w1:
         r.output_len = min(r.output_len, sizes.w1_max_output)
     _run(engine, w1[:4], lambda r: 2)  # warm-up of the prefill kernels' shapes
-    engine.block_manager.reset_prefix_cache()
+    engine.core.block_manager.reset_prefix_cache()
     prefill_s = _run(engine, w1, lambda r: 1)
-    engine.block_manager.reset_prefix_cache()
+    engine.core.block_manager.reset_prefix_cache()
     prompt_lens = [len(r.prompt_token_ids) for r in w1]
     w1_s = _run(engine, w1, lambda r: r.output_len)
-    return ModelRow(name, engine.config.attention_backend, decode_tok_s, bytes_per_token,
+    return ModelRow(name, engine.core.config.attention_backend, decode_tok_s, bytes_per_token,
                     bytes_per_token * decode_tok_s / 1e9, sum(prompt_lens),
-                    prefill_flops(engine.runner.model, prompt_lens) / prefill_s / 1e12,
+                    prefill_flops(engine.core.runner.model, prompt_lens) / prefill_s / 1e12,
                     sum(r.output_len for r in w1) / w1_s)
 
 

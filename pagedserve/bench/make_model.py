@@ -9,7 +9,7 @@ from pagedserve.models.standard import STANDARD_MODELS, build_standard_model
 
 
 def add_parser(bench) -> None:
-    p = bench.add_parser("make-model", help="build a standard random-weight checkpoint of BENCH.md",
+    p = bench.add_parser("make-model", help="build a standard random-weight checkpoint of docs/WORKLOADS.md",
                          description="Build one of the standard models (Llama architecture, random weights with a "
                                      "fixed seed, bf16 safetensors) with a BPE tokenizer trained locally on the "
                                      "Python standard library's sources. Nothing is downloaded.")

@@ -11,7 +11,7 @@ from pagedserve.bench.workloads import w5_shared_prefix
 
 def add_parser(bench) -> None:
     p = bench.add_parser("prefix", help="W5: TTFT of a prefix-cache hit against a cold request",
-                         description="W5 of BENCH.md: two requests share a 1,024-token prefix, each with a 32-token "
+                         description="W5 of docs/WORKLOADS.md: two requests share a 1,024-token prefix, each with a 32-token "
                                      "suffix and 16 output tokens, sent one after the other. Reports the second "
                                      "request's time to first token against the first's (cold) and the prefix-cache "
                                      "hit count.")
@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     ttft(engine, "warmup", w5_shared_prefix(seed=99)[0].prompt_token_ids, 2)
     for i in range(args.repeats):
         first, second = w5_shared_prefix(seed=i)
-        engine.block_manager.reset_prefix_cache()
-        before = engine.block_manager.prefix_hit_tokens
+        engine.core.block_manager.reset_prefix_cache()
+        before = engine.core.block_manager.prefix_hit_tokens
         cold.append(ttft(engine, f"cold{i}", first.prompt_token_ids, first.output_len))
         warm.append(ttft(engine, f"warm{i}", second.prompt_token_ids, second.output_len))
-        hits.append(engine.block_manager.prefix_hit_tokens - before)
+        hits.append(engine.core.block_manager.prefix_hit_tokens - before)
     ratio = median(warm) / median(cold)
     print(f"\nW5 on {args.model} ({machine_summary()}), median of {args.repeats}:")
     print(f"  first request (cold)  TTFT {median(cold) * 1e3:8.1f} ms")

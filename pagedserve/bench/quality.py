@@ -80,7 +80,7 @@ def add_parser(bench) -> None:
 
     d = bench.add_parser(
         "quant-decode", help="W2 decode tokens/s with bf16, int8 and int4 weights side by side",
-        description="W2 of BENCH.md (one request, 16-token prompt, 256 output tokens, greedy) for each weight "
+        description="W2 of docs/WORKLOADS.md (one request, 16-token prompt, 256 output tokens, greedy) for each weight "
                     "precision on each model, runs interleaved round by round; reports medians and ratios to bf16.")
     d.add_argument("--models", nargs="+", default=["small", "qwen05-shape"],
                    help="standard model names or model directories")
@@ -110,13 +110,13 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
     """
     from pagedserve.models.attention import AttentionMetadata
 
-    if engine.has_unfinished_requests() or engine.config.enable_prefix_caching:
+    if engine.has_unfinished_requests() or engine.core.config.enable_prefix_caching:
         raise RuntimeError("window_logprobs needs an idle engine built with enable_prefix_caching=False")
-    runner, bs, dev = engine.runner, engine.config.block_size, engine.device
+    runner, bs, dev = engine.core.runner, engine.core.config.block_size, engine.core.device
     n = len(token_ids)
     num_blocks = -(-n // bs)
-    if num_blocks > engine.num_kv_blocks:
-        raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.num_kv_blocks}")
+    if num_blocks > engine.core.num_kv_blocks:
+        raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.core.num_kv_blocks}")
     positions = torch.arange(n, device=dev)
     meta = AttentionMetadata(
         slot_mapping=positions,  # blocks 0, 1, ... in order: slot = position
@@ -326,12 +326,12 @@ def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -
         speed = _decode_speed(engine, prompts[0][:16], args.decode_tokens, args.repeats)
         rows.append(QualityRow(
             weights=gguf_types(model_dir) if w == GGUF_WEIGHTS else w, kv=k,
-            model_dtype=str(engine.dtype).removeprefix("torch."), perplexity=ppl, ppl_change=ppl / ref_ppl - 1,
+            model_dtype=str(engine.core.dtype).removeprefix("torch."), perplexity=ppl, ppl_change=ppl / ref_ppl - 1,
             mean_kl=mean_kl(ref_lp, lp),
             top1_agreement=top1_agreement(ref_lp, lp),
-            greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.weight_bytes,
-            kv_bytes_per_token=engine.kv_bytes_per_token,
-            seats=seats_at_max_len(engine.num_kv_blocks, engine.config.block_size, args.max_model_len),
+            greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.core.weight_bytes,
+            kv_bytes_per_token=engine.core.kv_bytes_per_token,
+            seats=seats_at_max_len(engine.core.num_kv_blocks, engine.core.config.block_size, args.max_model_len),
             decode_tok_s=speed))
         r = rows[-1]
         tqdm.write(f"{r.weights} x {r.kv}: perplexity {r.perplexity:.3f}, KL {r.mean_kl:.4f}, greedy "

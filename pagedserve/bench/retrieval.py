@@ -192,7 +192,7 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
         engine = Engine(EngineConfig(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
                                      kv_cache_memory="1GiB", max_model_len=max_model_len,
                                      enable_prefix_caching=True))
-        label = engine.kv_dtype if kv == "auto" else kv  # e.g. float32
+        label = engine.core.kv_dtype if kv == "auto" else kv  # e.g. float32
         stats: dict[int, list[int]] = {}
         lengths: dict[int, list[int]] = {}
         with tqdm(total=total, desc=f"KV {kv}", unit="needle") as bar:
@@ -206,13 +206,13 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
                                     "name": n.name, "code": n.code, "answer": a, "recalled": ok,
                                     "other_needle": not ok and any(recalled(a, m.code) for m in ctx.needles)})
                 bar.update(len(ctx.needles))
-        if engine.block_manager.num_used_blocks:
-            raise RuntimeError(f"{engine.block_manager.num_used_blocks} KV blocks still in use after the run")
+        if engine.core.block_manager.num_used_blocks:
+            raise RuntimeError(f"{engine.core.block_manager.num_used_blocks} KV blocks still in use after the run")
         for length, hits in stats.items():
             rows.append(RetrievalRow(kv=label, length=length, needles=len(hits),
                                      recalled=sum(hits), recall=sum(hits) / len(hits),
                                      mean_prompt_tokens=sum(lengths[length]) / len(lengths[length]),
-                                     kv_bytes_per_token=engine.kv_bytes_per_token))
+                                     kv_bytes_per_token=engine.core.kv_bytes_per_token))
             tqdm.write(f"KV {rows[-1].kv}, {length} tokens: recall {rows[-1].recalled}/{rows[-1].needles}")
         del engine
         if on_kv_done is not None:

@@ -12,7 +12,7 @@ from pagedserve.bench.workloads import w3_seats
 
 def add_parser(bench) -> None:
     p = bench.add_parser("seats", help="W3: concurrent requests and KV utilization, paged vs worst-case reservation",
-                         description="W3 of BENCH.md: max_model_len 4096, a KV budget that worst-case reservation "
+                         description="W3 of docs/WORKLOADS.md: max_model_len 4096, a KV budget that worst-case reservation "
                                      "fills with 8 requests (8 x 4096 x KV bytes/token), 64 requests offered at "
                                      "once. Runs the same engine with paged blocks and with max_model_len reserved "
                                      "per request, and reports peak / mean running requests and KV utilization.")
@@ -57,7 +57,7 @@ def measure(model_dir: str, reservation: str, reqs, budget_tokens: int, max_mode
     util = [s[2] for s in samples if s[1]]
     return {"reservation": reservation, "steps": len(samples), "peak_running": max(running),
             "mean_running": sum(running) / len(running), "mean_kv_utilization": sum(util) / len(util),
-            "preemptions": engine.scheduler.num_preemptions, "samples": samples}
+            "preemptions": engine.core.scheduler.num_preemptions, "samples": samples}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``pagedserve bench serve``: workload W4 (BENCH.md) against an OpenAI-compatible server.
+"""``pagedserve bench serve``: workload W4 (docs/WORKLOADS.md) against an OpenAI-compatible server.
 
 Poisson arrivals at several rates; prompt and output lengths from W1 (prompt uniform in
 [64, 512], output uniform in [32, 256], seed 0; random non-special token ids; ``ignore_eos`` so
@@ -256,7 +256,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Register ``bench serve``."""
     parser = bench_subparsers.add_parser(
         "serve", help="W4: Poisson load against an OpenAI-compatible server (TTFT/ITL/E2E percentiles)",
-        description="Workload W4 of BENCH.md: streamed requests with W1's lengths, Poisson arrivals at each "
+        description="Workload W4 of docs/WORKLOADS.md: streamed requests with W1's lengths, Poisson arrivals at each "
                     "rate in turn; prints a markdown table, writes JSON and a latency-CDF PNG. Either point it at "
                     "a running server (--url) or let it start one (--model).",
         epilog="examples:\n  pagedserve bench serve --url http://127.0.0.1:8000 --rates 1,2,4,inf\n"

@@ -7,7 +7,7 @@ hits both sides alike; medians and their ratio are reported, with the acceptance
 * **repeat**: a chat prompt holding a code passage and asking for it back with one rename, on
   the default real model (SmolLM2-135M-Instruct): the answer quotes its context, so prompt
   lookup finds the drafts. (A random-weight model does not repeat its prompt: no use here.)
-* **W2** (BENCH.md): one request, 16-token random prompt, 256 output tokens, on the ``small``
+* **W2** (docs/WORKLOADS.md): one request, 16-token random prompt, 256 output tokens, on the ``small``
   random-weight model, where drafts are rarely right: the cost of trying. Must-show: speculation
   loses at most 5 %.
 
@@ -64,7 +64,7 @@ def add_parser(bench) -> None:
     p.add_argument("--ngram-prompt-lookup-max", type=int, default=4, metavar="N")
     p.add_argument("--ngram-prompt-lookup-min", type=int, default=1, metavar="N")
     p.add_argument("--repeat-output-len", type=int, default=256, help="output tokens of the repeat prompt (default 256)")
-    p.add_argument("--w2-output-len", type=int, default=256, help="output tokens of W2 (default 256, as BENCH.md)")
+    p.add_argument("--w2-output-len", type=int, default=256, help="output tokens of W2 (default 256, as docs/WORKLOADS.md)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side after a warm-up (default 5)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)

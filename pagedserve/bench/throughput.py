@@ -16,7 +16,7 @@ from pagedserve.bench.workloads import w1_offline
 
 def add_parser(bench) -> None:
     p = bench.add_parser("throughput", help="W1: offline output tokens/s, pagedserve vs HF static batching",
-                         description="W1 of BENCH.md: 64 requests (prompts 64-512, outputs 32-256 tokens, seed 0), "
+                         description="W1 of docs/WORKLOADS.md: 64 requests (prompts 64-512, outputs 32-256 tokens, seed 0), "
                                      "greedy with ignore_eos. Reports output and total tokens/s of pagedserve's "
                                      "LLM.generate and of Hugging Face transformers' generate with static batching "
                                      "(batches of 16, left padding), measured in the same process, and their ratio.")
@@ -99,23 +99,23 @@ def run(args: argparse.Namespace) -> int:
     # With a schema the two conditions alternate run by run, so a noisy stretch of the machine
     # lands on both sides of the ratio rather than on one.
     for _ in range(args.repeats):
-        llm.engine.block_manager.reset_prefix_cache()  # random prompts share nothing, but be explicit
+        llm.engine.core.block_manager.reset_prefix_cache()  # random prompts share nothing, but be explicit
         seconds, _ = run_pagedserve(llm, reqs)
         times.append(seconds)
         if schema is not None:
-            llm.engine.block_manager.reset_prefix_cache()
+            llm.engine.core.block_manager.reset_prefix_cache()
             runs.append(run_pagedserve(llm, reqs, schema))
     ps_seconds = median(times)
     result = {"workload": "W1", "model": args.model, "machine": machine_summary(), "requests": len(reqs),
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
               "pagedserve": {"seconds": ps_seconds, "output_tok_s": out_tokens / ps_seconds,
                              "total_tok_s": (out_tokens + prompt_tokens) / ps_seconds, "runs": times,
-                             "dtype": str(llm.engine.dtype),
-                             "attention_backend": llm.engine.config.attention_backend,
-                             "kv_cache_dtype": llm.engine.kv_dtype}}
+                             "dtype": str(llm.engine.core.dtype),
+                             "attention_backend": llm.engine.core.config.attention_backend,
+                             "kv_cache_dtype": llm.engine.core.kv_dtype}}
     print(f"\nW1 on {args.model}: {len(reqs)} requests, {prompt_tokens} prompt + {out_tokens} output tokens "
-          f"({machine_summary()}; pagedserve attention backend: {llm.engine.config.attention_backend}, "
-          f"KV {llm.engine.kv_dtype})")
+          f"({machine_summary()}; pagedserve attention backend: {llm.engine.core.config.attention_backend}, "
+          f"KV {llm.engine.core.kv_dtype})")
     print(f"  pagedserve LLM.generate : {ps_seconds:7.1f} s  {out_tokens / ps_seconds:7.1f} output tok/s  "
           f"{(out_tokens + prompt_tokens) / ps_seconds:7.1f} total tok/s")
     if schema is not None:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
               f"tok/s ({js_tokens} output tokens: requests end where their document does)")
         print(f"  ratio (schema / none)   : {ratio:.2f}x output tokens/s, {total_ratio:.2f}x total tokens/s")
     if not args.no_hf:
-        hf_seconds = run_hf_static(model_dir, reqs, args.hf_batch_size, llm.engine.dtype)
+        hf_seconds = run_hf_static(model_dir, reqs, args.hf_batch_size, llm.engine.core.dtype)
         ratio = hf_seconds / ps_seconds
         result["hf_static"] = {"seconds": hf_seconds, "output_tok_s": out_tokens / hf_seconds,
                                "total_tok_s": (out_tokens + prompt_tokens) / hf_seconds,

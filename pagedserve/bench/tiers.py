@@ -1,4 +1,4 @@
-"""``pagedserve bench tiers``: workload W6 (BENCH.md) — paid and free traffic through the gateway.
+"""``pagedserve bench tiers``: workload W6 (docs/WORKLOADS.md) — paid and free traffic through the gateway.
 
 One shared pool of engine replicas; paid (priority 0, queue-wait budget 1 s) and free (priority
 10, budget 5 s) keys; ``--reserved-seats`` of the replica's seats are kept for paid. Phases, each

@@ -1,4 +1,4 @@
-"""The standard workloads of BENCH.md as data: fixed seeds, lengths in tokens."""
+"""The standard workloads of docs/WORKLOADS.md as data: fixed seeds, lengths in tokens."""
 
 from __future__ import annotations
 

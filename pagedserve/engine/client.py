@@ -11,14 +11,16 @@
  EngineClient.abort() / load() / stats() / facts
 ```
 
-Two implementations with this one interface:
+Two implementations with this one interface, built by :mod:`pagedserve.engine.factory`; both
+are a :class:`~pagedserve.engine.core_client.CoreClient` (the output processor on the server's
+event loop) over the one core loop (:mod:`pagedserve.engine.core_loop`):
 
-- :class:`~pagedserve.engine.async_engine.AsyncEngine` — in-process: the whole
-  :class:`~pagedserve.engine.engine.Engine` (core and output processor) on a step thread of the
-  server's own process. For tests and embedding; it shares the process's GIL and fate.
-- :class:`~pagedserve.engine.mp_client.MPEngineClient` — the core in its own process (pyzmq +
-  msgspec in between), the output processor on the server's event loop. A request's fault ends
-  that request; the core's death ends every open stream with an error at once.
+- :class:`~pagedserve.engine.async_engine.AsyncEngine` — in-process: the core loop on a step
+  thread of the server's own process. For tests, embedding and Ray replicas; it shares the
+  process's GIL and fate.
+- :class:`~pagedserve.engine.mp_client.MPEngineClient` — the core loop in its own process (pyzmq
+  + msgspec in between). A request's fault ends that request; the core's death ends every open
+  stream with an error at once.
 
 Every method is called from the one event loop that consumes the streams.
 """
@@ -33,6 +35,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pagedserve import errors
@@ -151,14 +154,22 @@ class RequestStream:
 
 
 class EngineClient(abc.ABC):
-    """The engine as a server sees it: submit, stream, abort, load, stats and the model's facts."""
+    """The engine as a server sees it: submit, stream, abort, load, stats and the model's facts.
+
+    Everything a server reads or sets on a client is declared here; it needs nothing else of the
+    engine (no isinstance, no attribute of one implementation)."""
 
     facts: ModelFacts
+    # The tokenizer the client detokenizes with, on its event loop; the server's event loop may
+    # share it (the text of logprobs), never another thread (it tokenizes prompts with its own).
+    tokenizer: Any
+    # Called on the event loop with every batch of outputs and every abort (the server's metrics).
     observer: StepObserver | None
+    # Called once, on the event loop, when the engine died for good: the server stops and exits 1.
+    on_death: Callable[[], None] | None
+    # The latest block-map snapshot while watch_block_map(True), else None (the dashboard's grid).
+    block_map: BlockMap | None
     dead_error: BaseException | None
-    # A tokenizer the client uses on its event loop only, which the server's event loop may share
-    # (loading one costs a front end tenths of a second); None: the server loads its own.
-    loop_tokenizer: Any = None
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -206,12 +217,23 @@ class EngineClient(abc.ABC):
         """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the
         rest, stop the engine. Afterwards it holds no KV blocks."""
 
+    def attach(self, link: Any) -> None:
+        """Serve through the core (a ``CoreLink``) a supervisor started in place of a dead one; only
+        a client connected with ``restarted_by_supervisor`` takes one."""
+        raise TypeError(f"{type(self).__name__} is not restarted by a supervisor")
+
+    def kill(self) -> None:
+        """Stop the engine at once, whatever state it is in (after :meth:`shutdown`, or instead of
+        it when the server is going down anyway): no engine process outlives the server."""
+
 
 class StreamingClient(EngineClient):
     """What both clients share: the per-request streams, their delivery, the load report."""
 
-    def __init__(self, observer: StepObserver | None = None, log_requests: bool = False):
+    def __init__(self, observer: StepObserver | None = None, log_requests: bool = False,
+                 on_death: Callable[[], None] | None = None):
         self.observer = observer
+        self.on_death = on_death
         self.log_requests = log_requests  # one request_log line per request that runs to its end
         self.dead_error: BaseException | None = None
         self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)

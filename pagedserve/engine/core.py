@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Iterable
 import logging
 import os
 import time
@@ -47,16 +48,6 @@ from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, 
 from pagedserve.models.quant import weight_bytes
 
 logger = logging.getLogger(__name__)
-
-# Test hook: ``PAGEDSERVE_FAULT_INJECTION=execute:PREFIX`` (or ``sample:PREFIX``) makes every step
-# whose batch holds a request with an id starting with PREFIX raise in that stage, as a kernel or
-# sampler bug would. The fault-isolation tests use it; nothing else should.
-FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the fault-injection test hook."""
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -214,8 +205,6 @@ class EngineCore:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
         self._last_log, self._tokens_since_log = time.monotonic(), 0
-        stage, _, prefix = os.environ.get(FAULT_INJECTION_ENV, "").partition(":")
-        self._fault = (stage, prefix) if stage in ("execute", "sample") and prefix else None
         self.kv_event_publisher = None
         if events is not None:
             from pagedserve.engine.kv_events import ZmqEventPublisher
@@ -258,32 +247,19 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a tokenized request; raises a typed error if it can never be served or the queue is full.
+        """Queue a tokenized request that passed the front end's check (engine/request_check.py):
+        the core asserts what that checked, and refuses only what depends on its own state, with
+        a typed error: a duplicate id, a request its KV pool can never hold, a full queue.
 
         ``arrival_time`` (``time.monotonic``) is when the server received it, if earlier than now:
         TTFT and end-to-end time count from there; queue time counts from now."""
-        if request_id in self.requests:
+        if request_id in self.requests:  # another front end's request may hold the id
             raise DuplicateRequestId(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = list(prompt_token_ids)
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
         cfg = self.config
-        if min(token_ids) < 0 or max(token_ids) >= self.arch.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size})", param="prompt")
-        if params.logit_bias and max(params.logit_bias) >= self.arch.vocab_size:
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.arch.vocab_size}), got "
-                                 f"{max(params.logit_bias)}", param="logit_bias")
-        if params.n > cfg.max_num_seqs:
-            raise InvalidRequest(f"n={params.n} completions need {params.n} seats, but this engine runs at most "
-                                 f"max_num_seqs={cfg.max_num_seqs} sequences; lower n", param="n")
-        if len(token_ids) >= cfg.max_model_len:
-            raise RequestTooLong(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                                 f"{cfg.max_model_len} tokens (prompt plus at least one output token); "
-                                 "shorten the prompt", param="prompt")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > cfg.max_model_len:
-            raise RequestTooLong(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                                 f"{len(token_ids) + params.max_tokens} tokens exceeds max_model_len "
-                                 f"{cfg.max_model_len}; lower max_tokens or shorten the prompt", param="max_tokens")
+        assert token_ids and 0 <= min(token_ids) and max(token_ids) < self.arch.vocab_size, "unchecked prompt"
+        assert params.n <= cfg.max_num_seqs and len(token_ids) < cfg.max_model_len, "unchecked request"
+        assert params.max_tokens is None or len(token_ids) + params.max_tokens <= cfg.max_model_len
         max_tokens = params.max_tokens or cfg.max_model_len - len(token_ids)
         final_len = cfg.max_model_len if cfg.kv_reservation == "max" else len(token_ids) + max_tokens
         if self.block_manager.num_blocks_for(final_len) > self.num_kv_blocks:
@@ -406,7 +382,7 @@ class EngineCore:
             self.scheduler.add(seq, check=False)
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        self._maybe_inject("execute", (s for s, _ in plan.scheduled))
+        self._fault_point("execute", (s for s, _ in plan.scheduled))
         model_input = self.runner.prepare(plan)
         logits = self.runner.execute(model_input)
         if model_input.prompt_spans:
@@ -454,11 +430,11 @@ class EngineCore:
         logits = torch.cat(rows) if rows else torch.empty(0, self.arch.vocab_size)
         return sampled, logits
 
-    def _maybe_inject(self, stage: str, seqs) -> None:
-        if self._fault is not None and self._fault[0] == stage:
-            hit = next((s for s in seqs if s.request.request_id.startswith(self._fault[1])), None)
-            if hit is not None:
-                raise InjectedFault(f"injected {stage} fault for request {hit.request.request_id}")
+    def _fault_point(self, stage: str, seqs: Iterable[Sequence]) -> None:
+        """Where a step's stage (``execute``: the model; ``sample``: sampling and verification) may
+        raise for a request in ``seqs``, as a kernel or sampler bug would. Does nothing here: it is
+        the fault-isolation tests' seam (tests/helpers/faults.py overrides it in a subclass, run in
+        the core process through ``spawn_core_process(core_factory=...)``)."""
 
     def _fail(self, request_id: str, message: str) -> CoreOutput:
         """End a request whose processing raised: free its blocks, report the error to its owner."""
@@ -490,7 +466,7 @@ class EngineCore:
                 failed: dict[str, str], raw: torch.Tensor) -> SampleResult:
         """Sample every row at once; if that raises, row by row, failing the requests whose rows raise."""
         try:
-            self._maybe_inject("sample", targets)
+            self._fault_point("sample", targets)
             return sample(logits, rows, self.generator, raw)
         except Exception:
             pass
@@ -501,7 +477,7 @@ class EngineCore:
                 token, lp = -1, None
             else:
                 try:
-                    self._maybe_inject("sample", [seq])
+                    self._fault_point("sample", [seq])
                     one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1])
                     token, lp = one.token_ids[0], one.logprobs[0]
                 except Exception as exc:
@@ -612,13 +588,13 @@ class EngineCore:
         accepted: dict[Sequence, list[int]] = {}
         group = [(s, r) for s, r in spec if s.request.request_id not in failed]
         try:
-            self._maybe_inject("sample", [s for s, _ in group])
+            self._fault_point("sample", [s for s, _ in group])
             if group:
                 accepted = dict(zip([s for s, _ in group], verify(*rows_of(group), self.generator)))
         except Exception:
             for seq, r in group:
                 try:
-                    self._maybe_inject("sample", [seq])
+                    self._fault_point("sample", [seq])
                     accepted[seq] = verify(*rows_of([(seq, r)]), self.generator)[0]
                 except Exception as exc:
                     failed[seq.request.request_id] = f"{type(exc).__name__}: {exc}"

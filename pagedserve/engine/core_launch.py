@@ -13,17 +13,19 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import select
 import signal
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.engine.core import EngineCore
     from pagedserve.engine.wire import ModelFacts
-    from pagedserve.engine.mp_client import CoreLink
 
 
 class EngineStartupError(RuntimeError):
@@ -62,8 +64,6 @@ class CoreProcess:
 
     def link(self, front: int) -> CoreLink:
         """What front end ``front`` (in another process) needs to attach to this core."""
-        from pagedserve.engine.mp_client import CoreLink
-
         input_addr, output_addr = self.addrs[front]
         return CoreLink(input_addr, output_addr, self.facts, self.process.pid or 0)
 
@@ -74,6 +74,43 @@ class CoreProcess:
 
     def cleanup(self) -> None:
         self.socket_dir.cleanup()
+
+
+@dataclass
+class CoreLink:
+    """A core started by another process, as one of its front ends sees it (picklable: it is
+    handed to the front's process). :meth:`open` must be called in the front's own process."""
+
+    input_addr: str
+    output_addr: str
+    facts: ModelFacts
+    pid: int
+    owned = False  # the process that started the core stops it
+    _pidfd: int | None = field(default=None, repr=False)
+
+    def open(self) -> None:
+        # A pidfd turns readable when the process exits, whoever its parent is (Linux 5.3+).
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def sentinel(self) -> int:
+        assert self._pidfd is not None, "open() the link first"
+        return self._pidfd
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def exit_code(self) -> int | None:
+        return None  # not our child: its status goes to the process that started it
+
+    def kill(self) -> None:
+        pass  # not ours to stop
+
+    def cleanup(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
 
 
 @dataclass
@@ -119,12 +156,15 @@ class CoreLaunch:
         self.socket_dir.cleanup()
 
 
-def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreLaunch:
+def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1,
+                       core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> CoreLaunch:
     """Spawn the core; it starts loading at once. :meth:`CoreLaunch.wait_ready` waits for it.
-    ``num_fronts``: how many front ends will attach (one socket pair each)."""
+    ``num_fronts``: how many front ends will attach (one socket pair each). ``core_factory``
+    (picklable; called in the child) builds the core in place of ``EngineCore(config)``: the
+    fault tests' seam (tests/helpers/faults.py), never set by the server itself."""
     socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
     addrs = [(f"ipc://{socket_dir.name}/input-{i}", f"ipc://{socket_dir.name}/output-{i}") for i in range(num_fronts)]
-    return _launch(config, log_level, addrs, socket_dir)
+    return _launch(config, log_level, addrs, socket_dir, core_factory)
 
 
 def respawn_core_process(dead: CoreProcess, config: EngineConfig, log_level: str = "info") -> CoreLaunch:
@@ -146,11 +186,12 @@ def die_with_parent() -> None:
 
 
 def _launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],
-            socket_dir: tempfile.TemporaryDirectory) -> CoreLaunch:
+            socket_dir: tempfile.TemporaryDirectory,
+            core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> CoreLaunch:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run_core, name="pagedserve-core", daemon=True,
-                          args=(config, addrs, sender, log_level))
+                          args=(config, addrs, sender, log_level, core_factory))
     process.start()
     sender.close()
     return CoreLaunch(process, addrs, socket_dir, receiver)
@@ -241,7 +282,8 @@ def unpin_helper_threads(cpus: set[int] | None) -> int:
     return moved
 
 
-def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str) -> None:
+def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, log_level: str,
+              core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> None:
     """The child's entry point: only here is the engine imported."""
     # Before torch starts its thread pool, so that its threads inherit the priority and the places.
     yield_cpu_to_front_ends(config.engine_core_nice)
@@ -251,4 +293,4 @@ def _run_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: Any, lo
         bind_step_threads(config.num_threads)
     from pagedserve.engine.core_proc import run_engine_core
 
-    run_engine_core(config, addrs, ready, log_level, cpus)
+    run_engine_core(config, addrs, ready, log_level, cpus, core_factory)

@@ -1,28 +1,33 @@
-"""The in-process engine: an :class:`EngineCore` plus the tokenizer and the output processor.
+"""The synchronous in-process engine: an :class:`EngineCore`, a tokenizer and the output processor.
 
 ``add_request`` takes text or token ids, ``step`` returns :class:`RequestOutput` s with text. The
-offline :class:`~pagedserve.engine.llm.LLM` and the in-process client use it; the server's
-multiprocess client puts the same two halves in two processes instead (the core in its own,
-tokenizer and :class:`OutputProcessor` in the front end).
+offline :class:`~pagedserve.engine.llm.LLM`, the benchmarks and the tests drive it step by step
+(no thread, no event loop). It holds a core, it is not one: the core steps on token ids, and the
+same :class:`OutputProcessor` the clients use (engine/core_client.py) turns its outputs into text,
+so detokenization and stop strings live in one place whichever way the core is driven.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 from pagedserve.tokenizer import load_tokenizer
 
 
-class Engine(EngineCore):
+class Engine:
     """A paged-KV, continuously batched inference engine for one model, text in and out. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        self.tokenizer = load_tokenizer(self.tokenizer_source)
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], EngineCore] = EngineCore):
+        self.core = core_factory(config)  # another factory: the fault tests' seam (tests/helpers/faults.py)
+        self.facts = self.core.facts()
+        self.tokenizer = load_tokenizer(self.core.tokenizer_source)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -37,17 +42,27 @@ class Engine(EngineCore):
         if not prompt:  # checked before tokenizing: a BOS token alone is not a prompt
             raise InvalidRequest("the prompt is empty", param="prompt")
         token_ids = self.tokenize(prompt)
-        super().add_request(request_id, token_ids, params, priority, cache_salt, arrival_time)
+        check_request(self.facts, token_ids, params)  # the front end's one check; the core trusts it
+        self.core.add_request(request_id, token_ids, params, priority, cache_salt, arrival_time)
         self.output_processor.add(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         if index is None:
             self.output_processor.abort(request_id)
-        return super().abort(request_id, index)
+        return self.core.abort(request_id, index)
 
-    def step(self) -> list[RequestOutput]:  # type: ignore[override]
+    def step(self) -> list[RequestOutput]:
         """One core step, turned into text outputs (see :meth:`EngineCore.step`)."""
-        processed = self.output_processor.process(super().step())
+        processed = self.output_processor.process(self.core.step())
         for request_id, index in processed.finish_in_core:
-            super().abort(request_id, index)
+            self.core.abort(request_id, index)
         return processed.outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def close(self) -> None:
+        self.core.close()

@@ -3,12 +3,15 @@
 ```
  server process: event loop                                     core process (core_proc.py)
  ──────────────────────────                                     ───────────────────────────
- add_request() ── AddRequest ──▶ PUSH ════ ipc ════▶ PULL ──▶ EngineCore.add_request
-   awaits its Admission ◀──────────────────────┐
+ CoreClient._send ── AddRequest / Abort ──▶ PUSH ════ ipc ════▶ PULL ──▶ CoreLoop
  output task: PULL ◀════ ipc ════ PUSH ◀── CoreBatch (admissions, token-id outputs, stats)
-   OutputProcessor: text, stop strings ──▶ RequestStream queues; stop string hit ──▶ Abort(index)
+   CoreClient._handle: admissions, OutputProcessor (text, stop strings), RequestStream queues
  death watch: the process's sentinel fd on the loop ──▶ every stream fails at once, on_death()
 ```
+
+What both clients share (admissions, detokenization, streams, load) is
+:class:`~pagedserve.engine.core_client.CoreClient`'s; this module adds the sockets, the death
+watch and the restart of a dead core.
 
 The core is started with :func:`start_core_process` (blocking: it waits until the model is
 loaded, and raises :class:`EngineStartupError` with the core's own one-line reason if it is
@@ -33,70 +36,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
-from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, EngineStartupError, spawn_core_process
-from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
+from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver
+from pagedserve.engine.core_client import CoreClient, idle_stats
+from pagedserve.engine.core_launch import CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process
 from pagedserve.engine.core_restart import CoreRestarter, describe_exit
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.outputs import EngineStats
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
-if TYPE_CHECKING:
-    from pagedserve.engine.wire import ModelFacts
-
-# CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
+# CoreLink, CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
 __all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CoreLink:
-    """A core started by another process, as one of its front ends sees it (picklable: it is
-    handed to the front's process). :meth:`open` must be called in the front's own process."""
-
-    input_addr: str
-    output_addr: str
-    facts: ModelFacts
-    pid: int
-    owned = False  # the process that started the core stops it
-    _pidfd: int | None = field(default=None, repr=False)
-
-    def open(self) -> None:
-        # A pidfd turns readable when the process exits, whoever its parent is (Linux 5.3+).
-        self._pidfd = os.pidfd_open(self.pid)
-
-    @property
-    def sentinel(self) -> int:
-        assert self._pidfd is not None, "open() the link first"
-        return self._pidfd
-
-    def is_alive(self) -> bool:
-        return not select.select([self.sentinel], [], [], 0)[0]
-
-    def exit_code(self) -> int | None:
-        return None  # not our child: its status goes to the process that started it
-
-    def kill(self) -> None:
-        pass  # not ours to stop
-
-    def cleanup(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreProcess:
@@ -107,16 +65,16 @@ def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts
     return spawn_core_process(config, log_level, num_fronts).wait_ready()
 
 
-class MPEngineClient(StreamingClient):
-    """The :class:`EngineClient` over a core process. All methods run on one event loop."""
+class MPEngineClient(CoreClient):
+    """The :class:`EngineClient` over a core process: the ZMQ transport, the death watch and the
+    restart of a dead core. All methods run on one event loop."""
 
     def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
                  on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
-        super().__init__(observer, log_requests)
+        super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), observer, log_requests,
+                         on_death)
         self.core = core
-        self.facts = core.facts
-        self.on_death = on_death  # called once if the core process dies while serving (for good)
         if restarter is not None and not core.owned:
             raise ValueError("only the client that started the engine core can restart it")
         self.restarter = restarter
@@ -127,26 +85,15 @@ class MPEngineClient(StreamingClient):
         self._core_restarts = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._launch: CoreLaunch | None = None  # a replacement core while it loads
-        self._watching_blocks = False  # resent to a replacement core
-        self._dead = False  # for good: no restart follows
-        # The front end's tokenizer instance for the event loop (detokenization here, the text of
-        # logprobs in the server); the server tokenizes prompts with another one, on its worker thread.
-        self.loop_tokenizer = load_tokenizer(core.facts.tokenizer, preload=preload)
-        self.output_processor = OutputProcessor(self.loop_tokenizer)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreBatch)
         self._ctx: zmq.asyncio.Context | None = None
         self._input: zmq.asyncio.Socket | None = None
         self._output: zmq.asyncio.Socket | None = None
-        self._admissions: dict[str, asyncio.Future[None]] = {}
-        self._stats = _idle_stats(core.facts)  # until the core's first stats arrive
         self._reader: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._shutting_down = False
         # One front among several sees only its own requests' outputs: /load's rates then come from
         # the engine-wide counters in the core's stats instead, so every front reports the same.
         self._rates_from_stats = not core.owned
-        self._last_counts: tuple[int, int] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -190,49 +137,16 @@ class MPEngineClient(StreamingClient):
     def is_running(self) -> bool:
         return self.dead_error is None and self.core.is_alive() and not self._shutting_down
 
+    def kill(self) -> None:
+        self.core.kill()
+
     # ---- requests --------------------------------------------------------------------------
-
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, cache_salt: str | None = None,
-                          prompt: str | None = None) -> RequestStream:
-        stream = self._check_accepting(request_id)
-        stream.priority = priority
-        assert self._loop is not None, "start() the client first"
-        admitted: asyncio.Future[None] = self._loop.create_future()
-        self._admissions[request_id] = admitted
-        self._streams[request_id] = stream
-        self.output_processor.add(request_id, prompt_token_ids, params, prompt)
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
-        try:
-            await admitted
-        except BaseException:
-            # Refused, or the caller gave up while waiting: take it back out (a no-op if refused).
-            self._admissions.pop(request_id, None)
-            self._streams.pop(request_id, None)
-            self.output_processor.abort(request_id)
-            if self.dead_error is None:
-                self._send(Abort(request_id))
-            raise
-        return stream
-
-    def _abort_in_engine(self, request_id: str) -> None:
-        self.output_processor.abort(request_id)
-        if self.dead_error is None and not self._shutting_down:
-            self._send(Abort(request_id))
-
-    def watch_block_map(self, on: bool) -> None:
-        self._watching_blocks = on
-        if self.dead_error is None and not self._shutting_down:
-            self._send(WatchBlocks(on))
 
     def _send(self, command: AddRequest | Abort | Shutdown | WatchBlocks) -> None:
         assert self._input is not None
         # A batch of one: the core decodes list[Command] frames. PUSH never blocks here (the
         # high-water mark is far above anything one server holds in flight).
         self._input.send(self._encoder.encode([command]), copy=False)
-
-    def stats(self) -> EngineStats:
-        return self._stats
 
     @property
     def core_restarts(self) -> int:
@@ -262,37 +176,7 @@ class MPEngineClient(StreamingClient):
             # The dead core's last frames (its requests are failed already; its stats are no
             # longer true); a replacement sends nothing before it is attached and given work.
             return
-        for admission in batch.admissions:
-            future = self._admissions.pop(admission.request_id, None)
-            if future is None or future.done():
-                continue
-            if admission.error_class is None:
-                future.set_result(None)
-            else:
-                future.set_exception(admission.to_exception())
-        if batch.stats is not None:
-            self._stats = batch.stats
-            if self._rates_from_stats:
-                self._count_from_stats(batch.stats)
-        if batch.block_map is not None:
-            self.block_map = batch.block_map
-        if self.observer is not None and batch.aborted:
-            now = time.monotonic()
-            for request_id in batch.aborted:
-                self.observer.on_abort(request_id, now)
-        if batch.outputs:
-            processed = self.output_processor.process(batch.outputs)
-            for request_id, index in processed.finish_in_core:
-                self._send(Abort(request_id, index))
-            if processed.outputs:
-                self._deliver(processed.outputs)
-
-    def _count_from_stats(self, s: EngineStats) -> None:
-        """Feed /load's rate window from the core's cumulative counters (tokens sampled, requests ended)."""
-        counts = (s.generation_tokens, s.ended_requests)
-        if self._last_counts is not None:
-            self._record_rates(time.monotonic(), counts[0] - self._last_counts[0], counts[1] - self._last_counts[1])
-        self._last_counts = counts
+        super()._handle(batch)
 
     # ---- the core's death ------------------------------------------------------------------
 
@@ -328,27 +212,8 @@ class MPEngineClient(StreamingClient):
 
     def _begin_restart(self, what: str) -> None:
         self._fail(EngineDeadError(f"{what}; it is restarting, retry in a few seconds or on another replica"))
-        self._stats = _idle_stats(self.facts)  # its KV blocks went with it: /metrics shows none in use
+        self._stats = idle_stats(self.facts)  # its KV blocks went with it: /metrics shows none in use
         self._restarting = True
-
-    def _fail(self, error: EngineDeadError) -> None:
-        """End every open request and admission with ``error``; refuse new ones until cleared."""
-        self.dead_error = error
-        for future in self._admissions.values():
-            if not future.done():
-                future.set_exception(error)
-        self._admissions.clear()
-        self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
-        self._fail_streams(error)
-
-    def _die(self, error: EngineDeadError) -> None:
-        """The core is gone for good: fail everything, tell the server (once)."""
-        if self._dead:
-            return
-        self._dead = True
-        self._fail(error)
-        if self.on_death is not None:
-            self.on_death()
 
     # ---- a replacement core (--restart-engine-core) ------------------------------------------
 
@@ -394,7 +259,7 @@ class MPEngineClient(StreamingClient):
             logger.warning("the new engine core's model facts differ from the old one's: %s", core.facts)
         self.core = core
         self.facts = core.facts
-        self._stats = _idle_stats(core.facts)
+        self._stats = idle_stats(core.facts)
         self._last_counts = None  # its cumulative counters start again from zero
         self.block_map = None
         self._loop.add_reader(core.sentinel, self._core_exited)
@@ -403,13 +268,4 @@ class MPEngineClient(StreamingClient):
         self._restarting = False
         if self._watching_blocks:
             self._send(WatchBlocks(True))
-
-
-def _idle_stats(f: ModelFacts) -> EngineStats:
-    """An idle pool's stats, shown until a core sends its first."""
-    return EngineStats(
-        num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
-        block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
-        kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
-        prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)
 

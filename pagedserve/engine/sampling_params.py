@@ -1,8 +1,11 @@
-"""Per-request sampling parameters, validated once when the request is built.
+"""Per-request sampling parameters, and the bounds :meth:`SamplingParams.validate` holds them to.
 
-Every field is bounded to what the engine can hold, whoever builds the parameters (the server's
-schema checks the same bounds first, from the constants below, so an HTTP client gets the
-schema's message; the offline ``LLM`` gets these):
+``validate()`` is called explicitly, once per request, by the front end's request check
+(:mod:`pagedserve.engine.request_check`, whichever client or the offline ``Engine`` takes the
+request), never on construction: a copy made in the core (``dataclasses.replace``) or decoded
+from the wire (msgspec) is not checked again. Every field is bounded to what the engine can hold
+(the server's schema checks the same bounds first, from the constants below, so an HTTP client
+gets the schema's message; the offline ``LLM`` gets these):
 
 - integers that reach the sampler's tensors or torch's generators (``top_k``, ``seed``, token
   ids) stay in the ranges those hold: a ``top_k`` of 2**70 does not fit an int64 tensor;
@@ -74,7 +77,6 @@ class StructuredOutputsParams:
             self.json = json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        self.validate()
 
     @property
     def kind(self) -> str:
@@ -90,6 +92,13 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return kind, ""
         return kind, getattr(self, kind)
+
+    def check_grammar(self, param: str = "structured_outputs") -> None:
+        """Raise :class:`InvalidRequest` if the spec does not compile (a bad schema, regex or
+        grammar); tokenizer-free, but it loads xgrammar: call it off the event loop."""
+        from pagedserve.engine.structured import check
+
+        check(self, param)
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequest:
@@ -164,7 +173,6 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        self.validate()
 
     @property
     def greedy(self) -> bool:
@@ -239,8 +247,10 @@ class SamplingParams:
                      f"in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] (the bias of token {t})")
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
+            self.structured_outputs.validate()
 
     @property
     def needs_penalties(self) -> bool:

@@ -486,7 +486,9 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: dict[str, Any],
                   decision: Decision, prompt_tokens: int, headers: dict[str, str], t0: float) -> Response:
-    """Send ``body`` to the chosen replica and pass its answer (streamed or not) back."""
+    """Send ``body`` to the chosen replica and pass its answer (streamed or not) back: send it
+    (:func:`_send`), relay the answer (:func:`_relay_whole`, or :class:`_SSERelay` through
+    :func:`_relay_stream`), and reconcile what the request cost once it is known (``_Settle``)."""
     stream = bool(body.get("stream"))
     client_wants_usage = False
     if stream:
@@ -494,10 +496,33 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         client_wants_usage = bool(opts.get("include_usage"))
         body["stream_options"] = {**opts, "include_usage": True}  # reconciliation needs the usage chunk
     settle = _Settle(gw, tier, route, decision, prompt_tokens, t0)
+    upstream = await _send(gw, route, path, body, settle, prompt_tokens, headers)
+    if isinstance(upstream, Response):
+        return upstream
+    headers = headers | {k: v for k, v in upstream.headers.items()
+                         if k.lower() not in _DROP_HEADERS and not k.lower().startswith("x-ratelimit")
+                         and k.lower() != "content-type"}
+    if not stream or upstream.status_code != 200:
+        return await _relay_whole(upstream, route, settle, decision, prompt_tokens, headers)
+    settle.streamed = True
+    body_iter = _relay_stream(upstream, route, settle, _SSERelay(client_wants_usage), prompt_tokens)
+
+    async def close() -> None:
+        await body_iter.aclose()  # if the relay started, its own finally settles with what it counted
+        await upstream.aclose()
+        await settle("disconnected", float(prompt_tokens))  # it never started: nothing was counted
+
+    return ClosingStreamingResponse(body_iter, close, status_code=200, headers=headers,
+                                    media_type="text/event-stream")
+
+
+async def _send(gw: Gateway, route: Route, path: str, body: dict[str, Any], settle: _Settle, prompt_tokens: int,
+                headers: dict[str, str]) -> httpx.Response | Response:
+    """The replica's answer, its body not read yet; or the 502 to answer if it could not be had."""
     request = gw.client.build_request("POST", route.replica.url + path, content=json.dumps(body),
                                       headers={"content-type": "application/json", **route.replica.auth_headers()})
     try:
-        upstream = await gw.client.send(request, stream=True)
+        return await gw.client.send(request, stream=True)
     except httpx.HTTPError as e:
         LoadPoller.mark_down(route.replica, f"{type(e).__name__}: {e}")
         if isinstance(e, _NOT_SENT):  # nothing reached the replica: give back tokens and the request slot
@@ -513,150 +538,159 @@ async def forward(gw: Gateway, tier: TierConfig, route: Route, path: str, body: 
         with anyio.CancelScope(shield=True):
             await settle("disconnected", float(prompt_tokens))
         raise
-    headers = headers | {k: v for k, v in upstream.headers.items()
-                         if k.lower() not in _DROP_HEADERS and not k.lower().startswith("x-ratelimit")
-                         and k.lower() != "content-type"}
+
+
+async def _relay_whole(upstream: httpx.Response, route: Route, settle: _Settle, decision: Decision,
+                       prompt_tokens: int, headers: dict[str, str]) -> Response:
+    """A non-streamed answer (or any error answer): read it, settle by its usage, pass it on."""
     media_type = upstream.headers.get("content-type", "application/json")
-
-    if not stream or upstream.status_code != 200:
+    try:
+        content = await upstream.aread()
+        settle.first()
+    except httpx.HTTPError as e:  # it answered, then broke off: it took the request, so the prompt is paid
+        LoadPoller.mark_down(route.replica, f"failed mid-response: {type(e).__name__}: {e}")
+        await settle("failed", float(prompt_tokens))
+        return error_response(502, f"The replica failed mid-response ({type(e).__name__}); retry.",
+                              code="replica_error", headers=headers | retry_headers(1.0))
+    except BaseException:  # cancelled mid-read
+        with anyio.CancelScope(shield=True):
+            await settle("disconnected", float(prompt_tokens))
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+    if upstream.status_code == 503 and _error_code(content) == "engine_unavailable":
+        # Its engine is dead: out of routing now rather than at the next poll (which keeps it out
+        # while /load or /health answer 503). A 503 queue-full is load, not death: it stays.
+        LoadPoller.mark_down(route.replica, "its engine is unavailable (503 engine_unavailable)")
+    actual = None
+    if upstream.status_code == 200:
         try:
-            content = await upstream.aread()
-            settle.first()
-        except httpx.HTTPError as e:  # it answered, then broke off: it took the request, so the prompt is paid
-            LoadPoller.mark_down(route.replica, f"failed mid-response: {type(e).__name__}: {e}")
-            await settle("failed", float(prompt_tokens))
-            return error_response(502, f"The replica failed mid-response ({type(e).__name__}); retry.",
-                                  code="replica_error", headers=headers | retry_headers(1.0))
-        except BaseException:  # cancelled mid-read
-            with anyio.CancelScope(shield=True):
-                await settle("disconnected", float(prompt_tokens))
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-        if upstream.status_code == 503 and _error_code(content) == "engine_unavailable":
-            # Its engine is dead: out of routing now rather than at the next poll (which keeps it out
-            # while /load or /health answer 503). A 503 queue-full is load, not death: it stays.
-            LoadPoller.mark_down(route.replica, "its engine is unavailable (503 engine_unavailable)")
-        actual = None
-        if upstream.status_code == 200:
-            try:
-                actual = _usage_tokens(json.loads(content).get("usage"))
-            except (ValueError, AttributeError):
-                actual = None
-        # An error answer did no generation; a success without usage is charged in full. A 5xx is the
-        # replica's failure, not the client's request: its request slot is given back too.
-        await settle("usage" if actual is not None else ("failed" if upstream.status_code != 200 else "estimated"),
-                     actual if actual is not None else (0.0 if upstream.status_code != 200 else decision.cost),
-                     no_work=upstream.status_code >= 500)
-        return Response(content, upstream.status_code, headers=headers, media_type=media_type)
+            actual = _usage_tokens(json.loads(content).get("usage"))
+        except (ValueError, AttributeError):
+            actual = None
+    # An error answer did no generation; a success without usage is charged in full. A 5xx is the
+    # replica's failure, not the client's request: its request slot is given back too.
+    await settle("usage" if actual is not None else ("failed" if upstream.status_code != 200 else "estimated"),
+                 actual if actual is not None else (0.0 if upstream.status_code != 200 else decision.cost),
+                 no_work=upstream.status_code >= 500)
+    return Response(content, upstream.status_code, headers=headers, media_type=media_type)
 
-    settle.streamed = True
 
-    async def passthrough() -> AsyncIterator[bytes]:
-        usage: float | None = None
-        chunks = 0
-        outcome = "disconnected"
-        skip_blank = False
-        pending = ""
-        done = False  # the replica's own `data: [DONE]` came
-        errored = False  # the replica sent an error event (the engine ends a failed request so)
-        at_boundary = True  # what was relayed ends an event (a blank line), or nothing was relayed
-        broke: str | None = None  # why the upstream stream broke off, if it did
+class _SSERelay:
+    """One streamed answer's relay: passes its SSE lines on, noting usage, errors and [DONE], and
+    counting chunks. Only an event that carries a usage object or an error is decoded: decoding
+    every token's event was the gateway's main cost per streamed token."""
 
-        def relay(lines: list[str]) -> bytes:
-            """The bytes to send on for these complete SSE lines; notes usage, errors and [DONE],
-            and counts chunks.
+    def __init__(self, client_wants_usage: bool):
+        self.client_wants_usage = client_wants_usage
+        self.usage: float | None = None
+        self.chunks = 0
+        self.done = False  # the replica's own `data: [DONE]` came
+        self.errored = False  # the replica sent an error event (the engine ends a failed request so)
+        self.at_boundary = True  # what was relayed ends an event (a blank line), or nothing was relayed
+        self._skip_blank = False
+        self._pending = ""
 
-            Only an event that carries a usage object or an error is decoded: decoding every token's
-            event was the gateway's main cost per streamed token."""
-            nonlocal usage, chunks, skip_blank, done, errored, at_boundary
-            out = []
-            for line in lines:
-                line = line.removesuffix("\r")
-                if skip_blank and not line:
-                    skip_blank = False
-                    continue
-                if line.startswith("data:"):
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                    elif data and '"error"' in line and isinstance(
-                            (err := _json_or_none(data)), dict) and isinstance(err.get("error"), dict):
-                        errored = True  # carries no token: not counted as a chunk
-                    elif data:
-                        event = _json_or_none(data) if _has_usage_object(line) else None
-                        u = _usage_tokens(event.get("usage")) if isinstance(event, dict) else None
-                        if u is not None:
-                            usage = u
-                            if not event.get("choices"):  # type: ignore[union-attr]
-                                if not client_wants_usage:
-                                    skip_blank = True  # drop the usage-only event the client did not ask for
-                                    continue
-                            else:
-                                chunks += 1
+    def feed(self, text: str) -> bytes:
+        """What to send on for a chunk of the replica's text (its complete lines; one write per chunk
+        the replica sent, usually one event, not one per line)."""
+        self._pending += text
+        cut = self._pending.rfind("\n")
+        if cut < 0:
+            return b""
+        data = self._relay(self._pending[:cut].split("\n"))
+        self._pending = self._pending[cut + 1:]
+        return data
+
+    def flush(self) -> bytes:
+        """What is left once the replica's stream ended (a last line without its newline)."""
+        return self._relay([self._pending]) if self._pending else b""
+
+    def _relay(self, lines: list[str]) -> bytes:
+        out = []
+        for line in lines:
+            line = line.removesuffix("\r")
+            if self._skip_blank and not line:
+                self._skip_blank = False
+                continue
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    self.done = True
+                elif data and '"error"' in line and isinstance(
+                        (err := _json_or_none(data)), dict) and isinstance(err.get("error"), dict):
+                    self.errored = True  # carries no token: not counted as a chunk
+                elif data:
+                    event = _json_or_none(data) if _has_usage_object(line) else None
+                    u = _usage_tokens(event.get("usage")) if isinstance(event, dict) else None
+                    if u is not None:
+                        self.usage = u
+                        if not event.get("choices"):  # type: ignore[union-attr]
+                            if not self.client_wants_usage:
+                                self._skip_blank = True  # drop the usage-only event the client did not ask for
+                                continue
                         else:
-                            chunks += 1
-                out.append(line + "\n")
-                at_boundary = not line
-            return "".join(out).encode()
+                            self.chunks += 1
+                    else:
+                        self.chunks += 1
+            out.append(line + "\n")
+            self.at_boundary = not line
+        return "".join(out).encode()
 
-        try:
-            # One write per chunk the replica sent (usually one event), not one per line.
-            async for text in upstream.aiter_text():
-                settle.first()
-                pending += text
-                cut = pending.rfind("\n")
-                if cut < 0:
-                    continue
-                data = relay(pending[:cut].split("\n"))
-                pending = pending[cut + 1:]
-                if data:
-                    yield data
-            if pending:
-                data = relay([pending])
-                if data:
-                    yield data
-            if usage is not None:
-                outcome = "usage"
-            elif done and not errored:
-                outcome = "estimated"
-            else:  # the replica ended the request with an error, or closed the stream before [DONE]
-                outcome = "failed"
-                if not done:
-                    broke = "the replica closed the stream before its end ([DONE])"
-        except httpx.HTTPError as e:
-            # A dropped connection (the replica's process died), a read timeout: a half-read line is
-            # dropped, and the replica leaves routing until a poll finds it up again.
-            outcome = "failed"
-            broke = f"the connection to the replica broke ({type(e).__name__})"
-            LoadPoller.mark_down(route.replica, f"failed mid-stream: {type(e).__name__}: {e}")
-            log.warning("replica %s failed mid-stream: %s", route.replica.url, e)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-            # Usage unknown: the replica took the request (the prompt is paid, as for any request sent
-            # and not answered in full) and each chunk it streamed carried at least one token.
-            actual = usage if usage is not None else float(prompt_tokens + chunks)
-            await settle("usage" if usage is not None else outcome, actual)
-        if not done:
-            # Never a silent end: a client must be able to tell a truncated stream from a finished
-            # one. A stream that got its usage had finished generating (usage comes last) and only
-            # lacks [DONE]; otherwise an error event, unless the replica sent its own, then [DONE].
-            tail = "" if at_boundary else "\n"  # close an event the break left open
-            if usage is None and not errored:
-                log.warning("stream from %s ended before [DONE]: %s", route.replica.url, broke)
-                tail += "data: " + json.dumps(error_body(
-                    f"The response is incomplete: {broke}. Retry the request.", "server_error",
-                    code="replica_error")) + "\n\n"
-            yield (tail + "data: [DONE]\n\n").encode()
+    def outcome(self) -> tuple[str, str | None]:
+        """How a stream that ran to its end went, and why it broke off if it did."""
+        if self.usage is not None:
+            return "usage", None
+        if self.done and not self.errored:
+            return "estimated", None
+        # The replica ended the request with an error, or closed the stream before [DONE].
+        return "failed", None if self.done else "the replica closed the stream before its end ([DONE])"
 
-    body_iter = passthrough()
+    def tail(self, broke: str | None, replica_url: str) -> bytes | None:
+        """Never a silent end: a client must be able to tell a truncated stream from a finished one.
+        A stream that got its usage had finished generating (usage comes last) and only lacks
+        [DONE]; otherwise an error event, unless the replica sent its own, then [DONE]."""
+        if self.done:
+            return None
+        tail = "" if self.at_boundary else "\n"  # close an event the break left open
+        if self.usage is None and not self.errored:
+            log.warning("stream from %s ended before [DONE]: %s", replica_url, broke)
+            tail += "data: " + json.dumps(error_body(
+                f"The response is incomplete: {broke}. Retry the request.", "server_error",
+                code="replica_error")) + "\n\n"
+        return (tail + "data: [DONE]\n\n").encode()
 
-    async def close() -> None:
-        await body_iter.aclose()  # if the relay started, its own finally settles with what it counted
-        await upstream.aclose()
-        await settle("disconnected", float(prompt_tokens))  # it never started: nothing was counted
 
-    return ClosingStreamingResponse(body_iter, close, status_code=200, headers=headers,
-                                    media_type="text/event-stream")
+async def _relay_stream(upstream: httpx.Response, route: Route, settle: _Settle, relay: _SSERelay,
+                        prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The streamed answer passed on through ``relay``; settled with its usage (or its count of
+    chunks) however it ends."""
+    outcome, broke = "disconnected", None
+    try:
+        async for text in upstream.aiter_text():
+            settle.first()
+            data = relay.feed(text)
+            if data:
+                yield data
+        data = relay.flush()
+        if data:
+            yield data
+        outcome, broke = relay.outcome()
+    except httpx.HTTPError as e:
+        # A dropped connection (the replica's process died), a read timeout: a half-read line is
+        # dropped, and the replica leaves routing until a poll finds it up again.
+        outcome = "failed"
+        broke = f"the connection to the replica broke ({type(e).__name__})"
+        LoadPoller.mark_down(route.replica, f"failed mid-stream: {type(e).__name__}: {e}")
+        log.warning("replica %s failed mid-stream: %s", route.replica.url, e)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        # Usage unknown: the replica took the request (the prompt is paid, as for any request sent
+        # and not answered in full) and each chunk it streamed carried at least one token.
+        actual = relay.usage if relay.usage is not None else float(prompt_tokens + relay.chunks)
+        await settle("usage" if relay.usage is not None else outcome, actual)
+    tail = relay.tail(broke, route.replica.url)
+    if tail:
+        yield tail

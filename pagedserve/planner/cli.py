@@ -27,8 +27,10 @@ EXAMPLES_PLAN = """examples:
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``plan`` (with its sub-commands) and ``simulate`` on the top-level CLI."""
+def add_parser(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubParsersAction]:
+    """Register ``plan`` (with its sub-commands) and ``simulate`` on the top-level CLI; return
+    ``plan``'s sub-command list, to which ``plan check`` is added by the part that runs the engine
+    (pagedserve.bench.plan_check: the planner is arithmetic and imports nothing that runs a model)."""
     plan = subparsers.add_parser(
         "plan", help="capacity arithmetic: KV, seats, weights, decode, prefill, bucket, queue, shed, check",
         description="Answer sizing questions from a model's shape and a card's memory and bandwidth.",
@@ -118,10 +120,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="with --target-wait: hold this percentile of the wait (default: the mean)")
     _output_args(shed)
 
-    from pagedserve.planner import check
-
-    check.add_parser(plan_sub)
-
     simulate = subparsers.add_parser(
         "simulate", help="discrete-event run of tiers and pools, to check the queueing formulas",
         description="Poisson (or trace) arrivals of tiers into pools of seats, with priority, a token bucket "
@@ -148,6 +146,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="share of earliest arrivals left out of wait statistics (default 0.05)")
     _output_args(simulate, plot="per-tier wait percentiles")
     simulate.set_defaults(func=_wrap(commands.run_simulate))
+    return {"plan": plan_sub}
 
 
 def _sub(plan_sub: argparse._SubParsersAction, name: str, help_text: str,

@@ -44,11 +44,10 @@ class EngineReplica:
     """One engine and the OpenAI app over it (module docstring)."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
-        from pagedserve.engine.async_engine import AsyncEngine
-        from pagedserve.engine.engine import Engine
+        from pagedserve.engine.factory import in_process
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.client = AsyncEngine(Engine(engine_config), log_requests=server_config.log_requests)
+        self.client = in_process(engine_config, log_requests=server_config.log_requests)
         self.server_config = server_config
         self._report_seq = itertools.count()
 

@@ -48,9 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.core_launch import CoreProcess
-    from pagedserve.engine.core_restart import CoreRestarter
-    from pagedserve.engine.mp_client import CoreLink
+    from pagedserve.engine.factory import CoreLink, CoreProcess, CoreRestarter
     from pagedserve.server.config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -81,7 +79,8 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
     ``core_restarts``: the supervisor replaces a dead core and sends its link down ``start_line``."""
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api-server {index}]: %(message)s")
-    from pagedserve.engine.core_launch import die_with_parent
+    from pagedserve.engine import factory
+    from pagedserve.engine.factory import die_with_parent
 
     die_with_parent()
     supervisor = multiprocessing.parent_process()
@@ -92,7 +91,6 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
     os.setpgid(0, 0)
     import uvicorn
 
-    from pagedserve.engine.mp_client import MPEngineClient
     from pagedserve.server.app import build_app
     from pagedserve.server.cli import serve_app
     from pagedserve.server.limits import uvicorn_limits
@@ -119,7 +117,7 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
         if kind == "core":
             client.attach(new_link)
 
-    client = MPEngineClient(link, log_requests=config.log_requests, restarted_by_supervisor=core_restarts)
+    client = factory.connect(link, log_requests=config.log_requests, restarted_by_supervisor=core_restarts)
     app = build_app(client, config, on_started=wait_at_start_line)
     uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=config.shutdown_timeout_s,
                                     access_log=False, **uvicorn_limits(config))
@@ -136,7 +134,7 @@ def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfi
                     sock: socket.socket, restarter: CoreRestarter | None = None) -> int:
     """Start the core and ``count`` fronts sharing ``sock``; supervise them; the exit status.
     ``restarter``: replace a core that dies (``--restart-engine-core``)."""
-    from pagedserve.engine.core_launch import EngineStartupError, spawn_core_process
+    from pagedserve.engine.factory import EngineStartupError, spawn_core_process
     from pagedserve.server.cli import _log_startup
 
     stop = _StopFlag()
@@ -266,7 +264,7 @@ def _supervise(fronts: list[BaseProcess], core: CoreProcess, stop: _StopFlag, li
                restarter: CoreRestarter | None) -> tuple[int, CoreProcess]:
     """Until a signal (0) or a child's death (1), replacing a dead core while ``restarter``'s
     budget allows; the status and the core last started."""
-    from pagedserve.engine.core_restart import describe_exit
+    from pagedserve.engine.factory import describe_exit
 
     while not stop.set:
         multiprocessing.connection.wait([f.sentinel for f in fronts] + [core.sentinel], timeout=_POLL_S)
@@ -311,7 +309,7 @@ def _respawn(dead: CoreProcess, restarter: CoreRestarter, fronts: list[BaseProce
              stop: _StopFlag) -> tuple[CoreProcess | None, int]:
     """A core in place of ``dead``, loaded; or None and the exit status (a signal: 0; a front's
     death or a core that fails to load: 1). Watches the fronts and the signals while it loads."""
-    from pagedserve.engine.core_launch import EngineStartupError
+    from pagedserve.engine.factory import EngineStartupError
 
     launch = restarter.respawn(dead)
     while True:

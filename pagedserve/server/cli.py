@@ -20,10 +20,9 @@ if TYPE_CHECKING:
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.client import EngineClient
+    from pagedserve.engine.factory import CoreFactory, CoreLaunch, CoreRestarter
     from pagedserve.engine.wire import ModelFacts
-    from pagedserve.engine.core_launch import CoreLaunch
     from pagedserve.tokenizer import TokenizerPreload
-    from pagedserve.engine.core_restart import CoreRestarter
     from pagedserve.server.config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -171,14 +170,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM."""
+def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None) -> int:
+    """Build the engine, log what is served and where, run uvicorn until SIGINT/SIGTERM.
+    ``core_factory``: builds the core in place of ``EngineCore(config)`` (the fault tests' seam,
+    tests/helpers/faults.py; ``pagedserve serve`` never sets it)."""
     import uvicorn
 
     # Only light modules here: the heavy ones (torch, FastAPI, transformers) are imported once the
     # core process is loading, so that the two start-ups overlap.
     from pagedserve.engine.args import engine_config_from_args
-    from pagedserve.engine.core_launch import EngineStartupError, spawn_core_process
+    from pagedserve.engine.factory import EngineStartupError, core_restarter, spawn_core_process
     from pagedserve.models.default import ensure_default_model
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.server.chat_template import load_chat_template
@@ -227,10 +228,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              "--no-engine-process)")
         restarter = None
         if args.restart_engine_core:
-            from pagedserve.engine.core_restart import CoreRestarter, RestartBudget
-
-            restarter = CoreRestarter(engine_config, log_level, RestartBudget(args.engine_core_max_restarts,
-                                                                              args.engine_core_restart_window))
+            restarter = core_restarter(engine_config, log_level, args.engine_core_max_restarts,
+                                       args.engine_core_restart_window)
         if default_model and server_config.served_model_name is None:
             server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
                                                else f"pagedserve-{args.default_model}-random")
@@ -241,17 +240,18 @@ def run_serve(args: argparse.Namespace) -> int:
             return run_api_servers(args.api_server_count, engine_config, server_config, log_level, listener,
                                    restarter)
         _check_port_free(args.host, args.port)
-        launch = spawn_core_process(engine_config, log_level) if args.engine_process else None
+        launch = spawn_core_process(engine_config, log_level, core_factory=core_factory) \
+            if args.engine_process else None
         # While the core process imports torch and loads the model (seconds), this one imports its
         # own side (no torch, no transformers): on two cores the start-ups overlap.
-        from pagedserve.engine.mp_client import MPEngineClient
         from pagedserve.server.app import build_app
         from pagedserve.server.limits import uvicorn_limits
         from pagedserve.tokenizer import TokenizerPreload
 
         # The front's two tokenizers (event loop, worker thread) load while the core loads the model.
         preload = TokenizerPreload(engine_config.tokenizer or engine_config.model) if launch is not None else None
-        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter, preload)
+        client = _start_engine(engine_config, launch, log_level, server_config.log_requests, restarter, preload,
+                               core_factory)
     except (ValueError, OSError, EngineStartupError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
@@ -263,10 +263,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_died = serve_app(app, client, uvicorn_config)
     finally:
-        if isinstance(client, MPEngineClient):
-            client.core.kill()  # whatever happened above, no core process outlives the server
+        client.kill()  # whatever happened above, no core process outlives the server
     if engine_died:
-        logger.error("exiting with status 1: the engine core process died (restart the server)")
+        logger.error("exiting with status 1: the engine died (restart the server)")
         return 1
     return 0
 
@@ -275,8 +274,6 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
               sockets: list[socket.socket] | None = None) -> bool:
     """Run uvicorn until SIGINT/SIGTERM (or the engine core's death); True if the core died."""
     import uvicorn
-
-    from pagedserve.engine.mp_client import MPEngineClient
 
     # Uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; after that
     # clean shutdown, exit with 0 instead of a traceback (Ctrl-C) or death by signal (SIGTERM).
@@ -289,13 +286,12 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
     app.state.dashboard.should_stop = lambda: server.should_exit  # open dashboard feeds end on shutdown
     engine_died = False
 
-    def on_engine_death() -> None:  # the core process is gone: stop, and exit non-zero for a supervisor
+    def on_engine_death() -> None:  # the engine is gone for good: stop, and exit non-zero for a supervisor
         nonlocal engine_died
         engine_died = True
         server.should_exit = True
 
-    if isinstance(client, MPEngineClient):
-        client.on_death = on_engine_death
+    client.on_death = on_engine_death
     try:
         server.run(sockets=sockets)
     except (KeyboardInterrupt, _Terminated):
@@ -306,19 +302,17 @@ def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config
 
 
 def _start_engine(config: EngineConfig, launch: CoreLaunch | None, log_level: str, log_requests: bool,
-                  restarter: CoreRestarter | None = None, preload: TokenizerPreload | None = None) -> EngineClient:
+                  restarter: CoreRestarter | None = None, preload: TokenizerPreload | None = None,
+                  core_factory: CoreFactory | None = None) -> EngineClient:
     """The engine, loaded: in its own core process (``launch``, spawned already), or on a thread of
     this one. ``restarter``: replace the core if it dies (``--restart-engine-core``)."""
-    from pagedserve.engine.mp_client import MPEngineClient
+    from pagedserve.engine import factory
 
     if launch is not None:
         core = launch.wait_ready()
         logger.info("engine core running in process %d", core.process.pid)
-        return MPEngineClient(core, log_requests=log_requests, restarter=restarter, preload=preload)
-    from pagedserve.engine.async_engine import AsyncEngine
-    from pagedserve.engine.engine import Engine
-
-    return AsyncEngine(Engine(config), log_requests=log_requests)
+        return factory.connect(core, log_requests=log_requests, restarter=restarter, preload=preload)
+    return factory.in_process(config, log_requests=log_requests, core_factory=core_factory)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -129,8 +129,7 @@ class DashboardFeed:
     def _leave(self) -> None:
         self.viewers -= 1
         if self.viewers == 0:
-            self.client.watch_block_map(False)
-            self.client.block_map = None  # stale once nobody watches; the next viewer waits for a fresh one
+            self.client.watch_block_map(False)  # the client drops its snapshot: the next viewer waits for a fresh one
             self._full = self._delta = None
 
     async def events(self) -> AsyncIterator[bytes]:

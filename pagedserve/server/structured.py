@@ -28,7 +28,9 @@ def _params(param: str, **fields: Any) -> StructuredOutputsParams:
                                         f"limit of {MAX_GRAMMAR_CHARS}.", param=param)
         fields["json"] = text
     try:
-        return StructuredOutputsParams(**fields)
+        spec = StructuredOutputsParams(**fields)
+        spec.validate()  # here, once, so the error names the field the client sent
+        return spec
     except errors.InvalidRequest as exc:
         raise errors.InvalidRequest(exc.message.replace("structured_outputs", param), param=param) from None
 

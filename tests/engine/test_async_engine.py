@@ -9,7 +9,8 @@ import pytest
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client import EngineDeadError
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
@@ -32,7 +33,7 @@ def fresh(engine: Engine) -> Iterator[Engine]:
 
 def test_streams_deltas_until_finished(fresh: Engine) -> None:
     async def main() -> tuple[list[int], str]:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         stream = await ae.add_request("r1", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
         deltas: list[int] = []
@@ -51,7 +52,7 @@ def test_streams_deltas_until_finished(fresh: Engine) -> None:
 
 def test_leaving_early_aborts_and_frees_blocks(fresh: Engine) -> None:
     async def main() -> None:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         stream = await ae.add_request("r2", [5, 6, 7], LONG)
         async with stream:
@@ -70,7 +71,7 @@ def test_leaving_early_aborts_and_frees_blocks(fresh: Engine) -> None:
 
 def test_admission_errors_reach_the_caller(fresh: Engine) -> None:
     async def main() -> None:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         with pytest.raises(errors.RequestTooLong):
             await ae.add_request("too-long", [5] * 600, SamplingParams(max_tokens=1))
@@ -93,17 +94,17 @@ def test_admission_errors_reach_the_caller(fresh: Engine) -> None:
 
 def test_idle_loop_does_not_step(fresh: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = 0
-    real_step = fresh.step
+    real_step = fresh.core.step
 
     def counting_step():  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
         return real_step()
 
-    monkeypatch.setattr(fresh, "step", counting_step)
+    monkeypatch.setattr(fresh.core, "step", counting_step)
 
     async def main() -> None:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         stream = await ae.add_request("short", [5], SamplingParams(max_tokens=3, ignore_eos=True))
         async with stream:
@@ -122,7 +123,7 @@ def test_idle_loop_does_not_step(fresh: Engine, monkeypatch: pytest.MonkeyPatch)
 
 def test_shutdown_aborts_in_flight_requests(fresh: Engine) -> None:
     async def main() -> list[int]:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         streams = [await ae.add_request(f"inflight{i}", [5, 6, 7], LONG) for i in range(2)]
         await streams[0].__anext__()
@@ -143,10 +144,10 @@ def test_a_crashing_step_fails_streams_and_refuses_new_work(fresh: Engine, monke
     def broken_step():  # type: ignore[no-untyped-def]
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(fresh, "step", broken_step)
+    monkeypatch.setattr(fresh.core, "step", broken_step)
 
     async def main() -> None:
-        ae = AsyncEngine(fresh)
+        ae = AsyncEngine(fresh.core)
         await ae.start()
         stream = await ae.add_request("doomed", [5, 6], LONG)
         with pytest.raises(EngineDeadError, match="simulated kernel failure"):

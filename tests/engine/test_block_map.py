@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED, BlockMapFeed, build_block_map
+from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED
+from pagedserve.engine.block_map_feed import BlockMapFeed, build_block_map
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,8 +34,8 @@ def test_states_match_the_allocator_while_running_and_after(engine: Engine) -> N
     engine.add_request("solo", prompt[:20], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    bm = engine.block_manager
-    snap = build_block_map(engine)
+    bm = engine.core.block_manager
+    snap = build_block_map(engine.core)
     c = _counts(snap)
     assert c[OWNED] + c[SHARED] == bm.num_used_blocks
     assert c[CACHED] == bm.num_cached_free_blocks
@@ -48,7 +49,7 @@ def test_states_match_the_allocator_while_running_and_after(engine: Engine) -> N
     assert all(r.state == "running" and r.num_blocks > 0 for r in snap.requests)
     while engine.has_unfinished_requests():
         engine.step()
-    done = build_block_map(engine)
+    done = build_block_map(engine.core)
     c = _counts(done)
     assert c[OWNED] == c[SHARED] == 0 and c[CACHED] == bm.num_cached_free_blocks > 0 and not done.requests
     # Cached blocks of one prompt's chain carry one prefix id: the chain's first block's content.
@@ -59,23 +60,23 @@ def test_states_match_the_allocator_while_running_and_after(engine: Engine) -> N
 
 def test_feed_is_off_until_watched_then_bounded_and_sends_only_changes(engine: Engine) -> None:
     feed = BlockMapFeed(max_hz=10.0)
-    assert feed.maybe_build(engine, 0.0, idle=True) is None, "nobody watches: no snapshot"
+    assert feed.maybe_build(engine.core, 0.0, idle=True) is None, "nobody watches: no snapshot"
     feed.watch(True)
-    first = feed.maybe_build(engine, 100.0)
+    first = feed.maybe_build(engine.core, 100.0)
     assert first is not None and first.version == 1, "a new watcher gets a snapshot at once"
-    assert feed.maybe_build(engine, 100.05) is None, "within 1/max_hz: nothing"
-    assert feed.maybe_build(engine, 101.0) is None, "nothing changed: nothing sent"
+    assert feed.maybe_build(engine.core, 100.05) is None, "within 1/max_hz: nothing"
+    assert feed.maybe_build(engine.core, 101.0) is None, "nothing changed: nothing sent"
     engine.add_request("r", list(range(1, 30)), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
-    assert feed.maybe_build(engine, 101.01) is None, "rate-limited"
-    second = feed.maybe_build(engine, 102.0)
+    assert feed.maybe_build(engine.core, 101.01) is None, "rate-limited"
+    second = feed.maybe_build(engine.core, 102.0)
     assert second is not None and second.version == 2 and second.num_running == 1
     while engine.has_unfinished_requests():
         engine.step()
-    final = feed.maybe_build(engine, 102.01, idle=True)
+    final = feed.maybe_build(engine.core, 102.01, idle=True)
     assert final is not None and final.num_running == 0, "going idle sends the final state at once"
     feed.watch(False)
-    assert feed.maybe_build(engine, 200.0, idle=True) is None
+    assert feed.maybe_build(engine.core, 200.0, idle=True) is None
     assert_no_leaks(engine)
 
 

@@ -19,8 +19,8 @@ def engine(tiny_model_dir):
 def test_pool_is_sized_from_the_memory_budget(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="1MiB"))
     # tiny: 2 layers × 2 KV heads × 16 dims × 2 (K and V) × 2 bytes (bf16) = 256 B/token.
-    assert e.kv_bytes_per_token == 256
-    assert e.num_kv_blocks == 2**20 // (16 * 256)
+    assert e.core.kv_bytes_per_token == 256
+    assert e.core.num_kv_blocks == 2**20 // (16 * 256)
 
 
 def test_parse_bytes():
@@ -36,7 +36,7 @@ def test_requests_that_can_never_fit_are_rejected(engine):
         engine.add_request("a", [5] * 300, SamplingParams(max_tokens=1))
     with pytest.raises(RequestTooLong, match="max_tokens"):
         engine.add_request("b", [5] * 100, SamplingParams(max_tokens=200))
-    small = Engine(EngineConfig(model=engine.config.model, num_kv_blocks=4, max_model_len=256))
+    small = Engine(EngineConfig(model=engine.core.config.model, num_kv_blocks=4, max_model_len=256))
     with pytest.raises(RequestTooLong, match="whole pool"):
         small.add_request("c", [5] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(InvalidRequest, match="empty"):
@@ -44,7 +44,7 @@ def test_requests_that_can_never_fit_are_rejected(engine):
     with pytest.raises(InvalidRequest):
         engine.add_request("e", [10**9], SamplingParams())
     with pytest.raises(InvalidRequest):
-        SamplingParams(top_p=0)
+        SamplingParams(top_p=0).validate()
     assert_no_leaks(engine)
 
 
@@ -101,7 +101,7 @@ def test_stop_token_ids(engine):
 
 def test_min_tokens_blocks_eos(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256))
-    e.eos_token_ids = set(range(3, 32000))  # nearly every token would end it at once
+    e.core.eos_token_ids = set(range(3, 32000))  # nearly every token would end it at once
     out = run_all_one(e, "x = 1", SamplingParams(max_tokens=6, min_tokens=4, temperature=0))
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "stop"
     assert_no_leaks(e)
@@ -112,7 +112,7 @@ def test_abort_frees_blocks_mid_generation(engine):
     engine.add_request("b", "for i in range(3):", SamplingParams(max_tokens=5, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.block_manager.num_used_blocks > 0
+    assert engine.core.block_manager.num_used_blocks > 0
     assert engine.abort("a")
     assert not engine.abort("a")
     run_all(engine)

@@ -7,10 +7,10 @@ import pytest
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import FAULT_INJECTION_ENV
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, run_all
+from tests.helpers.faults import Poisoned
 
 PROMPTS = [[11 + i, 200 + 3 * i, 31, 999 + i, 7] * (1 + i % 3) for i in range(8)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -35,9 +35,9 @@ def clean_tokens(tiny_model_dir) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("stage", ["execute", "sample"])
-def test_a_request_that_raises_in_a_step_fails_alone(tiny_model_dir, monkeypatch, clean_tokens, stage):
-    monkeypatch.setenv(FAULT_INJECTION_ENV, f"{stage}:poison")
-    engine = _engine(tiny_model_dir)
+def test_a_request_that_raises_in_a_step_fails_alone(tiny_model_dir, clean_tokens, stage):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, max_model_len=512),
+                    core_factory=Poisoned(stage, "poison"))
     outputs = _run(engine, poisoned=True)
     failed = outputs.pop("poison-1")
     assert failed.finished and failed.error is not None and "injected" in failed.error
@@ -66,7 +66,7 @@ def test_n_completions_count_against_max_num_seqs_at_admission(tiny_model_dir):
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-        peak = max(peak, len(engine.scheduler.running), engine.scheduler.seats_in_use)
+        peak = max(peak, len(engine.core.scheduler.running), engine.core.scheduler.seats_in_use)
     assert peak <= 8
     assert len(done) == 10 and all(len(o.outputs) == 3 for o in done.values())
     assert_no_leaks(engine)

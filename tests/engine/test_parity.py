@@ -61,7 +61,7 @@ def test_parity_under_preemption(checkpoint_dir):
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=14, block_size=8,
                                  enable_prefix_caching=False))
     outs = _run(engine, prompts, GREEDY)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt)
     assert_no_leaks(engine)
@@ -81,7 +81,7 @@ def test_parity_with_chunked_prefill_and_prefix_hits(checkpoint_dir):
     assert all(out.num_cached_tokens == 48 for out in later)
     for tail, out in zip(tails, [first] + later):
         assert out.outputs[0].token_ids == _hf_greedy(hf, shared + tail)
-    assert engine.block_manager.prefix_hit_tokens == 2 * 48
+    assert engine.core.block_manager.prefix_hit_tokens == 2 * 48
     assert_no_leaks(engine)
 
 

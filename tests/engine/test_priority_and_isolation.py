@@ -43,11 +43,11 @@ def test_priority_request_starts_within_one_step_and_preempted_work_stays_correc
     assert st.kv_blocks_total - st.kv_blocks_used < 4, "the urgent request (30 tokens, 4 blocks) must not fit"
     engine.add_request("4", urgent_prompt, params, priority=0)
     _collect(engine, done)
-    urgent_seq = engine.requests["4"].seqs[0]
+    urgent_seq = engine.core.requests["4"].seqs[0]
     assert urgent_seq.num_computed_tokens > 0, "the priority-0 request did not start within one step"
     while engine.has_unfinished_requests():
         _collect(engine, done)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     assert done == want
     assert_no_leaks(engine)
 
@@ -72,18 +72,18 @@ def test_long_prompt_chunks_in_while_decodes_continue(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_batched_tokens=64))
     for i, p in enumerate(_prompts([10] * 8, seed=14)):
         engine.add_request(f"d{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
-    while any(not r.seqs[0].num_output_tokens for r in engine.requests.values()):
+    while any(not r.seqs[0].num_output_tokens for r in engine.core.requests.values()):
         engine.step()
     engine.add_request("long", _prompts([8 * 64], seed=15)[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    long_seq = engine.requests["long"].seqs[0]
+    long_seq = engine.core.requests["long"].seqs[0]
     steps = 0
     while long_seq.num_output_tokens == 0:
-        before = {rid: r.seqs[0].num_output_tokens for rid, r in engine.requests.items() if rid != "long"}
+        before = {rid: r.seqs[0].num_output_tokens for rid, r in engine.core.requests.items() if rid != "long"}
         engine.step()
         steps += 1
-        assert all(engine.requests[rid].seqs[0].num_output_tokens == n + 1 for rid, n in before.items())
+        assert all(engine.core.requests[rid].seqs[0].num_output_tokens == n + 1 for rid, n in before.items())
     assert steps == -(-512 // (64 - 8))  # 56 prompt tokens per step beside the 8 decodes
-    for rid in list(engine.requests):
+    for rid in list(engine.core.requests):
         engine.abort(rid)
     assert_no_leaks(engine)
 
@@ -109,7 +109,7 @@ def _paid_into_free_decodes(model_dir, prefill_first):
             if out.finished:
                 done[out.request_id] = [o.token_ids for o in out.outputs]
 
-    while engine.compiling:
+    while engine.core.compiling:
         collect()
     loops = [[1, 2, 3, 4, 5, 6, 7, 8] * 4, [3, 7, 3, 7, 3, 7], [9, 5, 9, 5, 9]]  # the tiny model repeats these
     for i, prompt in enumerate(loops):
@@ -117,21 +117,21 @@ def _paid_into_free_decodes(model_dir, prefill_first):
     engine.add_request("free-n2", _prompts([14], seed=21)[0],
                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=2), priority=1)
     def free():
-        return [s for r in engine.requests.values() for s in r.seqs if not s.is_finished]
+        return [s for r in engine.core.requests.values() for s in r.seqs if not s.is_finished]
 
-    while not engine.requests["free-n2"].forked or any(s.num_output_tokens == 0 for s in free()):
+    while not engine.core.requests["free-n2"].forked or any(s.num_output_tokens == 0 for s in free()):
         collect()
     assert len(free()) == 6, "every free completion is decoding when the paid prompt arrives"
     before = {s: s.num_computed_tokens for s in free()}
     engine.add_request("paid", _prompts([24], seed=22)[0], greedy, priority=0)
     collect()
-    paid = engine.requests["paid"].seqs[0]
+    paid = engine.core.requests["paid"].seqs[0]
     assert paid.num_output_tokens == 1, "the paid prompt ran in the step it arrived for"
     paused = all(s.num_computed_tokens == n and s.status.value == "running" for s, n in before.items())
     while engine.has_unfinished_requests():
         collect()
-    assert engine.spec_num_accepted_tokens > 0, "drafts were accepted (speculation ran)"
-    assert engine.scheduler.num_preemptions == 0
+    assert engine.core.spec_num_accepted_tokens > 0, "drafts were accepted (speculation ran)"
+    assert engine.core.scheduler.num_preemptions == 0
     return done, paused, engine
 
 

@@ -84,15 +84,15 @@ def test_logit_bias_batched_equals_row_by_row():
 
 def test_logit_bias_bounds(engine):
     with pytest.raises(InvalidRequest, match="logit_bias"):
-        SamplingParams(logit_bias={1: 100.5})
+        SamplingParams(logit_bias={1: 100.5}).validate()
     with pytest.raises(InvalidRequest, match="at most 300"):
-        SamplingParams(logit_bias={i: 1.0 for i in range(301)})
+        SamplingParams(logit_bias={i: 1.0 for i in range(301)}).validate()
     with pytest.raises(InvalidRequest, match="finite"):
-        SamplingParams(logit_bias={1: float("nan")})
+        SamplingParams(logit_bias={1: float("nan")}).validate()
     with pytest.raises(InvalidRequest, match="logit_bias token ids"):
-        engine.add_request("big", [1, 2], SamplingParams(logit_bias={engine.arch.vocab_size: 1.0}))
+        engine.add_request("big", [1, 2], SamplingParams(logit_bias={engine.core.arch.vocab_size: 1.0}))
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=21).validate()
     assert_no_leaks(engine)
 
 
@@ -104,7 +104,7 @@ def test_prompt_logprobs_survive_preemption(engine, tiny_model_dir):
     other = [(i * 53) % 800 + 7 for i in range(70)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=1, temperature=0)
     both = run(tight, {"a": PROMPT, "b": other}, params)
-    assert tight.scheduler.num_preemptions >= 1
+    assert tight.core.scheduler.num_preemptions >= 1
     for rid, prompt in (("a", PROMPT), ("b", other)):
         alone = run(engine, {f"alone-{rid}": prompt}, params)[f"alone-{rid}"]
         got = both[rid].prompt_logprobs

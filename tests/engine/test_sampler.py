@@ -103,7 +103,7 @@ def test_top_k_past_the_vocabulary_keeps_every_token():
 ])
 def test_sampling_params_refuse_what_the_engine_cannot_hold(kw, param):
     with pytest.raises(InvalidRequest) as info:
-        SamplingParams(**kw)
+        SamplingParams(**kw).validate()
     assert info.value.param == param, info.value
     assert str(info.value)
 

@@ -124,10 +124,10 @@ def _check_spec_state(engine: Engine) -> None:
     """After a step: the allocator is consistent, a decoding sequence holds exactly the blocks its
     tokens need, none past them (the drafts' blocks were rolled back), and every cached block in its table holds
     the sequence's own accepted tokens, never a rejected draft's."""
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     bm.check_invariants()
     bs = bm.block_size
-    for seq in engine.scheduler.running:
+    for seq in engine.core.scheduler.running:
         assert not seq.draft_token_ids
         table = bm.tables[seq.seq_id]
         # no block past the sequence's own tokens (a draft's block would be one)

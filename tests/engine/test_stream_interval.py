@@ -138,7 +138,7 @@ def test_abort_with_tokens_held_back_frees_blocks(tiny_model_dir):
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     got = [engine.step() for _ in range(4)]
     assert [len(s) for s in got] == [1, 0, 0, 0]  # first token, then three held back
-    assert sum(s.num_output_tokens - s.sent_token_len for s in engine.requests["a"].seqs) == 3  # unsent
+    assert sum(s.num_output_tokens - s.sent_token_len for s in engine.core.requests["a"].seqs) == 3  # unsent
     assert engine.abort("a")
     assert_no_leaks(engine)
 
@@ -153,11 +153,11 @@ def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
     metrics = ServerMetrics("tiny", engine.stats)
 
     async def main() -> int:
-        ae = AsyncEngine(engine, observer=metrics)
+        ae = AsyncEngine(engine.core, observer=metrics)
         await ae.start()
-        stream = await ae.add_request("a", PROMPT, SamplingParams(max_tokens=4000, ignore_eos=True))
+        stream = await ae.add_request("a", engine.tokenize(PROMPT), SamplingParams(max_tokens=4000, ignore_eos=True))
         first = await stream.__anext__()
-        req = engine.requests["a"]
+        req = engine.core.requests["a"]
         while req.seqs[0].num_output_tokens < 4:  # a few tokens generated and held back
             await asyncio.sleep(0.005)
         stream.abort()
@@ -264,7 +264,7 @@ def test_a_request_stream_interval_is_bounded(bad):
     from pagedserve.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="stream_interval") as info:
-        SamplingParams(stream_interval=bad)
+        SamplingParams(stream_interval=bad).validate()
     assert info.value.param == "stream_interval"
 
 

@@ -81,11 +81,11 @@ def test_bad_specs_are_refused_by_name():
     with pytest.raises(InvalidRequest, match="grammar cannot be compiled.*not defined"):
         check(StructuredOutputsParams(grammar="root ::= foo"))
     with pytest.raises(InvalidRequest, match="exactly one"):
-        StructuredOutputsParams(regex="a", choice=["b"])
+        StructuredOutputsParams(regex="a", choice=["b"]).validate()
     with pytest.raises(InvalidRequest, match="at most"):
-        StructuredOutputsParams(regex="a" * 70_000)
+        StructuredOutputsParams(regex="a" * 70_000).validate()
     with pytest.raises(InvalidRequest, match="choice"):
-        StructuredOutputsParams(choice=[])
+        StructuredOutputsParams(choice=[]).validate()
 
 
 def test_a_spec_that_fails_in_the_core_fails_only_its_request(engine):
@@ -101,7 +101,7 @@ def test_a_spec_that_fails_in_the_core_fails_only_its_request(engine):
     engine.add_request("gone", "x", SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
         regex="[a-z]{1,3}q")))
     assert engine.abort("gone")
-    assert not engine.compiling
+    assert not engine.core.compiling
     assert_no_leaks(engine)
 
 

@@ -41,7 +41,7 @@ def test_engine_on_triton_kernels_answers_as_the_reference(tiny_model_dir, devic
     """Prompt chunks of at most 24 tokens (chunked prefill), a shared first block (a prefix hit),
     then decodes: the same greedy tokens as the plain-torch reference, and every block back."""
     triton_engine = _engine(tiny_model_dir, "triton", device, cuda_graphs=False)
-    assert triton_engine.config.attention_backend == "triton"
+    assert triton_engine.core.config.attention_backend == "triton"
     want = _greedy(_engine(tiny_model_dir, "reference", "cpu"))
     assert _greedy(triton_engine) == want
     assert triton_engine.stats().prefix_hit_tokens > 0
@@ -54,12 +54,12 @@ def test_a_decode_step_padded_for_a_graph_gives_the_rows_the_same_hidden_states(
     engine = _engine(tiny_model_dir, "triton", device, chunk=128, cuda_graphs=False)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
         engine.step()  # prompt chunks, until every sequence decodes
     plan = sched.schedule()
     assert [n for _, n in plan.scheduled] == [1, 1, 1]
-    runner = engine.runner
+    runner = engine.core.runner
     step = runner.prepare(plan)
     rows = step.meta.num_decodes
     pools_before = [k.data.clone() for k, _ in runner.kv_caches]

@@ -190,8 +190,8 @@ def test_engine_run_with_hits_evictions_and_aborts(tiny_model_dir, tmp_path) -> 
                 if steps == 6:  # abort one mid-run in every wave
                     aborted += engine.abort(f"w{wave}-1")
             _drain(sub, got, 0.0)
-        engine.publish_kv_events()
-        publisher = engine.kv_event_publisher
+        engine.core.publish_kv_events()
+        publisher = engine.core.kv_event_publisher
         assert publisher is not None and publisher.dropped == 0
         last = publisher.published - 1
         deadline = time.monotonic() + 10
@@ -216,7 +216,7 @@ def test_engine_run_with_hits_evictions_and_aborts(tiny_model_dir, tmp_path) -> 
         view = Subscriber(config.block_size)
         for seq in sorted(got):
             assert view.apply(got[seq]).data_parallel_rank == 0
-        bm = engine.block_manager
+        bm = engine.core.block_manager
         assert view.cached == set(bm.cached_block_hashes())
         assert view.counts["BlockRemoved"] > 0, "the run evicted nothing: the pool is not small enough"
         assert bm.prefix_hit_tokens > 0 and aborted == 3

@@ -289,7 +289,7 @@ def test_smollm2_default_model_answers_and_keeps_q4_1_quantized(smollm2_gguf):
     model = getattr(getattr(llm.engine, "runner", None), "model", None)
     info = json.loads((prepare_gguf_dir(smollm2_gguf) / "gguf_source.json").read_text())
     assert info["tensor_types"] == {"Q8_0": 1, "Q4_1": 210, "F32": 61}
-    assert llm.engine.weight_bytes == pytest.approx(info["tensor_bytes"], rel=0.01)
+    assert llm.engine.core.weight_bytes == pytest.approx(info["tensor_bytes"], rel=0.01)
     if model is not None:
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert model.lm_head is model.embed_tokens.table

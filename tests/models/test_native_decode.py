@@ -80,7 +80,7 @@ def _decode_batch(model, rows: int, block_size: int, seed: int):
 
 @pytest.mark.parametrize("case", CASES)
 def test_native_decode_step_gives_the_python_models_bits(case, models):
-    model = models(case).engine.runner.model
+    model = models(case).engine.core.runner.model
     native = model.native_decode
     assert native is not None, "the native path declined a model it takes"
     assert KINDS[case] in native.what
@@ -119,7 +119,7 @@ def test_engine_generates_the_same_tokens_and_logprobs_either_way(case, models):
     results = []
     for native in (True, False):
         llm = models(case, native)
-        assert (llm.engine.runner.model.native_decode is not None) == native
+        assert (llm.engine.core.runner.model.native_decode is not None) == native
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         assert_no_leaks(llm.engine)
@@ -130,8 +130,8 @@ def test_native_decode_declines_what_it_cannot_run(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):
         int8_kv = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, kv_cache_dtype="int8")
         matmul = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, attention_backend="matmul")
-    assert int8_kv.engine.runner.model.native_decode is None
-    assert matmul.engine.runner.model.native_decode is None
+    assert int8_kv.engine.core.runner.model.native_decode is None
+    assert matmul.engine.core.runner.model.native_decode is None
     assert "decode step: python (the KV pools are quantized or not on the CPU)" in caplog.text
     assert "decode step: python (the attention backend is not 'fused')" in caplog.text
     # Both still generate, through the Python model, and give every block back.
@@ -143,8 +143,8 @@ def test_native_decode_declines_what_it_cannot_run(tiny_model_dir, caplog):
 
 def test_native_decode_takes_decode_steps_only(models):
     llm = models("gguf-q4_1")
-    native = llm.engine.runner.model.native_decode
-    pools = llm.engine.runner.kv_caches
+    native = llm.engine.core.runner.model.native_decode
+    pools = llm.engine.core.runner.kv_caches
     decode = AttentionMetadata(torch.zeros(2, dtype=torch.long), 2, torch.zeros(2, 1, dtype=torch.long),
                                torch.ones(2, dtype=torch.long), None, [])
     with_chunk = AttentionMetadata(decode.slot_mapping, 1, decode.decode_block_tables[:1],

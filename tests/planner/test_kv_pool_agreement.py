@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.planner import sizing
-from pagedserve.planner.check import CheckConfig, run_check
+from pagedserve.bench.plan_check import CheckConfig, run_check
 from pagedserve.planner.shapes import standard_shape
 
 KV_DTYPES = ("auto", "fp8", "int8", "int4")

@@ -35,11 +35,11 @@ def test_combination_serves_with_prefix_hits_and_preemption_without_leaks(tiny_m
             if out.finished:
                 finished[out.request_id] = out
     assert len(finished) == 6 and all(len(o.outputs[0].token_ids) == 20 for o in finished.values())
-    assert engine.block_manager.prefix_hit_tokens >= 32
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.block_manager.prefix_hit_tokens >= 32
+    assert engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(engine)
     # The prefix-cache key carries the real KV storage precision.
-    assert engine.scheduler.config.kv_cache_dtype == ("bfloat16" if kv == "auto" else kv)
+    assert engine.core.scheduler.config.kv_cache_dtype == ("bfloat16" if kv == "auto" else kv)
 
 
 def test_pool_sizing_uses_real_bytes_so_int8_about_doubles_the_seats(tiny_model_dir):
@@ -48,10 +48,10 @@ def test_pool_sizing_uses_real_bytes_so_int8_about_doubles_the_seats(tiny_model_
     for kv in ("auto", "int8", "int4"):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=kv, kv_cache_memory="4MiB",
                                      max_model_len=256))
-        held = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
-        assert held == engine.num_kv_blocks * 16 * engine.kv_bytes_per_token <= 4 * 2**20
-        assert engine.stats().kv_bytes_per_token == engine.kv_bytes_per_token
-        blocks[kv] = engine.num_kv_blocks
+        held = sum(k.nbytes + v.nbytes for k, v in engine.core.runner.kv_caches)
+        assert held == engine.core.num_kv_blocks * 16 * engine.core.kv_bytes_per_token <= 4 * 2**20
+        assert engine.stats().kv_bytes_per_token == engine.core.kv_bytes_per_token
+        blocks[kv] = engine.core.num_kv_blocks
     # head_dim 16: int8 stores 16 + 2 scale bytes per vector against 32 (x1.78); int4 8 + 2 (x3.2).
     assert blocks["int8"] / blocks["auto"] == pytest.approx(32 / 18, rel=0.01)
     assert blocks["int4"] / blocks["auto"] == pytest.approx(32 / 10, rel=0.01)
@@ -94,12 +94,12 @@ def test_rotated_int4_pools_serve_branches_and_prefix_hits_alike_in_every_backen
     for backend in ("fused", "matmul", "sdpa", "reference"):
         engine = Engine(EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32", kv_cache_dtype="int4",
                                      num_kv_blocks=64, block_size=8, attention_backend=backend))
-        assert engine.runner.kv_caches[0][0].rotation is not None
+        assert engine.core.runner.kv_caches[0][0].rotation is not None
         engine.add_request("single", prompt, greedy)
         single = run_all(engine)["single"].outputs[0].token_ids
         engine.add_request("branches", prompt, SamplingParams(n=3, max_tokens=12, temperature=0, ignore_eos=True))
         branches = [c.token_ids for c in run_all(engine)["branches"].outputs]
-        assert engine.block_manager.prefix_hit_tokens >= 8
+        assert engine.core.block_manager.prefix_hit_tokens >= 8
         assert branches == [single] * 3, backend
         assert_no_leaks(engine)
         got[backend] = single

@@ -19,15 +19,14 @@ import httpx
 import pytest
 
 from pagedserve.bench.processes import free_port, running_process
-from pagedserve.engine.core import FAULT_INJECTION_ENV
 from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning")
 
 
-def _serve(model_dir: Path, *extra: str) -> tuple[list[str], str]:
+def _serve(model_dir: Path, *extra: str, entry: tuple[str, ...] = ("pagedserve", "serve")) -> tuple[list[str], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(port),
            "--model", str(model_dir), *ARGS, *extra]
     return cmd, f"http://127.0.0.1:{port}"
 
@@ -36,14 +35,11 @@ def _serve(model_dir: Path, *extra: str) -> tuple[list[str], str]:
 def fault_process(tiny_model_dir) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[no-untyped-def, type-arg]
     """(URL, process) of a server whose core raises in any step batching a request whose id starts
     with 'poison'. The module's last test that uses it kills its core (the server then exits)."""
-    cmd, url = _serve(tiny_model_dir, "--max-body-bytes", "8MiB")
-    os.environ[FAULT_INJECTION_ENV] = "execute:poison"
-    try:
-        with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
-            os.environ.pop(FAULT_INJECTION_ENV, None)
-            yield url, proc
-    finally:
-        os.environ.pop(FAULT_INJECTION_ENV, None)
+    # `pagedserve serve` with the fault tests' core factory (tests/helpers/faults.py): the real
+    # server, front end and core process, the core's step raising for those requests alone.
+    cmd, url = _serve(tiny_model_dir, "--max-body-bytes", "8MiB", entry=("tests.helpers.faults", "execute", "poison"))
+    with running_process(cmd, f"{url}/health", timeout_s=300) as proc:
+        yield url, proc
 
 
 @pytest.fixture(scope="module")

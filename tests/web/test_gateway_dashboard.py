@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.core import EngineCore
 from pagedserve.gateway.config import parse_config
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig
@@ -28,8 +28,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
     """A real engine server, in-process (AsyncEngine): its open feeds end when the thread stops."""
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
-    app = build_app(AsyncEngine(engine), ServerConfig(served_model_name=MODEL))
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
+    app = build_app(AsyncEngine(core), ServerConfig(served_model_name=MODEL))
     with AppThread(app, lifespan="on") as t:
         app.state.dashboard.should_stop = lambda: t.server.should_exit
         yield t.url

@@ -104,15 +104,15 @@ def check_sizing(engine: Any, shape: ModelShape, dtype: str, kv_budget: int, kv_
     ``kv_cache_dtype`` ``auto`` stores KV in the model ``dtype``; fp8 / int8 / int4 add their scales
     on both sides, so the comparison covers the quantized pools too.
     """
-    cfg = engine.config
+    cfg = engine.core.config
     bpt = shape.kv_pool_bytes_per_token(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     blocks = sizing.num_kv_blocks(kv_budget, bpt, cfg.block_size)
     return SizingCheck(
         model=shape.name, dtype=dtype if kv_cache_dtype == "auto" else f"{dtype}, KV {kv_cache_dtype}", kv_budget=kv_budget, block_size=cfg.block_size,
         max_model_len=cfg.max_model_len, planner_kv_bytes_per_token=bpt,
-        engine_kv_bytes_per_token=engine.kv_bytes_per_token, planner_blocks=blocks, engine_blocks=engine.num_kv_blocks,
+        engine_kv_bytes_per_token=engine.core.kv_bytes_per_token, planner_blocks=blocks, engine_blocks=engine.core.num_kv_blocks,
         planner_seats=sizing.seats_at_max_len(blocks, cfg.block_size, cfg.max_model_len),
-        engine_seats=engine.num_kv_blocks * cfg.block_size // cfg.max_model_len)
+        engine_seats=engine.core.num_kv_blocks * cfg.block_size // cfg.max_model_len)
 
 
 def measure_bandwidth(device: str, size_bytes: int = 512 * 2**20, repeats: int = 7) -> float:

@@ -1,0 +1,120 @@
+"""The core's side of the block map: walking the allocator into a snapshot, and when to.
+
+See :mod:`pagedserve.engine.block_map` for what a snapshot holds and why its cost is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedserve.engine.block_map import (
+    CACHED, FREE, MAX_LISTED_REQUESTS, OWNED, SHARED, BlockMap, BlockMapRequest,
+)
+from pagedserve.engine.sequence import Sequence
+from pagedserve.kv.block_manager import ROOT_CONTENT_ID
+
+if TYPE_CHECKING:
+    from pagedserve.engine.core import EngineCore
+
+
+def _listed(seq: Sequence, state: str, num_blocks: int) -> BlockMapRequest:
+    return BlockMapRequest(seq.request.request_id, seq.index, seq.seq_id, state, seq.priority, seq.num_tokens,
+                           seq.num_computed_tokens, num_blocks, seq.num_preemptions)
+
+
+def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
+    """Walk the block tables and the prefix cache (O(used + cached blocks)) into a :class:`BlockMap`."""
+    t0 = time.perf_counter()
+    bm, sched = core.block_manager, core.scheduler
+    n = bm.num_blocks
+    owner = np.full(n, -1, np.int32)
+    refs = np.zeros(n, np.int64)
+    ids: list[int] = []
+    owners: list[int] = []
+    for seq_id, table in bm.tables.items():  # admission order: a shared block takes its first holder's colour
+        ids.extend(b.block_id for b in table)
+        owners.extend([seq_id] * len(table))
+    if ids:
+        held = np.asarray(ids, np.int64)
+        np.add.at(refs, held, 1)
+        owner[held[::-1]] = np.asarray(owners[::-1], np.int32)  # the last write wins: the first holder
+    state = np.where(refs > 1, SHARED, np.where(refs == 1, OWNED, FREE)).astype(np.uint8)
+    # Free blocks still in the prefix cache, coloured by the first block of their prefix chain.
+    parent_of: dict[int, int] = {}
+    cached_free: list = []
+    for block in bm.cached_blocks():
+        parent_of[block.content_id] = block.cache_key[0]
+        if block.ref_count == 0:
+            cached_free.append(block)
+    root_of: dict[int, int] = {}
+    for block in cached_free:
+        state[block.block_id] = CACHED
+        owner[block.block_id] = _root(block.content_id, parent_of, root_of)
+    requests = [_listed(s, "running", len(bm.tables.get(s.seq_id, ()))) for s in sched.running[:MAX_LISTED_REQUESTS]]
+    room = MAX_LISTED_REQUESTS - len(requests)
+    if room > 0 and sched.waiting:
+        waiting = sorted(sched.waiting, key=lambda s: s.sort_key)[:room]
+        requests += [_listed(s, "preempted" if s.num_preemptions else "waiting", 0) for s in waiting]
+    return BlockMap(version, time.time(), n, bm.block_size, state.tobytes(), owner.astype("<i4").tobytes(),
+                    np.minimum(refs, 255).astype(np.uint8).tobytes(), requests, len(sched.running),
+                    len(sched.waiting), sched.num_preemptions, bm.num_evictions, time.perf_counter() - t0)
+
+
+def _root(content_id: int, parent_of: dict[int, int], root_of: dict[int, int]) -> int:
+    """The content id of the first block of ``content_id``'s prefix chain (memoized in ``root_of``)."""
+    path = []
+    node = content_id
+    while node not in root_of:
+        parent = parent_of.get(node, ROOT_CONTENT_ID)
+        path.append(node)
+        if parent == ROOT_CONTENT_ID or parent not in parent_of:  # a chain root, or its parent was evicted
+            root_of[node] = node
+            break
+        node = parent
+    root = root_of[node]
+    for visited in path:
+        root_of[visited] = root
+    return root
+
+
+class BlockMapFeed:
+    """Decides when the core makes a snapshot: only while watched, rate- and cost-bounded, only on change.
+
+    Owned by the loop that steps the core (the step thread, or the core process's loop).
+    """
+
+    def __init__(self, max_hz: float = 10.0, cpu_share: float = 0.01):
+        self.max_hz = max_hz
+        self.cpu_share = cpu_share
+        self.watching = False
+        self._next_at = 0.0
+        self._due = False  # a snapshot is owed regardless of the rate (watching just started)
+        self._version = 0
+        self._last: BlockMap | None = None
+
+    def watch(self, on: bool) -> None:
+        self.watching = on
+        self._due = on
+        if not on:
+            self._last = None  # the next watcher gets a fresh snapshot even if nothing changed
+
+    def maybe_build(self, core: EngineCore, now: float, idle: bool = False) -> BlockMap | None:
+        """A new snapshot if one is due now (``idle``: the core just ran out of work, so the final
+        state goes out at once), else None."""
+        if not self.watching or not (self._due or idle or now >= self._next_at):
+            return None
+        snap = build_block_map(core, self._version + 1)
+        # Spend at most cpu_share of the loop's time on snapshots, and no more than max_hz of them.
+        self._next_at = now + max(1.0 / self.max_hz, snap.build_s / self.cpu_share)
+        last, forced = self._last, self._due
+        self._due = False
+        if not forced and last is not None and (last.state, last.owner, last.refs, last.requests,
+                                                last.num_evictions) == (snap.state, snap.owner, snap.refs,
+                                                                        snap.requests, snap.num_evictions):
+            return None
+        self._version += 1
+        self._last = snap
+        return snap

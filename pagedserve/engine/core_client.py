@@ -1,0 +1,167 @@
+"""CoreClient: the front end's half of an engine client, whatever carries its messages to the core.
+
+```
+ event loop (server)                                     the core loop (engine/core_loop.py)
+ ───────────────────                                     ───────────────────────────────────
+ add_request() ── AddRequest ──▶ _send ──▶ transport ──▶ EngineCore.add_request
+   awaits its Admission ◀── _handle(CoreBatch) ◀── transport ◀── admissions, outputs, stats
+   OutputProcessor: text, stop strings ──▶ RequestStream queues; a stop string hit ──▶ Abort(index)
+```
+
+The two clients differ only in the transport: :class:`~pagedserve.engine.async_engine.AsyncEngine`
+hands the messages to the core loop on a thread of this process,
+:class:`~pagedserve.engine.mp_client.MPEngineClient` encodes them onto ZMQ sockets to the core's
+process. Detokenization, stop strings, admissions and the load report are this module's, once.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.request_check import check_request
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shutdown, WatchBlocks
+
+logger = logging.getLogger(__name__)
+
+
+class CoreClient(StreamingClient):
+    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core_loop.CoreLoop`.
+
+    All methods run on one event loop; :meth:`_handle` must be called there with every batch the
+    core sends, and :meth:`_send` delivers a command to the core.
+    """
+
+    def __init__(self, facts: ModelFacts, tokenizer: Any, observer: StepObserver | None = None,
+                 log_requests: bool = False, on_death: Callable[[], None] | None = None):
+        super().__init__(observer, log_requests, on_death)
+        self.facts = facts
+        # The front end's tokenizer for the event loop (detokenization here, the text of logprobs in
+        # the server); the server tokenizes prompts with others, on its worker thread.
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._stats = idle_stats(facts)  # until the core's first stats arrive
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutting_down = False
+        self._dead = False  # for good: no restart follows
+        self._watching_blocks = False
+        self._last_counts: tuple[int, int] | None = None
+
+    @abc.abstractmethod
+    def _send(self, command: AddRequest | Abort | Shutdown | WatchBlocks) -> None:
+        """Deliver one command to the core loop (never blocks)."""
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt: str | None = None) -> RequestStream:
+        stream = self._check_accepting(request_id)
+        check_request(self.facts, prompt_token_ids, params)  # the front end's one check; the core trusts it
+        stream.priority = priority
+        assert self._loop is not None, "start() the client first"
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._admissions[request_id] = admitted
+        self._streams[request_id] = stream
+        self.output_processor.add(request_id, prompt_token_ids, params, prompt)
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
+        try:
+            await admitted
+        except BaseException:
+            # Refused, or the caller gave up while waiting: take it back out (a no-op if refused).
+            self._admissions.pop(request_id, None)
+            self._streams.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            if self.dead_error is None:
+                self._send(Abort(request_id))
+            raise
+        return stream
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        self.output_processor.abort(request_id)
+        if self.dead_error is None and not self._shutting_down:
+            self._send(Abort(request_id))
+
+    def watch_block_map(self, on: bool) -> None:
+        self._watching_blocks = on
+        if not on:
+            self.block_map = None  # stale once nobody watches: the next viewer waits for a fresh one
+        if self.dead_error is None and not self._shutting_down:
+            self._send(WatchBlocks(on))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- what the core sends ---------------------------------------------------------------
+
+    def _handle(self, batch: CoreBatch) -> None:
+        for admission in batch.admissions:
+            future = self._admissions.pop(admission.request_id, None)
+            if future is None or future.done():
+                continue
+            if admission.error_class is None:
+                future.set_result(None)
+            else:
+                future.set_exception(admission.to_exception())
+        if batch.stats is not None:
+            self._stats = batch.stats
+            if self._rates_from_stats:
+                self._count_from_stats(batch.stats)
+        if batch.block_map is not None and self._watching_blocks:
+            self.block_map = batch.block_map
+        if self.observer is not None and batch.aborted:
+            now = time.monotonic()
+            for request_id in batch.aborted:
+                self.observer.on_abort(request_id, now)
+        if batch.outputs:
+            processed = self.output_processor.process(batch.outputs)
+            for request_id, index in processed.finish_in_core:
+                self._send(Abort(request_id, index))
+            if processed.outputs:
+                self._deliver(processed.outputs)
+
+    def _count_from_stats(self, s: EngineStats) -> None:
+        """Feed /load's rate window from the core's cumulative counters (tokens sampled, requests ended)."""
+        counts = (s.generation_tokens, s.ended_requests)
+        if self._last_counts is not None:
+            self._record_rates(time.monotonic(), counts[0] - self._last_counts[0], counts[1] - self._last_counts[1])
+        self._last_counts = counts
+
+    # ---- failure ---------------------------------------------------------------------------
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """End every open request and admission with ``error``; refuse new ones until cleared."""
+        self.dead_error = error
+        for future in self._admissions.values():
+            if not future.done():
+                future.set_exception(error)
+        self._admissions.clear()
+        self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
+        self._fail_streams(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The core is gone for good: fail everything, tell the server (once)."""
+        if self._dead:
+            return
+        self._dead = True
+        self._fail(error)
+        if self.on_death is not None:
+            self.on_death()
+
+
+def idle_stats(f: ModelFacts) -> EngineStats:
+    """An idle pool's stats, shown until a core sends its first."""
+    return EngineStats(
+        num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
+        block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
+        kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
+        prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)

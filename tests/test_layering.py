@@ -1,0 +1,77 @@
+"""The package layering, read from the source: who may import what (docs/ARCHITECTURE.md).
+
+Every import statement counts, at module level or inside a function, TYPE_CHECKING included: a
+deferred import still ties the importer to what it names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pagedserve
+
+ROOT = Path(pagedserve.__file__).parent
+
+# What a server of the engine (the HTTP server, the Ray replica, the gateway) may import of it:
+# the client factory, the EngineClient interface, and the request / output / parameter types
+# (the engine's config flags with them). Nothing that schedules, pages, runs or supervises a core.
+ENGINE_DOOR = {
+    "pagedserve.engine.factory",
+    "pagedserve.engine.client",
+    "pagedserve.engine.outputs",
+    "pagedserve.engine.sampling_params",
+    "pagedserve.engine.wire",  # ModelFacts
+    "pagedserve.engine.block_map",  # the dashboard's snapshot type
+    "pagedserve.engine.args",  # the engine's flags and EngineConfig from them
+}
+
+# The planner is arithmetic: it may read model shapes and KV sizing formulas, never run a model.
+PLANNER_ALLOWED_OUTSIDE = {"pagedserve.models.standard", "pagedserve.kv.sizing", "pagedserve.config",
+                           "pagedserve.errors"}
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """module path -> every ``pagedserve...`` / ``torch`` module it imports."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pagedserve.engine import factory` imports the module pagedserve.engine.factory
+                names.update(f"{node.module}.{a.name}" if node.module == "pagedserve.engine" else node.module
+                             for a in node.names)
+        out[str(path.relative_to(ROOT.parent))] = {n for n in names if n.startswith(("pagedserve", "torch"))}
+    return out
+
+
+def test_servers_reach_the_engine_only_through_the_client_door() -> None:
+    crossings = {
+        module: sorted(n for n in names if n.startswith("pagedserve.engine") and n not in ENGINE_DOOR)
+        for package in ("server", "ray_serve", "gateway")
+        for module, names in _imports(package).items()
+    }
+    assert {m: n for m, n in crossings.items() if n} == {}
+
+
+def test_the_planner_imports_nothing_that_runs_a_model() -> None:
+    crossings = {
+        module: sorted(n for n in names if n not in PLANNER_ALLOWED_OUTSIDE and not n.startswith("pagedserve.planner"))
+        for module, names in _imports("planner").items()
+    }
+    assert {m: n for m, n in crossings.items() if n} == {}
+
+
+def test_the_engine_core_does_not_import_the_front_end_or_the_server() -> None:
+    """The core side (what the core process runs) knows nothing of clients, text or HTTP."""
+    core_side = ("core.py", "core_loop.py", "core_proc.py", "scheduler.py", "runner.py", "sampler.py",
+                 "block_map_feed.py")
+    front_or_server = ("pagedserve.engine.client", "pagedserve.engine.core_client", "pagedserve.engine.mp_client",
+                       "pagedserve.engine.async_engine", "pagedserve.engine.output_processor",
+                       "pagedserve.engine.detokenizer", "pagedserve.server", "pagedserve.tokenizer")
+    imports = _imports("engine")
+    crossings = {m: sorted(n for n in names if n.startswith(front_or_server))
+                 for m, names in imports.items() if m.rsplit("/", 1)[-1] in core_side}
+    assert {m: n for m, n in crossings.items() if n} == {}
