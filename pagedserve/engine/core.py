@@ -38,6 +38,7 @@ from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
 from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
+from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
@@ -110,7 +111,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir)
-        self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
+        self.arch = arch = architecture_from_hf_config(hf_config)
         self.dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, self.device)
         logger.info("compute dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
