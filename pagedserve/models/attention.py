@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from pagedserve.kernels import native_ops, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
 from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
+from pagedserve.kv.sizing import window_blocks
 
 
 @dataclass
@@ -67,7 +68,7 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
         return dataclasses.replace(meta, window=window)
     ctx = meta.decode_context_lens
     first = (ctx - window).clamp(min=0) // block_size  # block of the oldest key in the window
-    width = min(meta.decode_block_tables.shape[1], -(-window // block_size) + 1)
+    width = min(meta.decode_block_tables.shape[1], window_blocks(window, block_size))
     cols = (first.unsqueeze(1) + torch.arange(width, device=ctx.device)).clamp(max=meta.decode_block_tables.shape[1] - 1)
     tables = meta.decode_block_tables.gather(1, cols).contiguous()
     lens = ctx - first * block_size
