@@ -35,6 +35,7 @@ from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.groups import GroupedBlockManager, kv_groups, layer_slots
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
 from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
@@ -130,7 +131,12 @@ class EngineCore:
                            config.gguf_activations)
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        # KV groups (kv/groups.py) for a model with sliding-window layers: a block then holds one
+        # group's layers, and the pool's bytes per token are that many layers'.
+        windows = getattr(arch, "layer_windows", ())
+        self.kv_groups = kv_groups(windows) if config.free_window_blocks and any(windows) else None
+        pool_layers = len(self.kv_groups[0].layers) if self.kv_groups else arch.num_layers
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype, kv_model_dtype)
         auto = None
         if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
@@ -150,17 +156,24 @@ class EngineCore:
             logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
                            "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
                            "--max-model-len", pool_tokens, config.max_model_len, self.kv_bytes_per_token)
-        kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
+        kv_caches = allocate_kv_caches(pool_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
                                        arch.head_dim,
                                        # the pools' own dtype for auto; what quantized pools dequantize to
                                        kv_model_dtype if config.kv_cache_dtype == "auto" else self.dtype,
                                        self.device, config.kv_cache_dtype)
+        if self.kv_groups:  # each layer reads the pool slot of its position in its group
+            kv_caches = [kv_caches[slot] for _, slot in layer_slots(self.kv_groups)]
         # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
         # recorded or sent.
         events = config.kv_events if config.kv_events is not None and config.kv_events.enabled else None
         self.kv_event_log = KVEventLog(config.block_size) if events is not None else None
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          events=self.kv_event_log)
+        if self.kv_groups:
+            self.block_manager = GroupedBlockManager(self.num_kv_blocks, config.block_size, self.kv_groups,
+                                                     config.enable_prefix_caching, self.kv_event_log,
+                                                     config.max_num_batched_tokens)
+        else:
+            self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                              events=self.kv_event_log)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

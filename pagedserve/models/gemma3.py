@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kv.groups import kv_groups, layer_slots
 from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, window_view, write_kv
 from pagedserve.models.llama import ModelArchitecture, RMSNorm, RotaryEmbedding
 
@@ -201,19 +202,24 @@ class Gemma3ForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = ATTENTION_BACKENDS[attention_backend]
-        self.windows = sorted({w for w in arch.layer_windows if w is not None})
+        # KV groups (kv/groups.py): with per-group tables the runner passes one metadata per group
+        self.kv_groups = kv_groups(arch.layer_windows)
+        self.layer_group = [g for g, _ in layer_slots(self.kv_groups)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch.
+        ``meta``: one for every layer (one block table per sequence), or one per KV group."""
         x = self.embed_tokens(input_ids)
         # √hidden in the compute dtype, as transformers rounds it (bf16: 25.25, not 25.298)
         x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
         block_size = kv_caches[0][0].shape[1]
-        metas = {None: meta} | {w: window_view(meta, w, block_size) for w in self.windows}
+        metas = meta if isinstance(meta, list) else [meta] * len(self.kv_groups)
+        views = [m if g.window is None else window_view(m, g.window, block_size)  # once per step, not per layer
+                 for m, g in zip(metas, self.kv_groups)]
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv, metas[layer.self_attn.window], self.attention)
+        for layer, kv, g in zip(self.layers, kv_caches, self.layer_group):
+            x, residual = layer(x, residual, positions, kv, views[g], self.attention)
         return self.norm(x, residual)[0]
 
     def use_native_ops(self, ops) -> None:
