@@ -111,15 +111,20 @@ class GroupedBlockManager:
         n = len(self.groups)
         return ((key // n, key % n, table) for key, table in self.inner.tables.items())
 
+    def held_tables(self) -> Iterable[tuple[int, list[KVBlock]]]:
+        """``(seq_id, blocks)`` for every group's table, the null block left out: what each
+        sequence holds (the block map's owners)."""
+        null = self.inner.null_block
+        return ((s, [b for b in table if b is not null]) for s, _, table in self.group_tables())
+
     def block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         return self.inner.block_ids(self._key(seq_id, group))
 
     def group_blocks_in_use(self, window: bool) -> int:
         """Blocks held by the window groups' tables (``window``) or the full groups' (null excluded)."""
         null = self.inner.null_block
-        held = {b.block_id for s, g, table in self.group_tables() if (self.groups[g].window is not None) == window
-                for b in table if b is not null}
-        return len(held)
+        return len({b.block_id for _, g, table in self.group_tables() if (self.groups[g].window is not None) == window
+                    for b in table if b is not null})
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """The most blocks one sequence of ``num_tokens`` tokens holds at once, over all groups."""

@@ -106,8 +106,8 @@ def transformers_reference(transformers_gemma3, prompts):
 @pytest.mark.slow
 def test_gemma3_matches_transformers_across_the_window(gemma3_gguf, prompts, transformers_reference):
     """Dequantized float32 (transformers' reference precision): identical greedy tokens for
-    prompts of 16, 530 and 1,100 tokens (across the window), every step's top-5 log-probabilities within 2e-3 of transformers';
-    no KV block left behind."""
+    prompts of 16, 530 and 1,100 tokens (across the window), every step's top-5 log-probabilities
+    within 5e-4 of transformers' (measured: 4e-5); no KV block left behind."""
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
@@ -121,5 +121,47 @@ def test_gemma3_matches_transformers_across_the_window(gemma3_gguf, prompts, tra
         for lp, ref in zip(out.outputs[0].logprobs, ref_logprobs):
             ids = torch.tensor([t for t, _ in lp.top])
             worst = max(worst, float((torch.tensor([v for _, v in lp.top]) - ref[ids]).abs().max()))
-    assert worst < 2e-3, worst
+    assert worst < 5e-4, worst
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.slow
+def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts):
+    """A 530-token prompt and 24 greedy tokens, then the same prompt again: with the window groups
+    giving blocks back (kv/groups.py) the window groups hold at most 5 × 33 blocks once the prompt
+    is in, flat while decoding, every group's blocks owned in the dashboard's block map; the second
+    run hits the prefix cache in every group; the tokens are those of the one-table engine
+    (windows only masked); no block leaks either way."""
+    import numpy as np
+
+    from pagedserve.engine.block_map import OWNED, SHARED, build_block_map
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.kv.sizing import window_blocks
+
+    prompt = prompts[1]
+    assert len(prompt) == 530
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = {}
+    for free in (True, False):
+        engine = LLM(str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048, max_num_batched_tokens=256,
+                     free_window_blocks=free).engine
+        bm = engine.block_manager
+        window_use = []
+        for run in ("cold", "warm") if free else ("cold",):
+            engine.add_request(run, prompt, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        tokens[free, run] = out.outputs[0].token_ids
+                if free and engine.scheduler.running and engine.scheduler.running[0].num_computed_tokens >= 530:
+                    window_use.append(bm.group_blocks_in_use(window=True))
+                    if len(window_use) == 1:  # the dashboard's block map owns every group's blocks
+                        state = np.frombuffer(build_block_map(engine).state, np.uint8)
+                        assert int(np.isin(state, (OWNED, SHARED)).sum()) == bm.num_used_blocks
+        assert_no_leaks(engine)
+        if free:
+            assert bm.prefix_hit_tokens >= 512
+            assert max(window_use) <= 5 * window_blocks(512, 16)
+            assert max(window_use) - min(window_use) <= 5  # flat: at most one block per group in flux
+    assert tokens[True, "cold"] == tokens[False, "cold"] == tokens[True, "warm"]
