@@ -151,8 +151,10 @@ class EngineCore:
                                  f"{self.kv_bytes_per_token} B fits; free memory or give --kv-cache-memory")
             raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
                              f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
-        pool_tokens = self.num_kv_blocks * config.block_size
-        if pool_tokens < config.max_model_len:
+        # Tokens of whole-model KV the pool holds (with KV groups a block holds one group's layers:
+        # a sequence takes a block per group until its window groups give theirs back).
+        pool_tokens = self.num_kv_blocks * config.block_size // (len(self.kv_groups) if self.kv_groups else 1)
+        if pool_tokens < config.max_model_len and not self.kv_groups:
             logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
                            "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
                            "--max-model-len", pool_tokens, config.max_model_len, self.kv_bytes_per_token)
@@ -214,8 +216,15 @@ class EngineCore:
             config.quantization if config.quantization != "none" else "as stored", self.weight_bytes / 2**20,
             self.device, torch.get_num_threads(), time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks,
             config.block_size, pool_tokens,
-            pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
+            self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
             pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
+        if self.kv_groups:
+            logger.info("KV groups (kv/groups.py): %s, %d layers each (the B/token above is one group's); a "
+                        "sequence of max_model_len %d holds at most %d blocks, %d without window give-backs",
+                        ", ".join("full" if g.window is None else f"window {g.window}" for g in self.kv_groups),
+                        len(self.kv_groups[0].layers), config.max_model_len,
+                        self.block_manager.num_blocks_for(config.max_model_len),
+                        len(self.kv_groups) * -(-config.max_model_len // config.block_size))
 
     def facts(self) -> ModelFacts:
         c = self.config

@@ -50,11 +50,15 @@ def test_defaults_are_transformers_gemma3_text_defaults():
 
 @pytest.fixture(scope="module")
 def prompts(gemma3_gguf) -> list[list[int]]:
-    from transformers import AutoTokenizer
+    """Token ids of the LICENSE text after BOS, one prompt per length (the prepared tokenizer.json
+    read by ``tokenizers``: transformers' GemmaTokenizer over 262k tokens takes a minute to build)."""
+    from tokenizers import Tokenizer
 
-    tok = AutoTokenizer.from_pretrained(prepare_gguf_dir(gemma3_gguf))
-    ids = tok(LICENSE.read_text() * 2, add_special_tokens=False)["input_ids"]
-    return [[tok.bos_token_id] + ids[7 * i:7 * i + n - 1] for i, n in enumerate(PROMPT_LENGTHS)]
+    prepared = prepare_gguf_dir(gemma3_gguf)
+    ids = Tokenizer.from_file(str(prepared / "tokenizer.json")).encode(LICENSE.read_text() * 2,
+                                                                        add_special_tokens=False).ids
+    bos = read_hf_config(prepared).bos_token_id
+    return [[bos] + ids[7 * i:7 * i + n - 1] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="module")
