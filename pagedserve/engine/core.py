@@ -21,8 +21,11 @@ import time
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.memory import choose_auto_kv_budget
+from pagedserve.engine.cuda_graphs import CudaGraphDecoder
+from pagedserve.engine.memory import (CUDA_GRAPH_ALLOWANCE, ProfiledKVBudget, choose_auto_kv_budget, kv_budget_cap,
+                                      profiled_kv_budget)
 from pagedserve.engine.outputs import EngineStats, TokenLogprob
+from pagedserve.engine.profile_run import measure_peak_activation, profile_step
 from pagedserve.engine.runner import ModelInput, ModelRunner
 from pagedserve.engine.sampler import SampleResult, SamplingRow, sample, token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
@@ -32,7 +35,8 @@ from pagedserve.engine.spec_decode import verify
 from pagedserve.engine.structured import GrammarCompiler
 from pagedserve.engine.wire import CoreOutput, ModelFacts, SeqDelta  # noqa: F401  (named here too)
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
-from pagedserve.kernels import cpu_has_native_bf16, kernel_error, paged_decode_kernel
+from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops, paged_decode_kernel
+from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.groups import GroupedBlockManager, kv_groups, layer_slots
@@ -62,11 +66,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto`` → SDPA on GPU; on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
+    """``auto`` → on GPU the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV
+    dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+    if name == "triton":
+        why = triton_unavailable(device)
+        if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
+            why = f"its kernels read {', '.join(TRITON_KV_DTYPES)} KV pools, not {kv_cache_dtype}"
+        if why is not None:
+            raise ValueError(f"attention_backend 'triton' cannot run here: {why}")
     if name == "auto":
         if device.type == "cuda":
-            return "sdpa"
+            why = triton_unavailable(device)
+            if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
+                why = f"no Triton kernel for {kv_cache_dtype} KV pools"
+            name = "triton" if why is None else "sdpa"
+            logger.info("attention backend: %s%s", name, "" if why is None else f" ({why})")
+            return name
         name = "fused" if paged_decode_kernel() is not None else "matmul"
         logger.info("attention backend: %s%s", name,
                     "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
@@ -99,7 +115,8 @@ def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, dev
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
     batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
-                               attention_backend=_resolve_attention_backend(config.attention_backend, device))
+                               attention_backend=_resolve_attention_backend(config.attention_backend, device,
+                                                                            config.kv_cache_dtype))
 
 
 class EngineCore:
@@ -138,9 +155,14 @@ class EngineCore:
         pool_layers = len(self.kv_groups[0].layers) if self.kv_groups else arch.num_layers
         self.kv_bytes_per_token = kv_cache_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype, kv_model_dtype)
+        kv_pool_dtype = kv_model_dtype if config.kv_cache_dtype == "auto" else self.dtype
+        use_graphs = self.device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
         auto = None
         if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
-            auto = choose_auto_kv_budget(arch, config, self.device, self.kv_bytes_per_token)
+            if self.device.type == "cuda":
+                auto = self._profiled_kv_budget(model, kv_pool_dtype, use_graphs)
+            else:
+                auto = choose_auto_kv_budget(arch, config, self.device, self.kv_bytes_per_token)
             logger.info("%s", auto.describe())
             self.config = config = dataclasses.replace(config, kv_cache_memory=auto.budget)
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
@@ -161,8 +183,7 @@ class EngineCore:
         kv_caches = allocate_kv_caches(pool_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
                                        arch.head_dim,
                                        # the pools' own dtype for auto; what quantized pools dequantize to
-                                       kv_model_dtype if config.kv_cache_dtype == "auto" else self.dtype,
-                                       self.device, config.kv_cache_dtype)
+                                       kv_pool_dtype, self.device, config.kv_cache_dtype)
         if self.kv_groups:  # each layer reads the pool slot of its position in its group
             kv_caches = [kv_caches[slot] for _, slot in layer_slots(self.kv_groups)]
         # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
@@ -188,7 +209,15 @@ class EngineCore:
             priority_prefill_first=config.priority_prefill_first,
             priority_prefill_max_pause=config.priority_prefill_max_pause,
         ), self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device)
+        decode_graphs = None
+        if use_graphs:
+            decode_graphs = CudaGraphDecoder(model, kv_caches, config.max_num_seqs, config.max_model_len,
+                                             config.block_size, self.device)
+            decode_graphs.capture()
+        self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device, decode_graphs)
+        decode_path = (model.enable_native_decode(kv_caches, native_ops() if self.device.type == "cpu" else None)
+                       if config.native_decode else "python (--no-native-decode)")
+        logger.info("decode step: %s", decode_path)
         self.requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (on the compiler's thread):
         # they join the scheduler's waiting queue once it is ready.
@@ -225,6 +254,17 @@ class EngineCore:
                         len(self.kv_groups[0].layers), config.max_model_len,
                         self.block_manager.num_blocks_for(config.max_model_len),
                         len(self.kv_groups) * -(-config.max_model_len // config.block_size))
+
+    def _profiled_kv_budget(self, model, kv_pool_dtype: torch.dtype, use_graphs: bool) -> ProfiledKVBudget:
+        """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/memory.py)."""
+        c, arch = self.config, self.arch
+        step = profile_step(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs, c.block_size, self.device)
+        peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, kv_pool_dtype,
+                                       c.kv_cache_dtype, self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return profiled_kv_budget(total, free, self.weight_bytes, peak, c.kv_cache_memory_fraction,
+                                  CUDA_GRAPH_ALLOWANCE if use_graphs else 0,
+                                  kv_budget_cap(c, self.kv_bytes_per_token), step.num_tokens)
 
     def facts(self) -> ModelFacts:
         c = self.config

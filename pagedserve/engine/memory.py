@@ -10,10 +10,14 @@ reserve, measured *after* the weights are loaded (so they are already out of it)
   ``MemAvailable`` (``/proc/meminfo``; psutil's figure where psutil is installed) and what a
   cgroup (container) limit leaves: other processes' memory is theirs, so only free memory counts.
 
-The reserve is an estimate, not a measurement (vLLM profiles a forward pass instead): the
-largest step's float32 activations and attention scores, the sampler's logits, and 256 MiB of
-headroom. The pool is also capped at what ``max_num_seqs`` sequences of ``max_model_len``
-tokens could ever fill: more than that is never used.
+On CPU the reserve is an estimate (:func:`activation_reserve`): the largest step's float32
+activations and attention scores, the sampler's logits, and 256 MiB of headroom. On CUDA it is
+measured, as vLLM does (:class:`ProfiledKVBudget`, ``engine/profile_run.py``): one step of
+``max_num_batched_tokens`` prompt tokens and ``max_num_seqs`` sampled rows is run before the pool
+exists, and its peak allocation above the weights is what the pool leaves free, plus an
+allowance for the CUDA graphs captured after it. The pool is also capped at what
+``max_num_seqs`` sequences of ``max_model_len`` tokens could ever fill: more than that is never
+used.
 """
 
 from __future__ import annotations
@@ -141,6 +145,47 @@ def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token
     reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                  arch.intermediate_size, arch.vocab_size, config.max_num_batched_tokens,
                                  config.max_num_seqs, config.max_model_len)
+    return auto_kv_budget(free, fraction, reserve, kv_budget_cap(config, kv_bytes_per_token))
+
+
+# Left free for the decode CUDA graphs, captured after the pool: their activations for the largest
+# batch (max_num_seqs rows) share one memory pool, tens of MiB for the models here; the capture
+# logs what it really took.
+CUDA_GRAPH_ALLOWANCE = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class ProfiledKVBudget:
+    """The pool ``auto`` chose on CUDA after a profile run, and each term of the choice (for the log)."""
+
+    budget: int
+    total: int  # the card's memory
+    fraction: float  # of total the engine may take (--kv-cache-memory-fraction / --gpu-memory-utilization)
+    in_use: int  # in use on the card before the pool: this process's weights and torch's context, other processes
+    weights: int  # the model's weights (part of in_use)
+    peak_activation: int  # the profile step's peak allocation above what it started with
+    profile_tokens: int  # prompt tokens in the profile step (max_num_batched_tokens)
+    graphs: int  # left for the decode CUDA graphs (0 without them)
+    cap: int  # what max_num_seqs × max_model_len tokens could ever fill
+
+    def describe(self) -> str:
+        capped = " (capped: max_num_seqs × max_model_len tokens fill no more)" if self.budget == self.cap else ""
+        return (f"kv_cache_memory auto = {_size(self.budget)}{capped}: {self.fraction:g} × {_size(self.total)} "
+                f"total − {_size(self.in_use)} in use (weights {_size(self.weights)} included; "
+                f"torch.cuda.mem_get_info) − {_size(self.peak_activation)} peak of a {self.profile_tokens}-token "
+                f"profile step − {_size(self.graphs)} for CUDA graphs")
+
+
+def profiled_kv_budget(total: int, free: int, weights: int, peak_activation: int, fraction: float, graphs: int,
+                       cap: int, profile_tokens: int) -> ProfiledKVBudget:
+    """``fraction × total − in use − peak activation − graphs``, at least 0 and at most ``cap``."""
+    in_use = total - free
+    usable = int(fraction * total) - in_use - peak_activation - graphs
+    return ProfiledKVBudget(max(0, min(usable, cap)), total, fraction, in_use, weights, peak_activation,
+                            profile_tokens, graphs, cap)
+
+
+def kv_budget_cap(config, kv_bytes_per_token: int) -> int:
+    """The most KV bytes ``max_num_seqs`` sequences of ``max_model_len`` tokens can hold."""
     blocks_per_seq = -(-config.max_model_len // config.block_size)
-    cap = config.max_num_seqs * blocks_per_seq * config.block_size * kv_bytes_per_token
-    return auto_kv_budget(free, fraction, reserve, cap)
+    return config.max_num_seqs * blocks_per_seq * config.block_size * kv_bytes_per_token

@@ -8,6 +8,7 @@ Python loop per token: ``slot = block_table[seq, pos // block_size] * block_size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from pagedserve.engine.sequence import Sequence
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # engine/cuda_graphs.py builds on this module's ModelInput
+    from pagedserve.engine.cuda_graphs import CudaGraphDecoder
 
 
 @dataclass
@@ -67,12 +71,14 @@ class ModelRunner:
     """Owns the model and the KV cache tensors; executes one scheduled step."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_manager: BlockManager, device: torch.device):
+                 block_manager: BlockManager, device: torch.device, decode_graphs: CudaGraphDecoder | None = None):
+        """``decode_graphs``: captured CUDA graphs that decode-only steps replay (CUDA, triton backend)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.device = device
+        self.decode_graphs = decode_graphs
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the plan into the model's inputs.
@@ -171,7 +177,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """Run the model; float32 logits for the sampled rows."""
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
+        hidden = self.decode_graphs.run(model_input) if self.decode_graphs is not None else None
+        if hidden is None:  # no graph for this step (a prompt chunk in it, or none captured): eager
+            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
         if model_input.prompt_rows is not None:
             model_input.prompt_hidden = hidden[model_input.prompt_rows]
         return self.model.compute_logits(hidden[model_input.sample_indices])

@@ -11,6 +11,10 @@ the OpenAI API reports them.
 Why one uniform per row and not the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``, one
 draw per vocabulary entry): torch fills random tensors on one CPU thread, and 64 rows × 32,000
 exponentials took 51 ms, a third of a decode step of 64; the cumulative sum takes 2 ms.
+
+On a GPU every step of this stays on the device: which processors and filters apply is decided
+from the rows' parameters on the host, so the one transfer back is the sampled token ids (plus
+the log-probabilities of the rows that ask for them).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
     out_counts = _counts([r.output_token_ids for r in rows], vocab, device)
-    if (rep != 1.0).any():
+    if any(r.params.repetition_penalty != 1.0 for r in rows):  # asked of the rows, not of a GPU tensor
         seen = (_counts([r.prompt_token_ids for r in rows], vocab, device) + out_counts) > 0
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
@@ -126,7 +130,9 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    if (top_k < vocab).any() or (top_p < 1.0).any():
+    # Which filters apply is asked of the rows' parameters (host values), never of the tensors: on a
+    # GPU each such question would wait for the device and copy its answer back.
+    if any((r.params.top_k or vocab) < vocab or r.params.top_p < 1.0 for r in rows):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
@@ -135,7 +141,7 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         drop |= (probs.cumsum(dim=-1) - probs) > top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if (min_p > 0).any():
+    if any(r.params.min_p > 0 for r in rows):
         probs = logits.softmax(dim=-1)
         keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(~keep, float("-inf"))

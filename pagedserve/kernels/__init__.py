@@ -20,6 +20,10 @@
   with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``), each
   32's sum scaled once; and the blocks dequantized for prefill GEMMs and lookups
   (:mod:`pagedserve.models.gguf_linear`).
+* ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
+  (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools, which runs
+  the kernels above back to back through their C++ entry points (``kernel_ops.h``), as the Python
+  model would call them one by one (:mod:`pagedserve.models.native_decode`).
 * ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
   compile a scalar, an AVX2 and an AVX-512 path on every x86 machine and take the best the CPU runs
   (:func:`best_isa`); the tests run each path the CPU can (:func:`isa_paths`).
@@ -60,9 +64,11 @@ log = logging.getLogger("pagedserve.kernels")
 # Separate translation units compile in parallel: the two decode entry points take about as long each.
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
-                         "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp")]
+                         "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
+                         "decode_stack.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc")]
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
+                         "kernel_ops.h", "work_pool.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by

@@ -23,6 +23,8 @@
 #include "convert.h"
 #include "cpu_isa.h"
 #include "gguf_formats.h"
+#include "kernel_ops.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -174,7 +176,7 @@ constexpr int64_t kPanel = 64;  // activation rows kept hot while a thread walks
 // bytes. An LM head takes it: int8 activations there moved SmolLM2's logits by up to ~0.05 and
 // flipped a near-tie ("The" / "L" before "Paris").
 void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
+                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul";
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
@@ -202,7 +204,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   const int64_t Mq = M * per_row;
   std::vector<int8_t> q(Mq * K);
   std::vector<float> d(Mq * runs), s(Mq * runs);
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+  pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     std::vector<float> left(residual ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t r = m * per_row;
@@ -219,7 +221,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   const int64_t ld = out.stride(0);
   // At least ~32k weights per task: a small matrix is not split into slivers that cost more to
   // schedule than to compute.
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+  pagedserve::parallel_for(pool, 0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
     float dots[kTile];
     for (int64_t p0 = 0; p0 < Mq; p0 += kPanel) {  // kTile and kPanel even: a row's pair stays together
       const int64_t p1 = std::min(Mq, p0 + kPanel);
@@ -236,6 +238,12 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
       }
     }
   });
+}
+
+// The registered op: torch's threads.
+void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
+  gguf_matmul(out, x, w, format, bias, residual, isa_name, nullptr);
 }
 
 // out [N, K] (float32, bfloat16 or float16) = the weight's blocks dequantized.
@@ -292,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("gguf_matmul", &pagedserve::gguf::gguf_matmul);
+  m.impl("gguf_matmul", &pagedserve::gguf::gguf_matmul_op);
   m.impl("gguf_dequantize", &pagedserve::gguf::gguf_dequantize);
   m.impl("gguf_quantize_activations", &pagedserve::gguf::gguf_quantize_activations);
 }

@@ -25,6 +25,8 @@
 
 #include "convert.h"
 #include "cpu_isa.h"
+#include "kernel_ops.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <array>
@@ -228,10 +230,14 @@ std::pair<Block, int64_t> choose(Isa isa, bool bf16) {
   return {bf16 ? &block_scalar<true> : &block_scalar<false>, 1};
 }
 
+}  // namespace
+
+namespace pagedserve::ops {
+
 // out [M, N] float32 = x [M, K] float32 (rows with unit stride) . w^T, w a contiguous float16 or
 // bfloat16 [N, K], + bias [N] float32.
 void half_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                 const std::string& isa_name) {
+                 const std::string& isa_name, WorkPool* pool) {
   constexpr const char* op = "half_linear";
   const Isa isa = pagedserve::parse_isa(isa_name, op);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) >= x.size(1), op,
@@ -255,15 +261,21 @@ void half_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, cons
   // slivers costing more to schedule than to compute.
   const int64_t tiles = (N + width - 1) / width;
   const int64_t grain = std::max<int64_t>(1, 32768 / (K * width));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  pagedserve::parallel_for(pool, 0, tiles, grain, [&](int64_t t0, int64_t t1) {
     block(p, t0 * width, std::min(N, t1 * width));
   });
 }
 
-}  // namespace
+// The registered op: torch's threads.
+void half_linear_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                    const std::string& isa_name) {
+  half_linear(out, x, w, bias, isa_name, nullptr);
+}
+
+}  // namespace pagedserve::ops
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("half_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, str isa='auto') -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("half_linear", &half_linear); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("half_linear", &pagedserve::ops::half_linear_op); }

@@ -3,14 +3,21 @@
 // RMSNorm (optionally adding the residual first), rotary embedding in place, SiLU-and-multiply.
 // Numbers are computed in float32 and rounded to the tensor's dtype where the torch ops they
 // replace round, so bf16 results are bit-identical to transformers' (tested).
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "convert.h"
+#include "kernel_ops.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 
@@ -91,6 +98,10 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
   });
 }
 
+}  // namespace
+
+namespace pagedserve::ops {
+
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
@@ -146,12 +157,36 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+}  // namespace pagedserve::ops
+
+namespace {
+
 // How many threads one at::parallel_for over `items` runs on: what every kernel here gets. Built
 // without OpenMP, ATen's parallel_for silently runs on the calling thread alone; the tests ask this.
 int64_t parallel_threads(int64_t items) {
   std::atomic<uint64_t> seen{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << (at::get_thread_num() % 64); });
   return __builtin_popcountll(seen.load());
+}
+
+// Runs `jobs` jobs of `items` items each on a WorkPool of `threads`, every item adding 1 to its
+// counter: the tests check that every counter ends at `jobs` (no chunk lost, none run twice) and
+// how many threads ran chunks.
+std::tuple<at::Tensor, int64_t> work_pool_counts(int64_t threads, int64_t jobs, int64_t items) {
+  TORCH_CHECK(threads >= 1 && jobs >= 0 && items >= 0, "work_pool_counts: threads >= 1, jobs and items >= 0");
+  at::Tensor counts = at::zeros({items}, at::kInt);
+  int32_t* c = counts.data_ptr<int32_t>();
+  std::mutex guard;
+  std::set<std::thread::id> ran;
+  pagedserve::WorkPool pool(static_cast<int>(threads));
+  for (int64_t j = 0; j < jobs; ++j) {
+    pool.run(0, items, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) ++c[i];  // chunks never overlap: no two threads touch one item
+      std::lock_guard<std::mutex> lock(guard);
+      ran.insert(std::this_thread::get_id());
+    });
+  }
+  return {counts, static_cast<int64_t>(ran.size())};
 }
 
 }  // namespace
@@ -161,10 +196,11 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("parallel_threads(int items) -> int", &parallel_threads);  // no tensor: one kernel for every key
+  m.def("work_pool_counts(int threads, int jobs, int items) -> (Tensor, int)", &work_pool_counts);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &pagedserve::ops::rms_norm);
+  m.impl("rotary_embedding", &pagedserve::ops::rotary_embedding);
+  m.impl("silu_and_mul", &pagedserve::ops::silu_and_mul);
 }

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "convert.h"
+#include "kernel_ops.h"
 #include "paged_decode.h"
 
 #include <algorithm>
@@ -54,12 +55,18 @@ struct Plain {  // the model dtype itself: rows of T, no scales
 #endif
 };
 
+}  // namespace
+
+namespace pagedserve::ops {
+
+using namespace pagedserve::decode;
+
 // out, q: [seqs, heads, head_dim]; k_cache, v_cache: [kv_heads, blocks, block_size, head_dim] in
 // q's dtype; block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 (tokens each
 // sequence sees).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, WorkPool* workers) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [kvh, blocks, bs, hd]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "tensors must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -74,9 +81,23 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     };
     dispatch_group<E>(q.size(1) / kvh, Batch<E>{out.data_ptr<typename E::Store>(), q.data_ptr<typename E::Store>(),
                                                 pool(k_cache), pool(v_cache), block_tables.data_ptr<int64_t>(),
-                                                context_lens.data_ptr<int64_t>(), sh});
+                                                context_lens.data_ptr<int64_t>(), sh, workers});
   });
 }
+
+// The registered op: torch's threads.
+void paged_decode_attention_op(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, double scale) {
+  paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, nullptr);
+}
+
+}  // namespace pagedserve::ops
+
+namespace {
+
+using pagedserve::from_float;
+using pagedserve::to_float;
 
 // A prompt chunk's attention probabilities, in place: scores [..., q_len, ctx] where query i sits
 // at position ctx - q_len + i and sees keys 0..that position. Softmax over what it sees, zero
@@ -125,6 +146,6 @@ TORCH_LIBRARY(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &pagedserve::ops::paged_decode_attention_op);
   m.impl("causal_softmax_", &causal_softmax_);
 }

@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "convert.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -202,6 +203,7 @@ struct Batch {
   const int64_t* tables;
   const int64_t* lens;
   Shapes sh;
+  WorkPool* pool = nullptr;  // null: torch's threads
 };
 
 template <typename E, int G, int HD>
@@ -210,7 +212,7 @@ void decode_impl(const Batch<E>& b) {
   using T = typename E::Model;
   const Shapes& sh = b.sh;
   const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
-  at::parallel_for(0, sh.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_for(b.pool, 0, sh.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;

@@ -26,12 +26,18 @@ attend in the stored basis, queries rotated in and the output rotated back; ``re
 rotates every gathered vector back. ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
+
+A fifth, ``triton`` (:mod:`pagedserve.models.triton_attention`, the default on CUDA), reads and
+writes the pools in place with Triton kernels; :func:`load_attention_backend` imports it only when it
+is asked for, since Triton is an optional dependency.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +61,34 @@ class AttentionMetadata:
     # A sliding-window layer's view (:func:`window_view`): a query at position p sees keys at
     # positions > p - window only. None: every earlier key (full attention).
     window: int | None = None
+
+    @cached_property
+    def prefill_tensors(self) -> PrefillTensors:
+        """The prompt chunks as device tensors, for kernels that take every chunk in one launch;
+        built on first use, once per step (every layer reads the same)."""
+        return PrefillTensors.of(self.prefills, self.slot_mapping.device)
+
+
+@dataclass(frozen=True)
+class PrefillTensors:
+    """A step's prompt chunks, one row each: where its queries start in the flat batch, how many,
+    its context length, and its block table (padded with block 0 to the widest)."""
+
+    query_starts: torch.Tensor  # [chunks] int32
+    query_lens: torch.Tensor  # [chunks] int32
+    context_lens: torch.Tensor  # [chunks] int32
+    block_tables: torch.Tensor  # [chunks, max blocks] int32
+    max_query_len: int  # on the host: sizes a kernel's grid without a device sync
+
+    @classmethod
+    def of(cls, prefills: list[tuple[int, int, int, torch.Tensor]], device: torch.device) -> PrefillTensors:
+        width = max((len(ids) for *_, ids in prefills), default=0)
+        # Built where the block ids already are (the runner puts them on the device): no copy back.
+        tables = torch.zeros(len(prefills), width, dtype=torch.int32, device=device)
+        for i, (*_, ids) in enumerate(prefills):
+            tables[i, :len(ids)] = ids
+        numbers = torch.tensor([p[:3] for p in prefills], dtype=torch.int32).reshape(-1, 3).T.contiguous()
+        return cls(*numbers.to(device), tables, max((p[1] for p in prefills), default=0))
 
 
 def window_view(meta: AttentionMetadata, window: int, block_size: int) -> AttentionMetadata:
@@ -325,3 +359,23 @@ fused_attention = in_stored_basis(fused_attention)
 
 ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "matmul": matmul_attention,
                       "fused": fused_attention}
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """What a model layer calls: ``write`` stores the step's new K and V by slot mapping, then
+    ``attend`` computes attention through the block tables."""
+
+    attend: Callable[..., torch.Tensor]
+    write: Callable[..., None] = write_kv
+
+
+def load_attention_backend(name: str) -> AttentionBackend:
+    """The backend called ``name`` (any of ``config.ATTENTION_BACKEND_NAMES`` but ``auto``). ``triton``
+    brings its own KV write (one kernel, quantizing as it stores) and is imported only when asked
+    for: Triton is an optional dependency."""
+    if name == "triton":
+        from pagedserve.models.triton_attention import triton_attention, triton_write_kv
+
+        return AttentionBackend(triton_attention, triton_write_kv)
+    return AttentionBackend(ATTENTION_BACKENDS[name])

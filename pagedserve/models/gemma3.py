@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
-from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, window_view, write_kv
+from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend, window_view
 from pagedserve.models.llama import ModelArchitecture, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class Gemma3Attention(nn.Module):
         self.window = window
         self.scale = arch.query_pre_attn_scalar ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # One row per (token, head): the 2-D shape the native norm kernel takes.
@@ -142,8 +143,8 @@ class Gemma3Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend(q, k_cache, v_cache, meta, self.scale)
+        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -201,7 +202,10 @@ class Gemma3ForCausalLM(nn.Module):
                                     for w in arch.layer_windows)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.attention = ATTENTION_BACKENDS[attention_backend]
+        if attention_backend == "triton":  # its kernels attend to whole contexts
+            raise ValueError("Gemma 3's sliding windows are masked by the reference, sdpa, matmul and fused attention "
+                             "backends, not triton: pass --attention-backend sdpa")
+        self.attention = load_attention_backend(attention_backend)
         # KV groups (kv/groups.py): with per-group tables the runner passes one metadata per group
         self.kv_groups = kv_groups(arch.layer_windows)
         self.layer_group = [g for g, _ in layer_slots(self.kv_groups)]
@@ -228,6 +232,11 @@ class Gemma3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding)):
                 m.ops = ops
+
+    def enable_native_decode(self, kv_caches: list, ops) -> str:
+        """The engine asks every model; the one-call native decode stack (models/native_decode.py)
+        runs the Llama family's layers, so Gemma 3 decodes through this Python model."""
+        return "python (the native decode stack runs Llama-family layers, not Gemma 3's)"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled, soft-capped where the config says."""

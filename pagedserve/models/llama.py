@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, write_kv
+from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend
+from pagedserve.models.native_decode import NativeDecode
 
 
 @dataclass
@@ -173,7 +174,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -183,8 +184,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend(q, k_cache, v_cache, meta, self.scale)
+        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -241,12 +242,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.attention = ATTENTION_BACKENDS[attention_backend]
+        self.attention = load_attention_backend(attention_backend)
+        self.native_decode: NativeDecode | None = None  # set by enable_native_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch."""
         x, residual = self.embed_tokens(input_ids), None
+        native = self.native_decode
+        if native is not None and native.runs(x.shape[0], meta, kv_caches):
+            return native(x, positions, meta)  # the layers below, in one native call
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, meta, self.attention)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
@@ -257,6 +262,12 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
                 m.ops = ops
+
+    def enable_native_decode(self, kv_caches: list, ops) -> str:
+        """Run decode steps over ``kv_caches`` through one native call for all layers where it can
+        (:mod:`pagedserve.models.native_decode`); returns what was decided and why."""
+        self.native_decode, why = NativeDecode.build(self, kv_caches, ops)
+        return why if self.native_decode is not None else f"python ({why})"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""

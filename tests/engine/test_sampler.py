@@ -149,3 +149,35 @@ def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab):
     assert row_argmax(x[:0]).shape == (0,)
     columns = x.t().contiguous().t()  # the same values, laid out column by column
     assert row_argmax(columns).tolist() == x.argmax(dim=-1).tolist()
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor operations that read a tensor's values back to the host: on a GPU each is a
+    device sync and a copy back (``.tolist()``, ``.item()``, ``if tensor:``, ``int(tensor)``)."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_reads_back_only_the_sampled_ids():
+    """Greedy, penalised, top-k, top-p, min-p and seeded rows in one batch: every decision is taken
+    on the host from the rows' parameters, so the one value read back is the list of token ids."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g)
+    rows = [row(temperature=0), row(temperature=0, repetition_penalty=1.3, out=[1, 2], prompt=[3]),
+            row(temperature=0.7, top_k=20), row(temperature=1.0, top_p=0.9, presence_penalty=0.5, out=[4]),
+            row(temperature=1.0, min_p=0.1), row(gen=torch.Generator().manual_seed(3), temperature=0.8,
+                                                  frequency_penalty=0.2, logit_bias={7: 2.0}, out=[7])]
+    with _HostReads() as mode:
+        result = sample(logits, rows, torch.Generator().manual_seed(1))
+    assert mode.reads == ["tolist"]
+    assert len(result.token_ids) == 6

@@ -11,10 +11,10 @@ from pagedserve.kv.quant import QuantizedKVCache
 from pagedserve.models.attention import AttentionMetadata
 
 
-def paged_batch(decode_ctx, prefills, block_size=4, kvh=2, heads=6, hd=8, dtype=torch.float32, seed=0):
+def paged_batch(decode_ctx, prefills, block_size=4, kvh=2, heads=6, hd=8, dtype=torch.float32, seed=0,
+                num_blocks=96):
     """Random caches and a batch of decodes (context lengths) and prompt chunks (q_len, ctx_len)."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 96
     k_cache = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-contiguous blocks

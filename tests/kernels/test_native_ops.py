@@ -121,3 +121,15 @@ def test_kernels_run_on_every_torch_thread():
         assert OPS.parallel_threads(64) == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_work_pool_runs_every_chunk_exactly_once(threads):
+    """The native decode step's pool (work_pool.h): thousands of back-to-back jobs, as a step's
+    kernels post them, each item of each job run once (none lost, none run twice by two threads,
+    no chunk of one job taken by a thread still finishing the last), and workers taking chunks
+    beside the calling thread (4 threads on a 2-core machine too)."""
+    counts, ran = OPS.work_pool_counts(threads, 20000, 97)
+    assert torch.equal(counts, torch.full((97,), 20000, dtype=torch.int32))
+    assert ran == 1 if threads == 1 else 2 <= ran <= threads
+    assert OPS.work_pool_counts(threads, 0, 5)[0].sum() == 0  # no job, nothing run

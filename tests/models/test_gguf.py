@@ -32,21 +32,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def tiny_ggufs(tiny_model_dir, tmp_path_factory):
-    """``tiny_ggufs(kind)`` → the standard tiny model written as a GGUF of that tensor type."""
-    out = tmp_path_factory.mktemp("gguf")
-    made: dict[str, Path] = {}
-
-    def get(kind: str, source: Path = tiny_model_dir, tag: str = "tiny", tokenizer: bool = False) -> Path:
-        key = f"{tag}-{kind}-{tokenizer}"
-        if key not in made:
-            made[key] = write_gguf(source, out / f"{key}.gguf", kind, tokenizer=tokenizer)
-        return made[key]
-
-    return get
-
-
 def _load(path: Path, keep: bool, dtype=torch.float32, packed=False, native=True):
     """The model of a GGUF file (weights and metadata only: no tokenizer needed); ``native`` False
     loads it as a machine without the native kernels would."""

@@ -1,0 +1,231 @@
+// A decode step's decoder layers in one native call: the Llama block (RMSNorm, fused QKV, rotary
+// embedding, the KV write, paged decode attention, the output projection, RMSNorm, gate/up,
+// SiLU-and-multiply, down) for every layer, over the rows of a decode batch.
+//
+// Why: the Python model makes about a dozen calls per layer, each costing microseconds of
+// interpreter and dispatcher work, and between two kernels torch's worker threads idle long enough
+// to go back to sleep; on the default model (30 layers, ~15 ms of kernels per token) that overhead
+// was as large as the kernels themselves. Here the same kernels run back to back from C++.
+//
+// The arithmetic is the Python path's, call for call (models/llama.py, models/attention.py,
+// kv/cache.py): the same kernel functions (kernel_ops.h) on the same tensors with the same dtype
+// conversions, so the two paths give the same bits (tested). The Python path stays the reference and
+// runs whatever this does not take: prompt chunks, quantized KV pools, other linear layer kinds.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "kernel_ops.h"
+#include "work_pool.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pagedserve::decode_stack {
+
+// How a linear layer holds its weight (models/native_decode.py maps each layer class to one).
+enum class Kind { gguf, half, onednn, dense };
+
+Kind parse_kind(const std::string& name) {
+  if (name == "gguf") return Kind::gguf;
+  if (name == "half") return Kind::half;
+  if (name == "onednn") return Kind::onednn;
+  if (name == "dense") return Kind::dense;
+  TORCH_CHECK(false, "DecodeStack: unknown linear kind '", name, "' (gguf, half, onednn, dense)");
+}
+
+struct Linear {
+  Kind kind = Kind::dense;
+  std::vector<at::Tensor> weights;   // gguf: one per segment of output rows; otherwise one
+  std::vector<std::string> formats;  // gguf: each segment's block format
+  std::vector<int64_t> widths;       // gguf: each segment's output rows
+  std::optional<at::Tensor> bias;
+  bool residual = false;             // gguf: activations as int8 + the int8 of the residual
+  int64_t out_features = 0;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  at::Tensor k_pool, v_pool;                 // [kv_heads, blocks, block_size, head_dim]
+  Linear qkv, o, gate_up, down;
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // `threads`: the step's threads, in a WorkPool of this stack's own (work_pool.h: a worker the
+  // scheduler has not put on a core never holds a step up); 0 runs the kernels on torch's OpenMP
+  // threads instead.
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
+              at::Tensor cos, at::Tensor sin, at::Tensor final_norm, int64_t threads)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps),
+        scale_(scale), cos_(std::move(cos)), sin_(std::move(sin)), final_norm_(std::move(final_norm)),
+        pool_(threads > 0 ? std::make_unique<WorkPool>(static_cast<int>(threads)) : nullptr) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, at::Tensor k_pool, at::Tensor v_pool) {
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.size(0) == kv_heads_ &&
+                    k_pool.size(3) == head_dim_ && k_pool.is_contiguous() && v_pool.is_contiguous(),
+                "DecodeStack: pools must be contiguous [kv_heads, blocks, block_size, head_dim]");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q_norm and k_norm go together");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+                            std::move(k_pool), std::move(v_pool), {}, {}, {}, {}});
+  }
+
+  // Layer `layer`'s linear `name` (qkv, o, gate_up, down).
+  void set_linear(int64_t layer, const std::string& name, const std::string& kind, std::vector<at::Tensor> weights,
+                  std::vector<std::string> formats, std::vector<int64_t> widths, std::optional<at::Tensor> bias,
+                  bool residual) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "DecodeStack: no layer ", layer);
+    Linear l{parse_kind(kind), std::move(weights), std::move(formats), std::move(widths), std::move(bias), residual, 0};
+    TORCH_CHECK(!l.weights.empty(), "DecodeStack: a linear needs a weight");
+    if (l.kind == Kind::gguf) {
+      TORCH_CHECK(l.formats.size() == l.weights.size() && l.widths.size() == l.weights.size(),
+                  "DecodeStack: a GGUF linear has one format and one width per segment");
+      for (int64_t w : l.widths) l.out_features += w;
+    } else {
+      TORCH_CHECK(l.weights.size() == 1, "DecodeStack: only GGUF linears have segments");
+      l.out_features = l.kind == Kind::onednn ? (l.widths.empty() ? -1 : l.widths[0]) : l.weights[0].size(0);
+      TORCH_CHECK(l.out_features > 0, "DecodeStack: a oneDNN linear's width must be given (its weight is opaque)");
+    }
+    if (l.kind == Kind::onednn && !onednn_linear_) {
+      onednn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    }
+    Layer& L = layers_[layer];
+    if (name == "qkv") L.qkv = std::move(l);
+    else if (name == "o") L.o = std::move(l);
+    else if (name == "gate_up") L.gate_up = std::move(l);
+    else if (name == "down") L.down = std::move(l);
+    else TORCH_CHECK(false, "DecodeStack: no linear named '", name, "' (qkv, o, gate_up, down)");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
+  // each row one decode token at `positions`, written to `slots`, attending through `block_tables`
+  // to `context_lens` tokens.
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                     at::Tensor context_lens) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [rows, hidden]");
+    const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    at::Tensor residual;  // the residual stream: the embeddings, then each layer's sum, in place
+    for (Layer& L : layers_) {
+      at::Tensor h = at::empty_like(x);
+      if (!residual.defined()) {
+        residual = x;
+        ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_);
+      } else {
+        ops::rms_norm(h, x, residual, L.input_norm, eps_);
+      }
+      const at::Tensor qkv = apply(L.qkv, h);
+      const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+      at::Tensor q = parts[0].view({t, heads_, head_dim_});
+      at::Tensor k = parts[1].view({t, kv_heads_, head_dim_});
+      const at::Tensor v = parts[2].view({t, kv_heads_, head_dim_});
+      if (L.q_norm) {
+        q = head_norm(q, *L.q_norm);
+        k = head_norm(k, *L.k_norm);
+      }
+      ops::rotary_embedding(q, k, positions, cos_, sin_);
+      write_kv(L.k_pool, slots, k);
+      write_kv(L.v_pool, slots, v);
+      const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens).reshape({t, q_size}));
+      at::Tensor h2 = at::empty_like(a);
+      ops::rms_norm(h2, a, residual, L.post_norm, eps_);
+      const at::Tensor gate_up = apply(L.gate_up, h2);
+      at::Tensor act = at::empty({t, intermediate_}, gate_up.options());
+      ops::silu_and_mul(act, gate_up);
+      x = apply(L.down, act);
+    }
+    at::Tensor out = at::empty_like(x);
+    ops::rms_norm(out, x, residual, final_norm_, eps_);
+    return out;
+  }
+
+ private:
+  // y = x W^T + b as the layer's Python class computes it (models/gguf_linear.py, half_linear.py,
+  // packed.py, nn.Linear).
+  at::Tensor apply(const Linear& l, const at::Tensor& x) const {
+    switch (l.kind) {
+      case Kind::gguf: {
+        const at::Tensor rows = x.contiguous();
+        at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
+        if (l.weights.size() == 1) {
+          gguf::gguf_matmul(y, rows, l.weights[0], l.formats[0], l.bias, l.residual, "auto", pool_.get());
+        } else {
+          int64_t offset = 0;
+          for (size_t i = 0; i < l.weights.size(); ++i) {
+            at::Tensor part = y.narrow(1, offset, l.widths[i]);
+            const std::optional<at::Tensor> bias =
+                l.bias ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : std::nullopt;
+            gguf::gguf_matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
+            offset += l.widths[i];
+          }
+        }
+        return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+      }
+      case Kind::half: {
+        const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
+        at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
+        ops::half_linear(y, rows, l.weights[0], l.bias, "auto", pool_.get());
+        return y;
+      }
+      case Kind::onednn: {
+        std::vector<c10::IValue> stack{x, l.weights[0], l.bias, std::string("none"),
+                                       c10::List<std::optional<at::Scalar>>(), std::string("")};
+        onednn_linear_->callBoxed(stack);
+        return stack[0].toTensor();
+      }
+      case Kind::dense:
+        return at::linear(x, l.weights[0], l.bias);
+    }
+    TORCH_CHECK(false, "DecodeStack: unreachable");
+  }
+
+  // Qwen3's q/k norm over each head: RMSNorm's torch path (the native one takes 2-D rows only),
+  // in float32 and cast back, as transformers computes it.
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    at::Tensor xf = x.to(at::kFloat);
+    xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+    return weight * xf.to(x.scalar_type());
+  }
+
+  // HeadMajorKVCache.write: token i's [kv_heads, head_dim] to flat slot slots[i] of every head.
+  static void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
+    const at::Tensor src = x.scalar_type() == pool.scalar_type() ? x : x.to(pool.scalar_type());
+    pool.view({pool.size(0), pool.size(1) * pool.size(2), pool.size(3)}).index_copy_(1, slots, src.transpose(0, 1));
+  }
+
+  // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
+  // the output converted back).
+  at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens) const {
+    const bool same = q.scalar_type() == L.k_pool.scalar_type();
+    at::Tensor out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
+    ops::paged_decode_attention(out, same ? q : q.to(L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens,
+                                scale_, pool_.get());
+    return same ? out : out.to(q.scalar_type());
+  }
+
+  int64_t heads_, kv_heads_, head_dim_, intermediate_;
+  double eps_, scale_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::vector<Layer> layers_;
+  std::optional<c10::OperatorHandle> onednn_linear_;
+  std::unique_ptr<WorkPool> pool_;
+};
+
+}  // namespace pagedserve::decode_stack
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  using pagedserve::decode_stack::DecodeStack;
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_linear", &DecodeStack::set_linear)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

@@ -1,0 +1,112 @@
+"""A decode step's decoder layers as one native call (``pagedserve/kernels/decode_stack.cpp``).
+
+The Python model makes about a dozen calls per layer per step (norms, the linears, the rotary
+embedding, the KV write, attention, conversions), each microseconds of interpreter and dispatcher
+work, and between two kernels torch's worker threads idle long enough to fall asleep. On the
+default model (30 layers, ~15 ms of kernels per token on a 2-core AVX2 EPYC) that overhead was as
+large as the kernels. :class:`NativeDecode` hands a decode step's layers to one C++ object holding
+every layer's weights and KV pools, which runs the same kernels back to back.
+
+It computes what the Python path computes, call for call (same kernels, same conversions: the same
+bits, tested), and takes only what it can: decode-only steps of at most :attr:`NativeDecode.max_rows`
+rows, over the engine's model-dtype KV pools (``HeadMajorKVCache``), through the ``fused``
+attention backend, with linears held as GGUF blocks, 16-bit decode weights, oneDNN-packed or plain
+float weights. Everything else (prompt chunks, quantized KV pools, other linear kinds) runs through
+the Python model, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kv.cache import HeadMajorKVCache
+from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP, AttentionMetadata, fused_attention, write_kv
+from pagedserve.models.gguf_linear import GGUFLinear
+from pagedserve.models.half_linear import HalfWeightLinear
+from pagedserve.models.packed import PackedLinear
+
+UNLIMITED_ROWS = 1 << 30
+
+
+def linear_spec(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
+    """``((kind, weights, formats, widths, bias, residual), rows it takes)`` for ``DecodeStack.set_linear``,
+    or why ``layer`` has no native decode path."""
+    if isinstance(layer, GGUFLinear):
+        weights = [getattr(layer, f"weight{i}") for i in range(len(layer.formats))]
+        return ("gguf", weights, list(layer.formats), list(layer.widths), layer.bias, layer.residual), layer.kernel_rows
+    if isinstance(layer, HalfWeightLinear):
+        if layer.ops is None or dtype != torch.float32:
+            return "16-bit decode weights without their kernel"
+        return ("half", [layer.weight], [], [], layer.bias, False), layer.max_kernel_rows
+    if isinstance(layer, PackedLinear):
+        return ("onednn", [layer.packed_weight], [], [layer.out_features], layer.bias, False), UNLIMITED_ROWS
+    if type(layer) is nn.Linear:
+        return ("dense", [layer.weight], [], [], layer.bias, False), UNLIMITED_ROWS
+    return f"{type(layer).__name__} layers have no native decode path"
+
+
+class NativeDecode:
+    """A model's decoder layers and KV pools in one ``torch.classes.pagedserve.DecodeStack``."""
+
+    def __init__(self, stack, kv_caches: list, max_rows: int, what: str):
+        self.stack = stack
+        self.kv_caches = kv_caches  # the pools it was built over: a step over other pools is not its
+        self.max_rows = max_rows
+        self.what = what
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_caches: list, ops, threads: int | None = None
+              ) -> tuple["NativeDecode | None", str]:
+        """The native decode path over ``model`` (a ``LlamaForCausalLM``) and ``kv_caches``, or
+        ``None``; and why, for the engine's log. ``threads``: the step's threads in the stack's own
+        pool (default: torch's thread count); 0 runs its kernels on torch's OpenMP threads."""
+        if ops is None:
+            return None, "the native kernels are unavailable"
+        arch = model.arch
+        if model.attention.attend is not fused_attention or model.attention.write is not write_kv:
+            return None, "the attention backend is not 'fused'"
+        if arch.num_heads > FUSED_DECODE_MAX_GROUP * arch.num_kv_heads:
+            return None, f"more than {FUSED_DECODE_MAX_GROUP} query heads per KV head"
+        if not all(isinstance(pool, HeadMajorKVCache) and pool.data.device.type == "cpu"
+                   for pair in kv_caches for pool in pair):
+            return None, "the KV pools are quantized or not on the CPU"
+        dtype = model.norm.weight.dtype  # the compute dtype: norms stay in it whatever the linears hold
+        specs, max_rows = [], UNLIMITED_ROWS
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            named = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            layer_specs = {}
+            for name, linear in named.items():
+                spec = linear_spec(linear, dtype)
+                if isinstance(spec, str):
+                    return None, spec
+                layer_specs[name], rows = spec
+                max_rows = min(max_rows, rows)
+            specs.append(layer_specs)
+        rotary = model.layers[0].self_attn.rotary
+        stack = torch.classes.pagedserve.DecodeStack(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, model.norm.eps,
+            model.layers[0].self_attn.scale, rotary.cos, rotary.sin, model.norm.weight,
+            torch.get_num_threads() if threads is None else threads)
+        for i, (layer, (k_pool, v_pool), layer_specs) in enumerate(zip(model.layers, kv_caches, specs)):
+            attn = layer.self_attn
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                            None if attn.q_norm is None else attn.q_norm.weight,
+                            None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data)
+            for name, spec in layer_specs.items():
+                stack.set_linear(i, name, *spec)
+        kinds = sorted({spec[0] for layer_specs in specs for spec in layer_specs.values()})
+        rows = "any number of" if max_rows == UNLIMITED_ROWS else f"up to {max_rows}"
+        what = (f"native: {len(specs)} layers in one call per decode step ({rows} rows; "
+                f"{', '.join(kinds)} linears, {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV pools)")
+        return cls(stack, kv_caches, max_rows, what), what
+
+    def runs(self, num_tokens: int, meta: AttentionMetadata, kv_caches: list) -> bool:
+        """Whether this step is one it takes: decodes only, few enough rows, its own pools."""
+        return not meta.prefills and num_tokens <= self.max_rows and kv_caches is self.kv_caches
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm for the decode rows whose embeddings are ``x``."""
+        return self.stack.forward(x, positions, meta.slot_mapping, meta.decode_block_tables,
+                                  meta.decode_context_lens)

@@ -1,0 +1,151 @@
+"""The native decode step (models/native_decode.py, kernels/decode_stack.cpp) against the Python
+model it replaces: the same bits, for every kind of linear layer and architecture it takes, and the
+Python path wherever it declines."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import native_ops
+from pagedserve.kv.cache import HeadMajorKVCache
+from pagedserve.models.attention import AttentionMetadata
+from pagedserve.models.native_decode import NativeDecode
+from tests.conftest import assert_no_leaks
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
+    """``models(case)`` → an in-process LLM of that case, built once per module."""
+    sources = {
+        "llama-onednn": lambda: (checkpoint_dir("llama"), {"dtype": "float32"}),
+        "qwen2-bias": lambda: (checkpoint_dir("qwen2"), {"dtype": "float32"}),
+        "qwen3-qk-norm": lambda: (checkpoint_dir("qwen3"), {"dtype": "float32"}),
+        "tiny-bf16-dense": lambda: (tiny_model_dir, {"dtype": "bfloat16"}),
+        "tiny-half-weights": lambda: (tiny_model_dir, {"dtype": "float32"}),  # bf16 checkpoint: 16-bit decode weights
+        "gguf-q4_1": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {}),
+        "gguf-q8_0-int8": lambda: (tiny_ggufs("Q8_0", tokenizer=True), {"gguf_activations": "int8"}),
+    }
+    built: dict[str, LLM] = {}
+
+    def get(case: str, native: bool = True) -> LLM:
+        key = f"{case}-{native}"
+        if key not in built:
+            path, options = sources[case]()
+            built[key] = LLM(str(path), num_kv_blocks=96, block_size=8, max_model_len=256, native_decode=native,
+                             **options)
+        return built[key]
+
+    return get
+
+
+CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "gguf-q4_1",
+         "gguf-q8_0-int8"]
+KINDS = {"llama-onednn": "onednn", "qwen2-bias": "onednn", "qwen3-qk-norm": "onednn", "tiny-bf16-dense": "dense",
+         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf"}
+
+
+def _decode_batch(model, rows: int, block_size: int, seed: int):
+    """Random pools holding ``rows`` sequences' contexts (scattered blocks), and a decode step for
+    them: its embeddings' token ids, positions, slots and metadata."""
+    arch = model.arch
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = model.native_decode.kv_caches[0][0].dtype
+    num_blocks = 112  # 32 rows of up to 3 blocks each, scattered
+    pools = []
+    for _ in range(arch.num_layers):
+        pair = []
+        for _ in range(2):
+            pool = HeadMajorKVCache(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype,
+                                    torch.device("cpu"))
+            pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+            pair.append(pool)
+        pools.append(tuple(pair))
+    contexts = torch.randint(1, 3 * block_size, (rows,), generator=g)  # the new token included
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = int((contexts.max() + block_size - 1) // block_size)
+    tables = torch.tensor([[perm.pop() for _ in range(width)] for _ in range(rows)])
+    positions = contexts - 1
+    slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
+    mask = (torch.arange(width * block_size)[None] < contexts[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slots, rows, tables, contexts, mask, [])
+    ids = torch.randint(0, arch.vocab_size, (rows,), generator=g)
+    return pools, ids, positions, meta
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_decode_step_gives_the_python_models_bits(case, models):
+    model = models(case).engine.runner.model
+    native = model.native_decode
+    assert native is not None, "the native path declined a model it takes"
+    assert KINDS[case] in native.what
+    for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2)):
+        pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)
+        python_pools = [tuple(_copy(p) for p in pair) for pair in pools]
+        model.native_decode, _ = NativeDecode.build(model, pools, native_ops())  # over these pools
+        try:
+            got = model(ids, positions, pools, meta)
+            model.native_decode = None  # the Python model: the reference
+            want = model(ids, positions, python_pools, meta)
+        finally:
+            model.native_decode = native
+        assert torch.equal(got, want), f"{case}, {rows} rows: hidden states differ by {(got - want).abs().max()}"
+        for (k, v), (pk, pv) in zip(pools, python_pools):  # the KV writes too
+            assert torch.equal(k.data, pk.data) and torch.equal(v.data, pv.data)
+
+
+def _copy(pool: HeadMajorKVCache) -> HeadMajorKVCache:
+    kvh, nb, bs, hd = pool.data.shape
+    twin = HeadMajorKVCache(nb, bs, kvh, hd, pool.dtype, torch.device("cpu"))
+    twin.data.copy_(pool.data)
+    return twin
+
+
+PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in blocks", "1 2 3 4 5 6 7 8 9"]
+
+
+@pytest.mark.parametrize("case", ["qwen3-qk-norm", "tiny-half-weights", "gguf-q4_1"])
+def test_engine_generates_the_same_tokens_and_logprobs_either_way(case, models):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    results = []
+    for native in (True, False):
+        llm = models(case, native)
+        assert (llm.engine.runner.model.native_decode is not None) == native
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert_no_leaks(llm.engine)
+    assert results[0] == results[1]
+
+
+def test_native_decode_declines_what_it_cannot_run(tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):
+        int8_kv = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, kv_cache_dtype="int8")
+        matmul = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, attention_backend="matmul")
+    assert int8_kv.engine.runner.model.native_decode is None
+    assert matmul.engine.runner.model.native_decode is None
+    assert "decode step: python (the KV pools are quantized or not on the CPU)" in caplog.text
+    assert "decode step: python (the attention backend is not 'fused')" in caplog.text
+    # Both still generate, through the Python model, and give every block back.
+    for llm in (int8_kv, matmul):
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert_no_leaks(llm.engine)
+
+
+def test_native_decode_takes_decode_steps_only(models):
+    llm = models("gguf-q4_1")
+    native = llm.engine.runner.model.native_decode
+    pools = llm.engine.runner.kv_caches
+    decode = AttentionMetadata(torch.zeros(2, dtype=torch.long), 2, torch.zeros(2, 1, dtype=torch.long),
+                               torch.ones(2, dtype=torch.long), None, [])
+    with_chunk = AttentionMetadata(decode.slot_mapping, 1, decode.decode_block_tables[:1],
+                                   decode.decode_context_lens[:1], None, [(1, 1, 1, torch.zeros(1, dtype=torch.long))])
+    assert native.runs(2, decode, pools)
+    assert not native.runs(2, with_chunk, pools)  # a prompt chunk in the step: the Python model
+    assert not native.runs(native.max_rows + 1, decode, pools)  # more rows than the GGUF kernels take
+    assert not native.runs(2, decode, [tuple(pair) for pair in pools])  # pools it was not built over
