@@ -103,7 +103,8 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
     ctx = meta.decode_context_lens
     first = (ctx - window).clamp(min=0) // block_size  # block of the oldest key in the window
     width = min(meta.decode_block_tables.shape[1], window_blocks(window, block_size))
-    cols = (first.unsqueeze(1) + torch.arange(width, device=ctx.device)).clamp(max=meta.decode_block_tables.shape[1] - 1)
+    last = meta.decode_block_tables.shape[1] - 1
+    cols = (first.unsqueeze(1) + torch.arange(width, device=ctx.device)).clamp(max=last)
     tables = meta.decode_block_tables.gather(1, cols).contiguous()
     lens = ctx - first * block_size
     span = torch.arange(width * block_size, device=ctx.device).unsqueeze(0)

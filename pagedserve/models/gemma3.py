@@ -84,7 +84,8 @@ class Gemma3Architecture(ModelArchitecture):
         if get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
         if get("hidden_activation") != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported Gemma 3 activation {get('hidden_activation')!r} (supported: gelu_pytorch_tanh)")
+            raise ValueError(f"unsupported Gemma 3 activation {get('hidden_activation')!r} "
+                             "(supported: gelu_pytorch_tanh)")
         layers = int(get("num_hidden_layers"))
         types = getattr(cfg, "layer_types", None) or [
             SLIDING if (i + 1) % int(get("sliding_window_pattern")) else FULL for i in range(layers)]
@@ -378,6 +379,7 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
         raise GGUFError(f"not filled from the GGUF file: {left[:5]}")
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
-                       str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
+                       str(dtype).removeprefix("torch."),
+                       ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
     logger.info("loaded %s: %s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())))
     return model.eval().requires_grad_(False)

@@ -34,7 +34,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     directory in the cache (:func:`pagedserve.models.gguf.prepare_gguf_dir`); another local
     directory is taken as is; a standard model's name (``tiny``, ``small``, ``qwen05-shape``) is
     built on first use; the default model's name (``SmolLM2-135M-Instruct``) and ``gemma-3-270m``
-    (Gemma 3 270M, Q4_K_M: :mod:`pagedserve.models.gemma3_file`) are fetched on first use; anything else is a hub id, downloaded (or taken from the HF cache).
+    (Gemma 3 270M, Q4_K_M: :mod:`pagedserve.models.gemma3_file`) are fetched on first use; anything
+    else is a hub id, downloaded (or taken from the HF cache).
     """
     from pagedserve.models.default import DEFAULT_MODEL_NAME, ensure_default_model
     from pagedserve.models.gemma3_file import GEMMA3_MODEL_NAME, ensure_gemma3_model
