@@ -25,6 +25,7 @@ import torch
 
 from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels import native_ops
 
 
 # Chunk width of row_argmax's first pass: wide enough that the chunk maxima are few, narrow
@@ -36,6 +37,10 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a ``[rows, vocab]`` tensor, the same result, up to 8x faster on CPU
     at a decode batch's size (``pagedserve bench sampler``).
 
+    float32 rows on a CPU with the native kernels go to ``row_argmax`` (``kernels/layer_ops.cpp``),
+    one pass per row on the calling thread: torch's reductions below fork its OpenMP team, and with
+    another process on a core each fork waited out a time slice (11 ms a step, measured under load).
+
     Torch's CPU argmax walks each row one element at a time (about 30 us per 32,000-token row,
     1-2 ms for a decode batch of 64), while ``amax`` is vectorized (1.6 us per row). So: the maximum of
     each 128-wide chunk, the first chunk holding the row's maximum, and the argmax within that
@@ -45,6 +50,16 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     rows, vocab = x.shape
     if x.stride(-1) != 1:  # the chunk view needs each row's elements side by side
         x = x.contiguous()
+    ops = native_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and vocab else None
+    if ops is not None:
+        return ops.row_argmax(x)
+    return chunked_argmax(x)
+
+
+def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
+    """:func:`row_argmax` in torch ops (any device and dtype), for a ``[rows, vocab]`` tensor whose
+    rows are contiguous."""
+    rows, vocab = x.shape
     chunks = vocab // ARGMAX_CHUNK
     if chunks < 2:
         return x.argmax(dim=-1)

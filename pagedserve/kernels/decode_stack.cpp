@@ -46,6 +46,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
   bool residual = false;             // gguf: activations as int8 + the int8 of the residual
   int64_t out_features = 0;
+  bool float_output = false;         // gguf: float32 out whatever x is (an LM head's logits)
 };
 
 struct Layer {
@@ -76,12 +77,14 @@ class DecodeStack : public torch::CustomClassHolder {
                             std::move(k_pool), std::move(v_pool), {}, {}, {}, {}});
   }
 
-  // Layer `layer`'s linear `name` (qkv, o, gate_up, down).
+  // Layer `layer`'s linear `name` (qkv, o, gate_up, down), or with layer -1 the LM head (`head`).
   void set_linear(int64_t layer, const std::string& name, const std::string& kind, std::vector<at::Tensor> weights,
                   std::vector<std::string> formats, std::vector<int64_t> widths, std::optional<at::Tensor> bias,
                   bool residual) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "DecodeStack: no layer ", layer);
-    Linear l{parse_kind(kind), std::move(weights), std::move(formats), std::move(widths), std::move(bias), residual, 0};
+    const bool head = layer == -1 && name == "head";
+    TORCH_CHECK(head || (layer >= 0 && layer < static_cast<int64_t>(layers_.size())), "DecodeStack: no layer ", layer);
+    Linear l{parse_kind(kind), std::move(weights), std::move(formats), std::move(widths), std::move(bias), residual, 0,
+             head};
     TORCH_CHECK(!l.weights.empty(), "DecodeStack: a linear needs a weight");
     if (l.kind == Kind::gguf) {
       TORCH_CHECK(l.formats.size() == l.weights.size() && l.widths.size() == l.weights.size(),
@@ -95,6 +98,10 @@ class DecodeStack : public torch::CustomClassHolder {
     if (l.kind == Kind::onednn && !onednn_linear_) {
       onednn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     }
+    if (head) {
+      head_ = std::move(l);
+      return;
+    }
     Layer& L = layers_[layer];
     if (name == "qkv") L.qkv = std::move(l);
     else if (name == "o") L.o = std::move(l);
@@ -104,6 +111,13 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Float32 logits of hidden states [rows, hidden] through the LM head (set_linear(-1, "head", ...)),
+  // as compute_logits in models/llama.py: the head's output, then .float().
+  at::Tensor logits(at::Tensor x) const {
+    TORCH_CHECK(head_.has_value(), "DecodeStack: no LM head was set");
+    return apply(*head_, x).to(at::kFloat);
+  }
 
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
   // each row one decode token at `positions`, written to `slots`, attending through `block_tables`
@@ -166,7 +180,7 @@ class DecodeStack : public torch::CustomClassHolder {
             offset += l.widths[i];
           }
         }
-        return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+        return l.float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
       }
       case Kind::half: {
         const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
@@ -214,6 +228,7 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   at::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
+  std::optional<Linear> head_;
   std::optional<c10::OperatorHandle> onednn_linear_;
   std::unique_ptr<WorkPool> pool_;
 };
@@ -227,5 +242,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("logits", &DecodeStack::logits)
       .def("forward", &DecodeStack::forward);
 }

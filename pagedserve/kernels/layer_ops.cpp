@@ -20,6 +20,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -169,6 +170,42 @@ int64_t parallel_threads(int64_t items) {
   return __builtin_popcountll(seen.load());
 }
 
+// The index of each row's largest value, as torch.argmax (the first of equal maxima; a NaN counts
+// as the largest, the first NaN wins), on the calling thread alone: a decode step's greedy pick is
+// one pass over a few vocabulary-wide rows, and torch's own reduction forks its OpenMP team, whose
+// join waits out a scheduler time slice whenever another process holds a core. Two passes per row,
+// each simple enough to vectorize: the maximum (and whether a NaN is there), then its first index.
+at::Tensor row_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "row_argmax: x must be a float32 [rows, n > 0] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x.data_ptr<float>() + r * x.stride(0);
+    // NaN found from the bits: the build's -ffast-math lets the compiler assume x == x.
+    const auto is_nan = [](float f) {
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      return (bits & 0x7fffffffu) > 0x7f800000u;
+    };
+    float top = v[0];
+    bool nan = false;
+    for (int64_t i = 0; i < n; ++i) {
+      top = v[i] > top ? v[i] : top;
+      nan |= is_nan(v[i]);
+    }
+    int64_t i = 0;
+    if (nan) {
+      while (!is_nan(v[i])) ++i;
+    } else {
+      while (v[i] != top) ++i;
+    }
+    o[r] = i;
+  }
+  return out;
+}
+
 // Runs `jobs` jobs of `items` items each on a WorkPool of `threads`, every item adding 1 to its
 // counter: the tests check that every counter ends at `jobs` (no chunk lost, none run twice) and
 // how many threads ran chunks.
@@ -197,10 +234,12 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("parallel_threads(int items) -> int", &parallel_threads);  // no tensor: one kernel for every key
   m.def("work_pool_counts(int threads, int jobs, int items) -> (Tensor, int)", &work_pool_counts);
+  m.def("row_argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &pagedserve::ops::rms_norm);
   m.impl("rotary_embedding", &pagedserve::ops::rotary_embedding);
   m.impl("silu_and_mul", &pagedserve::ops::silu_and_mul);
+  m.impl("row_argmax", &row_argmax);
 }

@@ -271,6 +271,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""
+        native = self.native_decode
+        if native is not None and hidden.shape[0] <= native.head_rows:  # the same bits, on the stack's threads
+            return native.logits(hidden)
         if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or its quantized twin

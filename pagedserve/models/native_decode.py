@@ -46,13 +46,24 @@ def linear_spec(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str
     return f"{type(layer).__name__} layers have no native decode path"
 
 
+def head_spec(model: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
+    """The LM head's :func:`linear_spec` (a tied plain embedding: its table, as ``compute_logits``
+    multiplies it), or why it has none."""
+    if model.lm_head is not None:
+        return linear_spec(model.lm_head, dtype)
+    if type(model.embed_tokens) is nn.Embedding:
+        return ("dense", [model.embed_tokens.weight], [], [], None, False), UNLIMITED_ROWS
+    return f"a tied {type(model.embed_tokens).__name__} table"
+
+
 class NativeDecode:
     """A model's decoder layers and KV pools in one ``torch.classes.pagedserve.DecodeStack``."""
 
-    def __init__(self, stack, kv_caches: list, max_rows: int, what: str):
+    def __init__(self, stack, kv_caches: list, max_rows: int, head_rows: int, what: str):
         self.stack = stack
         self.kv_caches = kv_caches  # the pools it was built over: a step over other pools is not its
         self.max_rows = max_rows
+        self.head_rows = head_rows  # the LM head's rows it computes (0: none, compute_logits' own path)
         self.what = what
 
     @classmethod
@@ -96,15 +107,25 @@ class NativeDecode:
                             None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data)
             for name, spec in layer_specs.items():
                 stack.set_linear(i, name, *spec)
+        head = head_spec(model, dtype)
+        head_rows = 0
+        if not isinstance(head, str):
+            spec, head_rows = head
+            stack.set_linear(-1, "head", *spec)
         kinds = sorted({spec[0] for layer_specs in specs for spec in layer_specs.values()})
         rows = "any number of" if max_rows == UNLIMITED_ROWS else f"up to {max_rows}"
         what = (f"native: {len(specs)} layers in one call per decode step ({rows} rows; "
-                f"{', '.join(kinds)} linears, {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV pools)")
-        return cls(stack, kv_caches, max_rows, what), what
+                f"{', '.join(kinds)} linears, {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV pools); "
+                + ("the LM head too" if head_rows else f"the LM head in Python ({head})"))
+        return cls(stack, kv_caches, max_rows, head_rows, what), what
 
     def runs(self, num_tokens: int, meta: AttentionMetadata, kv_caches: list) -> bool:
         """Whether this step is one it takes: decodes only, few enough rows, its own pools."""
         return not meta.prefills and num_tokens <= self.max_rows and kv_caches is self.kv_caches
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(hidden)`` through the stack's LM head, for at most :attr:`head_rows` rows."""
+        return self.stack.logits(hidden)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm for the decode rows whose embeddings are ``x``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.sampler import ARGMAX_CHUNK, SamplingRow, draw, row_argmax, sample
+from pagedserve.engine.sampler import ARGMAX_CHUNK, SamplingRow, chunked_argmax, draw, row_argmax, sample
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 
@@ -127,10 +127,11 @@ def test_draw_never_picks_a_zero_mass_token():
     assert draw(probs, u).tolist() == [1, 1, 3, 3]
 
 
+@pytest.mark.parametrize("argmax", [row_argmax, chunked_argmax])  # the native kernel (where built), torch ops
 @pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, 2 * ARGMAX_CHUNK, 32000, 32003, 49152 + 5])
-def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab):
-    """The chunked argmax picks what torch's does: the first maximum, the first NaN, a tail past the
-    last whole chunk included."""
+def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab, argmax):
+    """Both argmaxes pick what torch's does: the first maximum, the first NaN, a tail past the last
+    whole chunk included."""
     gen = torch.Generator().manual_seed(vocab)
     rows = [torch.randn(vocab, generator=gen),
             torch.randint(0, 3, (vocab,), generator=gen).float(),   # ties everywhere
@@ -145,10 +146,11 @@ def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab):
     nan_body = torch.randn(vocab, generator=gen)
     nan_body[vocab // 2] = nan_body[-1] = float("nan")
     x = torch.stack(rows + [tail_max, tied_tail, nan_tail, nan_body])
-    assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist()
-    assert row_argmax(x[:0]).shape == (0,)
-    columns = x.t().contiguous().t()  # the same values, laid out column by column
-    assert row_argmax(columns).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax(x[:0]).shape == (0,)
+    if argmax is row_argmax:
+        columns = x.t().contiguous().t()  # the same values, laid out column by column
+        assert argmax(columns).tolist() == x.argmax(dim=-1).tolist()
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):

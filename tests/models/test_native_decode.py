@@ -84,17 +84,21 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
     native = model.native_decode
     assert native is not None, "the native path declined a model it takes"
     assert KINDS[case] in native.what
+    assert native.head_rows > 0 and "the LM head too" in native.what
     for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2)):
         pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)
         python_pools = [tuple(_copy(p) for p in pair) for pair in pools]
         model.native_decode, _ = NativeDecode.build(model, pools, native_ops())  # over these pools
         try:
             got = model(ids, positions, pools, meta)
+            got_logits = model.compute_logits(got)
             model.native_decode = None  # the Python model: the reference
             want = model(ids, positions, python_pools, meta)
+            want_logits = model.compute_logits(want)
         finally:
             model.native_decode = native
         assert torch.equal(got, want), f"{case}, {rows} rows: hidden states differ by {(got - want).abs().max()}"
+        assert got_logits.dtype == torch.float32 and torch.equal(got_logits, want_logits)
         for (k, v), (pk, pv) in zip(pools, python_pools):  # the KV writes too
             assert torch.equal(k.data, pk.data) and torch.equal(v.data, pv.data)
 
