@@ -153,6 +153,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
+    # Sliding-window layers (Gemma 3) in KV groups that give back blocks outside their window
+    # (kv/groups.py); False: one table per sequence for every layer, windows only masked.
+    free_window_blocks: bool = True
     kv_reservation: str = "paged"  # paged | max
     attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused | triton
     # CUDA with the triton backend: decode-only steps replay CUDA graphs captured at start for a

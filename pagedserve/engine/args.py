@@ -61,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue length beyond which new requests are refused (default: unbounded)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--no-free-window-blocks", dest="free_window_blocks", action="store_false",
+                   help="sliding-window layers (Gemma 3) keep every block of their context, windows only masked "
+                        "(default: their own block tables, giving back blocks wholly outside the window)")
     g.add_argument("--no-priority-prefill-first", dest="priority_prefill_first", action="store_false",
                    help="turn priority prefill first off. On (the default), a step that computes a prompt chunk "
                         "leaves out running decodes and waiting requests of strictly worse priority (they keep "
@@ -129,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
+        free_window_blocks=getattr(args, "free_window_blocks", True),
         attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", True), seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         decode_weights=getattr(args, "decode_weights", "auto"),

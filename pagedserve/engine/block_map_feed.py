@@ -34,7 +34,9 @@ def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
     refs = np.zeros(n, np.int64)
     ids: list[int] = []
     owners: list[int] = []
-    for seq_id, table in bm.tables.items():  # admission order: a shared block takes its first holder's colour
+    # every KV group's table where the manager has groups (kv/groups.py: a sequence holds blocks in each)
+    tables = bm.held_tables() if hasattr(bm, "held_tables") else bm.tables.items()
+    for seq_id, table in tables:  # admission order: a shared block takes its first holder's colour
         ids.extend(b.block_id for b in table)
         owners.extend([seq_id] * len(table))
     if ids:

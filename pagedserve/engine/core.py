@@ -40,9 +40,11 @@ from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops, pa
 from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
+from pagedserve.kv.groups import GroupedBlockManager, kv_groups, layer_slots
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
 from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
+from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.llama import ModelArchitecture
 from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
@@ -118,7 +120,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir)
-        self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
+        self.arch = arch = architecture_from_hf_config(hf_config)
         self.dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, self.device)
         logger.info("compute dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
@@ -137,7 +139,12 @@ class EngineCore:
                            config.gguf_activations)
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        # KV groups (kv/groups.py) for a model with sliding-window layers: a block then holds one
+        # group's layers, and the pool's bytes per token are that many layers'.
+        windows = getattr(arch, "layer_windows", ())
+        self.kv_groups = kv_groups(windows) if config.free_window_blocks and any(windows) else None
+        pool_layers = len(self.kv_groups[0].layers) if self.kv_groups else arch.num_layers
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim,
                                                            config.kv_cache_dtype, kv_model_dtype)
         kv_pool_dtype = kv_model_dtype if config.kv_cache_dtype == "auto" else self.dtype
         use_graphs = self.device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
@@ -157,21 +164,30 @@ class EngineCore:
                                  f"{self.kv_bytes_per_token} B fits; free memory or give --kv-cache-memory")
             raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
                              f"{config.block_size} tokens × {self.kv_bytes_per_token} B; raise --kv-cache-memory")
-        pool_tokens = self.num_kv_blocks * config.block_size
-        if pool_tokens < config.max_model_len:
+        # Tokens of whole-model KV the pool holds (with KV groups a block holds one group's layers:
+        # a sequence takes a block per group until its window groups give theirs back).
+        pool_tokens = self.num_kv_blocks * config.block_size // (len(self.kv_groups) if self.kv_groups else 1)
+        if pool_tokens < config.max_model_len and not self.kv_groups:
             logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
                            "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
                            "--max-model-len", pool_tokens, config.max_model_len, self.kv_bytes_per_token)
-        kv_caches = allocate_kv_caches(arch.num_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
+        kv_caches = allocate_kv_caches(pool_layers, self.num_kv_blocks, config.block_size, arch.num_kv_heads,
                                        arch.head_dim,
                                        # the pools' own dtype for auto; what quantized pools dequantize to
                                        kv_pool_dtype, self.device, config.kv_cache_dtype)
+        if self.kv_groups:  # each layer reads the pool slot of its position in its group
+            kv_caches = [kv_caches[slot] for _, slot in layer_slots(self.kv_groups)]
         # KV block events for routers (docs/SCALE_OUT.md): off by default, and then nothing is hashed,
         # recorded or sent.
         events = config.kv_events if config.kv_events is not None and config.kv_events.enabled else None
         self.kv_event_log = KVEventLog(config.block_size) if events is not None else None
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          events=self.kv_event_log)
+        if self.kv_groups:
+            self.block_manager = GroupedBlockManager(self.num_kv_blocks, config.block_size, self.kv_groups,
+                                                     config.enable_prefix_caching, self.kv_event_log,
+                                                     config.max_num_batched_tokens)
+        else:
+            self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                              events=self.kv_event_log)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -218,8 +234,15 @@ class EngineCore:
             config.quantization if config.quantization != "none" else "as stored", self.weight_bytes / 2**20,
             self.device, torch.get_num_threads(), time.monotonic() - t0, self.kv_dtype, self.num_kv_blocks,
             config.block_size, pool_tokens,
-            pool_tokens * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
+            self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
             pool_tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
+        if self.kv_groups:
+            logger.info("KV groups (kv/groups.py): %s, %d layers each (the B/token above is one group's); a "
+                        "sequence of max_model_len %d holds at most %d blocks, %d without window give-backs",
+                        ", ".join("full" if g.window is None else f"window {g.window}" for g in self.kv_groups),
+                        len(self.kv_groups[0].layers), config.max_model_len,
+                        self.block_manager.num_blocks_for(config.max_model_len),
+                        len(self.kv_groups) * -(-config.max_model_len // config.block_size))
 
     def _profiled_kv_budget(self, model, kv_pool_dtype: torch.dtype, use_graphs: bool) -> ProfiledKVBudget:
         """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/memory.py)."""

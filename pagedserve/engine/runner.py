@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # engine/cuda_graphs.py builds on this module's ModelInput
 class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]  # a list: one per KV group (kv/groups.py)
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sampled_seqs: list[Sequence]  # in the order of sample_indices (1 + k rows for one verifying k drafts)
     # Prompt logprobs (only requests that ask for them): (sequence, first prompt position, count)
@@ -112,15 +112,36 @@ class ModelRunner:
         starts = torch.tensor([p for _, p, _ in rows], dtype=torch.long)
         lens = torch.tensor([n for _, _, n in rows], dtype=torch.long)
         total = len(input_ids)
-        tables = _pad_tables([self.block_manager.block_ids(s.seq_id) for s in seqs])
-
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
         query_starts = torch.cumsum(lens, 0) - lens
         positions = starts[seq_of_token] + torch.arange(total) - query_starts[seq_of_token]
+        context_lens = starts + lens
+        # One metadata per KV group (kv/groups.py: each group its own tables), or the one table set.
+        groups = getattr(self.block_manager, "groups", None)
+        if groups is None:
+            meta = self._metadata(_pad_tables([self.block_manager.block_ids(s.seq_id) for s in seqs]), seq_of_token,
+                                  positions, query_starts, lens, context_lens, num_decodes)
+        else:
+            meta = [self._metadata(_pad_tables([self.block_manager.block_ids(s.seq_id, g) for s in seqs]),
+                                   seq_of_token, positions, query_starts, lens, context_lens, num_decodes)
+                    for g in range(len(groups))]
+
+        # Rows that sample: the one that reaches a sequence's last token; every row verifying drafts.
+        sampled = [i for i, (s, p, n) in enumerate(rows) if s.draft_token_ids or p + n == s.num_tokens]
+        sample_indices = (query_starts + lens - 1)[sampled]
+        sampled_seqs = [seqs[i] for i in sampled if not (i and seqs[i - 1] is seqs[i])]  # 1 + k rows: once
+        spans, prompt_rows = _prompt_logprob_rows(scheduled, query_starts)
+        dev = self.device
+        return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
+                          sample_indices.to(dev), sampled_seqs, spans or None,
+                          torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
+
+    def _metadata(self, tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor,
+                  query_starts: torch.Tensor, lens: torch.Tensor, context_lens: torch.Tensor,
+                  num_decodes: int) -> AttentionMetadata:
+        """Slots and attention inputs through one set of block tables (``[rows, blocks]``)."""
         slot_mapping = (tables[seq_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
-
-        context_lens = starts + lens
         decode_tables = tables[:num_decodes]
         decode_mask = None
         if num_decodes:
@@ -130,18 +151,12 @@ class ModelRunner:
             span = torch.arange(max_blocks * self.block_size)
             decode_mask = (span.unsqueeze(0) < context_lens[:num_decodes].unsqueeze(1))[:, None, None, :]
         prefills = []
-        for i in range(num_decodes, len(seqs)):
+        for i in range(num_decodes, len(lens)):
             ctx = int(context_lens[i])
             prefills.append((int(query_starts[i]), int(lens[i]), ctx,
                              tables[i, :(ctx + self.block_size - 1) // self.block_size].to(self.device)))
-
-        # Rows that sample: the one that reaches a sequence's last token; every row verifying drafts.
-        sampled = [i for i, (s, p, n) in enumerate(rows) if s.draft_token_ids or p + n == s.num_tokens]
-        sample_indices = (query_starts + lens - 1)[sampled]
-        sampled_seqs = [seqs[i] for i in sampled if not (i and seqs[i - 1] is seqs[i])]  # 1 + k rows: once
-        spans, prompt_rows = _prompt_logprob_rows(scheduled, query_starts)
         dev = self.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decodes=num_decodes,
             decode_block_tables=decode_tables.to(dev),
@@ -149,9 +164,6 @@ class ModelRunner:
             decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
             prefills=prefills,
         )
-        return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
-                          sample_indices.to(dev), sampled_seqs, spans or None,
-                          torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

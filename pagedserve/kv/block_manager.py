@@ -169,9 +169,12 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None):
-        if num_blocks < 1:
-            raise ValueError("the KV pool needs at least one block")
+                 events: KVEventLog | None = None, null_block: bool = False):
+        """``null_block``: reserve block 0 to stand in tables for blocks given back early
+        (:meth:`release_leading`, sliding-window layers); it is never written and, as every
+        backend masks what it covers, never read into a result."""
+        if num_blocks < 1 + null_block:
+            raise ValueError("the KV pool needs at least one block (two with a null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -189,6 +192,8 @@ class BlockManager:
         # With events: each sequence's full blocks' content hashes, in step with ``chains``.
         self._hash_chains: dict[int, list[int]] = {}
         self.num_evictions = 0  # cached blocks whose content was dropped to reuse the block
+        # Held by the manager itself (ref_count 1 + one per table entry standing in for a released block).
+        self.null_block = self._take_free() if null_block else None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -203,7 +208,8 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free
+        """Blocks some sequence holds (the null block is not counted: nobody's)."""
+        return self.num_blocks - self.free_queue.num_free - (self.null_block is not None)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -340,17 +346,12 @@ class BlockManager:
         compute falls into it, it gets a private copy first (copy-on-write). ``reserve`` blocks
         must stay free afterwards (a watermark that keeps room for running sequences to grow).
         """
-        table = self.tables.get(seq_id)
-        if table is None:
-            table = []
-            prefix_cost = sum(1 for b in cached_prefix if b.ref_count == 0)
-        else:
-            cached_prefix, prefix_cost = (), 0
-        have = len(table) + len(cached_prefix)
-        need_new = max(0, self.num_blocks_for(num_tokens) - have)
+        table = self.tables.get(seq_id, [])
+        if seq_id in self.tables:
+            cached_prefix = ()
+        need_new = max(0, self.num_blocks_for(num_tokens) - len(table) - len(cached_prefix))
         cow = self._needs_copy(table, num_computed_tokens)
-        # Hit blocks that sit in the free queue are taken out of it, so they count too.
-        if not self.can_allocate(need_new + int(cow) + prefix_cost, reserve):
+        if not self.can_allocate(self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens), reserve):
             return False
         if seq_id not in self.tables:
             self.tables[seq_id], self.chains[seq_id] = table, []
@@ -362,6 +363,40 @@ class BlockManager:
         for _ in range(need_new):
             table.append(self._take_free())
         return True
+
+    def blocks_needed(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
+                      num_computed_tokens: int = 0) -> int:
+        """Free blocks :meth:`allocate` would take: new ones, a copy-on-write copy, and hit blocks
+        that sit in the free queue (taken out of it)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            table, prefix_cost = [], sum(1 for b in cached_prefix if b.ref_count == 0)
+        else:
+            cached_prefix, prefix_cost = (), 0
+        need_new = max(0, self.num_blocks_for(num_tokens) - len(table) - len(cached_prefix))
+        return need_new + int(self._needs_copy(table, num_computed_tokens)) + prefix_cost
+
+    def release_leading(self, seq_id: int, num_blocks: int) -> int:
+        """Give back the sequence's first ``num_blocks`` blocks (those a sliding-window layer will
+        never read again), each replaced in its table by the null block so positions keep their
+        index. Blocks still in the prefix cache stay there, free, until evicted. Returns how many
+        were given back now."""
+        null = self.null_block
+        assert null is not None, "release_leading needs a manager built with null_block=True"
+        table = self.tables.get(seq_id, [])
+        released = 0
+        for i in range(min(num_blocks, len(table))):
+            block = table[i]
+            if block is null:
+                continue
+            table[i] = null
+            null.ref_count += 1
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+                self._num_cached_free += block.cache_key is not None
+            released += 1
+        return released
 
     def _needs_copy(self, table: list[KVBlock], num_computed_tokens: int) -> bool:
         index = num_computed_tokens // self.block_size
@@ -428,6 +463,8 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Assert the allocator's invariants (used by property tests; O(num_blocks))."""
         refs = [0] * self.num_blocks
+        if self.null_block is not None:
+            refs[self.null_block.block_id] += 1  # the manager's own reference
         for table in self.tables.values():
             for block in table:
                 refs[block.block_id] += 1

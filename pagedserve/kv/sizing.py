@@ -51,3 +51,33 @@ def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, p
     if name == "int4" and head_dim % 2:
         raise SizingError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
     return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Most blocks a sliding-window layer ever needs for one sequence: its next query at position
+    ``L`` sees keys ``L - window + 1 .. L``: ``window`` positions, which straddle at most
+    ``ceil((window - 1) / block_size) + 1`` blocks (33 for Gemma 3's 512 in blocks of 16)."""
+    if window < 1 or block_size < 1:
+        raise SizingError(f"window and block_size must be >= 1, got {window} and {block_size}")
+    return -(-(window - 1) // block_size) + 1
+
+
+def hybrid_kv_bytes_per_sequence(context_len: int, block_size: int, layer_bytes_per_token: float,
+                                 full_layers: int, window_layers: dict[int, int] | None = None,
+                                 free_window_blocks: bool = True) -> float:
+    """KV bytes one sequence of ``context_len`` tokens holds when its layers form groups: the
+    ``full_layers`` keep a block per ``block_size`` tokens of the whole context; each sliding
+    layer (``window_layers``: window → number of layers), once blocks wholly outside its window are
+    freed, keeps at most :func:`window_blocks` (without freeing, as many as a full layer).
+
+    ``layer_bytes_per_token``: one layer's K and V per token (:func:`kv_pool_bytes_per_token` with
+    ``num_layers=1``). Gemma 3 270M (3 global + 15 window-512 layers) at 4,000 tokens, 16-token
+    blocks: 18 × 250 = 4,500 layer-blocks without freeing, 3 × 250 + 15 × 33 = 1,245 with it: 3.6×
+    the seats at one budget."""
+    if context_len < 0 or full_layers < 0:
+        raise SizingError(f"context_len and full_layers must be >= 0, got {context_len} and {full_layers}")
+    blocks = -(-context_len // block_size)
+    layer_blocks = full_layers * blocks
+    for window, layers in (window_layers or {}).items():
+        layer_blocks += layers * (min(blocks, window_blocks(window, block_size)) if free_window_blocks else blocks)
+    return layer_blocks * block_size * layer_bytes_per_token

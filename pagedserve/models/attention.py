@@ -34,6 +34,7 @@ is asked for, since Triton is an optional dependency.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from pagedserve.kernels import native_ops, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
 from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
+from pagedserve.kv.sizing import window_blocks
 
 
 @dataclass
@@ -56,6 +58,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] tokens attended to, the new one included
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, or None
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (query start, query len, context len, block ids)
+    # A sliding-window layer's view (:func:`window_view`): a query at position p sees keys at
+    # positions > p - window only. None: every earlier key (full attention).
+    window: int | None = None
 
     @cached_property
     def prefill_tensors(self) -> PrefillTensors:
@@ -84,6 +89,28 @@ class PrefillTensors:
             tables[i, :len(ids)] = ids
         numbers = torch.tensor([p[:3] for p in prefills], dtype=torch.int32).reshape(-1, 3).T.contiguous()
         return cls(*numbers.to(device), tables, max((p[1] for p in prefills), default=0))
+
+
+def window_view(meta: AttentionMetadata, window: int, block_size: int) -> AttentionMetadata:
+    """``meta`` as a sliding-window layer reads it: each decode's table starts at the block holding
+    its oldest key still in the window (its context length counted from there, its mask cut to
+    the window), so a decode reads about ``window`` tokens, not its whole context; prompt chunks
+    keep their tables and every backend masks them by ``window``. Built once per step, shared by
+    every sliding layer. The slots written (``slot_mapping``) are unchanged."""
+    d = meta.num_decodes
+    if not d:
+        return dataclasses.replace(meta, window=window)
+    ctx = meta.decode_context_lens
+    first = (ctx - window).clamp(min=0) // block_size  # block of the oldest key in the window
+    width = min(meta.decode_block_tables.shape[1], window_blocks(window, block_size))
+    last = meta.decode_block_tables.shape[1] - 1
+    cols = (first.unsqueeze(1) + torch.arange(width, device=ctx.device)).clamp(max=last)
+    tables = meta.decode_block_tables.gather(1, cols).contiguous()
+    lens = ctx - first * block_size
+    span = torch.arange(width * block_size, device=ctx.device).unsqueeze(0)
+    mask = (span < lens.unsqueeze(1)) & (span >= (lens - window).unsqueeze(1))
+    return dataclasses.replace(meta, decode_block_tables=tables, decode_context_lens=lens,
+                               decode_mask=mask[:, None, None, :], window=window)
 
 
 def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
@@ -121,7 +148,10 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
         q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
         k_pos = torch.arange(ctx_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if meta.window is not None:  # and keys that slid out of the window
+            hidden |= k_pos <= q_pos - meta.window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
@@ -170,7 +200,8 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     """Decodes through the native kernel, reading each block in place from the head-major or the
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
-    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2] or meta.window is not None:
+        # (the kernel reads every position of its table: a window starting mid-block needs the mask)
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
     if isinstance(k_cache, QuantizedKVCache):
@@ -192,13 +223,22 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     return out if same else out.to(q.dtype)
 
 
-def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
+    """``[q_len, ctx]`` bool: which keys each of a chunk's queries (the context's last ``q_len``
+    positions) sees: up to itself, and with a ``window`` only those > its position - window."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int | None = None) -> torch.Tensor:
     """One prompt chunk ``[heads, q_len, hd]`` against its context ``[kvh, ctx, hd]`` through SDPA."""
     q_len, ctx_len = qs.shape[1], k.shape[1]
-    if ctx_len == q_len:
+    if ctx_len == q_len and (window is None or window >= ctx_len):
         return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=qs.device).unsqueeze(1)
-    mask = torch.arange(ctx_len, device=qs.device).unsqueeze(0) <= q_pos
+    mask = _visible(q_len, ctx_len, window, qs.device)
     return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -206,61 +246,71 @@ def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 _MATMUL_PREFILL_MAX_SCORES = 1 << 25
 
 
-def _masked_softmax(scores: torch.Tensor, q_len: int) -> torch.Tensor:
+def _masked_softmax(scores: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
     """Causal softmax of grouped scores ``[kvh, group * q_len, ctx]``: the chunk's queries are the
-    context's last ``q_len`` positions, each seeing keys up to itself."""
+    context's last ``q_len`` positions, each seeing keys up to itself (and within ``window``)."""
     ctx_len = scores.shape[-1]
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=scores.device).unsqueeze(1)
-    future = torch.arange(ctx_len, device=scores.device).unsqueeze(0) > q_pos  # [q_len, ctx]
-    scores.view(-1, q_len, ctx_len).masked_fill_(future, float("-inf"))
+    hidden = ~_visible(q_len, ctx_len, window, scores.device)  # [q_len, ctx]
+    scores.view(-1, q_len, ctx_len).masked_fill_(hidden, float("-inf"))
     return scores.softmax(dim=-1)
 
 
-def _native_causal_softmax(scores: torch.Tensor, q_len: int) -> torch.Tensor:
-    """:func:`_masked_softmax` as one native pass, in place (no exp over the masked half)."""
+def _native_causal_softmax(scores: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
+    """:func:`_masked_softmax` as one native pass, in place (no exp over the masked half); the
+    kernel masks the future only, so a window goes through the torch mask."""
+    if window is not None and window < scores.shape[-1]:
+        return _masked_softmax(scores, q_len, window)
     native_ops().causal_softmax_(scores.view(-1, q_len, scores.shape[-1]), q_len)  # rows: (kv head, group, query)
     return scores
 
 
-def _prefill_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_softmax) -> torch.Tensor:
+def _prefill_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_softmax,
+                     window: int | None = None) -> torch.Tensor:
     """One prompt chunk as two GEMMs per KV head, the query heads that share it as one matrix: 2-3x
     faster than SDPA's CPU kernel for chunks of a few hundred tokens (measured: 290 tokens 4.2 →
     1.5 ms a layer). Chunks whose score matrix would be too large go through SDPA."""
     heads, q_len, hd = qs.shape
     kvh, ctx_len = k.shape[0], k.shape[1]
     if heads * q_len * ctx_len > _MATMUL_PREFILL_MAX_SCORES:
-        return _prefill_sdpa(qs, k, v, scale)
+        return _prefill_sdpa(qs, k, v, scale, window)
     scores = torch.matmul((qs * scale).reshape(kvh, heads // kvh * q_len, hd), k.transpose(-1, -2))
-    return torch.matmul(causal_softmax(scores, q_len), v).view(heads, q_len, hd)
+    return torch.matmul(causal_softmax(scores, q_len, window), v).view(heads, q_len, hd)
 
 
-def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """The same as :func:`_prefill_sdpa` as grouped GEMMs around a masked softmax."""
-    return _prefill_grouped(qs, k, v, scale, _masked_softmax)
+    return _prefill_grouped(qs, k, v, scale, _masked_softmax, window)
 
 
-def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   window: int | None = None) -> torch.Tensor:
     """:func:`_prefill_matmul` with the mask and softmax as one native pass over the scores."""
     if native_ops() is None or qs.device.type != "cpu":
-        return _prefill_matmul(qs, k, v, scale)
-    return _prefill_grouped(qs, k, v, scale, _native_causal_softmax)
+        return _prefill_matmul(qs, k, v, scale, window)
+    return _prefill_grouped(qs, k, v, scale, _native_causal_softmax, window)
 
 
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Batched decodes through ``decode``, then each prompt chunk through ``prefill``."""
+    """Batched decodes through ``decode``, then each prompt chunk through ``prefill``. Under a
+    window, a chunk reads its context from the block holding the first key its first query sees."""
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
         return decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if d:
         out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
+    block_size = k_cache.shape[1]
     for start, q_len, ctx_len, block_ids in meta.prefills:
+        first = 0 if meta.window is None else max(0, ctx_len - q_len + 1 - meta.window) // block_size
         # .to: pools may hold bf16 under float32 compute (a CPU without native bf16); no-op otherwise
-        k = gather_head_major(k_cache, block_ids).flatten(1, 2)[:, :ctx_len].to(q.dtype)  # [kvh, ctx, hd]
-        v = gather_head_major(v_cache, block_ids).flatten(1, 2)[:, :ctx_len].to(q.dtype)
+        ids = block_ids[first:]
+        ctx = ctx_len - first * block_size  # counted from the first block read
+        k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
+        v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
-        out[start:start + q_len] = prefill(qs, k, v, scale).transpose(0, 1)
+        out[start:start + q_len] = prefill(qs, k, v, scale, meta.window).transpose(0, 1)
     return out
 
 

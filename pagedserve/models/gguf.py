@@ -67,6 +67,7 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "llama", True),
     "qwen2": ("Qwen2Config", "qwen2", False),
     "qwen3": ("Qwen3Config", "qwen3", False),
+    "gemma3": ("Gemma3TextConfig", "gemma3_text", False),  # its own module: pagedserve.models.gemma3
 }
 # Types loaded as they are: floats to the model dtype; these quantized ones into the project's formats.
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -246,10 +247,15 @@ def _eos_ids(reader) -> list[int] | int | None:
 
 
 def hf_config_from_gguf(reader):
-    """A transformers config (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``) from GGUF metadata."""
+    """A transformers config (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``; ``Gemma3TextConfig`` by
+    :func:`pagedserve.models.gemma3.gemma3_config_from_gguf`) from GGUF metadata."""
     import transformers
 
     arch = gguf_architecture(reader)
+    if arch == "gemma3":
+        from pagedserve.models.gemma3 import gemma3_config_from_gguf
+
+        return gemma3_config_from_gguf(reader, functools.partial(_field, reader), _eos_ids(reader), FLOAT_TYPES)
     config_cls, model_type, _ = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
     meta = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)  # noqa: E731
@@ -549,6 +555,11 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
+    if gguf_arch == "gemma3":
+        from pagedserve.models.gemma3 import load_gemma3_gguf
+
+        return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
+                                native_kernels, activations)
     if native_kernels is None:
         native_kernels = device.type == "cpu"
     ops = native_ops() if native_kernels and device.type == "cpu" else None

@@ -11,6 +11,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels import cpu_has_native_bf16, native_ops
+from pagedserve.models.architectures import architecture_from_hf_config
+from pagedserve.models.gemma3 import Gemma3Architecture
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
 from pagedserve.models.hf_config import HFConfig, read_hf_config
@@ -31,10 +33,12 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     A ``.gguf`` file, or a directory holding one (and no safetensors), becomes its prepared
     directory in the cache (:func:`pagedserve.models.gguf.prepare_gguf_dir`); another local
     directory is taken as is; a standard model's name (``tiny``, ``small``, ``qwen05-shape``) is
-    built on first use; the default model's name (``SmolLM2-135M-Instruct``) is fetched on first
-    use; anything else is a hub id, downloaded (or taken from the HF cache).
+    built on first use; the default model's name (``SmolLM2-135M-Instruct``) and ``gemma-3-270m``
+    (Gemma 3 270M, Q4_K_M: :mod:`pagedserve.models.gemma3_file`) are fetched on first use; anything
+    else is a hub id, downloaded (or taken from the HF cache).
     """
     from pagedserve.models.default import DEFAULT_MODEL_NAME, ensure_default_model
+    from pagedserve.models.gemma3_file import GEMMA3_MODEL_NAME, ensure_gemma3_model
     from pagedserve.models.gguf import find_gguf_file, prepare_gguf_dir
     from pagedserve.models.standard import STANDARD_MODELS, ensure_standard_model
 
@@ -51,6 +55,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         return ensure_standard_model(model)
     if model.lower() == DEFAULT_MODEL_NAME.lower():
         return prepare_gguf_dir(ensure_default_model())
+    if model.lower() == GEMMA3_MODEL_NAME:
+        return prepare_gguf_dir(ensure_gemma3_model())
     from huggingface_hub import snapshot_download
 
     logger.info("fetching %s from the Hugging Face hub (or its local cache)", model)
@@ -159,13 +165,15 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     """
     checkpoint_dtype = None  # unknown or mixed (a GGUF file): auto then keeps float32
     weight_format = quantization  # what choose_decode_weights is told the linears hold
-    arch = ModelArchitecture.from_hf_config(hf_config)
+    arch = architecture_from_hf_config(hf_config)
     gguf = gguf_source(model_dir)
     if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
         keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
         model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep,
                                 activations=gguf_activations)
         weight_format = "GGUF, kept quantized" if keep else weight_format
+    elif isinstance(arch, Gemma3Architecture):
+        raise ValueError(f"{model_dir}: Gemma 3 loads from its GGUF file only (--model gemma-3-270m, or a .gguf path)")
     else:
         # Built on the meta device and filled by assignment: no random initialization of weights
         # the checkpoint replaces anyway. The rotary tables, the one thing not in a checkpoint, are

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 # The KV formula lives with the KV cache; the planner's API re-exports it.
 from pagedserve.kv.sizing import (  # noqa: F401
-    KV_ELEMENT_BYTES, QUANTIZED_KV, SizingError, kv_bytes_per_token, kv_element_bytes, kv_pool_bytes_per_token,
-    kv_scale_bytes_per_token,
+    KV_ELEMENT_BYTES, QUANTIZED_KV, SizingError, hybrid_kv_bytes_per_sequence, kv_bytes_per_token, kv_element_bytes,
+    kv_pool_bytes_per_token, kv_scale_bytes_per_token, window_blocks,
 )
 
 # Bytes per weight for each weight precision; quantized ones also carry per-group scales.

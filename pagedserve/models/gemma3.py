@@ -1,0 +1,385 @@
+"""Gemma 3 (text) over a flat token batch with a paged KV cache, loaded from a GGUF file.
+
+What differs from the Llama family (:mod:`pagedserve.models.llama`, whose norm, rotary embedding
+and attention backends are reused as they are):
+
+* every layer norms four times: before and after attention, before and after the MLP, the
+  attention and MLP outputs normed before they join the residual stream;
+* RMSNorm scales by ``1 + w``. llama.cpp's converter stores ``1 + w`` in the GGUF file already
+  (transformers' GGUF loader subtracts the 1 back), so the file's weights go into the Llama
+  ``RMSNorm`` (``x̂ · w``) unchanged, and its native kernel serves here too;
+* QK-norm: queries and keys RMS-normed per head before the rotary embedding;
+* the MLP is GeGLU: ``down(gelu_tanh(gate) · up)``;
+* token embeddings are multiplied by ``√hidden`` (rounded to the compute dtype, as transformers
+  does); the LM head is the embedding table itself (tied), unscaled;
+* attention scores scale by ``query_pre_attn_scalar ** -0.5``;
+* layers alternate local and global attention: a sliding-window layer sees the last ``window``
+  positions only (a query at p sees keys > p − window) and rotates with the local RoPE base
+  (10,000), the global layers with the file's ``rope.freq_base`` (1,000,000 for Gemma 3) and any
+  rope scaling. Which layers slide is ``layer_types`` (from the GGUF's
+  ``attention.sliding_window_pattern`` when present, else every 6th layer global, the rule
+  llama.cpp and transformers apply to Gemma 3).
+
+Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
+once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
+
+Weights come from the GGUF file through the Llama loader's tensor builder
+(:mod:`pagedserve.models.gguf`): K-quant and 32-weight formats stay as the file's blocks in
+:class:`~pagedserve.models.gguf_linear.GGUFLinear` (the Q8_0 embedding too, one table for lookups
+and logits), F32 norms as float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kv.groups import kv_groups, layer_slots
+from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend, window_view
+from pagedserve.models.llama import ModelArchitecture, RMSNorm, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPE = "gemma3_text"
+SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' Gemma3TextConfig defaults for the keys read here: its save_pretrained writes only
+# the keys that differ from them (tests/models/test_gemma3.py checks these against AutoConfig).
+DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6, layer_types=None,
+                final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
+DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+
+
+@dataclass
+class Gemma3Architecture(ModelArchitecture):
+    """A Gemma 3 text model's shape. ``sliding_window`` (the Llama field the engine caps
+    ``max_model_len`` by, for models whose window it does not implement) stays None: the window is
+    per layer here, in ``layer_windows``, and implemented."""
+
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its window, or None (global attention)
+    local_rope_theta: float = DEFAULT_THETA[SLIDING]
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "Gemma3Architecture":
+        """From a ``gemma3_text`` config (transformers' object or :class:`~pagedserve.models.hf_config.HFConfig`,
+        whose keys missing from config.json take transformers' defaults)."""
+        def get(key: str):
+            value = getattr(cfg, key, None)
+            return DEFAULTS[key] if value is None else value
+
+        if getattr(cfg, "model_type", None) != MODEL_TYPE:
+            raise ValueError(f"not a Gemma 3 text config: model_type {getattr(cfg, 'model_type', None)!r}")
+        if get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        if get("use_bidirectional_attention"):
+            raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
+        if get("hidden_activation") != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported Gemma 3 activation {get('hidden_activation')!r} "
+                             "(supported: gelu_pytorch_tanh)")
+        layers = int(get("num_hidden_layers"))
+        types = getattr(cfg, "layer_types", None) or [
+            SLIDING if (i + 1) % int(get("sliding_window_pattern")) else FULL for i in range(layers)]
+        if len(types) != layers or set(types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types must name {layers} layers, each {SLIDING!r} or {FULL!r}: {types}")
+        window = int(get("sliding_window"))
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        full = dict(rope.get(FULL) or {})
+        local = dict(rope.get(SLIDING) or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling on Gemma 3's sliding layers is not supported: {local}")
+        full_theta = float(full.pop("rope_theta", DEFAULT_THETA[FULL]))
+        full_type = full.get("rope_type", full.get("type", "default"))
+        heads = int(get("num_attention_heads"))
+        return cls(
+            model_type=MODEL_TYPE, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")),
+            rms_norm_eps=float(get("rms_norm_eps")), rope_theta=full_theta,
+            rope_scaling=full if full_type != "default" else None,
+            max_position_embeddings=int(get("max_position_embeddings")),
+            tie_word_embeddings=bool(get("tie_word_embeddings")), qkv_bias=bool(get("attention_bias")),
+            qk_norm=True, sliding_window=None,
+            layer_windows=tuple(window if t == SLIDING else None for t in types),
+            local_rope_theta=float(local.get("rope_theta", DEFAULT_THETA[SLIDING])),
+            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+            final_logit_softcapping=get("final_logit_softcapping"),
+        )
+
+    def local_rope(self) -> ModelArchitecture:
+        """The architecture the sliding layers' rotary tables are built from (their base, unscaled)."""
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.rotary = rotary
+        self.window = window
+        self.scale = arch.query_pre_attn_scalar ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # One row per (token, head): the 2-D shape the native norm kernel takes.
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv
+        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate) · up)``, gate and up as one matmul."""
+
+    def __init__(self, arch: Gemma3Architecture):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
+        super().__init__()
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.self_attn = Gemma3Attention(arch, rotary, window)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+        self.mlp = Gemma3MLP(arch)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+
+    def forward(self, x, residual, positions, kv, meta, backend):
+        """``(normed MLP output, residual)``: the layer's output is their sum, left for the next
+        norm to add (the residual-adding norm is one pass, native where built)."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        a = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta, backend))
+        h, residual = self.pre_feedforward_layernorm(a, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3's decoder over a flat batch with a paged KV cache (the interface of
+    :class:`~pagedserve.models.llama.LlamaForCausalLM`: ``forward``, ``compute_logits``,
+    ``use_native_ops``)."""
+
+    def __init__(self, arch: Gemma3Architecture, max_positions: int, attention_backend: str = "sdpa",
+                 rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None = None):
+        """``rotary``: the (global, local) tables built beforehand, for a model built on the meta device."""
+        super().__init__()
+        self.arch = arch
+        glob, local = rotary if rotary is not None else (RotaryEmbedding(arch, max_positions),
+                                                         RotaryEmbedding(arch.local_rope(), max_positions))
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w)
+                                    for w in arch.layer_windows)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if attention_backend == "triton":  # its kernels attend to whole contexts
+            raise ValueError("Gemma 3's sliding windows are masked by the reference, sdpa, matmul and fused attention "
+                             "backends, not triton: pass --attention-backend sdpa")
+        self.attention = load_attention_backend(attention_backend)
+        # KV groups (kv/groups.py): with per-group tables the runner passes one metadata per group
+        self.kv_groups = kv_groups(arch.layer_windows)
+        self.layer_group = [g for g, _ in layer_slots(self.kv_groups)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch.
+        ``meta``: one for every layer (one block table per sequence), or one per KV group."""
+        x = self.embed_tokens(input_ids)
+        # √hidden in the compute dtype, as transformers rounds it (bf16: 25.25, not 25.298)
+        x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+        block_size = kv_caches[0][0].shape[1]
+        metas = meta if isinstance(meta, list) else [meta] * len(self.kv_groups)
+        views = [m if g.window is None else window_view(m, g.window, block_size)  # once per step, not per layer
+                 for m, g in zip(metas, self.kv_groups)]
+        residual = None
+        for layer, kv, g in zip(self.layers, kv_caches, self.layer_group):
+            x, residual = layer(x, residual, positions, kv, views[g], self.attention)
+        return self.norm(x, residual)[0]
+
+    def use_native_ops(self, ops) -> None:
+        """Route norms and rotary embeddings through ``ops`` (CPU native kernels), or back to torch
+        with ``None``. The GeGLU product stays in torch (the native kernel is SiLU's)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding)):
+                m.ops = ops
+
+    def enable_native_decode(self, kv_caches: list, ops) -> str:
+        """The engine asks every model; the one-call native decode stack (models/native_decode.py)
+        runs the Llama family's layers, so Gemma 3 decodes through this Python model."""
+        return "python (the native decode stack runs Llama-family layers, not Gemma 3's)"
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the rows that will be sampled, soft-capped where the config says."""
+        if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# ---- from a GGUF file -----------------------------------------------------------------------
+
+def gemma3_config_from_gguf(reader, field, eos_ids, float_types):
+    """transformers' ``Gemma3TextConfig`` from a ``gemma3`` GGUF file's metadata (``field(key,
+    default)`` reads one value; the tokenizer's ids and the dtype rule are the Llama loader's)."""
+    from transformers import Gemma3TextConfig
+
+    from pagedserve.models.gguf import GGUFError
+
+    def meta(key: str, *default):
+        return field(f"gemma3.{key}", *default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError("GGUF file lacks tensor 'token_embd.weight'")
+    layers = int(meta("block_count"))
+    heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", 256))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError("Gemma 3 with different key and value lengths is not supported")
+    window = int(meta("attention.sliding_window"))
+    pattern = meta("attention.sliding_window_pattern", None)
+    if pattern is None:  # not in the metadata: the architecture's rule (llama.cpp's and transformers')
+        pattern = DEFAULTS["sliding_window_pattern"]
+    if isinstance(pattern, list):  # per layer: true where the layer slides
+        if len(pattern) != layers:
+            raise GGUFError(f"attention.sliding_window_pattern names {len(pattern)} layers, the model has {layers}")
+        types = [SLIDING if p else FULL for p in pattern]
+    else:
+        types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(layers)]
+    full = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", DEFAULT_THETA[FULL]))}
+    scaling = meta("rope.scaling.type", None)
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise GGUFError(f"unsupported GGUF rope scaling {scaling!r} for gemma3 (supported: none, linear)")
+    local = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base_swa", DEFAULT_THETA[SLIDING]))}
+    types_2d = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    config = Gemma3TextConfig(
+        vocab_size=int(meta("vocab_size", None) or int(embed.shape[1])), hidden_size=int(meta("embedding_length")),
+        intermediate_size=int(meta("feed_forward_length")), num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta("context_length")), sliding_window=window, layer_types=types,
+        query_pre_attn_scalar=head_dim, tie_word_embeddings="output.weight" not in tensors,
+        final_logit_softcapping=meta("final_logit_softcapping", None),
+        bos_token_id=field("tokenizer.ggml.bos_token_id", None), eos_token_id=eos_ids,
+        pad_token_id=field("tokenizer.ggml.padding_token_id", None), architectures=["Gemma3ForCausalLM"],
+        dtype="bfloat16" if types_2d - set(float_types) else {"F32": "float32", "F16": "float16",
+                                                                 "BF16": "bfloat16"}[embed.tensor_type.name],
+    )
+    config.rope_parameters = {FULL: full, SLIDING: local}  # after: the constructor's may be rewritten
+    return config
+
+
+def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dtype, device: torch.device,
+                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
+                     native_kernels: bool | None = None, activations: str = "int16") -> Gemma3ForCausalLM:
+    """Build Gemma 3 from a GGUF file's tensors (never materializing random weights): every format
+    the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
+    dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
+    precision (``int16`` or ``int8``; the LM head takes int16)."""
+    from pagedserve.kernels import native_ops
+    from pagedserve.models.gguf import GGUFError, _Builder, _Part, can_load, open_gguf_tensors
+    from pagedserve.models.gguf_linear import GGUFLinear
+    from pagedserve.models.meta import meta_without_init
+    from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, int4_cpu_layout_is_opaque
+
+    reader = open_gguf_tensors(gguf_path)
+    if native_kernels is None:
+        native_kernels = device.type == "cpu"
+    ops = native_ops() if native_kernels and device.type == "cpu" else None
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=False, ops=ops)
+    b.packed_for_cpu = device.type == "cpu"
+    for t in reader.tensors:
+        if not can_load(t.tensor_type):
+            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
+    a = arch
+    hq, hkv, hd, h = a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size
+    with torch.device(device):
+        rotary = (RotaryEmbedding(a, max_positions), RotaryEmbedding(a.local_rope(), max_positions))
+    with meta_without_init():
+        model = Gemma3ForCausalLM(a, max_positions, attention_backend, rotary=rotary)
+    norm = lambda name, size: nn.Parameter(b.float_tensor(name, (size,)))  # noqa: E731 - 1 + w, as stored
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        layer.input_layernorm.weight = norm(p + "attn_norm.weight", h)
+        layer.post_attention_layernorm.weight = norm(p + "post_attention_norm.weight", h)
+        layer.pre_feedforward_layernorm.weight = norm(p + "ffn_norm.weight", h)
+        layer.post_feedforward_layernorm.weight = norm(p + "post_ffw_norm.weight", h)
+        attn.q_norm.weight = norm(p + "attn_q_norm.weight", hd)
+        attn.k_norm.weight = norm(p + "attn_k_norm.weight", hd)
+        attn.qkv_proj = b.linear([_Part(b.get(p + f"attn_{x}.weight")) for x in "qkv"], [hq * hd, hkv * hd, hkv * hd],
+                                 h)
+        attn.o_proj = b.linear([_Part(b.get(p + "attn_output.weight"))], [h], hq * hd)
+        mlp.gate_up_proj = b.linear([_Part(b.get(p + "ffn_gate.weight")), _Part(b.get(p + "ffn_up.weight"))],
+                                    [a.intermediate_size] * 2, h)
+        mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [h], a.intermediate_size)
+    model.norm.weight = norm("output_norm.weight", h)
+
+    embed = b.get("token_embd.weight")
+    table = b.quantized_table(embed)
+    if table is not None:
+        model.embed_tokens = QuantizedEmbedding(table, dtype)
+        if a.tie_word_embeddings:
+            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device):
+                # as the Llama loader: lookups read the readable nibbles, torch's int4 CPU kernel
+                # (no native kernels here) wants its own layout for the logits matmul
+                model.lm_head = b.linear([_Part(embed)], [a.vocab_size], h)
+            else:
+                model.lm_head = table  # one table for lookups and logits
+    else:
+        model.embed_tokens.weight = nn.Parameter(b.float_tensor("token_embd.weight", (a.vocab_size, h)))
+    if not a.tie_word_embeddings:
+        model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], h)
+    if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
+        model.lm_head.float_output = True  # compute_logits wants float32 anyway
+    for m in model.modules():  # an LM head's activations always at ~16 bits: near-tied logits keep their order
+        if isinstance(m, GGUFLinear):
+            m.residual = activations == "int16" or m is model.lm_head
+    unused = sorted(set(b.tensors) - b.used)
+    if unused:
+        raise GGUFError(f"GGUF file has tensors this model does not use: {unused[:5]}")
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise GGUFError(f"not filled from the GGUF file: {left[:5]}")
+    if b.dequantized:
+        logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
+                       str(dtype).removeprefix("torch."),
+                       ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
+    logger.info("loaded %s: %s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())))
+    return model.eval().requires_grad_(False)
