@@ -138,7 +138,8 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
     (windows only masked); no block leaks either way."""
     import numpy as np
 
-    from pagedserve.engine.block_map import OWNED, SHARED, build_block_map
+    from pagedserve.engine.block_map import OWNED, SHARED
+    from pagedserve.engine.block_map_feed import build_block_map
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.kv.sizing import window_blocks
@@ -150,7 +151,7 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
     for free in (True, False):
         engine = LLM(str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048, max_num_batched_tokens=256,
                      free_window_blocks=free).engine
-        bm = engine.block_manager
+        bm = engine.core.block_manager
         window_use = []
         for run in ("cold", "warm") if free else ("cold",):
             engine.add_request(run, prompt, params)
@@ -158,10 +159,10 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
                 for out in engine.step():
                     if out.finished:
                         tokens[free, run] = out.outputs[0].token_ids
-                if free and engine.scheduler.running and engine.scheduler.running[0].num_computed_tokens >= 530:
+                if free and engine.core.scheduler.running and engine.core.scheduler.running[0].num_computed_tokens >= 530:
                     window_use.append(bm.group_blocks_in_use(window=True))
                     if len(window_use) == 1:  # the dashboard's block map owns every group's blocks
-                        state = np.frombuffer(build_block_map(engine).state, np.uint8)
+                        state = np.frombuffer(build_block_map(engine.core).state, np.uint8)
                         assert int(np.isin(state, (OWNED, SHARED)).sum()) == bm.num_used_blocks
         assert_no_leaks(engine)
         if free:
