@@ -14,6 +14,15 @@ context is prefilled once and prefix caching serves it to the other k − 1 ques
 the same cached, quantized blocks), which cuts the run time by about k. It also makes the task
 harder (k − 1 other codes are distractors), so the table says which k was used; k = 1 is the
 classic single-needle test.
+
+Telling a loss from noise: every precision answers the same needles, so each is compared with the
+baseline needle by needle (:mod:`pagedserve.bench.paired_stats`: the difference in points with
+its 95 % interval and McNemar's p), and each recall carries its Wilson interval. At the default
+100 needles per length a paired loss of ~15 points is resolved where 20 needles could not tell
+±22. Hours of prefill on two cores: the answers are appended to a journal as each haystack is
+answered (:mod:`pagedserve.bench.retrieval_journal`), ``--minutes`` stops a run between haystacks,
+and the same command resumes it; the haystacks are taken lengths in turn, so a partial run has
+answered every length alike.
 """
 
 from __future__ import annotations
@@ -21,16 +30,21 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from pagedserve.bench.common import machine_summary, write_result
-from pagedserve.config import KV_CACHE_DTYPES
+from pagedserve.bench.paired_stats import PairedComparison, compare_paired, wilson_interval
+from pagedserve.bench.retrieval_journal import Journal, prompts_digest, settings_digest
+from pagedserve.config import KV_CACHE_DTYPES, cache_dir
 
 NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ingrid", "Jonas", "Kemal",
          "Leila", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Stefan", "Tomoko"]
+MAX_NEEDLES = 10_000
 NEEDLE = "The secret code for {name} is {code}."
 QUESTION = "What is the secret code for {name}? Answer with the number only."
 
@@ -53,7 +67,8 @@ def add_parser(bench) -> None:
                    help="KV cache precisions to compare (auto = the model dtype)")
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 7168],
                    help="prompt lengths in tokens (each below the model's context)")
-    p.add_argument("--needles", type=int, default=20, help="needles per length (>= 1)")
+    p.add_argument("--needles", type=int, default=100,
+                   help=f"needles per length (1-{MAX_NEEDLES}; 100 tells a ~15-point paired loss from noise)")
     p.add_argument("--needles-per-context", type=int, default=1,
                    help="k: needles hidden in one context and asked of it (prefix-cached; 1 = classic test)")
     p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9],
@@ -62,6 +77,15 @@ def add_parser(bench) -> None:
     p.add_argument("--corpus", default=None, help="directory of .rst.txt/.txt filler text (default: the Python "
                                                   "tutorial from python3.11-doc)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--baseline", default=None,
+                   help="the KV precision the others are compared with, needle by needle (default: the first of --kv)")
+    p.add_argument("--journal", default="auto",
+                   help="file the answers are appended to as they come; a run given the same file (the same "
+                        "settings) resumes where it stopped. auto: $PAGEDSERVE_CACHE/bench/retrieval-<settings>.jsonl; "
+                        "none: keep nothing")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop after about this many minutes (between haystacks) and print what is answered so far; "
+                        "run the same command again to continue")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
     p.set_defaults(func=run_retrieval)
 
@@ -89,8 +113,11 @@ class RetrievalRow:
     needles: int
     recalled: int
     recall: float
+    low: float  # 95 % Wilson interval of the recall
+    high: float
     mean_prompt_tokens: float
     kv_bytes_per_token: int
+    seconds: float  # wall time spent answering this cell's needles
 
 
 def _chat_ids(tokenizer, user: str) -> list[int]:
@@ -179,58 +206,133 @@ def answer_context(engine, ctx: Context, max_tokens: int = 16) -> list[str]:
     return [answers[i] for i in range(len(ctx.prompts))]
 
 
+def interleaved_order(contexts: list[Context]) -> list[int]:
+    """Context indices taking the lengths in turn (1k, 2k, 4k, 7k, 1k, ...), so a run stopped part
+    way has answered every length about equally."""
+    by_length: dict[int, list[int]] = {}
+    for i, c in enumerate(contexts):
+        by_length.setdefault(c.length, []).append(i)
+    queues = list(by_length.values())
+    order = []
+    for j in range(max(len(q) for q in queues)):
+        order += [q[j] for q in queues if j < len(q)]
+    return order
+
+
 def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype: str, quantization: str,
-                      max_model_len: int, on_kv_done=None) -> tuple[list[RetrievalRow], list[dict]]:
-    """Recall per KV precision and length; ``on_kv_done(rows, answers)`` after each precision (a long
-    run's partial results are then on disk)."""
+                      max_model_len: int, journal: Journal | None = None, deadline: float | None = None
+                      ) -> list[dict]:
+    """Answers every needle of ``contexts`` with each KV precision, one engine per precision, the
+    haystacks in :func:`interleaved_order`; each haystack's answers go into ``journal`` as they
+    come, and haystacks it already holds are skipped. Stops between haystacks once
+    ``time.monotonic()`` passes ``deadline``. Returns every record in the journal."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.engine import Engine
 
-    rows, answers = [], []
-    total = sum(len(c.needles) for c in contexts)
-    for kv in kvs:
-        engine = Engine(EngineConfig(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
-                                     kv_cache_memory="1GiB", max_model_len=max_model_len,
-                                     enable_prefix_caching=True))
-        label = engine.core.kv_dtype if kv == "auto" else kv  # e.g. float32
-        stats: dict[int, list[int]] = {}
-        lengths: dict[int, list[int]] = {}
-        with tqdm(total=total, desc=f"KV {kv}", unit="needle") as bar:
-            for c, ctx in enumerate(contexts):
-                got = answer_context(engine, ctx)
-                for n, a, p in zip(ctx.needles, got, ctx.prompts):
-                    ok = recalled(a, n.code)
-                    stats.setdefault(ctx.length, []).append(int(ok))
-                    lengths.setdefault(ctx.length, []).append(len(p))
-                    answers.append({"kv": label, "context": c, "length": ctx.length, "depth": n.depth,
-                                    "name": n.name, "code": n.code, "answer": a, "recalled": ok,
-                                    "other_needle": not ok and any(recalled(a, m.code) for m in ctx.needles)})
-                bar.update(len(ctx.needles))
+    journal = journal if journal is not None else Journal(None, {})
+    engines: dict[str, Engine] = {}
+    todo = [(c, kv) for c in interleaved_order(contexts) for kv in kvs if not journal.done(kv, c)]
+    total = sum(len(contexts[c].needles) for c, _ in todo)
+    with tqdm(total=total, desc="needles", unit="needle") as bar:
+        for c, kv in todo:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if kv not in engines:
+                engines[kv] = Engine(EngineConfig(model=model, dtype=dtype, quantization=quantization,
+                                                  kv_cache_dtype=kv, kv_cache_memory="1GiB",
+                                                  max_model_len=max_model_len, enable_prefix_caching=True))
+            engine, ctx = engines[kv], contexts[c]
+            started = time.perf_counter()
+            got = answer_context(engine, ctx)
+            seconds = (time.perf_counter() - started) / len(got)
+            label = engine.core.kv_dtype if kv == "auto" else kv  # e.g. float32
+            journal.add(kv, c, [
+                {"kv": label, "length": ctx.length, "needle": j, "depth": n.depth, "name": n.name, "code": n.code,
+                 "answer": a, "recalled": recalled(a, n.code), "prompt_tokens": len(p), "seconds": seconds,
+                 "other_needle": not recalled(a, n.code) and any(recalled(a, m.code) for m in ctx.needles),
+                 "kv_bytes_per_token": engine.core.kv_bytes_per_token}
+                for j, (n, a, p) in enumerate(zip(ctx.needles, got, ctx.prompts))])
+            bar.update(len(got))
+    for kv, engine in engines.items():
         if engine.core.block_manager.num_used_blocks:
-            raise RuntimeError(f"{engine.core.block_manager.num_used_blocks} KV blocks still in use after the run")
-        for length, hits in stats.items():
-            rows.append(RetrievalRow(kv=label, length=length, needles=len(hits),
-                                     recalled=sum(hits), recall=sum(hits) / len(hits),
-                                     mean_prompt_tokens=sum(lengths[length]) / len(lengths[length]),
-                                     kv_bytes_per_token=engine.core.kv_bytes_per_token))
-            tqdm.write(f"KV {rows[-1].kv}, {length} tokens: recall {rows[-1].recalled}/{rows[-1].needles}")
-        del engine
-        if on_kv_done is not None:
-            on_kv_done(rows, answers)
-    return rows, answers
+            raise RuntimeError(f"KV {kv}: {engine.core.block_manager.num_used_blocks} KV blocks still in use "
+                               f"after the run")
+    return journal.records
+
+
+def summarize(records: list[dict]) -> list[RetrievalRow]:
+    """One row per (KV precision, length) in the order first answered."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["kv"], r["length"]), []).append(r)
+    rows = []
+    for (kv, length), rs in sorted(cells.items(), key=lambda item: item[0][1]):
+        hits = sum(r["recalled"] for r in rs)
+        low, high = wilson_interval(hits, len(rs))
+        rows.append(RetrievalRow(kv=kv, length=length, needles=len(rs), recalled=hits, recall=hits / len(rs),
+                                 low=low, high=high,
+                                 mean_prompt_tokens=sum(r["prompt_tokens"] for r in rs) / len(rs),
+                                 kv_bytes_per_token=rs[0]["kv_bytes_per_token"],
+                                 seconds=sum(r["seconds"] for r in rs)))
+    order = list(dict.fromkeys(r["kv"] for r in records))
+    return sorted(rows, key=lambda row: (order.index(row.kv), row.length))
+
+
+def paired_comparisons(records: list[dict], baseline: str) -> dict[tuple[str, int], PairedComparison]:
+    """Each other precision against ``baseline`` per length, on the needles both answered."""
+    by_needle = {(r["kv"], r["unit"], r["needle"]): r["recalled"] for r in records}
+    lengths = {(r["unit"], r["needle"]): r["length"] for r in records}
+    out = {}
+    for kv in dict.fromkeys(r["kv"] for r in records):
+        if kv == baseline:
+            continue
+        for length in sorted(set(lengths.values())):
+            keys = [k for k, n in lengths.items() if n == length
+                    and (baseline, *k) in by_needle and (kv, *k) in by_needle]
+            if keys:
+                out[kv, length] = compare_paired([by_needle[(baseline, *k)] for k in keys],
+                                                 [by_needle[(kv, *k)] for k in keys])
+    return out
 
 
 def format_table(rows: list[RetrievalRow]) -> str:
-    """Recall as markdown: one row per KV precision, one column per context length."""
+    """Recall as markdown: one row per KV precision, one column per context length, each cell with
+    its count and 95 % interval."""
     lengths = sorted({r.length for r in rows})
     kvs = list(dict.fromkeys(r.kv for r in rows))
     by = {(r.kv, r.length): r for r in rows}
     head = "| KV | B/token | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |"
     lines = [head, "|---|---|" + "---|" * len(lengths)]
     for kv in kvs:
-        cells = [f"{100 * by[kv, n].recall:.0f}% ({by[kv, n].recalled}/{by[kv, n].needles})" for n in lengths]
-        lines.append(f"| {kv} | {by[kv, lengths[0]].kv_bytes_per_token:,} | " + " | ".join(cells) + " |")
+        cells = [(f"{100 * r.recall:.0f}% ({r.recalled}/{r.needles}; {100 * r.low:.0f}–{100 * r.high:.0f})"
+                  if (r := by.get((kv, n))) else "-") for n in lengths]
+        first = next(by[kv, n] for n in lengths if (kv, n) in by)
+        lines.append(f"| {kv} | {first.kv_bytes_per_token:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def paired_table(comparisons: dict[tuple[str, int], PairedComparison], baseline: str) -> str:
+    """Each precision's recall minus the baseline's on the same needles, per length."""
+    lengths = sorted({n for _, n in comparisons})
+    kvs = list(dict.fromkeys(kv for kv, _ in comparisons))
+    lines = [f"| KV − {baseline} | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for kv in kvs:
+        cells = [comparisons[kv, n].describe() if (kv, n) in comparisons else "-" for n in lengths]
+        lines.append(f"| {kv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_lines(rows: list[RetrievalRow]) -> list[str]:
+    """Per precision: needles, prompt tokens and wall time spent."""
+    out = []
+    for kv in dict.fromkeys(r.kv for r in rows):
+        mine = [r for r in rows if r.kv == kv]
+        needles = sum(r.needles for r in mine)
+        tokens = sum(r.mean_prompt_tokens * r.needles for r in mine)
+        seconds = sum(r.seconds for r in mine)
+        out.append(f"KV {kv}: {needles} needles, {tokens:,.0f} prompt tokens, {seconds / 60:.1f} min")
+    return out
 
 
 def depth_table(answers: list[dict]) -> str:
@@ -247,12 +349,37 @@ def depth_table(answers: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _journal_for(args: argparse.Namespace, model_dir: Path, contexts: list[Context]) -> Journal:
+    """The run's journal: its settings are everything that decides the questions and the answers."""
+    model_file = model_dir / "gguf_source.json"
+    settings = {"model": args.model, "model_source": model_file.read_text() if model_file.exists() else str(model_dir),
+                "dtype": args.dtype, "quantization": args.quantization, "lengths": args.lengths,
+                "needles": args.needles, "needles_per_context": args.needles_per_context, "depths": args.depths,
+                "seed": args.seed, "prompts": prompts_digest([p for c in contexts for p in c.prompts])}
+    if args.journal == "none":
+        return Journal(None, settings)
+    path = (cache_dir() / "bench" / f"retrieval-{settings_digest(settings)}.jsonl" if args.journal == "auto"
+            else Path(args.journal))
+    try:
+        journal = Journal(path, settings)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    held = len(journal.records)
+    print(f"journal: {path} ({'resuming with ' + str(held) + ' answers' if held else 'new'})")
+    return journal
+
+
 def run_retrieval(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from pagedserve.bench.corpus import CORPUS_NAME, load_prose
     from pagedserve.models.loader import load_hf_config, resolve_model_dir
 
+    if not 1 <= args.needles <= MAX_NEEDLES:
+        raise SystemExit(f"error: --needles must be in [1, {MAX_NEEDLES}]")
+    baseline = args.baseline or args.kv[0]
+    if baseline not in args.kv:
+        raise SystemExit(f"error: --baseline {baseline} is not one of --kv")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
@@ -273,20 +400,34 @@ def run_retrieval(args: argparse.Namespace) -> int:
                              args.depths, args.seed)
     max_len = max(len(p) for c in contexts for p in c.prompts) + 16
     corpus = CORPUS_NAME if args.corpus is None else str(corpus_dir)
-
-    def save(rows, answers):
-        write_result(args.json_out, {"benchmark": "retrieval", "model": args.model, "corpus": corpus,
-                                     "rows": [asdict(r) for r in rows], "answers": answers,
-                                     "settings": {k: v for k, v in vars(args).items() if k != "func"}})
-
-    rows, answers = measure_retrieval(str(model_dir), args.kv, contexts, args.dtype, args.quantization, max_len, save)
+    journal = _journal_for(args, model_dir, contexts)
+    deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
+    records = measure_retrieval(str(model_dir), args.kv, contexts, args.dtype, args.quantization, max_len,
+                                journal, deadline)
+    rows = summarize(records)
+    base_label = next((r["kv"] for r in records if r["variant"] == baseline), baseline)
+    comparisons = paired_comparisons(records, base_label)
+    expected = sum(len(c.needles) for c in contexts) * len(args.kv)
+    write_result(args.json_out, {"benchmark": "retrieval", "model": args.model, "corpus": corpus,
+                                 "rows": [asdict(r) for r in rows], "answers": records,
+                                 "complete": len(records) == expected,
+                                 "paired": {f"{kv}@{n}": asdict(c) for (kv, n), c in comparisons.items()},
+                                 "settings": {k: v for k, v in vars(args).items() if k != "func"}})
     print(f"\nneedle retrieval on {args.model} ({args.dtype}, weights {args.quantization}; {machine_summary()}): "
           f"{args.needles} needles per length, {args.needles_per_context} per context, depths "
           f"{', '.join(f'{d:.0%}' for d in args.depths)}; filler: {corpus}; greedy, chat template")
+    if len(records) < expected:
+        print(f"PARTIAL: {len(records)} of {expected} answers so far; run the same command again to continue")
+    if not rows:
+        return 0
     print(format_table(rows))
+    if comparisons:
+        print(f"\npaired against {base_label} (needles both answered; 95 % Agresti–Min interval, McNemar's exact p):")
+        print(paired_table(comparisons, base_label))
     print()
-    print(depth_table(answers))
-    misses = [a for a in answers if not a["recalled"]]
+    print(depth_table(records))
+    misses = [a for a in records if not a["recalled"]]
     print(f"\nmisses: {len(misses)}; of them answered with another needle's code of the same context: "
           f"{sum(a['other_needle'] for a in misses)}")
+    print("\n".join(cost_lines(rows)))
     return 0

@@ -85,7 +85,7 @@ def test_quality_on_a_gguf_keeps_its_quantized_tensors_beside_the_dequantized_re
     assert rows["Q4_1 (GGUF)", "int8"]["kv_bytes_per_token"] < ref["kv_bytes_per_token"]
 
 
-def test_needles_are_hidden_at_their_depths_and_recall_is_counted_per_kv(tiny_model_dir, tiny_corpus):
+def test_needles_are_hidden_at_their_depths_and_recall_is_counted_per_kv(tiny_model_dir, tiny_corpus, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -102,10 +102,30 @@ def test_needles_are_hidden_at_their_depths_and_recall_is_counted_per_kv(tiny_mo
     assert all(abs(len(p) - 160) <= 24 for c in contexts for p in c.prompts)
     assert retrieval.recalled("It is 4821.", "4821") and not retrieval.recalled("14821", "4821")
 
-    rows, answers = retrieval.measure_retrieval(str(tiny_model_dir), ["auto", "int4"], contexts, "float32", "none",
-                                                max_model_len=256)  # raises if a KV block is left in use
-    assert [(r.kv, r.length, r.needles) for r in rows] == [("bfloat16", 160, 3), ("int4", 160, 3)] or \
-        [(r.kv, r.needles) for r in rows] == [("float32", 3), ("int4", 3)]
-    assert len(answers) == 6 and all(isinstance(x["answer"], str) for x in answers)
+    journal = retrieval.Journal(tmp_path / "needles.jsonl", {"test": 1})
+    records = retrieval.measure_retrieval(str(tiny_model_dir), ["auto", "int4"], contexts, "float32", "none",
+                                          max_model_len=256, journal=journal)  # raises if a KV block is left in use
+    rows = retrieval.summarize(records)
+    assert [(r.kv, r.needles) for r in rows] == [("float32", 3), ("int4", 3)]
+    assert all(r.low <= r.recall <= r.high and r.seconds > 0 for r in rows)
+    assert len(records) == 6 and all(isinstance(x["answer"], str) for x in records)
     table = retrieval.format_table(rows)
     assert "| int4 |" in table and "160 tokens" in table
+    paired = retrieval.paired_comparisons(records, "float32")
+    assert list(paired) == [("int4", 160)] and paired["int4", 160].items == 3
+    assert "| int4 |" in retrieval.paired_table(paired, "float32")
+
+    # Resuming: the journal's answers are kept, not recomputed (a planted answer survives), and
+    # what it lacks is answered; a deadline already past answers nothing more.
+    planted = [dict(r, answer="planted") for r in records if r["kv"] == "float32"]
+    resumed = retrieval.Journal(tmp_path / "resumed.jsonl", {"test": 1})
+    for unit in sorted({r["unit"] for r in planted}):
+        resumed.add("auto", unit, [r for r in planted if r["unit"] == unit])
+    assert retrieval.measure_retrieval(str(tiny_model_dir), ["auto", "int4"], contexts, "float32", "none",
+                                       max_model_len=256, journal=resumed, deadline=0.0) == resumed.records
+    assert len(resumed.records) == 3
+    again = retrieval.measure_retrieval(str(tiny_model_dir), ["auto", "int4"], contexts, "float32", "none",
+                                        max_model_len=256, journal=retrieval.Journal(tmp_path / "resumed.jsonl",
+                                                                                     {"test": 1}))
+    assert [r["answer"] for r in again if r["kv"] == "float32"] == ["planted"] * 3
+    assert [r["answer"] for r in again if r["kv"] == "int4"] == [r["answer"] for r in records if r["kv"] == "int4"]
