@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,9 +11,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
-from tests.checkpoints import build_checkpoint
-from tests.helpers.servers import run_engine_server, wait_for_idle
+# Triton decides between compiling and interpreting when a function is decorated, its own standard
+# library included, so TRITON_INTERPRET must be set before anything imports triton; here is the
+# first place a test session runs. Some library the suite imports while collecting pulls Triton in
+# before tests/gpu's conftest would run: its kernels then met compiled `tl.zeros` (the CI failure
+# "Cannot call @triton.jit'd outside of the scope of a kernel"). On CPU it only affects the
+# tests/gpu kernels: no engine picks Triton on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.checkpoints import build_checkpoint  # noqa: E402  (after TRITON_INTERPRET)
+from tests.helpers.servers import run_engine_server, wait_for_idle  # noqa: E402
 
 
 @pytest.fixture(scope="session")
