@@ -75,3 +75,32 @@ def test_the_engine_core_does_not_import_the_front_end_or_the_server() -> None:
     crossings = {m: sorted(n for n in names if n.startswith(front_or_server))
                  for m, names in imports.items() if m.rsplit("/", 1)[-1] in core_side}
     assert {m: n for m, n in crossings.items() if n} == {}
+
+
+# Environment variables the package may read: a location and a secret's default, never a switch of
+# behaviour (those are EngineConfig fields with flags; docs/SERVER.md#flags).
+ALLOWED_ENVIRONMENT = {"PAGEDSERVE_CACHE", "PAGEDSERVE_API_KEY"}
+
+
+def _environment_reads(tree: ast.AST) -> set[str]:
+    """The ``PAGEDSERVE_*`` names read through ``os.environ.get``, ``os.getenv`` or ``os.environ[...]``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            f = ast.unparse(node.func)
+            if f in ("os.environ.get", "os.getenv", "environ.get", "getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("os.environ", "environ"):
+            key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("PAGEDSERVE_"):
+            names.add(key.value)
+    return names
+
+
+def test_no_behaviour_switch_is_read_from_the_environment() -> None:
+    reads = {str(path.relative_to(ROOT.parent)): _environment_reads(ast.parse(path.read_text(), str(path)))
+             for path in sorted(ROOT.rglob("*.py"))}
+    assert set().union(*reads.values()) <= ALLOWED_ENVIRONMENT, \
+        {m: sorted(n - ALLOWED_ENVIRONMENT) for m, n in reads.items() if n - ALLOWED_ENVIRONMENT}
+    assert set().union(*reads.values()) == ALLOWED_ENVIRONMENT  # the check does find reads

@@ -75,6 +75,8 @@ def add_parser(bench) -> None:
     p.add_argument("--max-model-len", type=int, default=1024, help="context length one seat reserves")
     p.add_argument("--decode-tokens", type=int, default=128, help="output tokens of the decode-speed run (0: skip)")
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs per combination (median reported)")
+    p.add_argument("--group-kernels", action="store_true",
+                   help="int4 / grouped-int8 layers through the native group kernels (the engine's --group-kernels)")
     _add_threads_and_json(p)
     p.set_defaults(func=run_quality)
 
@@ -237,7 +239,8 @@ def engine_config(model_dir: str, weights: str, kv: str, dtype: str | None, args
     if weights == GGUF_WEIGHTS:
         model, quantization, want = gguf_compute_view(model_dir, dtype), "none", "auto"
     return EngineConfig(model=model, dtype=want, quantization=quantization, kv_cache_dtype=kv,
-                        kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False)
+                        kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False,
+                        group_kernels=getattr(args, "group_kernels", False))
 
 
 def gguf_compute_view(model_dir: str, dtype: str | None) -> str:

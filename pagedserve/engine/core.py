@@ -57,9 +57,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
+def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto",
+                               native_kernels: bool = True) -> str:
     """``auto`` → on GPU the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV
-    dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built."""
+    dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built or
+    ``native_kernels`` is off."""
     if name == "triton":
         why = triton_unavailable(device)
         if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
@@ -74,12 +76,13 @@ def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: 
             name = "triton" if why is None else "sdpa"
             logger.info("attention backend: %s%s", name, "" if why is None else f" ({why})")
             return name
-        name = "fused" if paged_decode_kernel() is not None else "matmul"
-        logger.info("attention backend: %s%s", name,
-                    "" if name == "fused" else f" (fused kernel unavailable: {kernel_error()})")
-    elif name == "fused" and (device.type != "cpu" or paged_decode_kernel() is None):
-        raise ValueError("attention_backend 'fused' needs the native CPU kernel, which is unavailable here: "
-                         f"{kernel_error() or 'device is not a CPU'}")
+        name = "fused" if native_kernels and paged_decode_kernel() is not None else "matmul"
+        why = kernel_error() if native_kernels else "--no-native-kernels"
+        logger.info("attention backend: %s%s", name, "" if name == "fused" else f" (fused kernel unavailable: {why})")
+    elif name == "fused" and (device.type != "cpu" or not native_kernels or paged_decode_kernel() is None):
+        why = "device is not a CPU" if device.type != "cpu" else "--no-native-kernels" if not native_kernels else \
+            kernel_error()
+        raise ValueError(f"attention_backend 'fused' needs the native CPU kernel, which is unavailable here: {why}")
     return name
 
 
@@ -107,7 +110,8 @@ def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, dev
     batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
                                attention_backend=_resolve_attention_backend(config.attention_backend, device,
-                                                                            config.kv_cache_dtype))
+                                                                            config.kv_cache_dtype,
+                                                                            config.native_kernels))
 
 
 class EngineCore:
@@ -136,7 +140,7 @@ class EngineCore:
         t0 = time.monotonic()
         model = load_model(model_dir, hf_config, self.dtype, self.device, config.max_model_len,
                            config.attention_backend, config.quantization, config.decode_weights,
-                           config.gguf_activations)
+                           config.gguf_activations, config.native_kernels, config.pack_weights, config.group_kernels)
         self.weight_bytes = weight_bytes(model)
         self.kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
         # KV groups (kv/groups.py) for a model with sliding-window layers: a block then holds one
@@ -206,7 +210,8 @@ class EngineCore:
                                              config.block_size, self.device)
             decode_graphs.capture()
         self.runner = ModelRunner(model, kv_caches, self.block_manager, self.device, decode_graphs)
-        decode_path = (model.enable_native_decode(kv_caches, native_ops() if self.device.type == "cpu" else None)
+        ops = native_ops() if self.device.type == "cpu" and config.native_kernels else None
+        decode_path = (model.enable_native_decode(kv_caches, ops)
                        if config.native_decode else "python (--no-native-decode)")
         logger.info("decode step: %s", decode_path)
         self.requests: dict[str, Request] = {}
@@ -490,7 +495,7 @@ class EngineCore:
         """Sample every row at once; if that raises, row by row, failing the requests whose rows raise."""
         try:
             self._fault_point("sample", targets)
-            return sample(logits, rows, self.generator, raw)
+            return sample(logits, rows, self.generator, raw, self.config.native_kernels)
         except Exception:
             pass
         result = SampleResult([], [])
@@ -501,7 +506,7 @@ class EngineCore:
             else:
                 try:
                     self._fault_point("sample", [seq])
-                    one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1])
+                    one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1], self.config.native_kernels)
                     token, lp = one.token_ids[0], one.logprobs[0]
                 except Exception as exc:
                     failed[request_id] = f"{type(exc).__name__}: {exc}"
@@ -613,12 +618,12 @@ class EngineCore:
         try:
             self._fault_point("sample", [s for s, _ in group])
             if group:
-                accepted = dict(zip([s for s, _ in group], verify(*rows_of(group), self.generator)))
+                accepted = dict(zip([s for s, _ in group], verify(*rows_of(group), self.generator, self.config.native_kernels)))
         except Exception:
             for seq, r in group:
                 try:
                     self._fault_point("sample", [seq])
-                    accepted[seq] = verify(*rows_of([(seq, r)]), self.generator)[0]
+                    accepted[seq] = verify(*rows_of([(seq, r)]), self.generator, self.config.native_kernels)[0]
                 except Exception as exc:
                     failed[seq.request.request_id] = f"{type(exc).__name__}: {exc}"
         accepted = {s: t for s, t in accepted.items() if s.request.request_id not in failed}

@@ -61,11 +61,11 @@ def accept_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
-           default_generator: torch.Generator | None) -> list[list[int]]:
+           default_generator: torch.Generator | None, native: bool = True) -> list[list[int]]:
     """New tokens for each speculated sequence. ``logits`` holds ``len(d) + 1`` consecutive rows per
     sequence (``rows`` one :class:`SamplingRow` per logits row, in the same order)."""
     processed = process_logits(logits, rows)
-    argmax = row_argmax(processed).tolist()
+    argmax = row_argmax(processed, native).tolist()
     out: list[list[int]] = []
     start = 0
     for d in drafts:
