@@ -284,10 +284,10 @@ def models_loaded_once():
     this call's, and gone after it."""
     from unittest import mock
 
-    from pagedserve.engine import core
+    from pagedserve.engine import core_builder
 
     loaded: dict[tuple, torch.nn.Module] = {}
-    load = core.load_model
+    load = core_builder.load_model
 
     def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options):
         key = (str(model_dir), dtype, str(device), max_positions, attention_backend, *options)
@@ -296,7 +296,7 @@ def models_loaded_once():
             loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options)
         return loaded[key]
 
-    with mock.patch.object(core, "load_model", cached):
+    with mock.patch.object(core_builder, "load_model", cached):
         yield
 
 

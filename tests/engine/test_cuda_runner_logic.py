@@ -129,7 +129,7 @@ def test_the_cuda_flags_reach_the_config():
 
 
 def test_triton_refuses_int4_pools_and_auto_on_cpu_never_picks_it():
-    from pagedserve.engine.core import _resolve_attention_backend
+    from pagedserve.engine.core_builder import _resolve_attention_backend
 
     with pytest.raises(ValueError, match="triton"):
         _resolve_attention_backend("triton", torch.device("cpu"), "int4")

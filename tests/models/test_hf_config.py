@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.engine.core import eos_token_ids
+from pagedserve.engine.core_builder import eos_token_ids
 from pagedserve.models.eos import eos_ids_from_transformers
 from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.llama import ModelArchitecture
