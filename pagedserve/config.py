@@ -119,7 +119,7 @@ class EngineConfig:
 
     ``kv_cache_memory`` is the KV pool's byte budget; the number of blocks follows from the
     planner's bytes-per-token formula. ``"auto"`` sizes it from free memory once the weights are
-    loaded: ``kv_cache_memory_fraction`` of it less an activation reserve (engine/memory.py). ``num_kv_blocks`` overrides it (tests use it to force a
+    loaded: ``kv_cache_memory_fraction`` of it less an activation reserve (engine/core/memory.py). ``num_kv_blocks`` overrides it (tests use it to force a
     tiny pool). ``kv_reservation="max"`` makes every admitted request reserve ``max_model_len``
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
@@ -140,7 +140,7 @@ class EngineConfig:
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
     ``priority_prefill_first``: a step that computes a prompt chunk leaves out running and waiting
     work of strictly worse priority (kept in place, not preempted), for at most
-    ``priority_prefill_max_pause`` steps in a row (engine/scheduler.py; equal priorities never
+    ``priority_prefill_max_pause`` steps in a row (engine/core/scheduler.py; equal priorities never
     trigger it).
     """
 
@@ -149,7 +149,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # bytes, "2GiB", or "auto" (from free memory, engine/memory.py)
+    kv_cache_memory: int | str = "1GiB"  # bytes, "2GiB", or "auto" (from free memory, engine/core/memory.py)
     kv_cache_memory_fraction: float = 0.9  # auto: the share of the (free) memory the engine may use
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
@@ -171,7 +171,7 @@ class EngineConfig:
     kv_reservation: str = "paged"  # paged | max
     attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused | triton
     # CUDA with the triton backend: decode-only steps replay CUDA graphs captured at start for a
-    # ladder of padded batch sizes (engine/cuda_graphs.py); prefill steps run eagerly. False: every
+    # ladder of padded batch sizes (engine/core/cuda_graphs.py); prefill steps run eagerly. False: every
     # step eager (slower per token, nothing captured). Ignored on CPU and with other backends.
     cuda_graphs: bool = True
     seed: int = 0

@@ -284,7 +284,7 @@ def models_loaded_once():
     this call's, and gone after it."""
     from unittest import mock
 
-    from pagedserve.engine import core_builder
+    from pagedserve.engine.core import builder as core_builder
 
     loaded: dict[tuple, torch.nn.Module] = {}
     load = core_builder.load_model
@@ -307,7 +307,7 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
 
 
 def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     heldout = corpus_tokens(model_dir, getattr(args, "corpus", None))
     dtype = getattr(args, "dtype", None)
@@ -404,7 +404,7 @@ def run_quant_decode(args: argparse.Namespace) -> int:
     from pagedserve.bench.decode import decode_rate
     from pagedserve.bench.workloads import w2_single_stream
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -184,7 +184,7 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
     """Recall per KV precision and length; ``on_kv_done(rows, answers)`` after each precision (a long
     run's partial results are then on disk)."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     rows, answers = [], []
     total = sum(len(c.needles) for c in contexts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.config import EngineConfig, parse_bytes
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, QueueFull, RequestTooLong
 from tests.conftest import assert_no_leaks, run_all
@@ -136,7 +136,7 @@ def test_detokenizer_never_emits_broken_utf8(engine):
     # Force byte-level tokens of a multi-byte character out one at a time via the prompt path.
     tok = engine.tokenizer
     ids = tok.encode("é😀ü", add_special_tokens=False)
-    from pagedserve.engine.detokenizer import Detokenizer
+    from pagedserve.engine.frontend.detokenizer import Detokenizer
 
     det = Detokenizer(tok)
     state = det.start([1])

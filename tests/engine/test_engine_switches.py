@@ -11,8 +11,8 @@ from torch import nn
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels import native_ops
 from pagedserve.models.packed import PackedLinear, PanelLinear, can_pack

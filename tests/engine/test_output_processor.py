@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.detokenizer import Detokenizer, find_stop_string
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.frontend.detokenizer import Detokenizer, find_stop_string
+from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.outputs import RequestMetrics, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.wire import CoreOutput, SeqDelta

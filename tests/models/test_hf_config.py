@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.engine.core_builder import eos_token_ids
+from pagedserve.engine.core.builder import eos_token_ids
 from pagedserve.models.eos import eos_ids_from_transformers
 from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.llama import ModelArchitecture
@@ -132,7 +132,7 @@ def test_engine_core_starts_without_transformers(tiny_model_dir):
     """Building the core on the tiny model imports neither transformers nor torch._dynamo (which
     building a model on the meta device with its random initialization used to pull in): a
     subprocess, as this one has both loaded already."""
-    code = ("import sys; from pagedserve.config import EngineConfig; from pagedserve.engine.core import EngineCore; "
+    code = ("import sys; from pagedserve.config import EngineConfig; from pagedserve.engine.core.engine_core import EngineCore; "
             f"EngineCore(EngineConfig(model={str(tiny_model_dir)!r}, num_kv_blocks=64, native_kernels=False)); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pagedserve.bench.processes import free_port, running_process
-from pagedserve.engine.core_restart import RestartBudget, describe_exit
+from pagedserve.engine.frontend.core_restart import RestartBudget, describe_exit
 from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning",

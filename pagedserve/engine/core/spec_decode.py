@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, draw, process_logits, row_argmax, sampling_probs
+from pagedserve.engine.core.sampler import SamplingRow, draw, process_logits, row_argmax, sampling_probs
 
 
 def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -1,7 +1,7 @@
 """Building an engine core: the configuration resolved against the model, the weights loaded, the
 KV pool sized and allocated, and the block manager, scheduler and runner wired over it.
 
-:func:`build_core` returns the parts (:class:`CoreParts`); :class:`~pagedserve.engine.core.EngineCore`
+:func:`build_core` returns the parts (:class:`CoreParts`); :class:`~pagedserve.engine.core.engine_core.EngineCore`
 steps them. Every ``auto`` is decided here, once, and logged with its reason.
 """
 
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.cuda_graphs import CudaGraphDecoder
-from pagedserve.engine.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
+from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
+from pagedserve.engine.core.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
                                       kv_budget_cap, profiled_kv_budget)
-from pagedserve.engine.profile_run import measure_peak_activation, profile_step
-from pagedserve.engine.runner import ModelRunner
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
-from pagedserve.engine.structured import GrammarCompiler
+from pagedserve.engine.core.profile_run import measure_peak_activation, profile_step
+from pagedserve.engine.core.runner import ModelRunner
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.core.structured import GrammarCompiler
 from pagedserve.engine.wire import ModelFacts
 from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops, paged_decode_kernel
 from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
@@ -39,9 +39,9 @@ from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, 
 from pagedserve.models.quant import weight_bytes
 
 if TYPE_CHECKING:
-    from pagedserve.engine.kv_events import ZmqEventPublisher
+    from pagedserve.engine.core.kv_events import ZmqEventPublisher
 
-logger = logging.getLogger("pagedserve.engine.core")  # the start-up log lines keep the core's name
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -191,7 +191,7 @@ def build_core(config: EngineConfig) -> CoreParts:
     block_manager, event_log = _block_manager(config, kv)
     publisher = None
     if event_log is not None:
-        from pagedserve.engine.kv_events import ZmqEventPublisher  # zmq only when asked for
+        from pagedserve.engine.core.kv_events import ZmqEventPublisher  # zmq only when asked for
 
         publisher = ZmqEventPublisher(config.kv_events)
     decode_graphs = None
@@ -214,7 +214,7 @@ def build_core(config: EngineConfig) -> CoreParts:
 def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchitecture, dtype: torch.dtype,
                   kv_model_dtype: torch.dtype, device: torch.device, size: int,
                   use_graphs: bool) -> tuple[EngineConfig, KVPool]:
-    """The KV pool's blocks from the budget (``auto``: from free memory, engine/memory.py), and the
+    """The KV pool's blocks from the budget (``auto``: from free memory, engine/core/memory.py), and the
     config with that budget filled in."""
     kv_dtype = kv_dtype_name(config.kv_cache_dtype, kv_model_dtype)  # e.g. "bfloat16" or "int8"
     # KV groups (kv/groups.py) for a model with sliding-window layers: a block then holds one
@@ -250,7 +250,7 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
 
 def _profiled_kv_budget(c: EngineConfig, arch: ModelArchitecture, model: torch.nn.Module, device: torch.device,
                         size: int, per_token: int, kv_pool_dtype: torch.dtype, use_graphs: bool) -> ProfiledKVBudget:
-    """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/memory.py)."""
+    """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/core/memory.py)."""
     step = profile_step(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs, c.block_size, device)
     peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, kv_pool_dtype,
                                    c.kv_cache_dtype, device)

@@ -1,13 +1,13 @@
 """EngineCore: token ids in, token ids out. One step = schedule → run the model → sample.
 
-Three parts, three modules: :mod:`~pagedserve.engine.core_builder` builds what the core steps (the
+Three parts, three modules: :mod:`~pagedserve.engine.core.builder` builds what the core steps (the
 model, the KV pool, the block manager, scheduler and runner); this module holds the requests and
-runs the step (schedule, execute, fault isolation); :mod:`~pagedserve.engine.core_outputs` samples
+runs the step (schedule, execute, fault isolation); :mod:`~pagedserve.engine.core.assembly` samples
 the logits, appends tokens, decides finishes and assembles the outputs.
 
 The core owns the scheduler, the block manager, the model runner and the sampler. It never sees
 text: prompts arrive tokenized, outputs leave as new token ids per completion, and whoever holds
-the tokenizer (the in-process :class:`~pagedserve.engine.engine.Engine`, or the server's front
+the tokenizer (the in-process :class:`~pagedserve.engine.frontend.engine.Engine`, or the server's front
 end when the core runs in its own process) turns them into text and applies stop strings.
 
 A request's fault is that request's alone: when a step raises, the core runs the step's
@@ -26,14 +26,14 @@ from collections.abc import Iterable
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_builder import build_core
-from pagedserve.engine.core_outputs import OutputAssembler
+from pagedserve.engine.core.builder import build_core
+from pagedserve.engine.core.assembly import OutputAssembler
 from pagedserve.engine.outputs import EngineStats, TokenLogprob
-from pagedserve.engine.runner import ModelInput
-from pagedserve.engine.sampler import token_logprobs
+from pagedserve.engine.core.runner import ModelInput
+from pagedserve.engine.core.sampler import token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.engine.sequence import Request, Sequence
+from pagedserve.engine.core.scheduler import SchedulerOutput
+from pagedserve.engine.core.sequence import Request, Sequence
 from pagedserve.engine.wire import CoreOutput, ModelFacts
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 
@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe.
 
-    Built by :func:`~pagedserve.engine.core_builder.build_core`; what follows the model in a step
-    (sampling, stop conditions, output deltas) is its :class:`~pagedserve.engine.core_outputs.OutputAssembler`.
+    Built by :func:`~pagedserve.engine.core.builder.build_core`; what follows the model in a step
+    (sampling, stop conditions, output deltas) is its :class:`~pagedserve.engine.core.assembly.OutputAssembler`.
     """
 
     def __init__(self, config: EngineConfig):
@@ -76,7 +76,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a tokenized request that passed the front end's check (engine/request_check.py):
+        """Queue a tokenized request that passed the front end's check (engine/frontend/request_check.py):
         the core asserts what that checked, and refuses only what depends on its own state, with
         a typed error: a duplicate id, a request its KV pool can never hold, a full queue.
 

@@ -2,7 +2,7 @@
 assemble each advanced request's :class:`~pagedserve.engine.wire.CoreOutput` (its new tokens
 since the last output, under ``stream_interval``).
 
-The :class:`~pagedserve.engine.core.EngineCore` runs the model and hands the logits here. A fault
+The :class:`~pagedserve.engine.core.engine_core.EngineCore` runs the model and hands the logits here. A fault
 while sampling or verifying drafts is retried row by row, so only the requests whose own rows
 raise are failed (``failed``: request id → message, shared with the core's step).
 """
@@ -17,14 +17,14 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.outputs import TokenLogprob
-from pagedserve.engine.sampler import SampleResult, SamplingRow, sample
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.sequence import Request, Sequence
-from pagedserve.engine.spec_decode import verify
-from pagedserve.engine.structured import GrammarCompiler
+from pagedserve.engine.core.sampler import SampleResult, SamplingRow, sample
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.sequence import Request, Sequence
+from pagedserve.engine.core.spec_decode import verify
+from pagedserve.engine.core.structured import GrammarCompiler
 from pagedserve.engine.wire import CoreOutput, SeqDelta
 
-logger = logging.getLogger("pagedserve.engine.core")
+logger = logging.getLogger(__name__)
 
 FaultPoint = Callable[[str, Iterable[Sequence]], None]
 
@@ -178,7 +178,7 @@ class OutputAssembler:
     def _verify_drafts(self, sampled: list[Sequence], logits: torch.Tensor, failed: dict[str, str]
                        ) -> tuple[list[Sequence], torch.Tensor, dict[Sequence, list[int]]]:
         """Split off the sequences that verify drafts (``1 + k`` logits rows each) and run the
-        acceptance rule on them (engine/spec_decode.py); the rest, one row each, are returned for
+        acceptance rule on them (engine/core/spec_decode.py); the rest, one row each, are returned for
         the plain sampler. If verification raises, it is retried per sequence and only the
         requests whose own rows raise are failed."""
         plain_seqs: list[Sequence] = []

@@ -38,8 +38,8 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.ngram import TokenBuffer, propose
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.core.ngram import TokenBuffer, propose
+from pagedserve.engine.core.sequence import Sequence, SequenceStatus
 from pagedserve.errors import QueueFull
 from pagedserve.kv.block_manager import BlockManager
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 def speculable(seq: Sequence) -> bool:
-    """Whether a sequence's drafts can be verified by the acceptance rule (engine/spec_decode.py):
+    """Whether a sequence's drafts can be verified by the acceptance rule (engine/core/spec_decode.py):
     not with a grammar (the matcher would have to accept and roll back drafts), logprobs or
     prompt logprobs (they report per-token distributions the rule does not compute), or n > 1
     (its completions fork from one prompt). Such sequences decode one token a step, in the
