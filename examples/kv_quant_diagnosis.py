@@ -121,7 +121,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
     from pagedserve.models.loader import resolve_model_dir
 
     t0 = time.time()

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, sample
+from pagedserve.engine.core.sampler import SamplingRow, sample
 from pagedserve.engine.sampling_params import SamplingParams
 
 

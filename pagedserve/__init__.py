@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM pulls in torch and transformers: import it only when asked for.
     if name == "LLM":
-        from pagedserve.engine.llm import LLM
+        from pagedserve.engine.frontend.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -20,7 +20,7 @@ PARTS = [
     ("pagedserve.server.grafana", ("grafana",)),
     ("pagedserve.ray_serve.cli", ("serve-ray",)),  # imports Ray only when serve-ray runs
     ("pagedserve.gateway.cli", ("gateway",)),
-    ("pagedserve.engine.generate_cli", ("generate",)),
+    ("pagedserve.engine.frontend.generate_cli", ("generate",)),
     ("pagedserve.planner.cli", ("plan", "simulate")),
     ("pagedserve.bench.cli", ("bench",)),
 ]

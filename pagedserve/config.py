@@ -48,6 +48,10 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # float32 checkpoint's weights, so they are asked for by name.
 DECODE_WEIGHTS = ("auto", "float32", "float16", "bfloat16")
 GGUF_ACTIVATIONS = ("int16", "int8")
+# How a CPU model's float linear weights are prepacked at load (models/packed.py): onednn = for
+# oneDNN's matmuls; panel = float32 weights in 16-column panels for the native kernel (faster for
+# decode batches of up to ~8 rows, slower for large ones); none = left as loaded.
+PACK_WEIGHTS = ("onednn", "panel", "none")
 
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -115,7 +119,7 @@ class EngineConfig:
 
     ``kv_cache_memory`` is the KV pool's byte budget; the number of blocks follows from the
     planner's bytes-per-token formula. ``"auto"`` sizes it from free memory once the weights are
-    loaded: ``kv_cache_memory_fraction`` of it less an activation reserve (engine/memory.py). ``num_kv_blocks`` overrides it (tests use it to force a
+    loaded: ``kv_cache_memory_fraction`` of it less an activation reserve (engine/core/memory.py). ``num_kv_blocks`` overrides it (tests use it to force a
     tiny pool). ``kv_reservation="max"`` makes every admitted request reserve ``max_model_len``
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
@@ -126,12 +130,17 @@ class EngineConfig:
     the int8 residual: near-float logits) or ``int8`` (llama.cpp's, less integer work).
     ``native_decode``: on CPU, decode steps run every decoder layer in one native call where the
     model's layers and KV pools allow it (False: always the Python model, the reference).
+    ``native_kernels``: on CPU, compile (once, on first use) and use the native kernels
+    (pagedserve/kernels); False keeps to the pure-torch paths and compiles nothing.
+    ``pack_weights`` (``onednn`` | ``panel`` | ``none``): how float linear weights are prepacked at
+    load on CPU. ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
+    (opt-in: faster on some CPUs, batch-size-dependent rounding; docs/QUANTIZATION.md).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
     ``kv_events`` publishes the prefix cache's block events for routers (off unless given and enabled).
     ``priority_prefill_first``: a step that computes a prompt chunk leaves out running and waiting
     work of strictly worse priority (kept in place, not preempted), for at most
-    ``priority_prefill_max_pause`` steps in a row (engine/scheduler.py; equal priorities never
+    ``priority_prefill_max_pause`` steps in a row (engine/core/scheduler.py; equal priorities never
     trigger it).
     """
 
@@ -140,7 +149,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"  # bytes, "2GiB", or "auto" (from free memory, engine/memory.py)
+    kv_cache_memory: int | str = "1GiB"  # bytes, "2GiB", or "auto" (from free memory, engine/core/memory.py)
     kv_cache_memory_fraction: float = 0.9  # auto: the share of the (free) memory the engine may use
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
@@ -148,6 +157,9 @@ class EngineConfig:
     decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
     native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
+    native_kernels: bool = True  # CPU: build and use the native kernels (False: pure torch, nothing compiled)
+    pack_weights: str = "onednn"  # onednn | panel | none: CPU prepacking of float linear weights at load
+    group_kernels: bool = False  # int4 / grouped-int8 layers through the native group kernels (opt-in)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
@@ -159,7 +171,7 @@ class EngineConfig:
     kv_reservation: str = "paged"  # paged | max
     attention_backend: str = "auto"  # auto | reference | sdpa | matmul | fused | triton
     # CUDA with the triton backend: decode-only steps replay CUDA graphs captured at start for a
-    # ladder of padded batch sizes (engine/cuda_graphs.py); prefill steps run eagerly. False: every
+    # ladder of padded batch sizes (engine/core/cuda_graphs.py); prefill steps run eagerly. False: every
     # step eager (slower per token, nothing captured). Ignored on CPU and with other backends.
     cuda_graphs: bool = True
     seed: int = 0
@@ -215,6 +227,11 @@ class EngineConfig:
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, "
                              f"got {self.gguf_activations!r}")
+        if self.pack_weights not in PACK_WEIGHTS:
+            raise ValueError(f"pack_weights must be one of {', '.join(PACK_WEIGHTS)}, got {self.pack_weights!r}")
+        for name in ("native_kernels", "group_kernels"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {self.decode_weights!r}")
         if self.max_num_seqs < 1:

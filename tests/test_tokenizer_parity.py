@@ -291,7 +291,7 @@ def test_preloaded_tokenizers_are_handed_out_once_each_for_their_directory(tiny_
 _FRONT_IMPORTS = """
 import sys
 import pagedserve.cli, pagedserve.server.cli
-from pagedserve.engine.mp_client import MPEngineClient
+from pagedserve.engine.frontend.mp_client import MPEngineClient
 from pagedserve.server.app import build_app
 from pagedserve.server.api_servers import run_api_server
 from pagedserve.server.tokenization import TokenizerWorker

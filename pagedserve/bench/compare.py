@@ -365,7 +365,7 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.common import write_result
-    from pagedserve.engine.core_launch import usable_cores
+    from pagedserve.engine.process_placement import usable_cores
 
     bin_dir = Path(args.llama_cpp) if args.llama_cpp else peers_dir() / "llamacpp" / "bin"
     needed = LLAMA_BINARIES + (("llama-quantize",) if args.quantize else ())
@@ -488,13 +488,13 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--output", type=_positive_int, required=True)
     p.add_argument("--streams", type=_positive_int, default=1)
     args = p.parse_args(argv)
-    from pagedserve.engine.core_launch import bind_step_threads
+    from pagedserve.engine.process_placement import bind_step_threads
 
     # As `serve` does by default: one step thread pinned per core when the step uses every core.
     # It sets OpenMP's environment, so it must come before torch is imported.
     bind_step_threads(args.threads)
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     t0 = time.perf_counter()
     # No prefix caching: every prompt is cold, as llama-bench's are.

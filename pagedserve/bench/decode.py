@@ -36,7 +36,7 @@ def decode_rate(engine, req) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     engine = Engine(EngineConfig(model=resolve_model(args.model), dtype=args.dtype, kv_cache_memory="256MiB"))
     req = w2_single_stream()

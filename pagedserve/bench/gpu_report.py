@@ -129,7 +129,7 @@ FULL, DRY = Sizes(), Sizes(w2_output=12, w1_requests=4, w1_max_output=4)
 
 def measure_model(name: str, dtype: str, device: torch.device, sizes: Sizes) -> ModelRow:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     engine = Engine(EngineConfig(model=resolve_model(name), dtype=dtype, device=str(device), max_model_len=2048,
                                  kv_cache_memory="auto" if device.type == "cuda" else "256MiB"))

@@ -244,7 +244,7 @@ def run_check(config: CheckConfig) -> dict[str, Any]:
     import torch
 
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     model_dir = resolve_model(config.model)
     shape = load_model_shape(str(model_dir))

@@ -36,7 +36,7 @@ def ttft(engine, request_id: str, prompt: list[int], max_tokens: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     engine = Engine(EngineConfig(model=resolve_model(args.model), kv_cache_memory="512MiB"))
     cold, warm, hits = [], [], []

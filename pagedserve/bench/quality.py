@@ -75,6 +75,8 @@ def add_parser(bench) -> None:
     p.add_argument("--max-model-len", type=int, default=1024, help="context length one seat reserves")
     p.add_argument("--decode-tokens", type=int, default=128, help="output tokens of the decode-speed run (0: skip)")
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs per combination (median reported)")
+    p.add_argument("--group-kernels", action="store_true",
+                   help="int4 / grouped-int8 layers through the native group kernels (the engine's --group-kernels)")
     _add_threads_and_json(p)
     p.set_defaults(func=run_quality)
 
@@ -237,7 +239,8 @@ def engine_config(model_dir: str, weights: str, kv: str, dtype: str | None, args
     if weights == GGUF_WEIGHTS:
         model, quantization, want = gguf_compute_view(model_dir, dtype), "none", "auto"
     return EngineConfig(model=model, dtype=want, quantization=quantization, kv_cache_dtype=kv,
-                        kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False)
+                        kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False,
+                        group_kernels=getattr(args, "group_kernels", False))
 
 
 def gguf_compute_view(model_dir: str, dtype: str | None) -> str:
@@ -281,10 +284,10 @@ def models_loaded_once():
     this call's, and gone after it."""
     from unittest import mock
 
-    from pagedserve.engine import core
+    from pagedserve.engine.core import builder as core_builder
 
     loaded: dict[tuple, torch.nn.Module] = {}
-    load = core.load_model
+    load = core_builder.load_model
 
     def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options):
         key = (str(model_dir), dtype, str(device), max_positions, attention_backend, *options)
@@ -293,7 +296,7 @@ def models_loaded_once():
             loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options)
         return loaded[key]
 
-    with mock.patch.object(core, "load_model", cached):
+    with mock.patch.object(core_builder, "load_model", cached):
         yield
 
 
@@ -304,7 +307,7 @@ def measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) ->
 
 
 def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -> list[QualityRow]:
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     heldout = corpus_tokens(model_dir, getattr(args, "corpus", None))
     dtype = getattr(args, "dtype", None)
@@ -401,7 +404,7 @@ def run_quant_decode(args: argparse.Namespace) -> int:
     from pagedserve.bench.decode import decode_rate
     from pagedserve.bench.workloads import w2_single_stream
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)

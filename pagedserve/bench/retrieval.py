@@ -227,7 +227,7 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
     come, and haystacks it already holds are skipped. Stops between haystacks once
     ``time.monotonic()`` passes ``deadline``. Returns every record in the journal."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     journal = journal if journal is not None else Journal(None, {})
     engines: dict[str, Engine] = {}

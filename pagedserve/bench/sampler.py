@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.bench.common import machine_summary, median_call_us, write_result
-from pagedserve.engine.sampler import row_argmax
+from pagedserve.engine.core.sampler import row_argmax
 
 
 @dataclass

@@ -34,7 +34,7 @@ def _sample(engine, t):
 
 def measure(model_dir: str, reservation: str, reqs, budget_tokens: int, max_model_len: int, max_steps: int | None):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
     from pagedserve.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=budget_tokens // 16, block_size=16,

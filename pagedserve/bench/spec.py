@@ -87,7 +87,7 @@ def timed_run(engine, prompt_ids: list[int], output_len: int) -> tuple[float, li
 
 def _proposer_cost_us(tokens: list[int], args) -> float:
     """Microseconds of one proposal over a sequence of these tokens (what each decode step pays)."""
-    from pagedserve.engine.ngram import propose
+    from pagedserve.engine.core.ngram import propose
 
     arr = np.asarray(tokens, dtype=np.int64)
     n = 2000
@@ -100,7 +100,7 @@ def _proposer_cost_us(tokens: list[int], args) -> float:
 def compare(name: str, model: str, prompt_ids_for, output_len: int, args) -> dict:
     """Off/on engines of ``model``, interleaved timed runs; the result row."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     def engine(spec: bool) -> Engine:
         return Engine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory="256MiB",

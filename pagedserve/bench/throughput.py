@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     schema = None
     if args.json_schema:
         from pagedserve.engine.sampling_params import StructuredOutputsParams
-        from pagedserve.engine.structured import check
+        from pagedserve.engine.core.structured import check
 
         schema = Path(args.json_schema).read_text()
         check(StructuredOutputsParams(json=schema), "--json-schema")

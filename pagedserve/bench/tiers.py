@@ -66,7 +66,7 @@ from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
 from pagedserve.bench.sse_client import CLIENT_ERRORS, stream_post
 from pagedserve.bench.sse_client import session as sse_session
-from pagedserve.engine.client import EngineTimes, read_request_log
+from pagedserve.engine.frontend.client import EngineTimes, read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
 

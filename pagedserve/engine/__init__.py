@@ -1,0 +1,43 @@
+"""The engine: a core that steps token ids, and the front ends that drive it.
+
+* :mod:`pagedserve.engine.core` — what the engine core process runs (or a thread of the server
+  with ``--no-engine-process``): the scheduler, the model runner, the sampler, the step loop.
+  It never sees text and imports nothing of the front end or the server.
+* :mod:`pagedserve.engine.frontend` — the clients the servers hold (in-process, multiprocess),
+  the output processor and detokenizer that turn token ids into text, the front end's one request
+  check, the core process's launcher and restarter, the offline ``LLM``.
+* :mod:`pagedserve.engine.wire` — what crosses between them (commands, outputs, the model's facts);
+  ``outputs``, ``sampling_params``, ``block_map`` and ``args`` are the types and flags both sides
+  and the servers share.
+
+This package's names are the door the servers (``server/``, ``ray_serve/``, ``gateway/``) use:
+the client interface, the factory that starts a core and connects a client, and the types. None
+of them imports torch; ``LLM`` and ``Engine`` (which do) load on first use.
+"""
+
+from pagedserve.engine.frontend import factory
+from pagedserve.engine.frontend.client import EngineClient, EngineDeadError, LoadReport, RequestFailed, RequestStream
+from pagedserve.engine.frontend.factory import (CoreFactory, CoreLaunch, CoreLink, CoreProcess, CoreRestarter,
+                                                EngineStartupError, connect, core_restarter, describe_exit,
+                                                die_with_parent, in_process, spawn_core_process)
+from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+__all__ = ["CompletionOutput", "CoreFactory", "CoreLaunch", "CoreLink", "CoreProcess", "CoreRestarter", "Engine",
+           "EngineClient", "EngineDeadError", "EngineStartupError", "EngineStats", "LLM", "LoadReport",
+           "RequestFailed", "RequestOutput", "RequestStream", "SamplingParams", "StructuredOutputsParams",
+           "TokenLogprob", "connect", "core_restarter", "describe_exit", "die_with_parent", "factory", "in_process",
+           "spawn_core_process"]
+
+
+def __getattr__(name: str):
+    # The offline LLM and the synchronous Engine hold a core in this process: torch loads with them.
+    if name == "LLM":
+        from pagedserve.engine.frontend.llm import LLM
+
+        return LLM
+    if name == "Engine":
+        from pagedserve.engine.frontend.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

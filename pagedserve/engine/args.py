@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, KV_CACHE_DTYPES, MAX_NGRAM,
-                               MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, QUANTIZATIONS, EngineConfig,
-                               KVEventsConfig)
+                               MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, PACK_WEIGHTS, QUANTIZATIONS,
+                               EngineConfig, KVEventsConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
     g = parser.add_argument_group("engine")
+    _add_model_args(g, model_required)
+    _add_kv_args(g)
+    _add_scheduling_args(g)
+    _add_backend_args(g)
+    _add_speculative_args(parser.add_argument_group("speculative decoding"))
+
+
+def _add_model_args(g: argparse._ArgumentGroup, model_required: bool) -> None:
+    """The model, its precision and how its weights are laid out and computed."""
     g.add_argument("--model", required=model_required, default=None,
                    help="Hugging Face model directory or hub id (Llama 2/3, Mistral, Qwen2, Qwen3; safetensors)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
@@ -39,6 +48,25 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                    help="on CPU, run decode steps through the Python model layer by layer instead of one native "
                         "call for all layers (the native call is taken where the layers and KV pools allow it: "
                         "decode-only steps, model-dtype KV pools, the fused attention backend; same results)")
+    g.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="on CPU, use none of the native kernels (pagedserve/kernels, compiled with g++ on first "
+                        "use, ~30 s once per machine and torch install, cached under $PAGEDSERVE_CACHE/kernels): "
+                        "pure-torch paths only, nothing compiled; slower, for checking or a machine without a "
+                        "compiler (default: built and used where they build)")
+    g.add_argument("--pack-weights", default="onednn", choices=list(PACK_WEIGHTS),
+                   help="how a CPU model's float linear weights are prepacked at load: onednn (for oneDNN's "
+                        "matmuls), panel (float32 weights in 16-column panels for the native kernel: faster than "
+                        "oneDNN on AVX2 for decode batches of up to ~8 rows, slower for large batches) or none "
+                        "(left as loaded). Not used with --quantization (default onednn)")
+    g.add_argument("--group-kernels", action="store_true",
+                   help="run int4 and grouped-int8 layers (--quantization int4, a GGUF's Q4_0 / Q4_1 / Q8_0 "
+                        "when not kept as GGUF blocks) through the native group kernels instead of torch's "
+                        "int4pack / int8 kernels: faster on some CPUs, but rounding then depends on the batch "
+                        "size (docs/QUANTIZATION.md; default off)")
+
+
+def _add_kv_args(g: argparse._ArgumentGroup) -> None:
+    """The device and the KV pool."""
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
@@ -53,6 +81,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "users counted against it, as vLLM's --gpu-memory-utilization), of the available memory "
                         "on CPU (default 0.9)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
+    """What one step batches and in which order."""
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
@@ -73,6 +105,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                    help="with priority prefill first: most steps in a row that worse-priority work may be left out "
                         f"for better prompts (a long prompt chunked over steps, or a stream of them), 1.."
                         f"{MAX_PRIORITY_PREFILL_PAUSE}; the next step batches everyone (default 8)")
+
+
+def _add_backend_args(g: argparse._ArgumentGroup) -> None:
+    """Attention, CUDA graphs, threads, streaming and KV events."""
     g.add_argument("--kv-reservation", default="paged", choices=["paged", "max"],
                    help="paged: blocks as the context grows; max: reserve max_model_len per request (the naive server)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
@@ -108,7 +144,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
                         "(also replay_endpoint, buffer_steps, hwm, max_queue_size); --kv-events-endpoint, "
                         "if given too, sets its endpoint and turns it on")
-    s = parser.add_argument_group("speculative decoding")
+
+
+def _add_speculative_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--speculative", default=None, choices=["ngram"],
                    help="speculative decoding: ngram = prompt lookup (vLLM's ngram method): each decode step drafts "
                         "the tokens that followed the latest earlier occurrence of the sequence's last few tokens "
@@ -137,7 +175,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         decode_weights=getattr(args, "decode_weights", "auto"),
         gguf_activations=getattr(args, "gguf_activations", "int16"), stream_interval=args.stream_interval,
-        native_decode=getattr(args, "native_decode", True),
+        native_decode=getattr(args, "native_decode", True), native_kernels=getattr(args, "native_kernels", True),
+        pack_weights=getattr(args, "pack_weights", "onednn"), group_kernels=getattr(args, "group_kernels", False),
         kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),

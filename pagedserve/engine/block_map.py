@@ -6,7 +6,7 @@ sequence's id, or the root of the cached prefix chain) and its reference count, 
 packed to bytes, plus the list of requests with their tokens, blocks, state and priority.
 
 Cost is the point: the core builds a snapshot on its own loop, so
-:class:`~pagedserve.engine.block_map_feed.BlockMapFeed` makes one
+:class:`~pagedserve.engine.core.block_map_feed.BlockMapFeed` makes one
 only while someone watches, at most ``max_hz`` times a second, and never more often than keeps
 its measured build time under ``cpu_share`` of the loop's time (a 100k-block pool takes a few
 milliseconds to walk, so it is sampled about once a second, a 1k-block pool ten times). A
@@ -14,7 +14,7 @@ snapshot identical to the previous one is not sent. Deltas are the front end's b
 consecutive snapshots off the step loop (pagedserve.server.dashboard).
 
 This module holds what crosses to the front end (the snapshot's types, importable without the
-core); the core's side that walks the allocator is :mod:`pagedserve.engine.block_map_feed`.
+core); the core's side that walks the allocator is :mod:`pagedserve.engine.core.block_map_feed`.
 """
 
 from __future__ import annotations

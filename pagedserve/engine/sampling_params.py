@@ -1,7 +1,7 @@
 """Per-request sampling parameters, and the bounds :meth:`SamplingParams.validate` holds them to.
 
 ``validate()`` is called explicitly, once per request, by the front end's request check
-(:mod:`pagedserve.engine.request_check`, whichever client or the offline ``Engine`` takes the
+(:mod:`pagedserve.engine.frontend.request_check`, whichever client or the offline ``Engine`` takes the
 request), never on construction: a copy made in the core (``dataclasses.replace``) or decoded
 from the wire (msgspec) is not checked again. Every field is bounded to what the engine can hold
 (the server's schema checks the same bounds first, from the constants below, so an HTTP client
@@ -96,7 +96,7 @@ class StructuredOutputsParams:
     def check_grammar(self, param: str = "structured_outputs") -> None:
         """Raise :class:`InvalidRequest` if the spec does not compile (a bad schema, regex or
         grammar); tokenizer-free, but it loads xgrammar: call it off the event loop."""
-        from pagedserve.engine.structured import check
+        from pagedserve.engine.core.structured import check
 
         check(self, param)
 

@@ -1,8 +1,8 @@
 """What crosses between the engine core and a front end: msgspec messages and the model's facts.
 
-They live apart from :mod:`pagedserve.engine.core` and :mod:`pagedserve.engine.core_proc` (which
+They live apart from :mod:`pagedserve.engine.core.engine_core` and :mod:`pagedserve.engine.core.proc` (which
 name them too) so that a front end, which only encodes and decodes them, imports neither the
-core nor torch. See :mod:`pagedserve.engine.core_proc` for the protocol.
+core nor torch. See :mod:`pagedserve.engine.core.proc` for the protocol.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ModelFacts:
     threads_pinned: bool = False  # OpenMP binds them to places (serve --bind-step-threads, or OMP_PROC_BIND)
 
 
-# ---- front end → core, and the core's answers (pagedserve.engine.core_proc) ----
+# ---- front end → core, and the core's answers (pagedserve.engine.core.proc) ----
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str

@@ -10,10 +10,10 @@
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
   (:class:`~pagedserve.models.packed.PanelLinear`): a register-blocked AVX2 kernel, faster than
   torch's oneDNN float32 path on an AVX2-only CPU for 1-8 rows but slower for 64-row decode
-  batches, so used only with ``PAGEDSERVE_PACK_WEIGHTS=panel``.
+  batches, so used only with ``--pack-weights panel``.
 * ``quant_matmul.cpp`` — ``y = x Wᵀ + b`` straight from the project's int4 (groups of 32, two
   nibbles per byte) and grouped int8 weights, AVX2 + FMA with a scalar fallback, float activations:
-  the ``--quantization int4|int8`` layers with ``PAGEDSERVE_GROUP_KERNELS=1`` (docs/QUANTIZATION.md).
+  the ``--quantization int4|int8`` layers with ``--group-kernels`` (docs/QUANTIZATION.md).
   GGUF files no longer come here: their blocks go to ``gguf_matmul``.
 * ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
@@ -36,9 +36,10 @@ one machine get two libraries and never rebuild or overwrite each other's. A pro
 has a library loads it at once; otherwise it builds under a file lock (one build per key at a
 time; waiters then load the winner's library), in a scratch directory, and moves the finished
 ``.so`` into place with an atomic rename, so no process ever loads a half-written file. Every
-build logs one line, and every load names the directory it used. Without a compiler, or with
-``PAGEDSERVE_KERNELS=0``, nothing is built and :func:`paged_decode_kernel` returns ``None``:
-callers fall back to the pure-torch path.
+build logs one line, and every load names the directory it used. Without a compiler nothing is
+built and :func:`paged_decode_kernel` returns ``None``: callers fall back to the pure-torch path.
+An engine with ``--no-native-kernels`` (``EngineConfig.native_kernels``) never calls in here, so
+nothing is built for it either.
 """
 
 from __future__ import annotations
@@ -191,18 +192,15 @@ def _build() -> object:
 
 def native_ops() -> object | None:
     """The ``torch.ops.pagedserve`` namespace once the kernels are built and loaded, or ``None`` when
-    they are disabled or cannot be built here (the reason is logged once)."""
+    they cannot be built here (the reason is logged once)."""
     if "ops" in _state or "error" in _state:
         return _state.get("ops")
     with _lock:
         if "ops" not in _state and "error" not in _state:
-            if os.environ.get("PAGEDSERVE_KERNELS", "1") == "0":
-                _state["error"] = "disabled by PAGEDSERVE_KERNELS=0"
-            else:
-                try:
-                    _state["ops"] = _build()
-                except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
-                    _state["error"] = f"{type(e).__name__}: {e}"
+            try:
+                _state["ops"] = _build()
+            except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
+                _state["error"] = f"{type(e).__name__}: {e}"
             if "error" in _state:
                 log.warning("native kernels unavailable (%s); using the pure-torch paths",
                             str(_state["error"]).splitlines()[0])

@@ -307,7 +307,8 @@ def gemma3_config_from_gguf(reader, field, eos_ids, float_types):
 
 def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dtype, device: torch.device,
                      max_positions: int, attention_backend: str, keep_quantized: bool = True,
-                     native_kernels: bool | None = None, activations: str = "int16") -> Gemma3ForCausalLM:
+                     native_kernels: bool | None = None, activations: str = "int16",
+                     group_kernels: bool = False) -> Gemma3ForCausalLM:
     """Build Gemma 3 from a GGUF file's tensors (never materializing random weights): every format
     the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
     dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
@@ -322,7 +323,8 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
     if native_kernels is None:
         native_kernels = device.type == "cpu"
     ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=False, ops=ops)
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=False, ops=ops,
+                 group_ops=ops if group_kernels else None)
     b.packed_for_cpu = device.type == "cpu"
     for t in reader.tensors:
         if not can_load(t.tensor_type):
@@ -356,7 +358,7 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
     if table is not None:
         model.embed_tokens = QuantizedEmbedding(table, dtype)
         if a.tie_word_embeddings:
-            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device):
+            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device, group_ops=b.group_ops):
                 # as the Llama loader: lookups read the readable nibbles, torch's int4 CPU kernel
                 # (no native kernels here) wants its own layout for the logits matmul
                 model.lm_head = b.linear([_Part(embed)], [a.vocab_size], h)

@@ -436,11 +436,12 @@ class _Builder:
     """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded."""
 
     def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-                 keep_quantized: bool, permuted: bool, ops=None):
+                 keep_quantized: bool, permuted: bool, ops=None, group_ops=None):
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch, self.dtype, self.device = arch, dtype, device
         self.keep, self.permuted = keep_quantized, permuted
         self.ops = ops  # the native kernels: GGUF blocks kept as they are (GGUFLinear)
+        self.group_ops = group_ops  # the native group kernels for int4 / int8 layers (--group-kernels)
         self.packed_for_cpu = device.type == "cpu"  # int4 layout: the CPU kernel's, or the portable one
         self.used: set[str] = set()
         self.loaded: Counter = Counter()  # "Q4_1 -> int4" etc., for the log line
@@ -510,7 +511,7 @@ class _Builder:
                 scales.append(p.fix(d))
                 self._count(p.tensor, "int8 groups of 32", dequantize=False)
             return Int8GroupedLinear(torch.cat(qs).to(self.device), torch.cat(scales).to(self.device), b, 32,
-                                     self.dtype)
+                                     self.dtype, self.group_ops)
         if self.keep and kind in ("Q4_0", "Q4_1"):
             qs, scales, zeros = [], [], []
             for p in parts:
@@ -522,7 +523,8 @@ class _Builder:
             if packed_for_cpu is None:
                 packed_for_cpu = self.packed_for_cpu
             return Int4Linear(torch.cat(qs).to(self.device, torch.int32), torch.cat(scales).to(self.device),
-                              torch.cat(zeros).to(self.device), b, INT4_GROUP_SIZE, self.dtype, packed_for_cpu)
+                              torch.cat(zeros).to(self.device), b, INT4_GROUP_SIZE, self.dtype, packed_for_cpu,
+                              self.group_ops)
         weight = torch.cat([p.fix(_dequantize(p.tensor)) for p in parts]).to(device=self.device, dtype=self.dtype)
         for p in parts:
             self._count(p.tensor, str(self.dtype).removeprefix("torch."), dequantize=True)
@@ -542,7 +544,7 @@ class _Builder:
 def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
                     packed_for_cpu: bool | None = None, native_kernels: bool | None = None,
-                    activations: str = "int16") -> LlamaForCausalLM:
+                    activations: str = "int16", group_kernels: bool = False) -> LlamaForCausalLM:
     """Build the model from a GGUF file's tensors, without ever materializing random weights.
 
     ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
@@ -552,6 +554,7 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     CPU where they build) keeps every format the native GGUF kernels read as :class:`GGUFLinear`
     blocks; without them, Q8_0 / Q4_0 / Q4_1 go to the project's int8 / int4 layers. Their
     ``activations``: ``int16`` (int8 plus the int8 residual) or ``int8``; an LM head takes int16.
+    ``group_kernels``: the int4 / int8 layers through the native group kernels (``--group-kernels``).
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
@@ -559,11 +562,12 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
         from pagedserve.models.gemma3 import load_gemma3_gguf
 
         return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
-                                native_kernels, activations)
+                                native_kernels, activations, group_kernels)
     if native_kernels is None:
         native_kernels = device.type == "cpu"
     ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2], ops=ops)
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2], ops=ops,
+                 group_ops=ops if group_kernels else None)
     b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
     for t in reader.tensors:
         if not can_load(t.tensor_type):
@@ -602,7 +606,7 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     if table is not None:
         model.embed_tokens = QuantizedEmbedding(table, dtype)
         if a.tie_word_embeddings:
-            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device):
+            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device, group_ops=b.group_ops):
                 # The lookups read the readable nibbles; torch's int4 CPU kernel (no native kernels
                 # here) wants its own opaque layout for the logits matmul.
                 model.lm_head = b.linear([_Part(embed)], [a.vocab_size], a.hidden_size)

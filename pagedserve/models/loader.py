@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -147,15 +146,18 @@ def _checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                attention_backend: str, quantization: str = "none", decode_weights: str = "auto",
-               gguf_activations: str = "int16") -> LlamaForCausalLM:
+               gguf_activations: str = "int16", native_kernels: bool = True, pack_weights: str = "onednn",
+               group_kernels: bool = False) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors.
 
     ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
     quantized one (embeddings and norms stay in ``dtype``); without it, on CPU, linear weights are
-    prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``PAGEDSERVE_PACK_WEIGHTS=0`` turns that
-    off, ``=panel`` puts float32 weights into panels for the native kernel instead: faster for
-    decode batches of up to ~8 rows, slower for W1's 64-row batches, so not the default). On CPU the native layer kernels are switched on where they build. The engine's load log
-    line states the resulting weight bytes.
+    prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``pack_weights="none"`` turns that
+    off, ``"panel"`` puts float32 weights into panels for the native kernel instead: faster for
+    decode batches of up to ~8 rows, slower for W1's 64-row batches, so not the default). On CPU the
+    native layer kernels are switched on where they build, unless ``native_kernels`` is False (then
+    nothing is compiled); ``group_kernels`` sends int4 / grouped-int8 layers through the native group
+    kernels (opt-in, docs/QUANTIZATION.md). The engine's load log line states the resulting weight bytes.
 
     ``decode_weights`` (``auto`` | ``float32`` | ``float16`` | ``bfloat16``): on a CPU without native
     bf16, a float32 model's linear weights may be kept 16-bit for decode
@@ -170,7 +172,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
         keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
         model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep,
-                                activations=gguf_activations)
+                                native_kernels=native_kernels and device.type == "cpu", activations=gguf_activations,
+                                group_kernels=group_kernels)
         weight_format = "GGUF, kept quantized" if keep else weight_format
     elif isinstance(arch, Gemma3Architecture):
         raise ValueError(f"{model_dir}: Gemma 3 loads from its GGUF file only (--model gemma-3-270m, or a .gguf path)")
@@ -192,22 +195,23 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         model.to(device=device, dtype=dtype)
     model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
     model.eval().requires_grad_(False)
+    # None (torch paths) off the CPU, with native_kernels off, or where the kernels can't be built
+    ops = native_ops() if device.type == "cpu" and native_kernels else None
     if quantization not in (None, "none"):
         full = weight_bytes(model)
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, group_ops=ops if group_kernels else None)
         logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
-    ops = native_ops() if device.type == "cpu" else None  # None (torch paths) where the kernels can't be built
     half, why = choose_decode_weights(decode_weights, checkpoint_dtype, dtype, device, weight_format,
                                       device.type == "cpu" and cpu_has_native_bf16(),
                                       ops is not None and hasattr(ops, "half_linear"))
     logger.info("decode weights: %s (%s)", str(half if half is not None else dtype).removeprefix("torch."), why)
     if half is not None:  # before prepacking, which then finds no plain float32 linear left
         store_linears_16bit(model, half, ops)
-    if quantization in (None, "none") and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
+    if quantization in (None, "none") and pack_weights != "none":
         # CPU: prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
         # decode batches, 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.
-        pack_linears(model, ops, onednn_only=os.environ.get("PAGEDSERVE_PACK_WEIGHTS") != "panel")
+        pack_linears(model, ops, onednn_only=pack_weights != "panel")
     if device.type == "cpu":
         model.use_native_ops(ops)
     return model

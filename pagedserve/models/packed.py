@@ -100,7 +100,7 @@ def pack_linears(model: nn.Module, ops=None, onednn_only: bool = False) -> int:
     """Replace every float ``nn.Linear`` of ``model`` by a :class:`PanelLinear` (float32, with the
     native kernels ``ops``) or a :class:`PackedLinear` (oneDNN), in place, where this machine can;
     returns how many were packed (0 where it can't). ``onednn_only`` keeps float32 on oneDNN too,
-    as the loader does unless ``PAGEDSERVE_PACK_WEIGHTS=panel``."""
+    as the loader does unless ``--pack-weights panel``."""
     panel_ops = None if onednn_only else ops
 
     def make(linear: nn.Linear) -> nn.Module:

@@ -12,7 +12,7 @@ what bounds single-stream decode speed.
 * ``int4`` — asymmetric per group of ``group_size`` input columns: ``w ≈ (q − 8) × s + z`` with q
   in [0, 15] and ``z = min + 8 s``. Stored two nibbles per byte, per group of 32 byte i holding
   columns i and i + 16, with float16 scales ``s`` and offsets ``b = z − 8 s`` (``w = q s + b``).
-  On CPU with the native kernels (:mod:`pagedserve.kernels`, ``quant_matmul.cpp``) a batch of up
+  On CPU with the native group kernels (``--group-kernels``; ``quant_matmul.cpp``) a batch of up
   to :data:`_NATIVE_MAX_ROWS` rows is one pass over those bytes; a larger one dequantizes the
   weight natively and runs the float GEMM. On CPU without the kernels the weights are packed
   once for ``aten._weight_int4pack_mm_for_cpu`` instead (opaque); other devices dequantize per
@@ -21,13 +21,10 @@ what bounds single-stream decode speed.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import native_ops
 from pagedserve.models.replace import replace_linears
 
 INT4_GROUP_SIZE = 32
@@ -44,18 +41,16 @@ def _use_cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _native_group_kernels(device: torch.device, group_size: int) -> object | None:
-    """The native ops namespace when the group-of-32 kernels can serve a layer on ``device``.
+def group_kernel_ops(ops, device: torch.device, group_size: int) -> object | None:
+    """``ops`` (the native kernels, or None) when the group-of-32 kernels can serve a layer on ``device``.
 
-    Opt-in (``PAGEDSERVE_GROUP_KERNELS=1``). Both batch-size paths compute with the stored weights
-    exactly and sum in float32 (the kernel up to :data:`_NATIVE_MAX_ROWS` rows, batch-invariant
-    within that; a float32 GEMM over the float32 dequantization beyond), so a prompt's last logits
-    cold and after a prefix-cache hit differ by summation order only. Not the default because on
-    this project's AVX2 machine torch's int4pack path decodes SmolLM2 faster on two threads
-    (docs/QUANTIZATION.md)."""
-    if os.environ.get("PAGEDSERVE_GROUP_KERNELS", "0") != "1":
-        return None
-    return native_ops() if device.type == "cpu" and group_size == 32 else None
+    Opt-in (``EngineConfig.group_kernels``, ``--group-kernels``: the loader passes the kernels down
+    only then). Both batch-size paths compute with the stored weights exactly and sum in float32
+    (the kernel up to :data:`_NATIVE_MAX_ROWS` rows, batch-invariant within that; a float32 GEMM
+    over the float32 dequantization beyond), so a prompt's last logits cold and after a
+    prefix-cache hit differ by summation order only. Not the default because on this project's
+    AVX2 machine torch's int4pack path decodes SmolLM2 faster on two threads (docs/QUANTIZATION.md)."""
+    return ops if ops is not None and device.type == "cpu" and group_size == 32 else None
 
 
 def _pack_nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -141,11 +136,11 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return q.reshape(n, k), scales, zeros
 
 
-def int4_cpu_layout_is_opaque(device: torch.device, group_size: int = INT4_GROUP_SIZE) -> bool:
+def int4_cpu_layout_is_opaque(device: torch.device, group_size: int = INT4_GROUP_SIZE, group_ops=None) -> bool:
     """Whether ``packed_for_cpu`` lays int4 weights out for torch's ``_weight_int4pack_mm_for_cpu``
-    (opaque: no row lookups): on a CPU without the native kernels. With them, the readable layout
-    is also the fast one."""
-    return device.type == "cpu" and _native_group_kernels(device, group_size) is None
+    (opaque: no row lookups): on a CPU without the native group kernels (``group_ops``). With them,
+    the readable layout is also the fast one."""
+    return device.type == "cpu" and group_kernel_ops(group_ops, device, group_size) is None
 
 
 class Int4Linear(nn.Module):
@@ -155,16 +150,18 @@ class Int4Linear(nn.Module):
     ``scales`` and ``offsets`` float16 ``[N, K/g]`` with ``w = q × scale + offset``; float16 holds a
     GGUF's Q4_0 / Q4_1 ``d`` and ``m`` exactly. Opaque layout (``packed_for_cpu`` on a CPU without
     the native kernels): torch's int4pack weight and ``scales_and_zeros [K/g, N, 2]`` in the model dtype.
+    ``group_ops``: the native kernels, given only with ``--group-kernels`` (:func:`group_kernel_ops`).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                 group_size: int, dtype: torch.dtype, packed_for_cpu: bool):
+                 group_size: int, dtype: torch.dtype, packed_for_cpu: bool, group_ops=None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
         if self.in_features % group_size or group_size % 2:
             raise ValueError(f"int4 groups of {group_size} need in_features divisible by it, got {self.in_features}")
-        self.packed_for_cpu = packed_for_cpu and int4_cpu_layout_is_opaque(q.device, group_size)
+        self.group_ops = group_kernel_ops(group_ops, q.device, group_size)
+        self.packed_for_cpu = packed_for_cpu and self.group_ops is None and q.device.type == "cpu"
         if self.packed_for_cpu:
             if self.in_features % (16 * _INT4_INNER_K_TILES):
                 raise ValueError(f"the CPU int4 kernel needs in_features divisible by {16 * _INT4_INNER_K_TILES}, "
@@ -184,14 +181,14 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE,
-                    packed_for_cpu: bool | None = None) -> "Int4Linear":
+                    packed_for_cpu: bool | None = None, group_ops=None) -> "Int4Linear":
         """Quantize a float linear layer; ``packed_for_cpu`` defaults to whether it lives on the CPU."""
         w = linear.weight.detach()
         q, scales, zeros = quantize_int4_groups(w, group_size)
         if packed_for_cpu is None:
             packed_for_cpu = _use_cpu_kernels(w.device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu)
+        return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu, group_ops)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]`` (readable layout only)."""
@@ -213,7 +210,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        ops = None if self.packed_for_cpu else _native_group_kernels(x.device, self.group_size)
+        ops = None if self.packed_for_cpu or x.device.type != "cpu" else self.group_ops
         if ops is not None:
             y = _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x.dtype)
             return y.reshape(*shape[:-1], self.out_features)
@@ -249,10 +246,11 @@ class Int8GroupedLinear(nn.Module):
     activations a product is one ``aten._weight_int8pack_mm`` per group, summed in float32, over a
     weight stored ``[K/g, N, g]`` (each group's matrix contiguous) with scales ``[K/g, N]`` in the
     model dtype; larger batches, other devices and float32 dequantize it per call (correct, not fast).
+    ``group_ops``: the native kernels, given only with ``--group-kernels`` (:func:`group_kernel_ops`).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, group_ops=None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % group_size or scales.shape != (self.out_features, self.in_features // group_size):
@@ -260,7 +258,8 @@ class Int8GroupedLinear(nn.Module):
                              "do not match")
         self.group_size = group_size
         groups = self.in_features // group_size
-        self.native = _native_group_kernels(q.device, group_size) is not None
+        self.group_ops = group_kernel_ops(group_ops, q.device, group_size)
+        self.native = self.group_ops is not None
         if self.native:
             self.register_buffer("weight", q.to(torch.int8).contiguous())  # [N, K]
             self.register_buffer("scales", scales.to(torch.float16).contiguous())  # [N, K/g]
@@ -290,7 +289,7 @@ class Int8GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        ops = _native_group_kernels(x.device, self.group_size) if self.native else None
+        ops = self.group_ops if self.native and x.device.type == "cpu" else None
         if ops is not None:
             # As the LM head (float_output), the float32 sums are the logits: rounding them to
             # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
@@ -334,14 +333,18 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, quantized"
 
 
-def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_GROUP_SIZE) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` by its ``int8`` or ``int4`` twin, in place; ``none`` is a no-op."""
+def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_GROUP_SIZE,
+                   group_ops=None) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` by its ``int8`` or ``int4`` twin, in place; ``none`` is a no-op.
+    ``group_ops``: the native group kernels for the int4 layers (``--group-kernels``), or None."""
     if quantization in ("none", None):
         return model
     if quantization not in ("int8", "int4"):
         raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
     def twin(linear: nn.Linear) -> nn.Module:
-        return Int8Linear.from_linear(linear) if quantization == "int8" else Int4Linear.from_linear(linear, group_size)
+        if quantization == "int8":
+            return Int8Linear.from_linear(linear)
+        return Int4Linear.from_linear(linear, group_size, group_ops=group_ops)
 
     # A tied LM head gets its own quantized copy (57 MiB of bf16 read every step for qwen05-shape).
     replace_linears(model, twin)

@@ -8,10 +8,10 @@ pools, int8 / fp8 pools with their scales, or plain tensors) with the block tabl
 one split-K launch, every prompt chunk of the step in one varlen launch, and the step's K and V
 written by slot mapping in one launch per layer (quantized as they are stored). Padding rows
 (negative slots, context length 0) cost nothing and write nothing, which is what lets a CUDA graph
-replay a fixed-size decode batch (:mod:`pagedserve.engine.cuda_graphs`).
+replay a fixed-size decode batch (:mod:`pagedserve.engine.core.cuda_graphs`).
 
 int4 pools (Hadamard-rotated nibbles) have no Triton kernel: the engine does not pair them with
-this backend (``pagedserve.engine.core``).
+this backend (``pagedserve.engine.core.engine_core``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``EngineReplica``: one Ray Serve replica owning one engine, serving the project's own app.
 
-The replica builds an in-process engine (:class:`~pagedserve.engine.async_engine.AsyncEngine`; Ray
+The replica builds an in-process engine (:class:`~pagedserve.engine.frontend.async_engine.AsyncEngine`; Ray
 already gives each replica its own process, and HTTP parsing happens in the front) and the
 project's FastAPI app around it (:func:`pagedserve.server.app.build_app`), which ``serve.ingress``
 runs: Ray starts its lifespan (the engine) when the replica starts and ends it (draining, then
@@ -44,7 +44,7 @@ class EngineReplica:
     """One engine and the OpenAI app over it (module docstring)."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
-        from pagedserve.engine.factory import in_process
+        from pagedserve.engine import in_process
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = in_process(engine_config, log_requests=server_config.log_requests)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.factory import CoreLink, CoreProcess, CoreRestarter
+    from pagedserve.engine import CoreLink, CoreProcess, CoreRestarter
     from pagedserve.server.config import ServerConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -80,7 +80,7 @@ def run_api_server(index: int, link: CoreLink, sock: socket.socket, config: Serv
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api-server {index}]: %(message)s")
     from pagedserve.engine import factory
-    from pagedserve.engine.factory import die_with_parent
+    from pagedserve.engine import die_with_parent
 
     die_with_parent()
     supervisor = multiprocessing.parent_process()
@@ -134,7 +134,7 @@ def run_api_servers(count: int, engine_config: EngineConfig, config: ServerConfi
                     sock: socket.socket, restarter: CoreRestarter | None = None) -> int:
     """Start the core and ``count`` fronts sharing ``sock``; supervise them; the exit status.
     ``restarter``: replace a core that dies (``--restart-engine-core``)."""
-    from pagedserve.engine.factory import EngineStartupError, spawn_core_process
+    from pagedserve.engine import EngineStartupError, spawn_core_process
     from pagedserve.server.cli import _log_startup
 
     stop = _StopFlag()
@@ -264,7 +264,7 @@ def _supervise(fronts: list[BaseProcess], core: CoreProcess, stop: _StopFlag, li
                restarter: CoreRestarter | None) -> tuple[int, CoreProcess]:
     """Until a signal (0) or a child's death (1), replacing a dead core while ``restarter``'s
     budget allows; the status and the core last started."""
-    from pagedserve.engine.factory import describe_exit
+    from pagedserve.engine import describe_exit
 
     while not stop.set:
         multiprocessing.connection.wait([f.sentinel for f in fronts] + [core.sentinel], timeout=_POLL_S)
@@ -309,7 +309,7 @@ def _respawn(dead: CoreProcess, restarter: CoreRestarter, fronts: list[BaseProce
              stop: _StopFlag) -> tuple[CoreProcess | None, int]:
     """A core in place of ``dead``, loaded; or None and the exit status (a signal: 0; a front's
     death or a core that fails to load: 1). Watches the fronts and the signals while it loads."""
-    from pagedserve.engine.factory import EngineStartupError
+    from pagedserve.engine import EngineStartupError
 
     launch = restarter.respawn(dead)
     while True:

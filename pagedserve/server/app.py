@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagedserve
-from pagedserve.engine.client import EngineClient, LoadReport
+from pagedserve.engine import EngineClient, LoadReport
 from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import DashboardFeed

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.client import EngineClient
-    from pagedserve.engine.factory import CoreFactory, CoreLaunch, CoreRestarter
+    from pagedserve.engine import EngineClient
+    from pagedserve.engine import CoreFactory, CoreLaunch, CoreRestarter
     from pagedserve.engine.wire import ModelFacts
     from pagedserve.tokenizer import TokenizerPreload
     from pagedserve.server.config import ServerConfig
@@ -179,7 +179,7 @@ def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None)
     # Only light modules here: the heavy ones (torch, FastAPI, transformers) are imported once the
     # core process is loading, so that the two start-ups overlap.
     from pagedserve.engine.args import engine_config_from_args
-    from pagedserve.engine.factory import EngineStartupError, core_restarter, spawn_core_process
+    from pagedserve.engine import EngineStartupError, core_restarter, spawn_core_process
     from pagedserve.models.default import ensure_default_model
     from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.server.chat_template import load_chat_template

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from pagedserve.engine.block_map import BlockMap
-from pagedserve.engine.client import EngineClient
+from pagedserve.engine import EngineClient
 from pagedserve.web import SSE_PING, SSE_PREAMBLE, StopCheck, sse_event
 
 TICK_S = 0.1  # how often a viewer's stream looks for a new snapshot

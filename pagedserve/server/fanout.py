@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pagedserve.engine.client import RequestStream
+from pagedserve.engine import RequestStream
 from pagedserve.engine.outputs import RequestOutput
 
 _DONE = object()  # a member's stream ended

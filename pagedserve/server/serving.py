@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fastapi import Request
     from fastapi.responses import Response
 
-    from pagedserve.engine.client import EngineClient
+    from pagedserve.engine import EngineClient
     from pagedserve.server import protocol as p
     from pagedserve.server.config import ServerConfig
     from pagedserve.server.tokenization import TokenizerWorker

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from pagedserve import errors
-from pagedserve.engine.client import EngineClient, EngineDeadError, RequestStream
+from pagedserve.engine import EngineClient, EngineDeadError, RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.server import protocol as p

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve import errors
-from pagedserve.engine.client import RequestStream
+from pagedserve.engine import RequestStream
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.server import protocol as p
 from pagedserve.server.errors import error_body

@@ -210,7 +210,7 @@ def test_model_must_be_a_gguf_file(tmp_path):
 
 def test_worker_times_each_row(tiny_model_dir):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="32MiB",
                                  enable_prefix_caching=False))

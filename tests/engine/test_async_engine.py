@@ -9,9 +9,9 @@ import pytest
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.client import EngineDeadError
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.async_engine import AsyncEngine
+from pagedserve.engine.frontend.client import EngineDeadError
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
 
@@ -163,7 +163,7 @@ def test_a_crashing_step_fails_streams_and_refuses_new_work(fresh: Engine, monke
 
 
 def test_queue_wait_estimate_counts_only_the_seats_that_must_free_up():
-    from pagedserve.engine.client import queue_wait_estimate
+    from pagedserve.engine.frontend.client import queue_wait_estimate
 
     # A request queued a moment ago, before the next scheduling pass, with a seat left: nobody waits.
     assert queue_wait_estimate(running=0, waiting=1, seats=2, finished_per_s=0.5, mean_e2e_s=4.0) == 0.0

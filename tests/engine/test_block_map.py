@@ -10,10 +10,10 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED
-from pagedserve.engine.block_map_feed import BlockMapFeed, build_block_map
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.core.block_map_feed import BlockMapFeed, build_block_map
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.kv.block_manager import BlockManager
 from tests.conftest import assert_no_leaks
 

@@ -11,9 +11,9 @@ import pytest
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine import factory
-from pagedserve.engine.client import EngineClient, RequestFailed
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend import factory
+from pagedserve.engine.frontend.client import EngineClient, RequestFailed
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import run_all

@@ -10,10 +10,10 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
-from pagedserve.engine.cuda_graphs import PAD_SLOT, DecodeBuffers, graph_batch_sizes, padded_batch_size
-from pagedserve.engine.memory import ProfiledKVBudget, profiled_kv_budget
-from pagedserve.engine.profile_run import profile_step, run_profile_step
-from pagedserve.engine.runner import ModelInput
+from pagedserve.engine.core.cuda_graphs import PAD_SLOT, DecodeBuffers, graph_batch_sizes, padded_batch_size
+from pagedserve.engine.core.memory import ProfiledKVBudget, profiled_kv_budget
+from pagedserve.engine.core.profile_run import profile_step, run_profile_step
+from pagedserve.engine.core.runner import ModelInput
 from pagedserve.models.attention import AttentionMetadata
 
 MIB, GIB = 2**20, 2**30
@@ -129,7 +129,7 @@ def test_the_cuda_flags_reach_the_config():
 
 
 def test_triton_refuses_int4_pools_and_auto_on_cpu_never_picks_it():
-    from pagedserve.engine.core import _resolve_attention_backend
+    from pagedserve.engine.core.builder import _resolve_attention_backend
 
     with pytest.raises(ValueError, match="triton"):
         _resolve_attention_backend("triton", torch.device("cpu"), "int4")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.config import EngineConfig, parse_bytes
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, QueueFull, RequestTooLong
 from tests.conftest import assert_no_leaks, run_all
@@ -101,7 +101,7 @@ def test_stop_token_ids(engine):
 
 def test_min_tokens_blocks_eos(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=256))
-    e.core.eos_token_ids = set(range(3, 32000))  # nearly every token would end it at once
+    e.core.assembler.eos_token_ids = set(range(3, 32000))  # nearly every token would end it at once
     out = run_all_one(e, "x = 1", SamplingParams(max_tokens=6, min_tokens=4, temperature=0))
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "stop"
     assert_no_leaks(e)
@@ -136,7 +136,7 @@ def test_detokenizer_never_emits_broken_utf8(engine):
     # Force byte-level tokens of a multi-byte character out one at a time via the prompt path.
     tok = engine.tokenizer
     ids = tok.encode("é😀ü", add_special_tokens=False)
-    from pagedserve.engine.detokenizer import Detokenizer
+    from pagedserve.engine.frontend.detokenizer import Detokenizer
 
     det = Detokenizer(tok)
     state = det.start([1])

@@ -7,7 +7,6 @@ context past the model's) is one ``cannot start:`` line and exit status 2, never
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -16,10 +15,7 @@ import pytest
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    # No native-kernel build in these short runs: the errors come before any kernel is used.
-    env = {**os.environ, "PAGEDSERVE_KERNELS": "0"}
-    return subprocess.run([sys.executable, "-m", "pagedserve", *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    return subprocess.run([sys.executable, "-m", "pagedserve", *args], capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +39,8 @@ def test_startup_errors_are_one_line(case, expect, tiny_model_dir, gpt2_dir, tmp
             "tiny-kv": ["--model", str(tiny_model_dir), "--kv-cache-memory", "1KiB"],
             "tiny-len": ["--model", str(tiny_model_dir), "--max-model-len", "100000000"],
             "spec-k": ["--model", str(tiny_model_dir), "--speculative", "ngram", "--num-speculative-tokens", "17"]}[case]
-    proc = _run("generate", *args, "--prompt", "hi", "--max-tokens", "2")
+    # No native-kernel build in these short runs: the errors come before any kernel is used.
+    proc = _run("generate", *args, "--no-native-kernels", "--prompt", "hi", "--max-tokens", "2")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]

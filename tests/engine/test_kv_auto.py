@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine import memory
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.core import memory
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
 

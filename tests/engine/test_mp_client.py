@@ -12,7 +12,7 @@ import torch
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.mp_client import EngineStartupError, MPEngineClient, start_core_process
+from pagedserve.engine.frontend.mp_client import EngineStartupError, MPEngineClient, start_core_process
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.checkpoints import load_hf
 
@@ -200,7 +200,7 @@ def _thread_cpus(pid: int) -> dict[str, list[frozenset[int]]]:
 @pytest.fixture
 def no_openmp_placement(monkeypatch):
     """No OpenMP affinity or thread count in the environment (restored afterwards, whatever is set)."""
-    from pagedserve.engine.core_launch import OPENMP_AFFINITY_VARIABLES
+    from pagedserve.engine.process_placement import OPENMP_AFFINITY_VARIABLES
 
     for name in (*OPENMP_AFFINITY_VARIABLES, "OMP_NUM_THREADS"):
         monkeypatch.setenv(name, "")  # recorded as it was, so what bind_step_threads sets is undone too
@@ -210,7 +210,7 @@ def no_openmp_placement(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
 def test_bind_step_threads_pins_only_one_thread_per_core(no_openmp_placement):
-    from pagedserve.engine.core_launch import bind_step_threads, usable_cores
+    from pagedserve.engine.process_placement import bind_step_threads, usable_cores
 
     cores = usable_cores()
     assert 1 <= cores <= len(os.sched_getaffinity(0))
@@ -232,7 +232,7 @@ def test_bind_step_threads_pins_only_one_thread_per_core(no_openmp_placement):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
 def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tiny_model_dir, no_openmp_placement):
-    from pagedserve.engine.core_launch import usable_cores
+    from pagedserve.engine.process_placement import usable_cores
 
     if usable_cores() < 2:
         pytest.skip("one core: nothing to pin")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.detokenizer import Detokenizer, find_stop_string
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.frontend.detokenizer import Detokenizer, find_stop_string
+from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.outputs import RequestMetrics, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.wire import CoreOutput, SeqDelta
@@ -118,3 +118,56 @@ def test_find_stop_string_looks_only_where_a_new_one_can_be() -> None:
     assert find_stop_string("abc, def", 3, [", d"]) == (", d", 3)
     assert find_stop_string("abc, def", 1, [", d"]) is None  # it ended before the new character
     assert find_stop_string("xx yy END", 6, ["END", " yy"]) == (" yy", 2)  # the earliest of those found
+
+
+def test_logprobs_stay_with_their_tokens_while_a_character_is_held_back(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Tokens whose bytes make half a character give no text yet, but their logprobs go out with
+    the tokens, in order: each output's delta logprobs are its delta tokens'."""
+    ids = tokenizer.encode(" 🙂 ok", add_special_tokens=False)
+    lps = {t: TokenLogprob(t, -0.25 * (i + 1), [(t, -0.25 * (i + 1))]) for i, t in enumerate(ids)}
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", PROMPT, SamplingParams(max_tokens=len(ids), logprobs=1))
+    outputs = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        total = sum(lps[t].logprob for t in ids[:i + 1])
+        outputs += processor.process([_out("r", [token], last, "length" if last else None, [lps[token]],
+                                           total)]).outputs
+    completions = [o.outputs[0] for o in outputs]
+    assert any(c.delta_text == "" and c.delta_token_ids for c in completions), "a token with no text of its own"
+    for c in completions:
+        assert [lp.token_id for lp in c.delta_logprobs] == c.delta_token_ids
+    final = completions[-1]
+    assert final.text == " 🙂 ok" and [lp.token_id for lp in final.logprobs] == final.token_ids == ids
+    assert final.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in lps.values()))
+
+
+def test_a_stop_string_made_of_a_split_character(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A stop string that is one multi-token character is found when its last byte arrives, and
+    nothing of it (no replacement character) was emitted before."""
+    ids = tokenizer.encode("ab 🙂 cd", add_special_tokens=False)
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", PROMPT, SamplingParams(max_tokens=len(ids), stop=["🙂"]))
+    deltas, final, dropped = _feed_one_by_one(processor, "r", ids)
+    c = final.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == "🙂" and c.text == "ab " == "".join(deltas)
+    assert all("\ufffd" not in d for d in deltas) and dropped == [("r", None)]
+
+
+def test_logprob_text_of_each_token_and_its_alternatives(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The per-token text the completions API reports (echo with logprobs): each token's own
+    decoded text, the alternatives keyed by theirs, offsets advancing by each token's text and not
+    at all for a special token; the first token's logprob is null, as OpenAI sends it."""
+    from pagedserve.server.prompt_logprobs import echo_logprobs
+
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    ids = [bos] + tokenizer.encode("The quick brown", add_special_tokens=False)
+    lps = [None] + [TokenLogprob(t, -1.0 - i, [(t, -1.0 - i), (PROMPT[0], -9.0)]) for i, t in enumerate(ids[1:])]
+    out = echo_logprobs(ids, lps, lambda t: tokenizer.decode([t]), 2, frozenset(tokenizer.all_special_ids))
+    assert out.tokens == [tokenizer.decode([t]) for t in ids] and "".join(out.tokens[1:]) == "The quick brown"
+    assert out.token_logprobs[0] is None and out.token_logprobs[1:] == [-1.0 - i for i in range(len(ids) - 1)]
+    assert out.top_logprobs[0] is None
+    assert all(set(top) == {tokenizer.decode([t]), tokenizer.decode([PROMPT[0]])}
+               for top, t in zip(out.top_logprobs[1:], ids[1:]))
+    assert out.text_offset[:2] == [0, 0]  # the special token adds no text
+    assert [b - a for a, b in zip(out.text_offset[1:], out.text_offset[2:])] == [len(t) for t in out.tokens[1:-1]]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
-from pagedserve.engine.llm import LLM
+from pagedserve.engine.frontend.engine import Engine
+from pagedserve.engine.frontend.llm import LLM
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.models import attention
 from tests.checkpoints import ARCHITECTURES, load_hf

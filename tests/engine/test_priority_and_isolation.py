@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
 from tests.engine.test_parity import _prompts
@@ -130,7 +130,7 @@ def _paid_into_free_decodes(model_dir, prefill_first):
     paused = all(s.num_computed_tokens == n and s.status.value == "running" for s, n in before.items())
     while engine.has_unfinished_requests():
         collect()
-    assert engine.core.spec_num_accepted_tokens > 0, "drafts were accepted (speculation ran)"
+    assert engine.core.stats().spec_num_accepted_tokens > 0, "drafts were accepted (speculation ran)"
     assert engine.core.scheduler.num_preemptions == 0
     return done, paused, engine
 

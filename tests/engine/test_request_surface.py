@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
-from pagedserve.engine.sampler import SamplingRow, sample
+from pagedserve.engine.frontend.engine import Engine
+from pagedserve.engine.core.sampler import SamplingRow, sample
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 from tests.conftest import assert_no_leaks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.sampler import ARGMAX_CHUNK, SamplingRow, chunked_argmax, draw, row_argmax, sample
+from pagedserve.engine.core.sampler import ARGMAX_CHUNK, SamplingRow, chunked_argmax, draw, row_argmax, sample
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 

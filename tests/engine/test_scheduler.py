@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
-from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.core.sequence import Request, Sequence, SequenceStatus
 from pagedserve.errors import QueueFull
 from pagedserve.kv.block_manager import BlockManager
 
@@ -176,7 +176,7 @@ def test_first_scheduling_is_stamped_when_the_plan_starts_and_kept_after_preempt
     # carries that plan's start time, however many running sequences were planned before it.
     import types
 
-    import pagedserve.engine.scheduler as scheduler_module
+    import pagedserve.engine.core.scheduler as scheduler_module
     ticks = itertools.count(100.0, 100.0)  # the scheduler's clock only: each schedule() reads it once
     monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
     sched = make_scheduler(num_blocks=64, budget=64, max_num_seqs=4)
@@ -216,7 +216,7 @@ def _ids(plan):
 def test_better_priority_prompt_runs_alone_and_the_paused_decodes_resume(caplog):
     import logging
 
-    caplog.set_level(logging.DEBUG, logger="pagedserve.engine.scheduler")
+    caplog.set_level(logging.DEBUG, logger="pagedserve.engine.core.scheduler")
     sched = make_scheduler(num_blocks=64, budget=32, max_num_seqs=8)
     free = [make_seq(4, 20, priority=1, token=t) for t in range(7)]
     for s in free:

@@ -3,7 +3,7 @@
 After every operation the allocator's invariants hold; every request eventually finishes; when
 all are done, every block is free. Prompts come from a tiny alphabet so prefixes are shared and
 cached blocks are hit, evicted and reused; the pool is small so preemption happens. Priority
-prefill first (engine/scheduler.py) is on with a short pause bound: a running sequence is left
+prefill first (engine/core/scheduler.py) is on with a short pause bound: a running sequence is left
 out of a step that has budget to spare only when the step carries a prompt chunk of strictly
 better priority, and never more than the bound's steps in a row.
 """
@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedserve.engine.sequence import SequenceStatus
+from pagedserve.engine.core.sequence import SequenceStatus
 from tests.engine.test_scheduler import make_scheduler, make_seq, run_step
 
 

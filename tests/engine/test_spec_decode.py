@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
-from pagedserve.engine.ngram import TokenBuffer, propose
+from pagedserve.engine.frontend.engine import Engine
+from pagedserve.engine.core.ngram import TokenBuffer, propose
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
-from pagedserve.engine.sequence import SequenceStatus
-from pagedserve.engine.spec_decode import accept_greedy, accept_sampled
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.engine.core.sequence import SequenceStatus
+from pagedserve.engine.core.spec_decode import accept_greedy, accept_sampled
 from pagedserve.kv.block_manager import BlockManager
 from tests.conftest import assert_no_leaks
 from tests.engine.test_scheduler import make_seq

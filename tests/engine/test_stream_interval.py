@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.async_engine import AsyncEngine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.metrics import ServerMetrics

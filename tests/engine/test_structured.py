@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedserve.engine.structured import check
+from pagedserve.engine.core.structured import check
 from pagedserve.errors import InvalidRequest
 from tests.conftest import assert_no_leaks, run_all
 
@@ -109,7 +109,7 @@ def test_json_strings_never_hold_raw_control_characters():
     # xgrammar's maxLength strings allow U+0000-U+001F raw; JSON forbids them (json.loads refuses).
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from pagedserve.engine.structured import _grammar
+    from pagedserve.engine.core.structured import _grammar
 
     so = StructuredOutputsParams
     grammar = _grammar(so(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}},

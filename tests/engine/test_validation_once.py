@@ -12,9 +12,9 @@ import pytest
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.async_engine import AsyncEngine
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig

@@ -19,6 +19,7 @@ from pagedserve.gateway.limiter_redis import RedisLimiter
 from tests.gateway.conftest import ENGINE_SEATS, MODEL
 from tests.gateway.gateway_server import GatewayThread, bucket_levels, metric
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 
 
 def _config(engines: dict[str, str]) -> GatewayConfig:
@@ -111,11 +112,11 @@ def test_openai_client_through_the_gateway(gateway: GatewayThread) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     # Reconciled exactly: the bucket lost what was used, no more (rate 0.001/s: refill is noise).
     used = r.usage.total_tokens + chat.usage.total_tokens + streamed_usage + uncapped.usage.total_tokens
-    time.sleep(0.2)
+    wait_until(lambda: metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="usage") == 5,
+               timeout=5, what="all five requests reconciled")
     after = bucket_levels(gateway, "sk-meter")[0]
     plain_used = before - after - used
     assert 0 < plain_used < 40  # the unseen stream's usage: its prompt + 4 tokens
-    assert metric(gateway.url, "pagedserve_gateway_reconciled_total", tier="meter", outcome="usage") == 5
 
 
 def test_unknown_or_missing_key_is_401(gateway: GatewayThread) -> None:
@@ -256,8 +257,8 @@ def test_redis_backed_gateway_reconciles_exactly(engines: dict[str, str], redis_
                                                 extra_body={"ignore_eos": True}))
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens == 7
-        time.sleep(0.2)
-        assert before - bucket_levels(gw, "sk-meter")[0] == pytest.approx(usage.total_tokens, abs=0.05)
+        wait_until(lambda: abs(before - bucket_levels(gw, "sk-meter")[0] - usage.total_tokens) < 0.05, timeout=5,
+                   what="the stream reconciled through Redis")
         assert metric(gw.url, "pagedserve_gateway_limiter_up") == 1
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from pagedserve.bench.processes import running_process
 from tests.gateway.stub_replica import StubReplica
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 
 PROMPT = "two three four five six seven"  # with a distinct first word: 7 tokens to the stub
 CAP = 3  # max_tokens; the stub's usage is always 3 completion tokens
@@ -117,9 +117,11 @@ def test_paid_is_never_shed_under_a_free_flood_through_both_gateways(setup: tupl
         # 24 free requests per gateway against its 8 seats, each held 1 s: enough overlap that some find
         # no seat even when the client threads start slowly (with 14 per gateway held 0.5 s, a CI run
         # once admitted them all, and the flood then tested nothing).
+        before = sum(s.completions for s in stubs)
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             free = [pool.submit(_post, gateways[i % 2], "sk-free", i) for i in range(48)]
-            time.sleep(0.3)  # the free requests have taken the seats
+            wait_until(lambda: sum(s.completions for s in stubs) - before >= 16, timeout=10,
+                       what="the free requests taking every seat (2 gateways x 8)")
             paid = [pool.submit(_post, gateways[i % 2], "sk-paid", 100 + i) for i in range(8)]
             free_codes = [f.result().status_code for f in free]
             paid_answers = [f.result() for f in paid]

@@ -120,7 +120,7 @@ bucket = "tier"
         # A queued request goes as soon as the seat frees up.
         waiting_thread, waiting = _in_thread(lambda: c.post("/v1/completions", json=short, headers=free))
         _wait_until(lambda: gw.gateway.dispatcher.queued("q") == {"free": 1}, "the next free request is queued")
-        time.sleep(0.2)
+        time.sleep(0.2)  # not a wait for anything: the queue time the header must report below (>= 150 ms)
         stack.close()  # the long stream's client leaves: its seat frees
         waiting_thread.join(timeout=10)
         r = waiting["response"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.checkpoints import load_hf
 from tests.conftest import assert_no_leaks, run_all

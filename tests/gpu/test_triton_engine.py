@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, padded_batch_size  # noqa: E402
-from pagedserve.engine.engine import Engine  # noqa: E402
+from pagedserve.engine.core.cuda_graphs import DecodeBuffers, graph_batch_sizes, padded_batch_size  # noqa: E402
+from pagedserve.engine.frontend.engine import Engine  # noqa: E402
 from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import assert_no_leaks, run_all  # noqa: E402
 

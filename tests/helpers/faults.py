@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core.engine_core import EngineCore
 
 
 class InjectedFault(RuntimeError):
@@ -31,7 +31,7 @@ class Poisoned:
     prefix: str
 
     def __call__(self, config: EngineConfig) -> EngineCore:
-        from pagedserve.engine.core import EngineCore
+        from pagedserve.engine.core.engine_core import EngineCore
 
         stage, prefix = self.stage, self.prefix
 

@@ -11,17 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import kernel_error, native_ops
-from pagedserve.models import quant
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear
 
 OPS = native_ops()
 needs_kernels = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
-
-
-@pytest.fixture(autouse=True)
-def _group_kernels_on(monkeypatch):
-    """The layers take the native kernels only when asked (quant._native_group_kernels)."""
-    monkeypatch.setenv("PAGEDSERVE_GROUP_KERNELS", "1")
 
 
 def _linear(n_out: int, n_in: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -32,12 +25,17 @@ def _linear(n_out: int, n_in: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     return lin.to(dtype)
 
 
-def _int8_grouped(n_out: int, n_in: int, bias: bool, dtype: torch.dtype) -> Int8GroupedLinear:
+def _int4(linear: nn.Linear, group_size: int = 32, ops=OPS, **kwargs) -> Int4Linear:
+    """The layers take the native group kernels only when given them (--group-kernels)."""
+    return Int4Linear.from_linear(linear, group_size, group_ops=ops, **kwargs)
+
+
+def _int8_grouped(n_out: int, n_in: int, bias: bool, dtype: torch.dtype, ops=OPS) -> Int8GroupedLinear:
     torch.manual_seed(n_out + n_in)
     q = torch.randint(-127, 128, (n_out, n_in), dtype=torch.int8)
     scales = (torch.rand(n_out, n_in // 32) * 0.01 + 1e-3).to(torch.float16).float()  # a GGUF's f16 scales
     b = torch.randn(n_out).to(dtype) if bias else None
-    return Int8GroupedLinear(q, scales, b, 32, dtype)
+    return Int8GroupedLinear(q, scales, b, 32, dtype, group_ops=ops)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -56,7 +54,7 @@ def _reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_layer_matches_its_dequantized_matmul(kind, bias, dtype, threads):
     for n_out, n_in in ((33, 64), (577, 192)):
-        layer = (Int4Linear.from_linear(_linear(n_out, n_in, bias, dtype), 32) if kind == "int4"
+        layer = (_int4(_linear(n_out, n_in, bias, dtype)) if kind == "int4"
                  else _int8_grouped(n_out, n_in, bias, dtype))
         assert not getattr(layer, "packed_for_cpu", False) and layer.weight.dtype in (torch.uint8, torch.int8)
         # 1-16 rows: the matrix-vector kernel (tiles of 4 and their remainders); 17 and 40: dequantize + GEMM.
@@ -70,7 +68,7 @@ def test_layer_matches_its_dequantized_matmul(kind, bias, dtype, threads):
 @needs_kernels
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_vector_path_matches_the_portable_loop(kind):
-    layer = (Int4Linear.from_linear(_linear(45, 96, True, torch.float32), 32) if kind == "int4"
+    layer = (_int4(_linear(45, 96, True, torch.float32)) if kind == "int4"
              else _int8_grouped(45, 96, True, torch.float32))
     x = torch.randn(6, 96)
     outs = []
@@ -93,7 +91,7 @@ def test_float_output_lm_head_and_native_dequantize():
     got = head(x)
     assert got.dtype == torch.float32  # logits summed and kept in float32
     assert torch.allclose(got, _reference(head, x), atol=1e-3, rtol=1e-4)
-    lin = Int4Linear.from_linear(_linear(20, 64, False, torch.float32), 32)
+    lin = _int4(_linear(20, 64, False, torch.float32))
     w = torch.empty(20, 64)
     OPS.group_dequantize(w, lin.weight, lin.scales, lin.offsets)
     assert torch.equal(w, lin.dequantized_weight(torch.float32))
@@ -101,7 +99,7 @@ def test_float_output_lm_head_and_native_dequantize():
 
 @needs_kernels
 def test_bad_operands_are_refused_with_the_op_name():
-    lin = Int4Linear.from_linear(_linear(8, 64, False, torch.float32), 32)
+    lin = _int4(_linear(8, 64, False, torch.float32))
     y = torch.empty(2, 8)
     with pytest.raises(RuntimeError, match="int4_group_matmul: in_features"):
         OPS.int4_group_matmul(y, torch.randn(2, 48), lin.weight, lin.scales, lin.offsets, None)
@@ -112,14 +110,14 @@ def test_bad_operands_are_refused_with_the_op_name():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layers_without_the_native_kernels_fall_back_to_torch(monkeypatch, dtype):
-    """No compiler (or PAGEDSERVE_KERNELS=0): int4 takes torch's int4pack layout and kernel, grouped
-    int8 its per-group layout; both still match their dequantized matmul."""
-    monkeypatch.setattr(quant, "native_ops", lambda: None)
-    int4 = Int4Linear.from_linear(_linear(48, 64, True, dtype), 32)
-    readable = Int4Linear.from_linear(_linear(48, 64, True, dtype), 32, packed_for_cpu=False)
+def test_layers_without_the_native_kernels_fall_back_to_torch(dtype):
+    """No group kernels (the default, no compiler, or --no-native-kernels): int4 takes torch's
+    int4pack layout and kernel, grouped int8 its per-group layout; both still match their
+    dequantized matmul."""
+    int4 = _int4(_linear(48, 64, True, dtype), ops=None)
+    readable = _int4(_linear(48, 64, True, dtype), ops=None, packed_for_cpu=False)
     assert int4.packed_for_cpu and not readable.packed_for_cpu
-    int8 = _int8_grouped(48, 64, True, dtype)
+    int8 = _int8_grouped(48, 64, True, dtype, ops=None)
     assert not int8.native and int8.weight.shape == (2, 48, 32)
     for rows in (1, 5, 40):
         x = torch.randn(rows, 64).to(dtype)
@@ -138,7 +136,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(kind, threads):
     cached re-ask of a chat give the cold answer); and the prefill path, float32 over the exact
     weights, stays within float32 summation error of it."""
     torch.manual_seed(3)
-    layer = Int4Linear.from_linear(_linear(96, 256, False, torch.float32)) if kind == "int4" else \
+    layer = _int4(_linear(96, 256, False, torch.float32)) if kind == "int4" else \
         _int8_grouped(96, 256, False, torch.float32)
     x = torch.randn(40, 256)
     batch = layer(x[:16])

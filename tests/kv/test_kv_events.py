@@ -162,7 +162,7 @@ def test_engine_run_with_hits_evictions_and_aborts(tiny_model_dir, tmp_path) -> 
     # The real engine, publishing over ZMQ (ipc, bound); the subscriber connects, catches up on the
     # batches it missed before its subscription took through the replay socket, applies them in
     # sequence order, and must end with the engine's cached set. A 24-block pool forces evictions.
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
 
     endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=24, max_model_len=256, max_num_seqs=4,
@@ -249,7 +249,7 @@ def test_cli_flags_reach_the_config() -> None:
 
 
 def test_a_taken_port_fails_the_start_with_its_reason() -> None:
-    from pagedserve.engine.kv_events import ZmqEventPublisher
+    from pagedserve.engine.core.kv_events import ZmqEventPublisher
 
     first = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
     try:

@@ -38,7 +38,7 @@ def test_an_explicit_dtype_is_taken_as_asked(monkeypatch):
 def test_the_engine_on_this_cpu_computes_and_pages_as_the_rule_says(tiny_model_dir):
     """tiny is a bf16 checkpoint: KV is bfloat16 everywhere (2 bytes), compute follows the CPU."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.engine import Engine
+    from pagedserve.engine.frontend.engine import Engine
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.kernels import cpu_has_native_bf16
 

@@ -112,7 +112,7 @@ def test_gemma3_matches_transformers_across_the_window(gemma3_gguf, prompts, tra
     """Dequantized float32 (transformers' reference precision): identical greedy tokens for
     prompts of 16, 530 and 1,100 tokens (across the window), every step's top-5 log-probabilities
     within 5e-4 of transformers' (measured: 4e-5); no KV block left behind."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
     llm = LLM(str(gemma3_gguf), dtype="float32", kv_cache_memory="160MiB", max_model_len=2048,
@@ -139,8 +139,8 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
     import numpy as np
 
     from pagedserve.engine.block_map import OWNED, SHARED
-    from pagedserve.engine.block_map_feed import build_block_map
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.core.block_map_feed import build_block_map
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.kv.sizing import window_blocks
 

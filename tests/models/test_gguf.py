@@ -208,7 +208,7 @@ def test_gguf_engine_matches_the_checkpoint_and_transformers(arch, checkpoint_di
     """A float32 GGUF of each architecture: the same greedy tokens through the engine as the
     safetensors checkpoint it was written from, and log-probabilities matching transformers' own
     GGUF loader within 1e-4 (llama)."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
     src = checkpoint_dir(arch)
@@ -261,7 +261,7 @@ def test_smollm2_gguf_matches_the_dequantized_hf_checkpoint_and_transformers(smo
     """float32: the GGUF path (dequantized by our loader) and the Hugging Face path (transformers'
     dequantization, saved as safetensors) give identical greedy tokens for 16 chat prompts, and
     transformers' own model gives the same first-prompt logits and greedy tokens."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
     hf_dir, theirs = smollm2_hf_dir
@@ -282,7 +282,7 @@ def test_smollm2_gguf_matches_the_dequantized_hf_checkpoint_and_transformers(smo
 def test_smollm2_default_model_answers_and_keeps_q4_1_quantized(smollm2_gguf):
     """The default load (dtype auto): Q4_1 → int4, Q8_0 embedding → grouped int8 held once, no
     full-precision matrix; resident weight bytes within 1% of the GGUF's tensor bytes; "Paris"."""
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
     llm = LLM("SmolLM2-135M-Instruct", kv_cache_memory="32MiB", max_model_len=512)

@@ -11,7 +11,6 @@ beyond the tiny model and the default model's prepared directory.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.engine.core import eos_token_ids
+from pagedserve.engine.core.builder import eos_token_ids
 from pagedserve.models.eos import eos_ids_from_transformers
 from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.llama import ModelArchitecture
@@ -133,10 +132,9 @@ def test_engine_core_starts_without_transformers(tiny_model_dir):
     """Building the core on the tiny model imports neither transformers nor torch._dynamo (which
     building a model on the meta device with its random initialization used to pull in): a
     subprocess, as this one has both loaded already."""
-    code = ("import sys; from pagedserve.config import EngineConfig; from pagedserve.engine.core import EngineCore; "
-            f"EngineCore(EngineConfig(model={str(tiny_model_dir)!r}, num_kv_blocks=64)); "
+    code = ("import sys; from pagedserve.config import EngineConfig; from pagedserve.engine.core.engine_core import EngineCore; "
+            f"EngineCore(EngineConfig(model={str(tiny_model_dir)!r}, num_kv_blocks=64, native_kernels=False)); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PAGEDSERVE_KERNELS": "0"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -34,7 +34,7 @@ def _checkpoint_bytes(model_dir, element_size: int | None = None) -> int:
 @pytest.mark.parametrize("dtype, size", [("float32", 4), ("bfloat16", 2)])
 def test_tied_embedding_is_held_and_counted_once(checkpoint_dir, caplog, dtype, size):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core.engine_core import EngineCore
 
     model_dir = checkpoint_dir("llama-tied")
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):

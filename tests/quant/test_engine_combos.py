@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.bench import quality
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.models.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
 

@@ -78,10 +78,11 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    # The native kernels are not the point here: no replica waits on their first compile.
-    ray_app.init_ray(num_cpus=2, env_vars={"PAGEDSERVE_KERNELS": "0"}, log_to_driver=False)
+    ray_app.init_ray(num_cpus=2, log_to_driver=False)
     try:
-        engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=SEATS, num_kv_blocks=512, max_model_len=4096)
+        # The native kernels are not the point here: no replica waits on their first compile.
+        engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=SEATS, num_kv_blocks=512, max_model_len=4096,
+                              native_kernels=False)
         server = ServerConfig(host="127.0.0.1", port=free_port(), served_model_name=MODEL, shutdown_timeout_s=1.0)
         yield Cluster(ray_app.start(engine, server, SETTINGS))
     finally:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from pagedserve.bench.processes import free_port, running_process
+from tests.helpers.waiting import wait_until
 from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning")
@@ -137,8 +138,7 @@ def test_health_stays_fast_while_huge_prompts_are_tokenized(fault_server):
                     for _ in range(2)]
             refused = pool.submit(httpx.post, f"{fault_server}/v1/completions", json={"prompt": big, "max_tokens": 4},
                                   timeout=60)
-            time.sleep(0.3)  # let both tokenizations start
-            probes = 0
+            probes = 0  # from at once: the loop runs until both tokenizations are done
             while not all(j.done() for j in jobs) and probes < 2000:
                 prober.stdin.write("probe\n")
                 prober.stdin.flush()
@@ -161,22 +161,20 @@ def test_health_stays_fast_while_huge_prompts_are_tokenized(fault_server):
 def test_killing_the_core_ends_every_stream_within_a_second_and_the_server_exits_non_zero(fault_process):
     url, proc = fault_process  # the fault tests above are done with it: this one ends it
     body = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
-    opened: list[httpx.Response] = []
+    streamed: dict[int, list[str]] = {}
     ended: dict[int, float] = {}
     with httpx.Client(timeout=30) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
         def consume(i: int) -> list[str]:
-            lines = []
+            lines = streamed.setdefault(i, [])
             with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-                opened.append(r)
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])
             ended[i] = time.monotonic()
             return lines
         futures = [pool.submit(consume, i) for i in range(3)]
-        while len(opened) < 3:
-            time.sleep(0.01)
-        time.sleep(0.3)  # every stream is producing tokens
+        wait_until(lambda: len(streamed) == 3 and all(len(lines) >= 2 for lines in streamed.values()),
+                   timeout=60, what="every stream producing tokens")
         os.kill(core_pid(proc.pid), signal.SIGKILL)
         killed = time.monotonic()
         results = [f.result(timeout=10) for f in futures]

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from pagedserve.bench.processes import free_port, running_process
-from pagedserve.engine.core_restart import RestartBudget, describe_exit
+from pagedserve.engine.frontend.core_restart import RestartBudget, describe_exit
+from tests.helpers.waiting import wait_until
 from tests.helpers.servers import core_pid, wait_for_idle
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512", "--log-level", "warning",
@@ -48,14 +49,16 @@ def _greedy(url: str) -> str:
 def _kill_core_under_load(url: str, pid: int) -> tuple[list[list[str]], httpx.Response, float]:
     """Two streams and one plain request running, then SIGKILL ``pid``: (each stream's data
     lines, the plain request's answer, seconds from the kill to the last of them ending)."""
-    opened: list[int] = []
+    streamed: list[list[str]] = []
     ended: list[float] = []
     with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(3) as pool:
         def stream() -> list[str]:
-            lines = []
+            lines: list[str] = []
+            streamed.append(lines)
             with http.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as r:
-                opened.append(r.status_code)
-                lines += [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
             ended.append(time.monotonic())
             return lines
 
@@ -66,11 +69,10 @@ def _kill_core_under_load(url: str, pid: int) -> tuple[list[list[str]], httpx.Re
 
         streams = [pool.submit(stream) for _ in range(2)]
         answer = pool.submit(plain)
-        deadline = time.monotonic() + 30
-        while (len(opened) < 2 or httpx.get(f"{url}/load", timeout=5).json()["running"] < 3) \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.2)  # every request is producing tokens
+        # Every request is producing tokens: both streams have tokens and all three are running.
+        wait_until(lambda: len(streamed) == 2 and all(len(lines) >= 2 for lines in streamed)
+                   and httpx.get(f"{url}/load", timeout=5).json()["running"] == 3,
+                   timeout=30, what="three requests producing tokens", interval=0.02)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         results = [s.result(timeout=30) for s in streams]

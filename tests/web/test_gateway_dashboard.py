@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.core import EngineCore
+from pagedserve.engine.frontend.async_engine import AsyncEngine
+from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.gateway.config import parse_config
 from pagedserve.server.app import build_app
 from pagedserve.server.config import ServerConfig

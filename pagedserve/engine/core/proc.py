@@ -1,4 +1,4 @@
-"""The engine core's own process: the core loop (engine/core_loop.py) over ZMQ sockets.
+"""The engine core's own process: the core loop (engine/core/loop.py) over ZMQ sockets.
 
 ```
  front end i (server process, or API server i)     core process (this module)
@@ -10,7 +10,7 @@
 
 Messages are msgspec structs in msgpack (engine/wire.py): token ids and sampling parameters in,
 token ids out. With ``--api-server-count N`` there are N front ends, each with its own pair of
-sockets; :class:`~pagedserve.engine.core_loop.CoreLoop` routes each request's answers to its front.
+sockets; :class:`~pagedserve.engine.core.loop.CoreLoop` routes each request's answers to its front.
 ZMQ does its socket I/O on its own threads, so the loop never waits on a socket while it has
 work; with none, it blocks on the input socket, waking every second to check that its parent
 is alive (an orphaned core exits instead of holding memory forever).
@@ -29,9 +29,9 @@ import zmq
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.core_launch import die_with_parent, unpin_helper_threads
-from pagedserve.engine.core_loop import CoreLoop
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.process_placement import die_with_parent, unpin_helper_threads
+from pagedserve.engine.core.loop import CoreLoop
 from pagedserve.engine.wire import Command, CoreBatch
 
 logger = logging.getLogger(__name__)

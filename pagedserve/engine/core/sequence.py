@@ -87,7 +87,7 @@ class Sequence:
     finish_sent: bool = False
     # Speculative decoding: the drafts this step verifies after the last token (empty otherwise;
     # they are never in token_ids until accepted), and the token ids as a numpy buffer for the
-    # n-gram proposer (engine/ngram.py), created on first use.
+    # n-gram proposer (engine/core/ngram.py), created on first use.
     draft_token_ids: list[int] = field(default_factory=list)
     token_buffer: Any = None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.sampler import SamplingRow, draw, process_logits, row_argmax, sampling_probs
+from pagedserve.engine.core.sampler import SamplingRow, draw, process_logits, row_argmax, sampling_probs
 
 
 def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -61,11 +61,11 @@ def accept_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
-           default_generator: torch.Generator | None) -> list[list[int]]:
+           default_generator: torch.Generator | None, native: bool = True) -> list[list[int]]:
     """New tokens for each speculated sequence. ``logits`` holds ``len(d) + 1`` consecutive rows per
     sequence (``rows`` one :class:`SamplingRow` per logits row, in the same order)."""
     processed = process_logits(logits, rows)
-    argmax = row_argmax(processed).tolist()
+    argmax = row_argmax(processed, native).tolist()
     out: list[list[int]] = []
     start = 0
     for d in drafts:

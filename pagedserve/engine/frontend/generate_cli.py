@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.frontend.llm import LLM
     from pagedserve.models.default import ensure_default_model
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]

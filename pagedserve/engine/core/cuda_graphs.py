@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from pagedserve.engine.runner import ModelInput
+from pagedserve.engine.core.runner import ModelInput
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 

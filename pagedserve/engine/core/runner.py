@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.core.scheduler import SchedulerOutput
+from pagedserve.engine.core.sequence import Sequence
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 
-if TYPE_CHECKING:  # engine/cuda_graphs.py builds on this module's ModelInput
-    from pagedserve.engine.cuda_graphs import CudaGraphDecoder
+if TYPE_CHECKING:  # engine/core/cuda_graphs.py builds on this module's ModelInput
+    from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pagedserve.kernels import native_ops
 ARGMAX_CHUNK = 128
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
+def row_argmax(x: torch.Tensor, native: bool = True) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a ``[rows, vocab]`` tensor, the same result, up to 8x faster on CPU
     at a decode batch's size (``pagedserve bench sampler``).
 
@@ -50,7 +50,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     rows, vocab = x.shape
     if x.stride(-1) != 1:  # the chunk view needs each row's elements side by side
         x = x.contiguous()
-    ops = native_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and vocab else None
+    ops = native_ops() if native and x.device.type == "cpu" and x.dtype == torch.float32 and vocab else None
     if ops is not None:
         return ops.row_argmax(x)
     return chunked_argmax(x)
@@ -232,15 +232,16 @@ def _uniforms(rows: list[SamplingRow], default_generator: torch.Generator | None
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
-           raw: torch.Tensor | None = None) -> SampleResult:
+           raw: torch.Tensor | None = None, native: bool = True) -> SampleResult:
     """Pick one token per row of ``logits`` (``[S, vocab]``, float32). ``raw``: the logits before a
-    grammar's mask, whose distribution the logprobs report (default: ``logits``)."""
+    grammar's mask, whose distribution the logprobs report (default: ``logits``). ``native``: the
+    greedy pick may use the native kernel (False with ``--no-native-kernels``)."""
     raw = logits if raw is None else raw
     logits = process_logits(logits, rows)
 
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
-        chosen = row_argmax(logits)
+        chosen = row_argmax(logits, native)
     else:
         # Each pass over the batch's logits costs 1-2 ms on CPU at 64 rows: an all-sampled batch
         # (the API's default temperature) makes no argmax and no gathered copy.
@@ -251,7 +252,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         if idx is None:
             chosen = drawn
         else:
-            chosen = row_argmax(logits)
+            chosen = row_argmax(logits, native)
             chosen[idx] = drawn
 
     token_ids = chosen.tolist()

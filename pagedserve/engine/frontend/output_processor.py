@@ -1,6 +1,6 @@
 """The text side of generation: token ids from the core → text deltas, stop strings, logprobs.
 
-It runs wherever the tokenizer is: inside the offline :class:`~pagedserve.engine.engine.Engine`,
+It runs wherever the tokenizer is: inside the offline :class:`~pagedserve.engine.frontend.engine.Engine`,
 or in the server's front end when the core runs in its own process. It never touches the KV
 cache; when a stop string ends a completion it tells its caller which completion the core
 should drop (``finish_in_core``), and tokens the core produced past that point are ignored.
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.engine.wire import CoreOutput
-from pagedserve.engine.detokenizer import Detokenizer, TextState, find_stop_string
+from pagedserve.engine.frontend.detokenizer import Detokenizer, TextState, find_stop_string
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 

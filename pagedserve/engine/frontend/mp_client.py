@@ -10,7 +10,7 @@
 ```
 
 What both clients share (admissions, detokenization, streams, load) is
-:class:`~pagedserve.engine.core_client.CoreClient`'s; this module adds the sockets, the death
+:class:`~pagedserve.engine.frontend.core_client.CoreClient`'s; this module adds the sockets, the death
 watch and the restart of a dead core.
 
 The core is started with :func:`start_core_process` (blocking: it waits until the model is
@@ -23,7 +23,7 @@ addresses of its pair, the model's facts and the core's pid. A front does not ow
 never stops it (the process that started it does), and it learns of its death from a pidfd
 (Linux), which becomes readable the moment the core exits, as the sentinel does for the parent.
 
-With a :class:`~pagedserve.engine.core_restart.CoreRestarter` (``serve --restart-engine-core``)
+With a :class:`~pagedserve.engine.frontend.core_restart.CoreRestarter` (``serve --restart-engine-core``)
 the client that owns the core replaces it when it dies: the open requests fail as always, new
 ones get 503 while a core with the same config loads on the same socket addresses (the client's
 bound sockets take its connections), then the client serves through it. When the restarter's
@@ -44,10 +44,10 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver
-from pagedserve.engine.core_client import CoreClient, idle_stats
-from pagedserve.engine.core_launch import CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process
-from pagedserve.engine.core_restart import CoreRestarter, describe_exit
+from pagedserve.engine.frontend.client import EngineDeadError, RequestStream, StepObserver
+from pagedserve.engine.frontend.core_client import CoreClient, idle_stats
+from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.frontend.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreProcess:
     """Spawn the core and wait until it has loaded the model (or failed to). The server spawns it
-    with :func:`~pagedserve.engine.core_launch.spawn_core_process` instead, to load its own side
+    with :func:`~pagedserve.engine.frontend.core_launch.spawn_core_process` instead, to load its own side
     meanwhile. ``num_fronts``: how many front ends will attach (one socket pair each; see
     :meth:`CoreProcess.link`)."""
     return spawn_core_process(config, log_level, num_fronts).wait_ready()

@@ -7,7 +7,7 @@ a chunk can do), followed by the logits of ``max_num_seqs`` sampled rows and the
 sampler's largest tensors). It runs over a one-block KV pool, every token written to slot 0 and
 every block table pointing at block 0: what it reads is garbage, but every tensor it allocates has
 the size it will have in service. Its peak allocation above where it started is the activation
-term of :func:`pagedserve.engine.memory.profiled_kv_budget`.
+term of :func:`pagedserve.engine.core.memory.profiled_kv_budget`.
 """
 
 from __future__ import annotations

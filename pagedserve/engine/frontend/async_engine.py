@@ -7,13 +7,13 @@
  CoreClient._handle ◀── call_soon_threadsafe(CoreBatch) ◀──┘
 ```
 
-The same :class:`~pagedserve.engine.core_loop.CoreLoop` the core process runs, and the same
-front end (:class:`~pagedserve.engine.core_client.CoreClient`: admissions, the output
+The same :class:`~pagedserve.engine.core.loop.CoreLoop` the core process runs, and the same
+front end (:class:`~pagedserve.engine.frontend.core_client.CoreClient`: admissions, the output
 processor, the streams) the multiprocess client uses; only the transport differs: a list under
 a condition variable one way (the thread sleeps on it when there is no work), the event loop's
 ``call_soon_threadsafe`` the other, no encoding. The core is not thread-safe, so only the step
 thread touches it while the client runs. It shares the server's process, GIL and fate: the
-server uses :class:`~pagedserve.engine.mp_client.MPEngineClient` unless told otherwise; tests,
+server uses :class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` unless told otherwise; tests,
 embedders and Ray replicas use this one.
 """
 
@@ -25,14 +25,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.client import EngineDeadError, StepObserver
-from pagedserve.engine.core_client import CoreClient
-from pagedserve.engine.core_loop import CoreLoop
+from pagedserve.engine.frontend.client import EngineDeadError, StepObserver
+from pagedserve.engine.frontend.core_client import CoreClient
+from pagedserve.engine.core.loop import CoreLoop
 from pagedserve.engine.wire import AddRequest, Command, CoreBatch, Shutdown
 from pagedserve.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core.engine_core import EngineCore
 
 __all__ = ["AsyncEngine"]
 
@@ -81,7 +81,7 @@ class _ThreadTransport:
 
 
 class AsyncEngine(CoreClient):
-    """Runs a :class:`~pagedserve.engine.core_loop.CoreLoop` over ``core`` on a dedicated thread.
+    """Runs a :class:`~pagedserve.engine.core.loop.CoreLoop` over ``core`` on a dedicated thread.
 
     Create it, then :meth:`start` it inside the running event loop that will consume the streams
     (the server's lifespan). All public methods are called from that event loop.

@@ -1,9 +1,9 @@
 """The synchronous in-process engine: an :class:`EngineCore`, a tokenizer and the output processor.
 
 ``add_request`` takes text or token ids, ``step`` returns :class:`RequestOutput` s with text. The
-offline :class:`~pagedserve.engine.llm.LLM`, the benchmarks and the tests drive it step by step
+offline :class:`~pagedserve.engine.frontend.llm.LLM`, the benchmarks and the tests drive it step by step
 (no thread, no event loop). It holds a core, it is not one: the core steps on token ids, and the
-same :class:`OutputProcessor` the clients use (engine/core_client.py) turns its outputs into text,
+same :class:`OutputProcessor` the clients use (engine/frontend/core_client.py) turns its outputs into text,
 so detokenization and stop strings live in one place whichever way the core is driven.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
-from pagedserve.engine.request_check import check_request
+from pagedserve.engine.frontend.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest
 from pagedserve.tokenizer import load_tokenizer

@@ -1,6 +1,6 @@
 """``serve --restart-engine-core``: what a front end needs to replace an engine core that died.
 
-The front end (:class:`~pagedserve.engine.mp_client.MPEngineClient`) fails the dead core's
+The front end (:class:`~pagedserve.engine.frontend.mp_client.MPEngineClient`) fails the dead core's
 requests as always, then asks this policy for a new core: the same resolved config, spawned on the
 same socket addresses. A :class:`RestartBudget` bounds how often: a core that keeps dying (memory
 too tight, a broken device, a request that crashes it every time it is retried) ends the server
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.core_launch import CoreLaunch, CoreProcess, respawn_core_process
+from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreProcess, respawn_core_process
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig

@@ -11,14 +11,14 @@
  EngineClient.abort() / load() / stats() / facts
 ```
 
-Two implementations with this one interface, built by :mod:`pagedserve.engine.factory`; both
-are a :class:`~pagedserve.engine.core_client.CoreClient` (the output processor on the server's
-event loop) over the one core loop (:mod:`pagedserve.engine.core_loop`):
+Two implementations with this one interface, built by :mod:`pagedserve.engine.frontend.factory`; both
+are a :class:`~pagedserve.engine.frontend.core_client.CoreClient` (the output processor on the server's
+event loop) over the one core loop (:mod:`pagedserve.engine.core.loop`):
 
-- :class:`~pagedserve.engine.async_engine.AsyncEngine` — in-process: the core loop on a step
+- :class:`~pagedserve.engine.frontend.async_engine.AsyncEngine` — in-process: the core loop on a step
   thread of the server's own process. For tests, embedding and Ray replicas; it shares the
   process's GIL and fate.
-- :class:`~pagedserve.engine.mp_client.MPEngineClient` — the core loop in its own process (pyzmq
+- :class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` — the core loop in its own process (pyzmq
   + msgspec in between). A request's fault ends that request; the core's death ends every open
   stream with an error at once.
 

@@ -13,11 +13,11 @@ import numpy as np
 from pagedserve.engine.block_map import (
     CACHED, FREE, MAX_LISTED_REQUESTS, OWNED, SHARED, BlockMap, BlockMapRequest,
 )
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.core.sequence import Sequence
 from pagedserve.kv.block_manager import ROOT_CONTENT_ID
 
 if TYPE_CHECKING:
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core.engine_core import EngineCore
 
 
 def _listed(seq: Sequence, state: str, num_blocks: int) -> BlockMapRequest:

@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.engine import Engine
+from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidRequest

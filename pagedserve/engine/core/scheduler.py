@@ -38,8 +38,8 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.ngram import TokenBuffer, propose
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.core.ngram import TokenBuffer, propose
+from pagedserve.engine.core.sequence import Sequence, SequenceStatus
 from pagedserve.errors import QueueFull
 from pagedserve.kv.block_manager import BlockManager
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 def speculable(seq: Sequence) -> bool:
-    """Whether a sequence's drafts can be verified by the acceptance rule (engine/spec_decode.py):
+    """Whether a sequence's drafts can be verified by the acceptance rule (engine/core/spec_decode.py):
     not with a grammar (the matcher would have to accept and roll back drafts), logprobs or
     prompt logprobs (they report per-token distributions the rule does not compute), or n > 1
     (its completions fork from one prompt). Such sequences decode one token a step, in the
@@ -167,8 +167,6 @@ class Scheduler:
         now = time.monotonic()
         out = SchedulerOutput()
         planned: dict[Sequence, int] = {}
-        budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
 
         # 1. Running sequences: decodes first, then prompt chunks, each in priority order. With a
         # better-priority prompt to compute, only work of that priority or better joins the step.
@@ -181,7 +179,30 @@ class Scheduler:
         if holds_running:
             decoding = [s for s in decoding if s.priority <= floor]
             chunking = [s for s in chunking if s.priority <= floor]
-        for seq in decoding + chunking:
+        budget = self._plan_running(decoding + chunking, planned, out, self.config.max_num_batched_tokens)
+        # Drafts come after every running sequence has its blocks, so they never cause a preemption.
+        # In a step held for a better prompt they come after admission, so they cannot take the
+        # budget that prompt needs.
+        if not holds_running:
+            budget = self._plan_all_drafts(decoding, planned, budget)
+
+        # 2. Waiting sequences, best (priority, arrival) first.
+        budget, held_waiting = self._admit_waiting(planned, out, budget, floor, now)
+        if holds_running:
+            budget = self._plan_all_drafts(decoding, planned, budget)
+        self._count_pause(floor, held_waiting)
+
+        # Batch order: the order sequences were planned in (decodes first).
+        out.scheduled = [(s, n) for s, n in planned.items() if s.status is SequenceStatus.RUNNING]
+        out.copies = self.block_manager.take_pending_copies()
+        return out
+
+    def _plan_running(self, seqs: list[Sequence], planned: dict[Sequence, int], out: SchedulerOutput,
+                      budget: int) -> int:
+        """Give running sequences their next tokens' blocks, in order, preempting the worst
+        running ones while the KV cache is full; returns the token budget left."""
+        bm = self.block_manager
+        for seq in seqs:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -198,14 +219,14 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 planned[seq] = num_new
                 budget -= num_new
-        # Drafts come after every running sequence has its blocks, so they never cause a preemption.
-        # In a step held for a better prompt they come after admission, so they cannot take the
-        # budget that prompt needs.
-        if not holds_running:
-            budget = self._plan_all_drafts(decoding, planned, budget)
+        return budget
 
-        # 2. Waiting sequences, best (priority, arrival) first. A step that had to preempt for
-        # memory admits only work of strictly better priority than what it preempted.
+    def _admit_waiting(self, planned: dict[Sequence, int], out: SchedulerOutput, budget: int,
+                       floor: int | None, now: float) -> tuple[int, bool]:
+        """Admit waiting sequences, best (priority, arrival) first, while seats, blocks and budget
+        last. A step that had to preempt for memory admits only work of strictly better priority
+        than what it preempted. Returns the budget left and whether the floor held one back."""
+        bm = self.block_manager
         held_waiting = False
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -244,14 +265,7 @@ class Scheduler:
             self.add_running(seq)
             planned[seq] = num_new
             budget -= num_new
-        if holds_running:
-            budget = self._plan_all_drafts(decoding, planned, budget)
-        self._count_pause(floor, held_waiting)
-
-        # Batch order: the order sequences were planned in (decodes first).
-        out.scheduled = [(s, n) for s, n in planned.items() if s.status is SequenceStatus.RUNNING]
-        out.copies = bm.take_pending_copies()
-        return out
+        return budget, held_waiting
 
     def _prefill_floor(self, chunking: list[Sequence]) -> int | None:
         """The worst priority this step may carry so that its best prompt runs without worse work

@@ -12,7 +12,7 @@ reserve, measured *after* the weights are loaded (so they are already out of it)
 
 On CPU the reserve is an estimate (:func:`activation_reserve`): the largest step's float32
 activations and attention scores, the sampler's logits, and 256 MiB of headroom. On CUDA it is
-measured, as vLLM does (:class:`ProfiledKVBudget`, ``engine/profile_run.py``): one step of
+measured, as vLLM does (:class:`ProfiledKVBudget`, ``engine/core/profile_run.py``): one step of
 ``max_num_batched_tokens`` prompt tokens and ``max_num_seqs`` sampled rows is run before the pool
 exists, and its peak allocation above the weights is what the pool leaves free, plus an
 allowance for the CUDA graphs captured after it. The pool is also capped at what

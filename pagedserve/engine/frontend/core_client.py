@@ -1,16 +1,16 @@
 """CoreClient: the front end's half of an engine client, whatever carries its messages to the core.
 
 ```
- event loop (server)                                     the core loop (engine/core_loop.py)
+ event loop (server)                                     the core loop (engine/core/loop.py)
  ───────────────────                                     ───────────────────────────────────
  add_request() ── AddRequest ──▶ _send ──▶ transport ──▶ EngineCore.add_request
    awaits its Admission ◀── _handle(CoreBatch) ◀── transport ◀── admissions, outputs, stats
    OutputProcessor: text, stop strings ──▶ RequestStream queues; a stop string hit ──▶ Abort(index)
 ```
 
-The two clients differ only in the transport: :class:`~pagedserve.engine.async_engine.AsyncEngine`
+The two clients differ only in the transport: :class:`~pagedserve.engine.frontend.async_engine.AsyncEngine`
 hands the messages to the core loop on a thread of this process,
-:class:`~pagedserve.engine.mp_client.MPEngineClient` encodes them onto ZMQ sockets to the core's
+:class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` encodes them onto ZMQ sockets to the core's
 process. Detokenization, stop strings, admissions and the load report are this module's, once.
 """
 
@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.engine.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.frontend.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
+from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats
-from pagedserve.engine.request_check import check_request
+from pagedserve.engine.frontend.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shutdown, WatchBlocks
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class CoreClient(StreamingClient):
-    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core_loop.CoreLoop`.
+    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core.loop.CoreLoop`.
 
     All methods run on one event loop; :meth:`_handle` must be called there with every batch the
     core sends, and :meth:`_send` delivers a command to the core.

@@ -3,14 +3,14 @@
 ```
  transport.wait()      only while the core has no work (blocks: no busy spin)
  transport.receive()   AddRequest / Abort / WatchBlocks / Shutdown, from any front end
- core.step()           one scheduled batch (engine/core.py)
+ core.step()           one scheduled batch (engine/core/engine_core.py)
  transport.send(i, CoreBatch)   admissions, token-id outputs, stats, block map: per front i
 ```
 
 Two transports drive it, and nothing else steps a core that serves clients: the core process's
-ZMQ sockets (:mod:`pagedserve.engine.core_proc`) and the in-process client's thread
-(:mod:`pagedserve.engine.async_engine`). Either way the front end on the other side is a
-:class:`~pagedserve.engine.core_client.CoreClient` that turns the batches into text.
+ZMQ sockets (:mod:`pagedserve.engine.core.proc`) and the in-process client's thread
+(:mod:`pagedserve.engine.frontend.async_engine`). Either way the front end on the other side is a
+:class:`~pagedserve.engine.frontend.core_client.CoreClient` that turns the batches into text.
 
 With several front ends (``--api-server-count N``) the loop remembers which front added each
 request and sends that request's admission and outputs back to it alone; the stats snapshot goes
@@ -26,11 +26,11 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from pagedserve import errors
-from pagedserve.engine.block_map_feed import BlockMapFeed
+from pagedserve.engine.core.block_map_feed import BlockMapFeed
 from pagedserve.engine.wire import Abort, AddRequest, Admission, Command, CoreBatch, Shutdown, WatchBlocks
 
 if TYPE_CHECKING:
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,87 @@
+"""The engine's behaviour switches are config fields with flags, passed down explicitly (issue 33):
+``--no-native-kernels``, ``--pack-weights`` and ``--group-kernels`` reach ``EngineConfig`` and
+change what the engine builds; nothing reads them from the environment."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from torch import nn
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.args import add_engine_args, engine_config_from_args
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.frontend.engine import Engine
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels import native_ops
+from pagedserve.models.packed import PackedLinear, PanelLinear, can_pack
+from pagedserve.models.quant import Int4Linear
+from tests.conftest import assert_no_leaks, run_all
+
+
+def _config(model_dir, *flags: str) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(["--model", str(model_dir), *flags]))
+
+
+def _small(model_dir, **kwargs) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), num_kv_blocks=32, max_model_len=128, max_num_seqs=2, **kwargs)
+
+
+def _layers(core: EngineCore, kind: type) -> list[nn.Module]:
+    return [m for m in core.runner.model.modules() if isinstance(m, kind)]
+
+
+def test_flags_reach_the_config_with_the_old_defaults(tiny_model_dir):
+    default = _config(tiny_model_dir)
+    assert (default.native_kernels, default.pack_weights, default.group_kernels) == (True, "onednn", False)
+    given = _config(tiny_model_dir, "--no-native-kernels", "--pack-weights", "panel", "--group-kernels")
+    assert (given.native_kernels, given.pack_weights, given.group_kernels) == (False, "panel", True)
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
+        _config(tiny_model_dir, "--pack-weights", "fast")
+    with pytest.raises(ValueError, match="pack_weights must be one of onednn, panel, none"):
+        EngineConfig(model="m", pack_weights="fast")
+    with pytest.raises(ValueError, match="native_kernels must be true or false"):
+        EngineConfig(model="m", native_kernels="no")  # type: ignore[arg-type]
+
+
+def test_without_native_kernels_the_engine_runs_on_torch_alone(tiny_model_dir):
+    engine = Engine(_small(tiny_model_dir, native_kernels=False))
+    core = engine.core
+    assert core.config.attention_backend == "matmul"  # auto: the fused kernel is not asked for
+    assert core.runner.model.native_decode is None
+    assert not _layers(core, PanelLinear)
+    engine.add_request("a", "def f(x):", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.add_request("b", "import os", SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True))
+    done = run_all(engine)
+    assert [len(done[r].outputs[0].token_ids) for r in ("a", "b")] == [6, 4]
+    assert_no_leaks(engine)
+    engine.close()
+    with pytest.raises(ValueError, match="--no-native-kernels"):
+        EngineCore(_small(tiny_model_dir, native_kernels=False, attention_backend="fused"))
+
+
+def test_pack_weights_chooses_the_linear_layout(tiny_model_dir):
+    for choice in ("none", "onednn", "panel"):
+        core = EngineCore(_small(tiny_model_dir, dtype="float32", decode_weights="float32", pack_weights=choice))
+        packed, panels = _layers(core, PackedLinear), _layers(core, PanelLinear)
+        if choice == "none":
+            assert not packed and not panels
+        elif choice == "onednn":
+            assert not panels and bool(packed) == can_pack(core.dtype, core.device)
+        elif native_ops() is not None:
+            assert panels  # float32 linears go to the native panel kernel
+        core.close()
+
+
+def test_group_kernels_are_opt_in(tiny_model_dir):
+    cores = {on: EngineCore(_small(tiny_model_dir, quantization="int4", group_kernels=on)) for on in (False, True)}
+    off = _layers(cores[False], Int4Linear)
+    assert off and all(layer.group_ops is None and layer.packed_for_cpu for layer in off)
+    if native_ops() is not None:
+        on = _layers(cores[True], Int4Linear)
+        assert on and all(layer.group_ops is not None and not layer.packed_for_cpu for layer in on)
+    for core in cores.values():
+        core.close()
