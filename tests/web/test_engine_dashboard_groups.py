@@ -74,6 +74,7 @@ def test_the_block_map_shows_each_kv_group(server: str, page: Any, tmp_path: Pat
     assert not errors, errors
     assert seen, "the page never showed the window groups holding fewer blocks than the full group"
     assert page.locator("#colour-by-label").is_visible() and page.locator("#colour-by").input_value() == "group"
+    assert "per KV group" in page.locator("#legend-owned").inner_text()
     # Idle: within a second of /load saying so, every group shows the blocks both requests cached.
     load = wait_for_idle(server, timeout=20)
     assert load["kv_blocks_used"] == 0 and load["running"] == 0, load

@@ -91,6 +91,8 @@
     g.fillStyle = "#111418"; g.fillRect(0, 0, w, h);
     const gap = cell >= 5 ? 1 : 0, now = performance.now();
     const { state, owner, group, changed } = pool, grouped = byGroup();
+    $("legend-owned").textContent = grouped ? "in use (colour per KV group, table below)" : "owned by a request (colour per request)";
+    $("legend-cached").textContent = grouped ? "cached, free (its group's colour, muted)" : "cached prefix, free (colour per prefix)";
     for (let c = 0; c < cells; c++) {
       const x = (c % cols) * cell, y = Math.floor(c / cols) * cell, s = cell - gap;
       if (k === 1) {
