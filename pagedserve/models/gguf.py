@@ -563,15 +563,8 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
 
         return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
                                 native_kernels, activations, group_kernels)
-    if native_kernels is None:
-        native_kernels = device.type == "cpu"
-    ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=ARCHITECTURES[gguf_arch][2], ops=ops,
-                 group_ops=ops if group_kernels else None)
-    b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
-    for t in reader.tensors:
-        if not can_load(t.tensor_type):
-            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
+    b = gguf_builder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
+                     packed_for_cpu, group_kernels)
     a = arch
     hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
     with torch.device(device):
@@ -600,7 +593,33 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
                                     [a.intermediate_size] * 2, a.hidden_size)
         mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [a.hidden_size], a.intermediate_size)
     model.norm.weight = nn.Parameter(b.float_tensor("output_norm.weight", (a.hidden_size,)))
+    load_embedding_and_head(model, b, dtype)
+    return finish_gguf_model(model, b, gguf_path, dtype, activations)
 
+
+def gguf_builder(reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
+                 permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None,
+                 group_kernels: bool = False) -> _Builder:
+    """The tensor builder every architecture's GGUF loader reads with, after checking that every
+    tensor's type loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``:
+    :func:`load_gguf_model`'s)."""
+    if native_kernels is None:
+        native_kernels = device.type == "cpu"
+    ops = native_ops() if native_kernels and device.type == "cpu" else None
+    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=permuted, ops=ops,
+                 group_ops=ops if group_kernels else None)
+    b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
+    for t in reader.tensors:
+        if not can_load(t.tensor_type):
+            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
+    return b
+
+
+def load_embedding_and_head(model: nn.Module, b: _Builder, dtype: torch.dtype) -> None:
+    """``model.embed_tokens`` from ``token_embd``, kept quantized where it has a format here, and the
+    LM head: ``output.weight``, or the embedding table itself when tied (one table for lookups and
+    logits)."""
+    a = b.arch
     embed = b.get("token_embd.weight")
     table = b.quantized_table(embed)
     if table is not None:
@@ -619,6 +638,10 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     if not a.tie_word_embeddings:
         model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
 
+
+def finish_gguf_model(model: nn.Module, b: _Builder, gguf_path: Path, dtype: torch.dtype, activations: str):
+    """The loaded model, checked (every tensor of the file used, every parameter filled) and logged:
+    the LM head's output in float32, the GGUF kernels' ``activations`` set (int16 on the LM head)."""
     if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
         model.lm_head.float_output = True  # compute_logits wants float32 anyway
     for m in model.modules():  # an LM head's activations always at ~16 bits: near-tied logits keep their order

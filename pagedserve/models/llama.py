@@ -177,16 +177,23 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.query_key_heads(q, k, t)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv
         backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
         o = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+    def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projection's query and key columns as ``[T, heads, head_dim]``, QK-normed where
+        the model has it (Qwen3)."""
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
 
 class MLP(nn.Module):

@@ -14,7 +14,10 @@ Deltas and encodings are computed once per snapshot pair and shared by all viewe
 
 Events (one JSON object each): ``full`` (the whole pool, base64 arrays), ``delta`` (changed block
 indices and their new values), ``stats`` (load, KV utilisation against worst-case reservation,
-counters). A reconnecting browser gets a ``full`` again, so a restarted server is picked up.
+counters). A pool shared by KV groups (Gemma 3's full-attention and sliding-window layers) marks
+each block's group in the upper bits of its state byte
+(:mod:`pagedserve.engine.core.block_map_feed`): the bytes go to the page as they are, which unpacks
+them; a one-table pool's are plain states. A reconnecting browser gets a ``full`` again, so a restarted server is picked up.
 """
 
 from __future__ import annotations

@@ -139,6 +139,9 @@ def test_grid_follows_load_and_shows_preemptions_and_evictions(server: str, page
                       "free": NUM_BLOCKS - load["kv_blocks_cached"]}, timeout=1.0)
     assert load["kv_blocks_cached"] > 0
     assert page.locator("#requests tbody tr").count() == 0
+    # one table for every layer: no KV group list, no colour-by-group choice (tests/web/test_engine_dashboard_groups.py)
+    assert page.locator("#kv-groups").is_hidden() and page.locator("#colour-by-label").is_hidden()
+    assert "per request" in page.locator("#legend-owned").inner_text()
     page.screenshot(path=str(tmp_path / "engine-dashboard.png"), full_page=True)
 
 

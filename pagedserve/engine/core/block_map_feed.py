@@ -1,6 +1,18 @@
 """The core's side of the block map: walking the allocator into a snapshot, and when to.
 
 See :mod:`pagedserve.engine.block_map` for what a snapshot holds and why its cost is bounded.
+
+A pool shared by KV groups (:mod:`pagedserve.kv.groups`: Gemma 3's full-attention and sliding-window
+layers) marks each held or cached block's group in the upper bits of its state byte, so the
+snapshot's format stays the one :mod:`~pagedserve.engine.block_map` defines::
+
+    bit  7 6 5 4 3 | 2      | 1 0
+         group + 1 | window | FREE / OWNED / CACHED / SHARED
+
+``group + 1`` is 0 for a free block and for every block of a one-table pool (whose snapshots are
+byte for byte what they were before groups); group indices past 30 show as 30 (no model here has
+that many groups). The dashboard's page unpacks it (``pagedserve/web/static/engine.js``), Python
+readers with :func:`split_group_bits`.
 """
 
 from __future__ import annotations
@@ -20,6 +32,26 @@ if TYPE_CHECKING:
     from pagedserve.engine.core.engine_core import EngineCore
 
 
+STATE_MASK = 0b11
+WINDOW_BIT = 0b100
+GROUP_SHIFT = 3
+MAX_GROUP_INDEX = 30  # group + 1 fits the 5 upper bits
+
+
+def split_group_bits(state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(states, groups)`` of a snapshot's state bytes: the plain states, and per block its KV group
+    tag ``state >> 2``: 0 for none, else ``(group + 1) << 1 | window`` (module docstring)."""
+    return state & STATE_MASK, state >> 2
+
+
+def _group_bits(bm, state: np.ndarray) -> np.ndarray:
+    """The KV group marks for every non-free block of a grouped pool (module docstring)."""
+    group = np.minimum(np.frombuffer(bm.block_groups(), np.uint8), MAX_GROUP_INDEX)
+    window = np.array([g.window is not None for g in bm.groups][:MAX_GROUP_INDEX + 1], np.uint8)
+    marks = ((group + 1) << GROUP_SHIFT) | (window[group] * WINDOW_BIT)
+    return np.where(state != FREE, marks, 0).astype(np.uint8)
+
+
 def _listed(seq: Sequence, state: str, num_blocks: int) -> BlockMapRequest:
     return BlockMapRequest(seq.request.request_id, seq.index, seq.seq_id, state, seq.priority, seq.num_tokens,
                            seq.num_computed_tokens, num_blocks, seq.num_preemptions)
@@ -35,10 +67,13 @@ def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
     ids: list[int] = []
     owners: list[int] = []
     # every KV group's table where the manager has groups (kv/groups.py: a sequence holds blocks in each)
-    tables = bm.held_tables() if hasattr(bm, "held_tables") else bm.tables.items()
+    grouped = hasattr(bm, "held_tables")
+    tables = bm.held_tables() if grouped else bm.tables.items()
+    held_by: dict[int, int] = {}  # blocks per sequence, over every group
     for seq_id, table in tables:  # admission order: a shared block takes its first holder's colour
         ids.extend(b.block_id for b in table)
         owners.extend([seq_id] * len(table))
+        held_by[seq_id] = held_by.get(seq_id, 0) + len(table)
     if ids:
         held = np.asarray(ids, np.int64)
         np.add.at(refs, held, 1)
@@ -55,7 +90,9 @@ def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
     for block in cached_free:
         state[block.block_id] = CACHED
         owner[block.block_id] = _root(block.content_id, parent_of, root_of)
-    requests = [_listed(s, "running", len(bm.tables.get(s.seq_id, ()))) for s in sched.running[:MAX_LISTED_REQUESTS]]
+    if grouped:
+        state |= _group_bits(bm, state)
+    requests = [_listed(s, "running", held_by.get(s.seq_id, 0)) for s in sched.running[:MAX_LISTED_REQUESTS]]
     room = MAX_LISTED_REQUESTS - len(requests)
     if room > 0 and sched.waiting:
         waiting = sorted(sched.waiting, key=lambda s: s.sort_key)[:room]
