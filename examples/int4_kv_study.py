@@ -1,0 +1,194 @@
+"""Which 4-bit KV layout keeps SmolLM2's quality: candidate formats simulated on real weights.
+
+Before a KV format is built into the pools and kernels, its cost is measured here: transformers'
+SmolLM2-135M-Instruct (the default model's GGUF, dequantized to float32) with an attention function
+that rounds each layer's post-RoPE keys and values through the candidate format before attending,
+scored on held-out prose windows (the Python tutorial, as `bench quality`). Every format is run on
+the same windows in one process; the table gives perplexity against float32 KV, the mean KL of the
+next-token distributions, top-1 agreement, and the bytes per token the format would store.
+
+Formats (`--formats`, all by default):
+
+* ``token``          int4 per token and head, one absmax scale per 64 values (the original format)
+* ``token-rot``      the same after a Hadamard rotation of each vector (today's ``--kv-cache-dtype int4``)
+* ``kivi``           KIVI: keys per channel over each 16-token block (scale and zero point per
+                     channel), values per token (scale and zero point per vector)
+* ``kchan-vrot``     keys per channel over each block (absmax scale, symmetric), values rotated per token
+* ``...+tail``       any of the above with the sequence's last, unfilled block kept in full precision:
+                     a query sees its own block's keys and values exact, earlier blocks quantized (a
+                     per-channel key scale needs the block's 16 tokens, so the block waits in float
+                     until it fills)
+
+Run: ``python examples/int4_kv_study.py --windows 8 --window-len 512`` (2 threads: minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+BLOCK = 16
+QMAX4 = 7.0  # symmetric int4: -7..7
+LEVELS4 = 15.0  # asymmetric int4: 0..15
+
+
+def hadamard(n: int) -> torch.Tensor:
+    from pagedserve.kv.quant import hadamard_matrix
+
+    return hadamard_matrix(n)
+
+
+def per_vector_sym(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 over the last dimension (one scale per vector), rounded back to float."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-6) / QMAX4
+    return (x / scale).round().clamp(-QMAX4, QMAX4) * scale.half().float()
+
+
+def per_vector_asym(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / LEVELS4).clamp_min(1e-6)
+    return ((x - lo) / scale).round().clamp(0, LEVELS4) * scale.half().float() + lo.half().float()
+
+
+def per_channel_blocks(x: torch.Tensor, asym: bool) -> torch.Tensor:
+    """x [b, heads, T, d]: each channel over each 16-token block (positions 16k..16k+15) shares a scale."""
+    b, h, t, d = x.shape
+    pad = (-t) % BLOCK
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(b, h, -1, BLOCK, d)
+    # a partial last block: its padding must not widen the range
+    valid = torch.arange(xp.shape[2] * BLOCK).view(-1, BLOCK) < t
+    valid = valid.view(1, 1, -1, BLOCK, 1)
+    if asym:
+        big = torch.finfo(x.dtype).max
+        lo = torch.where(valid, xp, big).amin(3, keepdim=True)
+        hi = torch.where(valid, xp, -big).amax(3, keepdim=True)
+        scale = ((hi - lo) / LEVELS4).clamp_min(1e-6)
+        q = ((xp - lo) / scale).round().clamp(0, LEVELS4) * scale.half().float() + lo.half().float()
+    else:
+        scale = torch.where(valid, xp.abs(), 0).amax(3, keepdim=True).clamp_min(1e-6) / QMAX4
+        q = (xp / scale).round().clamp(-QMAX4, QMAX4) * scale.half().float()
+    return q.view(b, h, -1, d)[:, :, :t]
+
+
+def rotated(fn, x: torch.Tensor) -> torch.Tensor:
+    hm = hadamard(x.shape[-1]).to(x.dtype)
+    return fn(x @ hm) @ hm
+
+
+FORMATS = {
+    "token": (per_vector_sym, per_vector_sym),
+    "token-rot": (lambda k: rotated(per_vector_sym, k), lambda v: rotated(per_vector_sym, v)),
+    "kivi": (lambda k: per_channel_blocks(k, asym=True), per_vector_asym),
+    "kchan-vrot": (lambda k: per_channel_blocks(k, asym=False), lambda v: rotated(per_vector_sym, v)),
+}
+
+
+def bits_per_value(name: str, head_dim: int) -> float:
+    """Stored bits per K or V value, averaged over K and V, scales (float16) included."""
+    base = name.removesuffix("+tail")
+    per_token = {"sym": 4 + 16 / head_dim, "asym": 4 + 32 / head_dim}
+    per_channel = {"sym": 4 + 16 / BLOCK, "asym": 4 + 32 / BLOCK}
+    k, v = {"token": (per_token["sym"], per_token["sym"]), "token-rot": (per_token["sym"], per_token["sym"]),
+            "kivi": (per_channel["asym"], per_token["asym"]),
+            "kchan-vrot": (per_channel["sym"], per_token["sym"])}[base]
+    return (k + v) / 2
+
+
+def make_attention(state: dict):
+    """An attention function for transformers' registry that rounds K and V through state['format']."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        name = state["format"]
+        groups = query.shape[1] // key.shape[1]
+        t = query.shape[2]
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        causal = torch.ones(t, key.shape[2], dtype=torch.bool).tril(key.shape[2] - t)
+        if name == "float32":
+            kq, vq, tail = key, value, None
+        else:
+            kfn, vfn = FORMATS[name.removesuffix("+tail")]
+            kq, vq = kfn(key), vfn(value)
+            tail = None
+            if name.endswith("+tail"):  # a query's own block stays exact
+                pos_q = torch.arange(key.shape[2] - t, key.shape[2])
+                tail = (pos_q[:, None] // BLOCK) == (torch.arange(key.shape[2])[None, :] // BLOCK)
+        kq, vq = kq.repeat_interleave(groups, 1), vq.repeat_interleave(groups, 1)
+        scores = query @ kq.transpose(-1, -2) * scaling
+        if tail is not None:
+            exact = query @ key.repeat_interleave(groups, 1).transpose(-1, -2) * scaling
+            scores = torch.where(tail, exact, scores)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        if tail is None:
+            out = probs @ vq
+        else:
+            v_exact = value.repeat_interleave(groups, 1)
+            out = (probs * tail) @ v_exact + (probs * ~tail) @ vq
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+def main() -> None:
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from pagedserve.bench.corpus import load_prose
+    from pagedserve.bench.quality import heldout_windows, mean_kl, top1_agreement
+    from pagedserve.models.default import ensure_default_model
+    from pagedserve.models.gguf import prepare_gguf_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--windows", type=int, default=8, help="held-out windows")
+    p.add_argument("--window-len", type=int, default=512, help="tokens per window")
+    p.add_argument("--formats", nargs="+", default=[f + s for f in FORMATS for s in ("", "+tail")])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    path = ensure_default_model()
+    prepared = prepare_gguf_dir(path)
+    config = AutoConfig.from_pretrained(prepared)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    state = {"format": "float32"}
+    AttentionInterface.register("int4_study", make_attention(state))
+    config._attn_implementation = "int4_study"
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(prepared)
+    paragraphs, _ = load_prose()
+    tokens = torch.tensor(tokenizer.encode("\n\n".join(paragraphs), add_special_tokens=False))
+    windows = heldout_windows(tokens, args.windows, args.window_len)
+
+    def score(name: str):
+        state["format"] = name
+        nll, count, lps = 0.0, 0, []
+        with torch.no_grad():
+            for w in windows:
+                lp = model(torch.tensor([w[:-1]])).logits[0].float().log_softmax(-1)
+                nll -= float(lp.gather(1, torch.tensor(w[1:]).unsqueeze(1)).sum())
+                count += len(w) - 1
+                lps.append(lp)
+        return math.exp(nll / count), lps
+
+    start = time.perf_counter()
+    ref_ppl, ref = score("float32")
+    head_dim = config.hidden_size // config.num_attention_heads
+    print(f"SmolLM2-135M-Instruct, {len(windows)} windows x {args.window_len} tokens, float32 KV perplexity "
+          f"{ref_ppl:.3f} ({time.perf_counter() - start:.0f} s)\n")
+    print("| KV format | bits per value | × bf16 bytes | perplexity | vs float32 | mean KL | top-1 agreement |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.formats:
+        ppl, lps = score(name)
+        bits = bits_per_value(name, head_dim)
+        print(f"| {name} | {bits:.2f} | {bits / 16:.3f} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.1f} % | "
+              f"{mean_kl(ref, lps):.4f} | {100 * top1_agreement(ref, lps):.1f} % |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
