@@ -1,6 +1,7 @@
 """The FastAPI app: routes, lifespan (EngineClient start / graceful stop), middleware, errors.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's, server/anthropic_messages.py),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``;
 the dashboard at ``/`` and ``/dashboard`` with its feed ``GET /dashboard/events``; ``/docs``. See
 docs/SERVER.md, docs/DASHBOARD.md.
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagedserve
 from pagedserve.engine.client import EngineClient, LoadReport
 from pagedserve.server import protocol as p
+from pagedserve.server.anthropic_messages import install_anthropic_routes
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
@@ -109,6 +111,8 @@ def build_app(client: EngineClient, config: ServerConfig,
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI), prompt built with the tokenizer's chat template."""
         return await serving(request).chat(body, request)
+
+    install_anthropic_routes(app, serving)
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:
