@@ -41,6 +41,7 @@ from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.passthrough import relay
 from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, prefix_key
 from pagedserve.gateway.responses import error_body, error_response, ratelimit_headers, retry_headers
+from pagedserve.gateway.responses_api import install_responses_routes
 from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.shape import Shape, read_shape
 from pagedserve.gateway.tokens import count_prompt_tokens
@@ -124,6 +125,7 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             await poller.stop()
             await client.aclose()
             await lim.close()
+            await app.state.responses.store.close()
 
     app = FastAPI(title="pagedserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_offline_docs(app, "pagedserve gateway")
@@ -149,6 +151,7 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
         return await handle(request.app.state.gateway, request, "/v1/chat/completions")
 
     install_anthropic_routes(app, handle, passthrough)
+    install_responses_routes(app, handle, config)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

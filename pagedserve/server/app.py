@@ -2,6 +2,7 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's, server/anthropic_messages.py),
+``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` (server/responses_api.py),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``;
 the dashboard at ``/`` and ``/dashboard`` with its feed ``GET /dashboard/events``; ``/docs``. See
 docs/SERVER.md, docs/DASHBOARD.md.
@@ -27,6 +28,7 @@ from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import API_SERVER_HEADER, GuardMiddleware, ResponseHeaderMiddleware
+from pagedserve.server.responses_api import install_responses_routes
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
 from pagedserve.streaming import ClosingStreamingResponse
@@ -65,6 +67,7 @@ def build_app(client: EngineClient, config: ServerConfig,
             yield
         finally:
             await client.shutdown(drain_timeout_s=config.shutdown_timeout_s)
+            await app.state.responses.store.close()
             tokenizers.close()
             stats = client.stats()
             logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
@@ -113,6 +116,7 @@ def build_app(client: EngineClient, config: ServerConfig,
         return await serving(request).chat(body, request)
 
     install_anthropic_routes(app, serving)
+    install_responses_routes(app, serving, config)
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:

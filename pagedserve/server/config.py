@@ -38,6 +38,10 @@ class ServerConfig:
     # With --api-server-count N > 1: which of the N front processes this app runs in (0..N-1); it
     # answers every response with an x-pagedserve-api-server header. None: the only front.
     api_server_index: int | None = None
+    # The Responses API's store (pagedserve.apis.response_store): "memory" or a redis:// URL, and
+    # how long a stored response lives.
+    response_store: str = "memory"
+    response_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -62,5 +66,10 @@ class ServerConfig:
 
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
+        if not (self.response_store == "memory" or self.response_store.startswith(("redis://", "rediss://",
+                                                                                      "unix://"))):
+            raise ValueError(f"response_store must be 'memory' or a redis:// URL, got {self.response_store!r}")
+        if not (math.isfinite(self.response_ttl_s) and self.response_ttl_s > 0):
+            raise ValueError(f"response_ttl_s must be a positive number of seconds, got {self.response_ttl_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")
