@@ -103,14 +103,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
                              "these with what their clients saw by request id)")
-    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes",
+    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                         help="how tool_choice \"auto\" reads tool calls from the model's text: hermes = "
                              "<tool_call>{json}</tool_call> blocks (Hermes, Qwen), llama3_json = a JSON object "
-                             "{\"name\", \"parameters\"} as the whole output (Llama 3.1+) (default hermes)")
+                             "{\"name\", \"parameters\"} as the whole output (Llama 3.1+) (default: the format "
+                             "the chat template shows, else hermes)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="allow tool_choice \"auto\" (and make it the default when tools are given), read "
-                             "with --tool-call-parser; without it \"auto\" is refused with 400 and tools default "
-                             "to \"none\" (as vLLM). \"required\" and a named function work either way: a "
+                             "with --tool-call-parser; without it \"auto\" is accepted only where the chat "
+                             "template shows a tool-call format (hermes or llama3_json, logged at startup), else "
+                             "refused with 400, and tools default to \"none\" (as vLLM). \"required\" and a named function work either way: a "
                              "grammar makes the output a valid call")
     server.add_argument("--response-store", default="memory", metavar="memory|redis://HOST:PORT/DB",
                         help="where POST /v1/responses keeps responses for previous_response_id, GET and DELETE: "

@@ -133,6 +133,8 @@ def test_bad_key_is_401_in_anthropic_shape(url: str) -> None:
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi\u0000"}]}, "content"),
     ({"model": "claude-other"}, "model"),
+    # This server has neither --enable-auto-tool-choice nor a template showing a tool-call format.
+    ({"tool_choice": {"type": "auto"}, "tools": [WEATHER]}, "tool_choice"),
 ])
 def test_bad_fields_are_400_in_anthropic_shape(url: str, extra: dict[str, Any], field: str) -> None:
     body = {"model": "tiny", "max_tokens": 4, "messages": QUESTION, **extra}
