@@ -19,6 +19,7 @@ from pagedserve.apis import anthropic_translate as t
 from pagedserve.apis.anthropic_protocol import MessagesRequest
 from pagedserve.apis.anthropic_stream import AnthropicStream
 from pagedserve.apis.relay import kept_headers, translated
+from pagedserve.apis.validation import first_problem
 from pagedserve.gateway.keys import presented_key
 
 CHAT = "/v1/chat/completions"
@@ -36,9 +37,7 @@ def _reshaped(resp: Response) -> Response:
 
 
 def _invalid(exc: ValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ()))
-    return JSONResponse(t.error_body(400, f"Invalid request: '{where}' {first.get('msg', 'is invalid')}."), 400)
+    return JSONResponse(t.error_body(400, first_problem(exc)[1]), 400)
 
 
 def install_anthropic_routes(app: FastAPI, handle: Callable[..., Awaitable[Response]],
@@ -50,7 +49,9 @@ def install_anthropic_routes(app: FastAPI, handle: Callable[..., Awaitable[Respo
     async def messages(request: Request) -> Response:
         gw = request.app.state.gateway
         if gw.keys.lookup(presented_key(request.headers)) is None:  # refused before the body is read
-            return _reshaped(await handle(gw, request, CHAT, {}))
+            return JSONResponse(t.error_body(401, "Incorrect or missing API key: send 'x-api-key: <key>' (or "
+                                                  "'Authorization: Bearer <key>') with a key this gateway knows."),
+                                401)
         try:
             body = MessagesRequest.model_validate_json(await request.body())
             chat: dict[str, Any] = t.chat_body(body)

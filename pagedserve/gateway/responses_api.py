@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pagedserve.apis.response_store import make_store
 from pagedserve.apis.responses_protocol import MAX_RESPONSE_ID_CHARS, ResponsesRequest
 from pagedserve.apis.responses_service import ResponsesService, not_found
+from pagedserve.apis.validation import first_problem
 from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.keys import presented_key
 from pagedserve.gateway.responses import error_response
@@ -33,11 +34,8 @@ def _unauthorized() -> JSONResponse:
 
 
 def _invalid(exc: ValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ())) or None
-    what = f"'{where}' " if where else ""
-    return error_response(400, f"Invalid request: {what}{first.get('msg', 'is invalid')}.", param=where,
-                          code="invalid_value")
+    where, message = first_problem(exc)
+    return error_response(400, message, param=where, code="invalid_value")
 
 
 def install_responses_routes(app: FastAPI, handle: Callable[..., Awaitable[Response]], config: GatewayConfig) -> None:

@@ -1,6 +1,8 @@
 """Anthropic's Messages API through the gateway (two real tiny replicas), with the official
 ``anthropic`` SDK: its key (x-api-key) picks the tier, the request is served as a chat completion
-(buckets, seats, shedding), and every refusal answers in Anthropic's shape."""
+(buckets, seats, shedding), and every refusal answers in Anthropic's shape. And the Responses API
+through the same gateway (its in-memory store): charged like chat, kept per key, refusals in
+OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from pagedserve.gateway.config import parse_config
@@ -98,3 +101,24 @@ def test_shed_is_429_with_retry_after_in_anthropic_shape(gateway: GatewayThread)
     assert e.value.status_code == 429 and e.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     assert int(e.value.response.headers["retry-after"]) >= 1
     assert metric(gateway.url, "pagedserve_gateway_shed_total", tier="free", reason="overloaded") >= 1
+
+
+def test_responses_through_the_gateway(gateway: GatewayThread) -> None:
+    before = bucket_levels(gateway, "sk-meter")[0]
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-meter", max_retries=0, timeout=60) as client:
+        first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
+        second = client.responses.create(model=MODEL, input="Name?", previous_response_id=first.id,
+                                         max_output_tokens=4)
+        assert client.responses.retrieve(second.id).output_text == second.output_text
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(model=MODEL, input="x", reasoning={"effort": "low"})
+        assert "reasoning" in str(bad.value)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    used = first.usage.total_tokens + second.usage.total_tokens
+    assert abs(before - bucket_levels(gateway, "sk-meter")[0] - used) < 1
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-free", max_retries=0, timeout=60) as other:
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(first.id)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-nobody", max_retries=0, timeout=60) as nobody:
+        with pytest.raises(openai.AuthenticationError):
+            nobody.responses.retrieve(first.id)

@@ -28,12 +28,18 @@ def url(tiny_model_dir: Any) -> Iterator[str]:
         yield u
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks(url: str) -> Iterator[None]:
+    """Every test, whether it used the SDK or raw HTTP, leaves the server with no KV block in use."""
+    yield
+    load = wait_for_idle(url, timeout=15)
+    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
+
+
 @pytest.fixture
 def client(url: str) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60) as c:
         yield c
-    load = wait_for_idle(url, timeout=15)
-    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
 def test_plain_message(client: anthropic.Anthropic) -> None:
@@ -94,6 +100,21 @@ def test_tool_use_then_tool_result_then_answer(client: anthropic.Anthropic) -> N
     # The tool's result reached the prompt: it is longer than the first turn's.
     assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) > \
         first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+
+
+def test_any_tool_closes_its_call_streamed_or_not(client: anthropic.Anthropic) -> None:
+    """tool_choice any (chat's required): the call is generated compactly and closes within the budget."""
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=80, messages=QUESTION, tools=[WEATHER],
+                              tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                              extra_body={"temperature": 0})
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == \
+        [(b.name, b.input) for b in whole.content if b.type == "tool_use"]
+    assert kinds.count("content_block_delta") > 2  # the arguments came in pieces
 
 
 def test_stop_sequence(client: anthropic.Anthropic) -> None:

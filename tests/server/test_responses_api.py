@@ -29,12 +29,18 @@ def url(tiny_model_dir: Any) -> Iterator[str]:
         yield u
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks(url: str) -> Iterator[None]:
+    """Every test, whether it used the SDK or raw HTTP, leaves the server with no KV block in use."""
+    yield
+    load = wait_for_idle(url, timeout=15)
+    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
+
+
 @pytest.fixture
 def client(url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-    load = wait_for_idle(url, timeout=15)
-    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
 def _tokens(url: str, messages: list[dict[str, str]]) -> int:
@@ -149,5 +155,3 @@ def test_bad_fields(url: str, extra: dict[str, Any], status: int, field: str) ->
     assert r.status_code == status, r.text
     assert field in r.text and set(r.json()["error"]) >= {"message", "type"}
     assert httpx.get(f"{url}/v1/responses/{'x' * 200}", timeout=10).status_code == 400
-    load = wait_for_idle(url, timeout=15)
-    assert load["kv_blocks_used"] == 0, load
