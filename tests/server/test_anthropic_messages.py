@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.server.test_disconnect import aborted_total
 
 KEY = "sk-anthropic-test"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -172,3 +173,21 @@ def test_sdk_raises_bad_request(client: anthropic.Anthropic) -> None:
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": ""}])
     assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     json.dumps(e.value.body)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "tiny", "max_tokens": 400, "stream": True, "messages": QUESTION}),
+    ("/v1/responses", {"model": "tiny", "max_output_tokens": 400, "stream": True, "input": "Go on."}),
+])
+def test_client_leaving_mid_stream_aborts_the_request(url: str, path: str, body: dict[str, Any]) -> None:
+    """The translated stream keeps the chat stream's cleanup: the engine request is aborted (the
+    autouse check then finds no KV block in use)."""
+    headers = {"x-api-key": KEY, "content-type": "application/json"}
+    before = aborted_total(url)
+    with httpx.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any(line.startswith("data:") for line in (next(lines), next(lines)))
+    load = wait_for_idle(url, timeout=15)
+    assert load["running"] == 0 and load["kv_blocks_used"] == 0, load
+    assert aborted_total(url) == before + 1  # aborted, not run to its end
