@@ -22,6 +22,10 @@ class ClosingStreamingResponse(StreamingResponse):
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
+    async def on_close(self) -> None:
+        """The cleanup, for a response that wraps this one's body (see pagedserve.apis.relay)."""
+        await self._on_close()
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)

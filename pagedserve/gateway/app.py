@@ -32,7 +32,8 @@ from pagedserve.gateway.admission import Admission, Decision, bucket_views
 from pagedserve.gateway.breaker import CircuitBreaker
 from pagedserve.gateway.config import GatewayConfig, KeyEntry, TierConfig
 from pagedserve.gateway.dashboard import GatewayFeed
-from pagedserve.gateway.keys import KeyRing, bearer_key
+from pagedserve.gateway.anthropic import install_anthropic_routes
+from pagedserve.gateway.keys import KeyRing, presented_key
 from pagedserve.gateway.limiter import Limiter, LimiterUnavailable
 from pagedserve.gateway.limiter_memory import MemoryLimiter
 from pagedserve.gateway.limiter_redis import RedisLimiter
@@ -40,6 +41,7 @@ from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.passthrough import relay
 from pagedserve.gateway.pools import LoadPoller, Pool, Replica, build_pools, prefix_key
 from pagedserve.gateway.responses import error_body, error_response, ratelimit_headers, retry_headers
+from pagedserve.gateway.responses_api import install_responses_routes
 from pagedserve.gateway.seats import Dispatcher, Seat
 from pagedserve.gateway.shape import Shape, read_shape
 from pagedserve.gateway.tokens import count_prompt_tokens
@@ -123,6 +125,7 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             await poller.stop()
             await client.aclose()
             await lim.close()
+            await app.state.responses.store.close()
 
     app = FastAPI(title="pagedserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_offline_docs(app, "pagedserve gateway")
@@ -146,6 +149,9 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request.app.state.gateway, request, "/v1/chat/completions")
+
+    install_anthropic_routes(app, handle, passthrough)
+    install_responses_routes(app, handle, config)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -190,7 +196,7 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
 
 async def passthrough(gw: Gateway, request: Request, path: str) -> Response:
     """Pass an endpoint that generates nothing to a healthy replica of the key's tier (see passthrough.py)."""
-    entry = gw.keys.lookup(bearer_key(request.headers.get("authorization")))
+    entry = gw.keys.lookup(presented_key(request.headers))
     if entry is None:
         return _unauthorized()
     tier = gw.config.tiers[entry.tier]
@@ -276,16 +282,17 @@ def _log_decision(outcome: str, reason: str, tier: str, key: str, **fields: Any)
     decisions.info("%s reason=%s tier=%s key=%s %s", outcome, reason, tier, key, extra)
 
 
-async def handle(gw: Gateway, request: Request, path: str) -> Response:
-    """Serve one completions or chat completions request (see the module docstring)."""
+async def handle(gw: Gateway, request: Request, path: str, translated: dict[str, Any] | None = None) -> Response:
+    """Serve one completions or chat completions request (see the module docstring); ``translated``:
+    the chat body another API's request became (pagedserve.apis), instead of the request's own."""
     t0 = time.monotonic()
-    entry = gw.keys.lookup(bearer_key(request.headers.get("authorization")))
+    entry = gw.keys.lookup(presented_key(request.headers))
     if entry is None:
         _log_decision("reject", "unauthorized", "-", "-")
         return _unauthorized()
     tier = gw.config.tiers[entry.tier]
     try:
-        body = json.loads(await request.body())
+        body = translated if translated is not None else json.loads(await request.body())
     except (ValueError, UnicodeDecodeError):
         return error_response(400, "The request body is not valid JSON; send a JSON object.", code="invalid_json")
     if not isinstance(body, dict):

@@ -21,6 +21,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--redis-url", default=None,
                    help="Keep the token buckets in Redis (e.g. redis://127.0.0.1:6379/0) so several gateway "
                         "processes share them; overrides gateway.redis_url. Default: in-process buckets.")
+    p.add_argument("--response-store", default=None, metavar="memory|redis://HOST:PORT/DB",
+                   help="where POST /v1/responses keeps responses for previous_response_id, GET and DELETE: this "
+                        "process's memory, or Redis, so that a follow-up may come through any gateway process "
+                        "(overrides gateway.response_store; default memory; docs/RESPONSES.md)")
+    p.add_argument("--response-ttl", type=float, default=None, metavar="S",
+                   help="stored responses expire S seconds after they were made (overrides "
+                        "gateway.response_ttl_s; default 3600)")
     p.add_argument("--host", default=None, help="Address to listen on (overrides gateway.host; default 127.0.0.1).")
     p.add_argument("--port", type=int, default=None, help="Port to listen on (overrides gateway.port; default 8080).")
     p.set_defaults(func=run)
@@ -36,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.redis_url:
         config.redis_url = args.redis_url
+    if args.response_store:
+        config.response_store = args.response_store
+    if args.response_ttl is not None:
+        if not 0 < args.response_ttl <= 30 * 86400:
+            print(f"error: --response-ttl must be in (0, {30 * 86400}] seconds, got {args.response_ttl}",
+                  file=sys.stderr)
+            return 2
+        config.response_ttl_s = args.response_ttl
     if args.host:
         config.host = args.host
     if args.port is not None:

@@ -83,6 +83,7 @@ GATEWAY_BOUNDS = {
     "connect_timeout_s": Bound(0, 600, above=True, unit="seconds"),
     "affinity_slack_s": Bound(0, 3600, unit="seconds"),
     "default_service_s": Bound(0, 3600, above=True, unit="seconds"),
+    "response_ttl_s": Bound(0, 30 * 86400, above=True, unit="seconds a stored response lives"),
 }
 TIER_BOUNDS = {
     "token_rate": Bound(0, 1e9, above=True, unit="LLM tokens per second"),
@@ -197,6 +198,10 @@ class GatewayConfig:
     token_count: str = "tokenize"
     affinity_slack_s: float = 0.25
     default_service_s: float = 1.0
+    # The Responses API's store (pagedserve.apis.response_store): "memory" (this process) or a
+    # redis:// URL, shared by every gateway given it; and how long a stored response lives.
+    response_store: str = "memory"
+    response_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for pool in self.pools.values():  # the tier its reserved seats are kept for
@@ -361,6 +366,10 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         v = getattr(cfg, k)
         if not (isinstance(v, str) and v) and not (k == "redis_url" and v is None):
             raise fail(f"gateway.{k} must be a non-empty string, got {v!r}", ("gateway",), k)
+    if not (isinstance(cfg.response_store, str)
+            and (cfg.response_store == "memory" or cfg.response_store.startswith(("redis://", "rediss://")))):
+        raise fail(f"gateway.response_store must be 'memory' or a redis:// URL, got {cfg.response_store!r}",
+                   ("gateway",), "response_store")
     if cfg.token_count not in TOKEN_COUNTS:
         raise fail(f"gateway.token_count must be one of {TOKEN_COUNTS}, got {cfg.token_count!r}",
                    ("gateway",), "token_count")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 
 from pagedserve.gateway.config import KeyEntry, key_digest
 
@@ -35,3 +36,9 @@ def bearer_key(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key: KEY`` (how
+    Anthropic's clients send it)."""
+    return bearer_key(headers.get("authorization")) or (headers.get("x-api-key") or "").strip() or None

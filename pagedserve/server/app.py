@@ -1,6 +1,8 @@
 """The FastAPI app: routes, lifespan (EngineClient start / graceful stop), middleware, errors.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's, server/anthropic_messages.py),
+``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` (server/responses_api.py),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``, ``GET /load``;
 the dashboard at ``/`` and ``/dashboard`` with its feed ``GET /dashboard/events``; ``/docs``. See
 docs/SERVER.md, docs/DASHBOARD.md.
@@ -20,11 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagedserve
 from pagedserve.engine import EngineClient, LoadReport
 from pagedserve.server import protocol as p
+from pagedserve.server.anthropic_messages import install_anthropic_routes
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import DashboardFeed
 from pagedserve.server.errors import error_response, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import API_SERVER_HEADER, GuardMiddleware, ResponseHeaderMiddleware
+from pagedserve.server.responses_api import install_responses_routes
 from pagedserve.server.serving import ClientDisconnected, OpenAIServing
 from pagedserve.server.tokenization import TokenizerWorker
 from pagedserve.streaming import ClosingStreamingResponse
@@ -63,6 +67,7 @@ def build_app(client: EngineClient, config: ServerConfig,
             yield
         finally:
             await client.shutdown(drain_timeout_s=config.shutdown_timeout_s)
+            await app.state.responses.store.close()
             tokenizers.close()
             stats = client.stats()
             logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
@@ -109,6 +114,9 @@ def build_app(client: EngineClient, config: ServerConfig,
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI), prompt built with the tokenizer's chat template."""
         return await serving(request).chat(body, request)
+
+    install_anthropic_routes(app, serving)
+    install_responses_routes(app, serving, config)
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:

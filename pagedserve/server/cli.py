@@ -103,15 +103,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
                              "these with what their clients saw by request id)")
-    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes",
+    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                         help="how tool_choice \"auto\" reads tool calls from the model's text: hermes = "
                              "<tool_call>{json}</tool_call> blocks (Hermes, Qwen), llama3_json = a JSON object "
-                             "{\"name\", \"parameters\"} as the whole output (Llama 3.1+) (default hermes)")
+                             "{\"name\", \"parameters\"} as the whole output (Llama 3.1+) (default: the format "
+                             "the chat template shows, else hermes)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="allow tool_choice \"auto\" (and make it the default when tools are given), read "
-                             "with --tool-call-parser; without it \"auto\" is refused with 400 and tools default "
-                             "to \"none\" (as vLLM). \"required\" and a named function work either way: a "
+                             "with --tool-call-parser; without it \"auto\" is accepted only where the chat "
+                             "template shows a tool-call format (hermes or llama3_json, logged at startup), else "
+                             "refused with 400, and tools default to \"none\" (as vLLM). \"required\" and a named function work either way: a "
                              "grammar makes the output a valid call")
+    server.add_argument("--response-store", default="memory", metavar="memory|redis://HOST:PORT/DB",
+                        help="where POST /v1/responses keeps responses for previous_response_id, GET and DELETE: "
+                             "this process's memory (default; with --api-server-count N each front has its own), "
+                             "or Redis, shared by every front, server and gateway given the same URL "
+                             "(docs/RESPONSES.md)")
+    server.add_argument("--response-ttl", type=_seconds, default=3600.0, metavar="S",
+                        help="stored responses expire S seconds after they were made (default 3600)")
     server.add_argument("--default-model", choices=["smollm2", "tiny", "small"], default="smollm2",
                         help="model served when --model is not given: smollm2 = SmolLM2-135M-Instruct, real "
                              "weights (Q4_1 GGUF fetched once into the model cache); tiny / small = the standard "
@@ -218,7 +227,8 @@ def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None)
                                      max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
                                      chat_template=chat_template,
                                      tool_call_parser=args.tool_call_parser,
-                                     enable_auto_tool_choice=args.enable_auto_tool_choice)
+                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                     response_store=args.response_store, response_ttl_s=args.response_ttl)
         engine_config = engine_config_from_args(args)
         if args.api_server_count > 1 and not args.engine_process:
             raise ValueError("--api-server-count above 1 needs the engine core in its own process "

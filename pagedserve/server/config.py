@@ -31,13 +31,18 @@ class ServerConfig:
     max_header_bytes: int = 32 * 1024  # request line + headers (else 431; a longer URL alone: 414)
     max_headers: int = 100  # header lines (else 431)
     chat_template: str | None = None  # a Jinja chat template replacing the tokenizer's (--chat-template)
-    # Tool calling: how model output is read as tool calls for tool_choice "auto" (which vLLM,
-    # and so this server, enables only with --enable-auto-tool-choice).
-    tool_call_parser: str = "hermes"
+    # Tool calling: how model output is read as tool calls for tool_choice "auto", which is enabled
+    # by --enable-auto-tool-choice, or where the chat template shows a format this server reads
+    # (server/tool_format.py). None: the template's format, else hermes.
+    tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     # With --api-server-count N > 1: which of the N front processes this app runs in (0..N-1); it
     # answers every response with an x-pagedserve-api-server header. None: the only front.
     api_server_index: int | None = None
+    # The Responses API's store (pagedserve.apis.response_store): "memory" or a redis:// URL, and
+    # how long a stored response lives.
+    response_store: str = "memory"
+    response_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -60,7 +65,12 @@ class ServerConfig:
             raise ValueError(f"max_headers must be at least 8, got {self.max_headers}")
         from pagedserve.server.tool_parsers import PARSERS
 
-        if self.tool_call_parser not in PARSERS:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
+        if not (self.response_store == "memory" or self.response_store.startswith(("redis://", "rediss://",
+                                                                                      "unix://"))):
+            raise ValueError(f"response_store must be 'memory' or a redis:// URL, got {self.response_store!r}")
+        if not (math.isfinite(self.response_ttl_s) and self.response_ttl_s > 0):
+            raise ValueError(f"response_ttl_s must be a positive number of seconds, got {self.response_ttl_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")

@@ -11,6 +11,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from starlette.responses import JSONResponse
+
+from pagedserve.apis.anthropic_translate import error_body as anthropic_error_body
 from pagedserve.server.errors import error_response
 
 # Paths that need the API key when one is set; /health, /metrics and /load stay open for probes.
@@ -19,6 +22,24 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/events")
 
 
 API_SERVER_HEADER = "x-pagedserve-api-server"
+# Anthropic's API: its clients send the key as x-api-key and read errors in Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def _presented_key(headers: dict[str, str]) -> str | None:
+    """The key of ``Authorization: Bearer KEY``, else of ``x-api-key`` (Anthropic's clients send that)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key") or None
+
+
+def _refusal(path: str, status: int, message: str, error_type: str, *, code: str,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    """The guard's refusal in the shape of the API the path belongs to."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error_body(status, message), status, headers=headers)
+    return error_response(status, message, error_type, code=code, headers=headers)
 
 
 class ResponseHeaderMiddleware:
@@ -58,13 +79,12 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path: str = scope.get("path", "")
         if self.api_key is not None and path.startswith(PROTECTED_PREFIXES):
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                what = "missing" if not auth else "invalid"
-                await error_response(401, f"API key {what}: send 'Authorization: Bearer <key>' with this server's "
-                                          "--api-key.", "authentication_error", code="invalid_api_key",
-                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            presented = _presented_key(headers)
+            if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
+                what = "invalid" if headers.get("authorization") or headers.get("x-api-key") else "missing"
+                await _refusal(path, 401, f"API key {what}: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                                          "<key>') with this server's --api-key.", "authentication_error",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -92,7 +112,7 @@ class GuardMiddleware:
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
-            await error_response(400, f"The request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at "
+            await _refusal(path, 400, f"The request body is not valid UTF-8 (byte 0x{body[exc.start]:02x} at "
                                       f"offset {exc.start}); encode the JSON as UTF-8.",
                                  "invalid_request_error", code="invalid_encoding")(scope, receive, send)
             return
@@ -108,7 +128,8 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response: Any = error_response(
-            413, f"The request body is larger than this server's limit of {self.max_body_bytes} bytes "
-                 "(--max-body-bytes); send a shorter prompt.", "invalid_request_error", code="body_too_large")
+        response: Any = _refusal(
+            scope.get("path", ""), 413, f"The request body is larger than this server's limit of "
+            f"{self.max_body_bytes} bytes (--max-body-bytes); send a shorter prompt.", "invalid_request_error",
+            code="body_too_large")
         await response(scope, receive, send)

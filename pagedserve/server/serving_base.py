@@ -24,9 +24,10 @@ from pagedserve.server import protocol as p
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.fanout import RequestGroup
-from pagedserve.server.structured import requested_spec, tool_call_spec
+from pagedserve.server.structured import compact_json_spec, requested_spec, tool_call_spec
 from pagedserve.server.tokenization import TokenizerWorker, encode
-from pagedserve.server.tool_parsers import PARSERS, ParsedCall, StreamingToolCalls, ToolParser
+from pagedserve.server.tool_parsers import PARSERS, ParsedCall, ToolParser
+from pagedserve.server.tool_stream import completed_calls
 from pagedserve.streaming import ClosingStreamingResponse
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class _Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     echo_sent: bool = False
-    tools: StreamingToolCalls | None = None  # streamed with tool parsing
+    tools: Any = None  # streamed with tool parsing: StreamingToolCalls, or tool_stream.ForcedCallStream
 
 
 @dataclass
@@ -95,7 +96,9 @@ class ToolMode:
             try:  # the grammar made it JSON, unless max_tokens cut it short
                 value = json.loads(text)
             except ValueError:
-                return text, []
+                # A call array cut short still holds the calls it completed (tool_stream.py).
+                done = completed_calls(text) if self.kind == "required" else []
+                return (None, done) if done else (text, [])
             if self.kind == "named":
                 return None, [ParsedCall(self.function or "", json.dumps(value, ensure_ascii=False))]
             return None, [ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
@@ -119,7 +122,7 @@ class ServingBase:
         self.max_model_len: int = engine.facts.max_model_len
         self.tokenizer_size = len(self.tokenizer)  # what /detokenize can decode
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        self.tool_parser = PARSERS[config.tool_call_parser]()
+        self.tool_parser = PARSERS[config.tool_call_parser or "hermes"]()
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -254,6 +257,8 @@ class ServingBase:
                 raise errors.InvalidRequest(f"{param} cannot be combined with tool_choice {tool_mode.kind!r}, "
                                             "which constrains the output to a tool call.", param=param)
             spec, param = tool_call_spec(req.tools, req.tool_choice, req.parallel_tool_calls), "tools"
+            # The call's own JSON: checked as the schema, generated without free whitespace.
+            return await self.tokenizers.run(_compact_call_spec, spec, param)
         if spec is not None:
             await self.tokenizers.run(_check_spec, spec, param)
         return spec
@@ -344,6 +349,12 @@ def _check_spec(tokenizer: Any, spec: StructuredOutputsParams, param: str) -> No
     spec.check_grammar(param)
 
 
+def _compact_call_spec(tokenizer: Any, spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    """On the tokenizer worker's thread: a forced tool call's schema, checked, as its compact grammar."""
+    spec.check_grammar(param)
+    return compact_json_spec(spec)
+
+
 def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
                  template_kwargs: dict[str, Any]) -> list[int]:
     """Render and tokenize a conversation (on the tokenizer worker's thread)."""
@@ -364,19 +375,6 @@ def _echo_texts(tokenizer, prompt: Any, prompts: list[list[int]], skip_special_t
     sent = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     return [s if isinstance(s, str) else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
             for s, ids in zip(sent, prompts)]
-
-
-class _ForcedCalls(ToolParser):
-    """``required`` / named outputs as a parser: nothing is content, the calls are read at the end."""
-
-    def __init__(self, mode: ToolMode):
-        self.mode = mode
-
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        return self.mode.calls(text)
-
-    def content_safe_len(self, text: str) -> int:
-        return 0
 
 
 async def _wait_for_disconnect(http: Request) -> None:

@@ -15,12 +15,21 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogp
 from pagedserve.server import protocol as p
 from pagedserve.server.errors import error_body
 from pagedserve.server.prompt_logprobs import vllm_prompt_logprobs
-from pagedserve.server.serving_base import SSEResponse, ServingBase, ToolMode, _Choice, _ForcedCalls, _sse, _tool_call
-from pagedserve.server.tool_parsers import StreamingToolCalls
+from pagedserve.server.serving_base import SSEResponse, ServingBase, ToolMode, _Choice, _sse, _tool_call
+from pagedserve.server.tool_format import auto_tool_parser
+from pagedserve.server.tool_stream import ForcedCallStream
+from pagedserve.server.tool_parsers import PARSERS, StreamingToolCalls
 
 
 class ChatServing(ServingBase):
     """``POST /v1/chat/completions``: messages through the chat template, tools and their calls, → one body or SSE."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        name = auto_tool_parser(template if isinstance(template, str) else None, self.config.tool_call_parser,
+                                self.config.enable_auto_tool_choice)
+        self.auto_parser = PARSERS[name]() if name is not None else None  # None: "auto" is refused
 
     def tool_mode(self, req: p.ChatCompletionRequest) -> ToolMode:
         """Validate ``tools`` / ``tool_choice`` and say how the output is read."""
@@ -39,12 +48,12 @@ class ChatServing(ServingBase):
                 raise errors.InvalidRequest(f"tool_choice names function {choice.function.name!r}, which is not "
                                             f"in tools ({', '.join(names)}).", param="tool_choice")
             return ToolMode("named", function=choice.function.name)
-        if choice == "auto" and not self.config.enable_auto_tool_choice:
+        if choice == "auto" and self.auto_parser is None:
             raise errors.InvalidRequest(
-                'tool_choice "auto" needs the server started with --enable-auto-tool-choice (and '
-                '--tool-call-parser for the model\'s format); use "required" or a named function, which '
-                "work on any model.", param="tool_choice")
-        return ToolMode(choice, parser=self.tool_parser if choice == "auto" else None)
+                'tool_choice "auto" needs a chat template that shows the model\'s tool-call format, or the '
+                "server started with --enable-auto-tool-choice (and --tool-call-parser for the format); use "
+                '"required" or a named function, which work on any model.', param="tool_choice")
+        return ToolMode(choice, parser=self.auto_parser if choice == "auto" else None)
 
     async def chat(self, req: p.ChatCompletionRequest, http: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -98,12 +107,13 @@ class ChatServing(ServingBase):
         return p.ChatLogprobs(content=content)
 
     def _tool_deltas(self, choice: _Choice, c: CompletionOutput, tools: ToolMode) -> tuple[str, list[p.DeltaToolCall]]:
-        """A tool-reading choice's content delta and its completed calls as deltas (each call goes
-        out whole in one delta: name, id and all of its arguments)."""
+        """A tool-reading choice's content delta and its call deltas: a forced call's arguments as
+        they are generated (tool_stream.py); an "auto" call whole once its block closed (its
+        format is known only then)."""
         if choice.tools is None:
-            # required / named: the whole output is the call(s), read at the end.
-            parser = tools.parser or _ForcedCalls(tools)
-            choice.tools = StreamingToolCalls(parser)
+            choice.tools = ForcedCallStream(tools) if tools.parser is None else StreamingToolCalls(tools.parser)
+        if isinstance(choice.tools, ForcedCallStream):
+            return choice.tools.feed(c.text, c.finished and c.finish_reason != "abort")
         content, calls = choice.tools.feed(c.text, c.finished and c.finish_reason != "abort")
         first = len(choice.tools.calls) - len(calls)
         deltas = []

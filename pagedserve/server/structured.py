@@ -4,6 +4,11 @@ OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its older ``guid
 say the same thing; a request may use one of them (two constraints cannot both hold). A tool
 choice of ``required`` or a named function is a constraint too: a JSON schema of the call
 (:func:`tool_call_spec`), so even a random-weight model returns a call that parses.
+
+The JSON the server asks for itself (a forced call) is generated compactly: no whitespace between
+tokens (:func:`compact_json_spec`), so the whole output budget goes to the call and a random model
+closes it within a few dozen tokens. A client's ``response_format`` keeps the engine's bounded
+whitespace (at most 16 characters in one place), which a model trained to pretty-print may use.
 """
 
 from __future__ import annotations
@@ -66,6 +71,26 @@ def requested_spec(req: p.SamplingFields) -> tuple[StructuredOutputsParams | Non
         raise errors.InvalidRequest(f"Only one output constraint per request: got {', '.join(n for n, _ in found)}.",
                                     param=found[1][0])
     return (found[0][1], found[0][0]) if found else (None, None)
+
+
+# xgrammar (0.2.9) lets a string with maxLength / minLength hold raw control characters, which JSON
+# forbids; the engine closes the class for the schemas it compiles, and so does the grammar here.
+_LOOSE_JSON_CHAR = r'[^\"\\\r\n]'
+_STRICT_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def compact_json_spec(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """``spec``'s JSON schema as an EBNF grammar without free whitespace (xgrammar's own conversion,
+    on the tokenizer worker's thread: it loads xgrammar, as the schema check does); the schema
+    itself when that grammar would be over the size bound."""
+    import xgrammar as xgr
+
+    assert spec.json is not None
+    text = str(xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, separators=(",", ":")))
+    text = text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return spec
+    return StructuredOutputsParams(grammar=text)
 
 
 def _arguments_schema(tool: p.Tool) -> dict[str, Any]:

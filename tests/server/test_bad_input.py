@@ -28,6 +28,7 @@ def js(obj: object) -> bytes:
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESP = "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
 CASES = [
     Case("malformed json", CMPL, b'{"prompt": "hi",', 400, code="invalid_json"),
@@ -213,6 +214,70 @@ CASES = [
          "chat_template_kwargs.k"),
     Case("too much metadata", CMPL, js({"prompt": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}), 400,
          "metadata"),
+    # The Responses API (docs/RESPONSES.md): OpenAI's error body too.
+    Case("responses: unknown field", RESP, js({"input": "hi", "reasoning": {"effort": "low"}}), 400, "reasoning",
+         "unknown_field"),
+    Case("responses: missing input", RESP, js({"max_output_tokens": 2}), 400, "input"),
+    Case("responses: empty input", RESP, js({"input": []}), 400, "input"),
+    Case("responses: max_output_tokens zero", RESP, js({"input": "hi", "max_output_tokens": 0}), 400,
+         "max_output_tokens"),
+    Case("responses: max_output_tokens past context", RESP, js({"input": "hi", "max_output_tokens": 100_000}), 400,
+         "max_tokens", "context_length_exceeded"),
+    Case("responses: temperature above 2", RESP, js({"input": "hi", "temperature": 2.5}), 400, "temperature"),
+    Case("responses: image part", RESP, js({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+         400, "input[0].message.content[0].type"),
+    Case("responses: unknown item type", RESP, js({"input": [{"type": "reasoning", "summary": []}]}), 400, "input[0]"),
+    Case("responses: extra field on an item", RESP,
+         js({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]}), 400,
+         "input[0].function_call_output.extra"),
+    Case("responses: json_schema without schema", RESP,
+         js({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}), 400, "text.format.schema"),
+    Case("responses: truncation auto", RESP, js({"input": "hi", "truncation": "auto"}), 400, "truncation"),
+    Case("responses: too many tools", RESP, js({"input": "hi", "tools": [
+        {"type": "function", "name": f"f{i}"} for i in range(129)]}), 400, "tools"),
+    Case("responses: built-in tool", RESP, js({"input": "hi", "tools": [{"type": "web_search"}]}), 400,
+         "tools[0].type"),
+    Case("responses: tool_choice without tools", RESP, js({"input": "hi", "tool_choice": "required"}), 400,
+         "tool_choice"),
+    Case("responses: bad previous_response_id", RESP, js({"input": "hi", "previous_response_id": "a b"}), 400,
+         "previous_response_id"),
+    Case("responses: unknown previous_response_id", RESP, js({"input": "hi", "previous_response_id": "resp_x"}),
+         404, "response_id", "response_not_found", "not_found_error"),
+    Case("responses: too much metadata", RESP, js({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}),
+         400, "metadata"),
+    Case("responses: unknown model", RESP, js({"input": "hi", "model": "gpt-9"}), 404, "model", "model_not_found"),
+]
+
+# The Messages API (docs/ANTHROPIC.md): Anthropic's error body, the field named in the message.
+MSG = "/v1/messages"
+ANTHROPIC_CASES = [
+    ("malformed json", b'{"max_tokens": 4,', 400, "JSON"),
+    ("missing max_tokens", js({"model": "m", "messages": USER}), 400, "max_tokens"),
+    ("missing model", js({"max_tokens": 4, "messages": USER}), 400, "model"),
+    ("max_tokens zero", js({"model": "m", "max_tokens": 0, "messages": USER}), 400, "max_tokens"),
+    ("temperature above 1", js({"model": "m", "max_tokens": 4, "messages": USER, "temperature": 1.5}), 400,
+     "temperature"),
+    ("top_k negative", js({"model": "m", "max_tokens": 4, "messages": USER, "top_k": -1}), 400, "top_k"),
+    ("too many stop sequences", js({"model": "m", "max_tokens": 4, "messages": USER, "stop_sequences": ["a"] * 17}),
+     400, "stop_sequences"),
+    ("thinking", js({"model": "m", "max_tokens": 4, "messages": USER, "thinking": {"type": "enabled"}}), 400,
+     "thinking"),
+    ("image block", js({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}), 400, "messages[0].content[0]"),
+    ("system role in messages", js({"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}),
+     400, "messages[0].role"),
+    ("tool_use from the user", js({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}), 400, "messages[0].content[0]"),
+    ("tool_choice tool without name", js({"model": "m", "max_tokens": 4, "messages": USER, "tools": [
+        {"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool"}}), 400, "tool_choice.name"),
+    ("tool_choice without tools", js({"model": "m", "max_tokens": 4, "messages": USER,
+                                      "tool_choice": {"type": "any"}}), 400, "tool_choice"),
+    ("empty messages", js({"model": "m", "max_tokens": 4, "messages": []}), 400, "messages"),
+    ("control character", js({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "a\u0001"}]}),
+     400, "content"),
+    ("metadata unknown key", js({"model": "m", "max_tokens": 4, "messages": USER, "metadata": {"x": 1}}), 400,
+     "metadata"),
+    ("max_tokens past context", js({"model": "m", "max_tokens": 100_000, "messages": USER}), 400, "max_tokens"),
 ]
 
 
@@ -234,6 +299,21 @@ def test_bad_request_gets_openai_error(server_url: str, case: Case) -> None:
         ok = http.post(CMPL, json={"prompt": "still alive?", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("name, body, status, field", ANTHROPIC_CASES, ids=[c[0] for c in ANTHROPIC_CASES])
+def test_bad_messages_request_gets_anthropic_error(server_url: str, model_name: str, name: str, body: bytes,
+                                                   status: int, field: str) -> None:
+    body = body.replace(b'"model": "m"', json.dumps({"model": model_name})[1:-1].encode())
+    with httpx.Client(base_url=server_url, timeout=30) as http:
+        r = http.post(MSG, content=body,
+                      headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+        assert r.status_code == status, r.text
+        err = r.json()
+        assert set(err) == {"type", "error"} and err["type"] == "error", err
+        assert err["error"]["type"] == "invalid_request_error" and field in err["error"]["message"], err
+        ok = http.post(MSG, json={"model": model_name, "max_tokens": 2, "messages": USER})
+        assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] >= 1, ok.text
 
 
 def test_unknown_path_and_method_use_the_error_body(server_url: str) -> None:

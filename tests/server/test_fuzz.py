@@ -19,7 +19,8 @@ def test_no_5xx_for_generated_requests(server_url: str) -> None:
     schema = schemathesis.openapi.from_url(f"{server_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                                              "/version", "/load"}
+                                              "/version", "/load", "/v1/messages", "/v1/messages/count_tokens",
+                                              "/v1/responses", "/v1/responses/{response_id}"}
     budget = FUZZ_SECONDS / (2 * len(operations))  # every operation and mode gets its share
     failures: list[str] = []
     calls = 0
@@ -45,7 +46,12 @@ def test_no_5xx_for_generated_requests(server_url: str) -> None:
                     if "max_tokens" in case.body and isinstance(case.body["max_tokens"], int):
                         case.body["max_tokens"] = min(case.body["max_tokens"], 8) if case.body["max_tokens"] > 0 \
                             else case.body["max_tokens"]
-                    case.body.setdefault("max_tokens", 8)
+                    if isinstance(case.body.get("max_output_tokens"), int) and case.body["max_output_tokens"] > 8:
+                        case.body["max_output_tokens"] = 8  # the Responses API's cap
+                    if op.path == "/v1/responses":
+                        case.body.setdefault("max_output_tokens", 8)
+                    else:
+                        case.body.setdefault("max_tokens", 8)
                     case.body.pop("max_completion_tokens", None)
                 response = case.call(base_url=server_url, timeout=30)
                 calls += 1
