@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.config import GGUF_ACTIVATIONS  # no torch: the worker pins its threads before torch loads
+
 ROWS = ("decode", "prefill", "batch")
 # The /proc/cpuinfo flags that decide which kernels either engine can use, in the order printed.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
@@ -110,6 +112,9 @@ def add_parser(bench) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file both engines load (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="pagedserve's --dtype (default auto)")
+    p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
+                   help="pagedserve's --gguf-activations: int16 (its default) or int8 (llama.cpp's own activation "
+                        "precision) (default int16)")
     p.add_argument("--rows", type=_rows, default=list(ROWS), help="comma-separated: decode,prefill,batch (default all)")
     p.add_argument("--rounds", type=_positive_int, default=3, metavar="N",
                    help="rounds per engine and row; medians reported (default 3)")
@@ -182,10 +187,11 @@ def llama_cpp_command(bin_dir: Path, row: str, shape: Shape, model: Path, thread
             "-r", "1", "-o", "json"]
 
 
-def worker_command(row: str, shape: Shape, model: str, dtype: str, threads: int) -> list[str]:
+def worker_command(row: str, shape: Shape, model: str, dtype: str, threads: int,
+                   gguf_activations: str = "int16") -> list[str]:
     return [sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
             "--threads", str(threads), "--prompt", str(shape.prompt), "--output", str(shape.output),
-            "--streams", str(shape.streams)]
+            "--streams", str(shape.streams), "--gguf-activations", gguf_activations]
 
 
 def peer_command(peer: str, shape: Shape, checkpoint: str, threads: int) -> list[str]:
@@ -354,7 +360,7 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
         rows = {}
         for row in args.rows:
             shape = shapes(args.decode_tokens)[row]
-            engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads),
+            engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations),
                        LLAMA_CPP: llama_cpp_command(bin_dir, row, shape, file, threads, jsonl)}
             if row == "decode" and file == files[0]:  # the optional peers run the checkpoint, not a GGUF file
                 engines |= {p: peer_command(p, shape, args.hf_checkpoint, threads) for p in peers}
@@ -407,7 +413,8 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         prepared.append(shlex.join(cmd))
     jsonl = "batch" in args.rows and batched_bench_supports_jsonl(bin_dir)
     plan = build_plan(files, args, bin_dir, threads, jsonl, peers)
-    report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "quantize_commands": prepared,
+    report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype,
+              "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
     start = time.perf_counter()
     for file, rows in plan.items():
@@ -487,6 +494,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--prompt", type=_positive_int, required=True)
     p.add_argument("--output", type=_positive_int, required=True)
     p.add_argument("--streams", type=_positive_int, default=1)
+    p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS))
     args = p.parse_args(argv)
     from pagedserve.engine.process_placement import bind_step_threads
 
@@ -499,7 +507,7 @@ def worker(argv: list[str]) -> int:
     t0 = time.perf_counter()
     # No prefix caching: every prompt is cold, as llama-bench's are.
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                 enable_prefix_caching=False))
+                                 enable_prefix_caching=False, gguf_activations=args.gguf_activations))
     load_s = time.perf_counter() - t0
     rate = worker_rate(engine, args.worker, Shape(args.prompt, args.output, args.streams))
     print(json.dumps({"row": args.worker, "tok_s": rate, "dtype": str(engine.core.dtype).removeprefix("torch."),

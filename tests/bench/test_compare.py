@@ -262,6 +262,7 @@ def test_a_whole_run_with_a_stand_in_llama_cpp(tiny_model_dir, tmp_path, capsys,
     assert report["threads"] == 1 and report["cpu"]["model"]
     cmd = report["files"][0]["commands"]["decode"]["pagedserve"]
     assert "-m pagedserve.bench.compare --worker decode" in cmd and "--threads 1" in cmd and "--output 4" in cmd
+    assert "--gguf-activations int16" in cmd and report["gguf_activations"] == "int16"
     assert "pagedserve/llama.cpp" in printed and f"CPU: {report['cpu']['model']}" in printed
 
 
@@ -296,6 +297,9 @@ def test_optional_peers_run_only_with_their_venv_and_a_checkpoint(tmp_path, monk
     files = [Path("/m.gguf"), Path("/m.Q8_0.gguf")]
     plan = compare.build_plan(files, args, Path("/b"), 2, False, ["vllm", "openvino"])
     assert list(plan["/m.gguf"]["decode"]) == ["pagedserve", "llama.cpp", "vllm", "openvino"]
+    assert plan["/m.gguf"]["decode"]["pagedserve"][-2:] == ["--gguf-activations", "int16"]
+    int8 = compare.build_plan(files, parse("--rows", "decode", "--gguf-activations", "int8"), Path("/b"), 2, False, [])
+    assert int8["/m.gguf"]["decode"]["pagedserve"][-2:] == ["--gguf-activations", "int8"]
     assert list(plan["/m.gguf"]["prefill"]) == list(plan["/m.Q8_0.gguf"]["decode"]) == ["pagedserve", "llama.cpp"]
     vllm = plan["/m.gguf"]["decode"]["vllm"]
     assert vllm[0] == str(python) and vllm[1].endswith("peer_drivers/vllm_decode.py")
