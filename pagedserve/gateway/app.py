@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,23 @@ def make_limiter(config: GatewayConfig, metrics: GatewayMetrics) -> Limiter:
 
 def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI:
     """The gateway app for ``config``; ``limiter`` overrides the one the config implies."""
+    app = FastAPI(title="pagedserve gateway", lifespan=_lifespan(config, limiter), docs_url=None, redoc_url=None)
+    install_offline_docs(app, "pagedserve gateway")
+    mount_dashboard(app, "gateway.html")
+    _install_dashboard_feed(app)
+    # Registered in this order, which is also the order /docs lists them in.
+    _install_generation_routes(app)
+    install_anthropic_routes(app, handle, passthrough)
+    install_responses_routes(app, handle, config)
+    _install_passthrough_routes(app)
+    _install_status_routes(app)
+    return app
+
+
+def _lifespan(config: GatewayConfig,
+              limiter: Limiter | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: build the :class:`Gateway` (``app.state.gateway``) and poll the replicas'
+    load from before the first request; on shutdown stop polling and close the clients and stores."""
     metrics = GatewayMetrics()
     pools = build_pools(config.pools.values())
     dispatcher = Dispatcher(pools, default_service_s=config.default_service_s,
@@ -127,9 +144,11 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
             await lim.close()
             await app.state.responses.store.close()
 
-    app = FastAPI(title="pagedserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_offline_docs(app, "pagedserve gateway")
-    mount_dashboard(app, "gateway.html")
+    return lifespan
+
+
+def _install_dashboard_feed(app: FastAPI) -> None:
+    """``GET /dashboard/events``, the dashboard's live feed; its :class:`GatewayFeed` is ``app.state.dashboard``."""
     feed = app.state.dashboard = GatewayFeed()
 
     @app.get("/dashboard/events", include_in_schema=False)
@@ -142,6 +161,10 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
         return ClosingStreamingResponse(events, events.aclose, media_type="text/event-stream",
                                         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+
+def _install_generation_routes(app: FastAPI) -> None:
+    """OpenAI's completions and chat completions, admitted and forwarded by :func:`handle`."""
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request.app.state.gateway, request, "/v1/completions")
@@ -150,8 +173,9 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
     async def chat_completions(request: Request) -> Response:
         return await handle(request.app.state.gateway, request, "/v1/chat/completions")
 
-    install_anthropic_routes(app, handle, passthrough)
-    install_responses_routes(app, handle, config)
+
+def _install_passthrough_routes(app: FastAPI) -> None:
+    """The endpoints that generate nothing, passed to a replica by :func:`passthrough`."""
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -168,6 +192,10 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
     @app.get("/version")
     async def version(request: Request) -> Response:
         return await passthrough(request.app.state.gateway, request, "/version")
+
+
+def _install_status_routes(app: FastAPI) -> None:
+    """The gateway's own ``/health`` and ``/metrics``."""
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -190,8 +218,6 @@ def create_app(config: GatewayConfig, limiter: Limiter | None = None) -> FastAPI
                 if name in tier.pools:
                     m.queued.labels(tier.name, name).set(queued.get(tier.name, 0))
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def passthrough(gw: Gateway, request: Request, path: str) -> Response:
@@ -282,10 +308,59 @@ def _log_decision(outcome: str, reason: str, tier: str, key: str, **fields: Any)
     decisions.info("%s reason=%s tier=%s key=%s %s", outcome, reason, tier, key, extra)
 
 
+@dataclass
+class _Ask:
+    """A request that passed the first admission checks: its key, the key's tier, the body to
+    forward (output cap, priority and cache salt written in) and its shape."""
+
+    entry: KeyEntry
+    tier: TierConfig
+    body: dict[str, Any]
+    shape: Shape
+
+
+@dataclass
+class _Ticket:
+    """The tokens reserved for an :class:`_Ask` routed to a pool: the limiter's decision, the prompt's
+    counted tokens (and how they were counted), the cost reserved, and the headers to answer with."""
+
+    route: Route
+    decision: Decision
+    prompt_tokens: int
+    counted: str
+    cost: int
+    headers: dict[str, str]
+
+
 async def handle(gw: Gateway, request: Request, path: str, translated: dict[str, Any] | None = None) -> Response:
-    """Serve one completions or chat completions request (see the module docstring); ``translated``:
-    the chat body another API's request became (pagedserve.apis), instead of the request's own."""
+    """Serve one completions or chat completions request (see the module docstring): admission
+    (read the ask, route it to a pool, reserve its tokens, take a seat), each refusal costing no
+    engine work; then relay and reconcile (:func:`forward`). ``translated``: the chat body another
+    API's request became (pagedserve.apis), instead of the request's own."""
     t0 = time.monotonic()
+    ask = await _read_ask(gw, request, path, translated)
+    if isinstance(ask, Response):
+        return ask
+    route = _route(gw, ask.tier, ask.shape.seats)
+    if not isinstance(route, Route):
+        return await _refuse_unroutable(gw, ask, *route)
+    # The whole wait before dispatch, the /tokenize call included, fits the time the tier's budget
+    # leaves for queueing (see allowance_s). A count cut short by it uses the byte bound; the seat
+    # wait then has no time left: a free seat is taken at once, else 429 with a full refund.
+    deadline = t0 + route.allowance_s
+    ticket = await _reserve_tokens(gw, ask, route, deadline)
+    if isinstance(ticket, Response):
+        return ticket
+    refused = await _take_seat(gw, request, ask, ticket, deadline, t0)
+    if refused is not None:
+        return refused
+    return await forward(gw, ask.tier, route, path, ask.body, ticket.decision, ticket.prompt_tokens,
+                         ticket.headers, t0)
+
+
+async def _read_ask(gw: Gateway, request: Request, path: str,
+                    translated: dict[str, Any] | None) -> _Ask | Response:
+    """The key's tier and the prepared body, or the 401 / 400 that refuses the request."""
     entry = gw.keys.lookup(presented_key(request.headers))
     if entry is None:
         _log_decision("reject", "unauthorized", "-", "-")
@@ -300,39 +375,41 @@ async def handle(gw: Gateway, request: Request, path: str, translated: dict[str,
     prepared = _prepare(body, tier, entry, path)
     if isinstance(prepared, str):
         return error_response(400, f"Invalid request: {prepared}.", code="invalid_value")
-    shape = prepared
+    return _Ask(entry, tier, body, prepared)
 
-    route = _route(gw, tier, shape.seats)
-    if not isinstance(route, Route):
-        reason, wait = route
-        first = tier.pools[0]
-        gw.metrics.shed.labels(tier.name, first, reason).inc()
-        if reason == "too_many_seats":
-            _log_decision("reject", reason, tier.name, entry.name, seats=shape.seats, largest=int(wait))
-            return error_response(
-                400, f"This request runs {shape.seats} sequences at once ({shape.prompts} prompt(s) x "
-                f"max(n, best_of) = {shape.per_prompt}), but the replicas of tier '{tier.name}' have at most "
-                f"{int(wait)} seats for one request; it can never pass. Send fewer prompts per request or "
-                f"lower n / best_of.", code="sequences_exceed_seats", param=shape.seats_param)
-        if reason == "no_replica":
-            _log_decision("shed", reason, tier.name, entry.name, pools=",".join(tier.pools))
-            return error_response(503, "No replica of this tier's pools is up; retry shortly.",
-                                  code="no_replica_available", headers=retry_headers(wait))
-        _log_decision("shed", reason, tier.name, entry.name, pools=",".join(tier.pools), over_budget_s=wait)
-        headers = ratelimit_headers(await bucket_views(gw.limiter, tier, entry))
+
+async def _refuse_unroutable(gw: Gateway, ask: _Ask, reason: str, wait: float) -> Response:
+    """The answer when :func:`_route` found no pool: 400 (more seats than any replica has for the
+    tier; ``wait`` is then that largest), 503 (no replica up) or 429 (every pool over budget)."""
+    tier, entry, shape = ask.tier, ask.entry, ask.shape
+    gw.metrics.shed.labels(tier.name, tier.pools[0], reason).inc()
+    if reason == "too_many_seats":
+        _log_decision("reject", reason, tier.name, entry.name, seats=shape.seats, largest=int(wait))
         return error_response(
-            429, f"The service is overloaded for tier '{tier.name}': the estimated queue wait exceeds its "
-            f"{tier.max_queue_wait_s:g}s budget in every pool it may use. Please try again in {wait:.2f}s.",
-            code="overloaded", headers=headers | retry_headers(wait))
+            400, f"This request runs {shape.seats} sequences at once ({shape.prompts} prompt(s) x "
+            f"max(n, best_of) = {shape.per_prompt}), but the replicas of tier '{tier.name}' have at most "
+            f"{int(wait)} seats for one request; it can never pass. Send fewer prompts per request or "
+            f"lower n / best_of.", code="sequences_exceed_seats", param=shape.seats_param)
+    if reason == "no_replica":
+        _log_decision("shed", reason, tier.name, entry.name, pools=",".join(tier.pools))
+        return error_response(503, "No replica of this tier's pools is up; retry shortly.",
+                              code="no_replica_available", headers=retry_headers(wait))
+    _log_decision("shed", reason, tier.name, entry.name, pools=",".join(tier.pools), over_budget_s=wait)
+    headers = ratelimit_headers(await bucket_views(gw.limiter, tier, entry))
+    return error_response(
+        429, f"The service is overloaded for tier '{tier.name}': the estimated queue wait exceeds its "
+        f"{tier.max_queue_wait_s:g}s budget in every pool it may use. Please try again in {wait:.2f}s.",
+        code="overloaded", headers=headers | retry_headers(wait))
 
-    # The whole wait before dispatch, the /tokenize call included, fits the time the tier's budget
-    # leaves for queueing (see allowance_s). A count cut short by it uses the byte bound; the seat
-    # wait below then has no time left: a free seat is taken at once, else 429 with a full refund.
-    deadline = t0 + route.allowance_s
+
+async def _reserve_tokens(gw: Gateway, ask: _Ask, route: Route, deadline: float) -> _Ticket | Response:
+    """Count the prompt's tokens (on the replica that would seat it) and reserve them plus the output
+    cap in the tier's buckets; or the 503 / 400 / 429 the limiter's decision refuses the request with."""
+    tier, entry = ask.tier, ask.entry
     asked = gw.dispatcher.peek(route.pool, tier.priority)
     assert asked is not None  # _route found a healthy replica in this pool, and nothing awaited since
-    prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, body, gw.config.token_count, deadline)
-    cost = prompt_tokens + shape.output_tokens
+    prompt_tokens, counted = await count_prompt_tokens(gw.client, asked, ask.body, gw.config.token_count, deadline)
+    cost = prompt_tokens + ask.shape.output_tokens
     decision = await gw.admission.admit(tier, entry, cost)
     headers = ratelimit_headers(decision)
     if not decision.admitted:
@@ -356,15 +433,22 @@ async def handle(gw: Gateway, request: Request, path: str, translated: dict[str,
     gw.metrics.queue_wait_estimate.labels(tier.name, route.pool.name).observe(route.est_wait_s)
     headers["x-pagedserve-pool"] = route.pool.name
     headers["x-pagedserve-est-queue-wait-ms"] = str(round(route.est_wait_s * 1000))
+    return _Ticket(route, decision, prompt_tokens, counted, cost, headers)
 
-    # Wait for a seat, until the time the tier's budget leaves for the queue (see allowance_s).
+
+async def _take_seat(gw: Gateway, request: Request, ask: _Ask, ticket: _Ticket, deadline: float,
+                     t0: float) -> Response | None:
+    """Wait for a seat in the ticket's pool until ``deadline`` (the time the tier's budget leaves for
+    the queue, see allowance_s) and put it on the route; None once seated, else the 499 (the client
+    left) or 429 (no seat in time) to answer, the reservation refunded."""
+    tier, entry, shape, route, headers = ask.tier, ask.entry, ask.shape, ticket.route, ticket.headers
     pool = route.pool
-    got = await gw.dispatcher.acquire(pool, tier.priority, shape.seats, tier.name, prefix_key(body, body["cache_salt"]),
-                                      deadline, request.is_disconnected)
+    got = await gw.dispatcher.acquire(pool, tier.priority, shape.seats, tier.name,
+                                      prefix_key(ask.body, ask.body["cache_salt"]), deadline, request.is_disconnected)
     if not isinstance(got, Seat):
         waited = time.monotonic() - t0
         # Nothing was sent: give back the tokens and the request slot (exactly once).
-        await _Settle(gw, tier, route, decision, prompt_tokens, t0)("shed", 0.0, no_work=True)
+        await _Settle(gw, tier, route, ticket.decision, ticket.prompt_tokens, t0)("shed", 0.0, no_work=True)
         headers["x-pagedserve-queue-wait-ms"] = str(round(waited * 1000))
         if got == "gone":
             _log_decision("drop", "client_gone_while_queued", tier.name, entry.name, pool=pool.name, waited_s=waited)
@@ -383,10 +467,10 @@ async def handle(gw: Gateway, request: Request, path: str, translated: dict[str,
     gw.metrics.admitted.labels(tier.name, pool.name).inc()
     gw.metrics.queue_wait.labels(tier.name, pool.name).observe(got.queued_s)
     headers["x-pagedserve-queue-wait-ms"] = str(round(got.queued_s * 1000))
-    _log_decision("admit", decision.reason, tier.name, entry.name, pool=pool.name, replica=got.replica.url,
-                  cost=cost, seats=shape.seats, prompt_tokens=f"{prompt_tokens}({counted})", est_wait_s=route.est_wait_s,
-                  queued_s=got.queued_s)
-    return await forward(gw, tier, route, path, body, decision, prompt_tokens, headers, t0)
+    _log_decision("admit", ticket.decision.reason, tier.name, entry.name, pool=pool.name, replica=got.replica.url,
+                  cost=ticket.cost, seats=shape.seats, prompt_tokens=f"{ticket.prompt_tokens}({ticket.counted})",
+                  est_wait_s=route.est_wait_s, queued_s=got.queued_s)
+    return None
 
 
 class _Settle:

@@ -23,6 +23,7 @@ import hashlib
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,11 @@ def load_config(path: str | Path) -> GatewayConfig:
     return parse_config(text, path=path)
 
 
+# How the section parsers report a fault: ``fail(message, table, key)`` is the ConfigError to raise,
+# naming the line of ``key`` in ``[table]`` (or of the table).
+_Fail = Callable[..., ConfigError]
+
+
 def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     """Validate TOML ``text`` (see :func:`load_config`)."""
     try:
@@ -259,6 +265,26 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     def fail(msg: str, table: tuple[str, ...], key: str | None = None) -> ConfigError:
         return ConfigError(msg, path=path, line=_line_of(text, table, key))
 
+    # Checked in this order, so that a file with several faults is always told the same first one.
+    _check_sections(doc, fail)
+    gw_raw = doc.get("gateway", {})
+    gw_fields = {f.name for f in fields(GatewayConfig)} - {"pools", "tiers", "keys"}
+    for k in gw_raw:
+        if k not in gw_fields:
+            raise fail(f"unknown setting gateway.{k}", ("gateway",), k)
+    pools = _parse_pools(doc.get("pools", {}), fail)
+    tiers = _parse_tiers(doc.get("tiers", {}), pools, fail)
+    keys = _parse_keys(doc.get("keys", {}), tiers, fail)
+    try:
+        cfg = GatewayConfig(pools=pools, tiers=tiers, keys=keys, **gw_raw)
+    except TypeError as e:
+        raise fail(str(e), ("gateway",)) from e
+    _check_gateway(cfg, fail)
+    return cfg
+
+
+def _check_sections(doc: dict[str, Any], fail: _Fail) -> None:
+    """Only the known top-level sections, each a table."""
     known_top = {"gateway", "pools", "tiers", "keys"}
     for k in doc:
         if k not in known_top:
@@ -266,39 +292,10 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         if not isinstance(doc[k], dict):
             raise fail(f"{k} must be a table ([{k}] ...)", (), k)
 
-    gw_raw = doc.get("gateway", {})
-    gw_fields = {f.name for f in fields(GatewayConfig)} - {"pools", "tiers", "keys"}
-    for k in gw_raw:
-        if k not in gw_fields:
-            raise fail(f"unknown setting gateway.{k}", ("gateway",), k)
 
-    pools: dict[str, PoolConfig] = {}
-    for name, raw in doc.get("pools", {}).items():
-        if not isinstance(raw, dict):
-            raise fail(f"pools.{name} must be a table", ("pools",), name)
-        replicas = raw.get("replicas")
-        for k in raw:
-            if k not in ("replicas", "api_key", "load_source", "seats", "reserved_seats"):
-                raise fail(f"unknown setting pools.{name}.{k}", ("pools", name), k)
-        if not isinstance(raw.get("api_key", ""), str):
-            raise fail(f"pools.{name}.api_key must be a string", ("pools", name), "api_key")
-        if (not isinstance(replicas, list) or not replicas
-                or not all(isinstance(u, str) and re.match(r"^https?://", u) for u in replicas)):
-            raise fail(f"pools.{name}.replicas must be a non-empty list of http(s):// URLs",
-                       ("pools", name), "replicas")
-        if raw.get("load_source", "auto") not in LOAD_SOURCES:
-            raise fail(f"pools.{name}.load_source must be one of {LOAD_SOURCES}, got {raw['load_source']!r}",
-                       ("pools", name), "load_source")
-        seats = raw.get("seats")
-        reserved = raw.get("reserved_seats", 0)
-        for k, v in (("seats", seats), ("reserved_seats", reserved)):
-            if v is not None and not POOL_BOUNDS[k].holds(v):
-                raise fail(POOL_BOUNDS[k].message(f"pools.{name}.{k}", v), ("pools", name), k)
-        if seats is not None and reserved >= seats:
-            raise fail(f"pools.{name}.reserved_seats must be an integer >= 0 and below seats ({seats}), "
-                       f"got {reserved}", ("pools", name), "reserved_seats")
-        pools[name] = PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None,
-                                 raw.get("load_source", "auto"), seats, reserved)
+def _parse_pools(section: dict[str, Any], fail: _Fail) -> dict[str, PoolConfig]:
+    """``[pools.NAME]`` tables: at least one, and a replica URL in two pools with one shape."""
+    pools = {name: _parse_pool(name, raw, fail) for name, raw in section.items()}
     if not pools:
         raise fail("no [pools.NAME] defined: the gateway needs at least one pool", ("pools",))
     seen_url: dict[str, PoolConfig] = {}
@@ -308,10 +305,43 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
             if (other.load_source, other.seats, other.api_key) != (pool.load_source, pool.seats, pool.api_key):
                 raise fail(f"replica {u} is in pools {other.name} and {pool.name} with different "
                            "load_source, seats or api_key", ("pools", pool.name), "replicas")
+    return pools
 
+
+def _parse_pool(name: str, raw: Any, fail: _Fail) -> PoolConfig:
+    """One ``[pools.NAME]`` table."""
+    if not isinstance(raw, dict):
+        raise fail(f"pools.{name} must be a table", ("pools",), name)
+    replicas = raw.get("replicas")
+    for k in raw:
+        if k not in ("replicas", "api_key", "load_source", "seats", "reserved_seats"):
+            raise fail(f"unknown setting pools.{name}.{k}", ("pools", name), k)
+    if not isinstance(raw.get("api_key", ""), str):
+        raise fail(f"pools.{name}.api_key must be a string", ("pools", name), "api_key")
+    if (not isinstance(replicas, list) or not replicas
+            or not all(isinstance(u, str) and re.match(r"^https?://", u) for u in replicas)):
+        raise fail(f"pools.{name}.replicas must be a non-empty list of http(s):// URLs",
+                   ("pools", name), "replicas")
+    if raw.get("load_source", "auto") not in LOAD_SOURCES:
+        raise fail(f"pools.{name}.load_source must be one of {LOAD_SOURCES}, got {raw['load_source']!r}",
+                   ("pools", name), "load_source")
+    seats = raw.get("seats")
+    reserved = raw.get("reserved_seats", 0)
+    for k, v in (("seats", seats), ("reserved_seats", reserved)):
+        if v is not None and not POOL_BOUNDS[k].holds(v):
+            raise fail(POOL_BOUNDS[k].message(f"pools.{name}.{k}", v), ("pools", name), k)
+    if seats is not None and reserved >= seats:
+        raise fail(f"pools.{name}.reserved_seats must be an integer >= 0 and below seats ({seats}), "
+                   f"got {reserved}", ("pools", name), "reserved_seats")
+    return PoolConfig(name, [u.rstrip("/") for u in replicas], raw.get("api_key") or None,
+                      raw.get("load_source", "auto"), seats, reserved)
+
+
+def _parse_tiers(section: dict[str, Any], pools: dict[str, PoolConfig], fail: _Fail) -> dict[str, TierConfig]:
+    """``[tiers.NAME]`` tables, at least one, each naming known pools."""
     tier_fields = {f.name: f for f in fields(TierConfig)}
     tiers: dict[str, TierConfig] = {}
-    for name, raw in doc.get("tiers", {}).items():
+    for name, raw in section.items():
         table = ("tiers", name)
         if not isinstance(raw, dict):
             raise fail(f"tiers.{name} must be a table", ("tiers",), name)
@@ -329,9 +359,14 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         tiers[name] = tier
     if not tiers:
         raise fail("no [tiers.NAME] defined", ("tiers",))
+    return tiers
+
+
+def _parse_keys(section: dict[str, Any], tiers: dict[str, TierConfig], fail: _Fail) -> list[KeyEntry]:
+    """``[keys]``: each key (or its ``sha256:`` digest) maps to a known tier, no key twice."""
     keys: list[KeyEntry] = []
     seen: set[bytes] = set()
-    for i, (key, raw) in enumerate(doc.get("keys", {}).items()):
+    for i, (key, raw) in enumerate(section.items()):
         spec = {"tier": raw} if isinstance(raw, str) else raw
         if (not isinstance(spec, dict) or not isinstance(spec.get("tier"), str) or set(spec) - {"tier", "name"}
                 or not isinstance(spec.get("name", ""), str)):
@@ -354,11 +389,11 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
         keys.append(KeyEntry(digest, spec["tier"], str(spec.get("name", f"{spec['tier']}#{i + 1}"))))
     if not keys:
         raise fail("no API keys under [keys]", ("keys",))
+    return keys
 
-    try:
-        cfg = GatewayConfig(pools=pools, tiers=tiers, keys=keys, **gw_raw)
-    except TypeError as e:
-        raise fail(str(e), ("gateway",)) from e
+
+def _check_gateway(cfg: GatewayConfig, fail: _Fail) -> None:
+    """The ``[gateway]`` settings' bounds and kinds."""
     for k, bound in GATEWAY_BOUNDS.items():
         if not bound.holds(getattr(cfg, k)):
             raise fail(bound.message(f"gateway.{k}", getattr(cfg, k)), ("gateway",), k)
@@ -373,7 +408,6 @@ def parse_config(text: str, *, path: str = "<config>") -> GatewayConfig:
     if cfg.token_count not in TOKEN_COUNTS:
         raise fail(f"gateway.token_count must be one of {TOKEN_COUNTS}, got {cfg.token_count!r}",
                    ("gateway",), "token_count")
-    return cfg
 
 
 def _check_tier(t: TierConfig, pools: dict[str, PoolConfig], fail: Any) -> None:

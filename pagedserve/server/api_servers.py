@@ -3,7 +3,7 @@
 ```
  supervisor (the `pagedserve serve` process)
  │  binds the listening socket once, starts the core, then the fronts; watches every child
- ├── engine core process        EngineCore; socket pair i <-> front i   (engine/core_proc.py)
+ ├── engine core process        EngineCore; socket pair i <-> front i   (engine/core/proc.py)
  ├── API server 0               uvicorn on the inherited socket: HTTP, tokenizer, chat template,
  │     MPEngineClient           detokenizer, SSE for the requests it accepted   (CoreLink 0)
  ├── ...

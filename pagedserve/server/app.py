@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -51,6 +51,36 @@ def build_app(client: EngineClient, config: ServerConfig,
     connections (the API-server supervisor holds every front there until all are ready).
     ``preload``: where the tokenizer worker may take its tokenizer, loaded while the core started."""
     model_name = config.served_model_name or client.facts.model_name
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__,
+                  lifespan=_lifespan(client, config, model_name, on_started, preload),
+                  docs_url=None, redoc_url=None,  # /docs without a CDN: install_offline_docs below
+                  description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
+    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    if config.api_server_index is not None:  # outermost: refusals by the guard carry it too
+        app.add_middleware(ResponseHeaderMiddleware, name=API_SERVER_HEADER, value=str(config.api_server_index))
+    install_error_handlers(app)
+    install_offline_docs(app, "pagedserve")
+    mount_dashboard(app, "engine.html")
+    _install_dashboard_feed(app, client, model_name)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> JSONResponse:
+        # Nobody reads this: the client has gone. 499 is what nginx logs for it.
+        return error_response(499, "client closed the connection", "invalid_request_error")
+
+    # Registered in this order, which is also the order /docs lists them in.
+    _install_openai_routes(app)
+    install_anthropic_routes(app, _serving)
+    install_responses_routes(app, _serving, config)
+    _install_tokenizer_routes(app)
+    _install_status_routes(app, client, config, model_name)
+    return app
+
+
+def _lifespan(client: EngineClient, config: ServerConfig, model_name: str,
+              on_started: Callable[[], Awaitable[None]] | None,
+              preload: TokenizerPreload | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the client and the serving objects; on shutdown drain and stop them."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,15 +103,16 @@ def build_app(client: EngineClient, config: ServerConfig,
             logger.info("engine stopped: %d running, %d waiting, %d KV blocks in use",
                         stats.num_running, stats.num_waiting, stats.kv_blocks_used)
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None,  # /docs without a CDN: install_offline_docs below
-                  description="OpenAI-compatible server of the pagedserve engine (docs/SERVER.md).")
-    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
-    if config.api_server_index is not None:  # outermost: refusals by the guard carry it too
-        app.add_middleware(ResponseHeaderMiddleware, name=API_SERVER_HEADER, value=str(config.api_server_index))
-    install_error_handlers(app)
-    install_offline_docs(app, "pagedserve")
-    mount_dashboard(app, "engine.html")
+    return lifespan
+
+
+def _serving(request: Request) -> OpenAIServing:
+    """The app's OpenAI serving object (made by the lifespan)."""
+    return request.app.state.serving
+
+
+def _install_dashboard_feed(app: FastAPI, client: EngineClient, model_name: str) -> None:
+    """``GET /dashboard/events``, the dashboard's live feed; its :class:`DashboardFeed` is ``app.state.dashboard``."""
     feed = app.state.dashboard = DashboardFeed(client, model_name)
 
     @app.get("/dashboard/events", include_in_schema=False)
@@ -97,36 +128,37 @@ def build_app(client: EngineClient, config: ServerConfig,
         return ClosingStreamingResponse(events, events.aclose, media_type="text/event-stream",
                                         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, __: ClientDisconnected) -> JSONResponse:
-        # Nobody reads this: the client has gone. 499 is what nginx logs for it.
-        return error_response(499, "client closed the connection", "invalid_request_error")
 
-    def serving(request: Request) -> OpenAIServing:
-        return request.app.state.serving
+def _install_openai_routes(app: FastAPI) -> None:
+    """OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
     @app.post("/v1/completions", responses={200: {"model": p.CompletionResponse}, **_ERRORS})
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         """Text completion (OpenAI). ``stream: true`` answers server-sent events ending in ``[DONE]``."""
-        return await serving(request).completions(body, request)
+        return await _serving(request).completions(body, request)
 
     @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletionResponse}, **_ERRORS})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI), prompt built with the tokenizer's chat template."""
-        return await serving(request).chat(body, request)
+        return await _serving(request).chat(body, request)
 
-    install_anthropic_routes(app, serving)
-    install_responses_routes(app, serving, config)
+
+def _install_tokenizer_routes(app: FastAPI) -> None:
+    """``POST /tokenize`` and ``POST /detokenize`` (vLLM's)."""
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest, request: Request) -> Response:
         """Token ids and count of a prompt or conversation, and the model's max_model_len."""
-        return await serving(request).tokenize(body)
+        return await _serving(request).tokenize(body)
 
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: p.DetokenizeRequest, request: Request) -> Response:
         """The text of a list of token ids (vLLM's /detokenize)."""
-        return await serving(request).detokenize(body)
+        return await _serving(request).detokenize(body)
+
+
+def _install_status_routes(app: FastAPI, client: EngineClient, config: ServerConfig, model_name: str) -> None:
+    """What the server is and how it fares: ``/version``, ``/v1/models``, ``/health``, ``/metrics``, ``/load``."""
 
     @app.get("/version")
     async def version() -> p.VersionResponse:
@@ -136,7 +168,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     @app.get("/v1/models")
     async def models(request: Request) -> p.ModelList:
         """The one model this server serves."""
-        s = serving(request)
+        s = _serving(request)
         description = config.model_description
         if config.random_weights and description is None:
             description = ("RANDOM WEIGHTS: this is pagedserve's built-in test model and its output is noise. "
@@ -166,8 +198,6 @@ def build_app(client: EngineClient, config: ServerConfig,
         report = client.load()
         return dataclasses.replace(report, model=model_name, tokens_per_s=round(report.tokens_per_s, 3),
                                    est_queue_wait_s=round(report.est_queue_wait_s, 3))
-
-    return app
 
 
 def _engine_unavailable() -> JSONResponse:

@@ -42,25 +42,6 @@ then:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``serve`` (engine flags from ``pagedserve.engine.args`` plus the server's own)."""
     from pagedserve.engine.args import add_engine_args
-    from pagedserve.server.api_servers import MAX_API_SERVERS
-
-    def _whole_number(low: int, high: int) -> Callable[[str], int]:
-        """An argparse type: an integer in [low, high], else a one-line error naming the range."""
-        def parse(text: str) -> int:
-            try:
-                value = int(text)
-            except ValueError:
-                value = low - 1
-            if not low <= value <= high:
-                raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, got {text}")
-            return value
-        return parse
-
-    def _seconds(text: str) -> float:  # a positive, finite number of seconds
-        value = float(text)
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-        return value
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -69,7 +50,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "(a real 135M-parameter chat model, fetched once from PyPI into the model cache).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
+    # One "server" group for --help; its flags are added in the order --help lists them.
     server = parser.add_argument_group("server")
+    _add_listen_flags(server)
+    _add_http_limit_flags(server)
+    _add_api_flags(server)
+    _add_engine_process_flags(server)
+    _add_startup_flags(server)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def _whole_number(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], else a one-line error naming the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, got {text}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _add_listen_flags(server: argparse._ArgumentGroup) -> None:
+    """Where the server listens, who may call it, and the model name it answers to."""
     server.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
@@ -78,6 +92,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "(default: $PAGEDSERVE_API_KEY, or no authentication)")
     server.add_argument("--served-model-name", default=None,
                         help="model name clients send and /v1/models lists (default: the engine's model name)")
+
+
+def _add_http_limit_flags(server: argparse._ArgumentGroup) -> None:
+    """Bounds on one HTTP request: body and header sizes, timeouts, graceful shutdown."""
     server.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB",
                         help="refuse request bodies larger than this with 413 (default 4MiB; e.g. 512KiB)")
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -99,6 +117,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "and close the connection (default 32KiB)")
     server.add_argument("--max-headers", type=int, default=100,
                         help="refuse a request with more header lines than this with 431 (default 100)")
+
+
+def _add_api_flags(server: argparse._ArgumentGroup) -> None:
+    """How the APIs behave: request logging, tool calls, the Responses store, the default model."""
     server.add_argument("--log-requests", action="store_true",
                         help="log one line per finished request: id, priority, finish reason, prompt/output "
                              "tokens, queue time, TTFT and total time (the engine's own clock; benchmarks join "
@@ -125,6 +147,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="model served when --model is not given: smollm2 = SmolLM2-135M-Instruct, real "
                              "weights (Q4_1 GGUF fetched once into the model cache); tiny / small = the standard "
                              "random-weight test models, whose output is noise (default smollm2)")
+
+
+def _add_engine_process_flags(server: argparse._ArgumentGroup) -> None:
+    """The engine core's process: niceness, thread pinning, API-server fronts, restarts."""
+    from pagedserve.server.api_servers import MAX_API_SERVERS
+
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine core (scheduler, KV blocks, model, sampler) in its own process, "
                              "fed token ids over ZMQ, so HTTP work never competes with the step loop for the "
@@ -167,6 +195,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--engine-core-restart-window", type=_seconds, default=60.0, metavar="S",
                         help="with --restart-engine-core: the sliding window, in seconds, that "
                              "--engine-core-max-restarts counts in (default 60)")
+
+
+def _add_startup_flags(server: argparse._ArgumentGroup) -> None:
+    """Checked or applied once at start-up: the chat template and the log level."""
     server.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                         help="Jinja chat template for /v1/chat/completions instead of the tokenizer's own: a "
                              "file, or the template text itself (anything containing '{{' or '{%%'); checked "
@@ -175,8 +207,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--log-level", dest="serve_log_level", type=str.lower, default=None,
                         choices=["debug", "info", "warning", "error"],
                         help="log verbosity of the server and engine (default: pagedserve's --log-level, else info)")
-    parser.set_defaults(func=run_serve)
-    return parser
 
 
 def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None) -> int:
@@ -189,60 +219,26 @@ def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None)
     # core process is loading, so that the two start-ups overlap.
     from pagedserve.engine.args import engine_config_from_args
     from pagedserve.engine import EngineStartupError, core_restarter, spawn_core_process
-    from pagedserve.models.default import ensure_default_model
-    from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
     from pagedserve.server.chat_template import load_chat_template
-    from pagedserve.server.config import ServerConfig
 
-    log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(log_level.upper())  # the top-level CLI may have configured logging first
+    log_level = _configure_logging(args)
     try:  # before anything loads: a broken template is a one-line error, not a failure per chat request
         chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     except ValueError as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    default_model = not getattr(args, "model", None)
-    if default_model and args.default_model == "smollm2":
-        try:
-            args.model = str(ensure_default_model())
-        except (OSError, RuntimeError) as exc:
-            logger.error("cannot start: the default model could not be fetched (%s); give --model", exc)
-            return 2
-        logger.info("No --model given: serving the default model SmolLM2-135M-Instruct from %s", args.model)
-    elif default_model:
-        args.model = str(ensure_standard_model(args.default_model))
-        logger.warning("No --model given: serving the built-in '%s' model with RANDOM WEIGHTS from %s. Its output "
-                       "is noise; it is for trying the API. Serve a real model with: pagedserve serve --model "
-                       "<hf-dir-or-gguf>", args.default_model, args.model)
-    random_weights = Path(args.model).is_dir() and is_random_weight_model(Path(args.model))
-    if random_weights and not default_model:
-        logger.warning("%s has RANDOM WEIGHTS (a pagedserve standard test model): its output is noise", args.model)
+    model = _resolve_model(args)
+    if model is None:
+        return 2
+    default_model, random_weights = model
     try:
-        server_config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                                     api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                                     shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights,
-                                     log_requests=args.log_requests, request_timeout_s=args.request_timeout,
-                                     read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-                                     max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                                     chat_template=chat_template,
-                                     tool_call_parser=args.tool_call_parser,
-                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                     response_store=args.response_store, response_ttl_s=args.response_ttl)
+        server_config = _server_config(args, chat_template, random_weights, default_model)
         engine_config = engine_config_from_args(args)
-        if args.api_server_count > 1 and not args.engine_process:
-            raise ValueError("--api-server-count above 1 needs the engine core in its own process "
-                             "(drop --no-engine-process)")
-        if args.restart_engine_core and not args.engine_process:
-            raise ValueError("--restart-engine-core needs the engine core in its own process (drop "
-                             "--no-engine-process)")
+        _check_engine_process_flags(args)
         restarter = None
         if args.restart_engine_core:
             restarter = core_restarter(engine_config, log_level, args.engine_core_max_restarts,
                                        args.engine_core_restart_window)
-        if default_model and server_config.served_model_name is None:
-            server_config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
-                                               else f"pagedserve-{args.default_model}-random")
         if args.api_server_count > 1:
             from pagedserve.server.api_servers import bind_listening_socket, run_api_servers
 
@@ -278,6 +274,70 @@ def run_serve(args: argparse.Namespace, core_factory: CoreFactory | None = None)
         logger.error("exiting with status 1: the engine died (restart the server)")
         return 1
     return 0
+
+
+def _configure_logging(args: argparse.Namespace) -> str:
+    """Set the log level (``serve --log-level``, else pagedserve's, else info); returns it, lower case."""
+    log_level = args.serve_log_level or str(getattr(args, "log_level", None) or "info").lower()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level.upper())  # the top-level CLI may have configured logging first
+    return log_level
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[bool, bool] | None:
+    """Set ``args.model`` to the default model when none was given (fetching or building it); returns
+    (the default model is served, its weights are random), or None after logging why it cannot start."""
+    from pagedserve.models.default import ensure_default_model
+    from pagedserve.models.standard import ensure_standard_model, is_random_weight_model
+
+    default_model = not getattr(args, "model", None)
+    if default_model and args.default_model == "smollm2":
+        try:
+            args.model = str(ensure_default_model())
+        except (OSError, RuntimeError) as exc:
+            logger.error("cannot start: the default model could not be fetched (%s); give --model", exc)
+            return None
+        logger.info("No --model given: serving the default model SmolLM2-135M-Instruct from %s", args.model)
+    elif default_model:
+        args.model = str(ensure_standard_model(args.default_model))
+        logger.warning("No --model given: serving the built-in '%s' model with RANDOM WEIGHTS from %s. Its output "
+                       "is noise; it is for trying the API. Serve a real model with: pagedserve serve --model "
+                       "<hf-dir-or-gguf>", args.default_model, args.model)
+    random_weights = Path(args.model).is_dir() and is_random_weight_model(Path(args.model))
+    if random_weights and not default_model:
+        logger.warning("%s has RANDOM WEIGHTS (a pagedserve standard test model): its output is noise", args.model)
+    return default_model, random_weights
+
+
+def _server_config(args: argparse.Namespace, chat_template: str | None, random_weights: bool,
+                   default_model: bool) -> ServerConfig:
+    """The server's settings from its flags (raises ValueError on one out of bounds)."""
+    from pagedserve.server.config import ServerConfig
+
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          shutdown_timeout_s=args.shutdown_timeout, random_weights=random_weights,
+                          log_requests=args.log_requests, request_timeout_s=args.request_timeout,
+                          read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                          max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                          chat_template=chat_template,
+                          tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          response_store=args.response_store, response_ttl_s=args.response_ttl)
+    if default_model and config.served_model_name is None:
+        config.served_model_name = ("SmolLM2-135M-Instruct" if args.default_model == "smollm2"
+                                    else f"pagedserve-{args.default_model}-random")
+    return config
+
+
+def _check_engine_process_flags(args: argparse.Namespace) -> None:
+    """Refuse (ValueError) flags that need the engine core in its own process without one."""
+    if args.api_server_count > 1 and not args.engine_process:
+        raise ValueError("--api-server-count above 1 needs the engine core in its own process "
+                         "(drop --no-engine-process)")
+    if args.restart_engine_core and not args.engine_process:
+        raise ValueError("--restart-engine-core needs the engine core in its own process (drop "
+                         "--no-engine-process)")
 
 
 def serve_app(app: FastAPI, client: EngineClient, uvicorn_config: uvicorn.Config,

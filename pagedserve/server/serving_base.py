@@ -221,7 +221,7 @@ class ServingBase:
     @staticmethod
     def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Map the request's fields onto the engine's SamplingParams (the schema bounded them; the
-        client's request check validates the result once, engine/request_check.py)."""
+        client's request check validates the result once, engine/frontend/request_check.py)."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return SamplingParams(
             n=req.n,

@@ -1,7 +1,7 @@
 """MPEngineClient: the engine core in its own process, the text side on the server's event loop.
 
 ```
- server process: event loop                                     core process (core_proc.py)
+ server process: event loop                                     core process (core/proc.py)
  ──────────────────────────                                     ───────────────────────────
  CoreClient._send ── AddRequest / Abort ──▶ PUSH ════ ipc ════▶ PULL ──▶ CoreLoop
  output task: PULL ◀════ ipc ════ PUSH ◀── CoreBatch (admissions, token-id outputs, stats)
