@@ -12,6 +12,10 @@
 #include "kernel_ops.h"
 #include "work_pool.h"
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -208,16 +212,18 @@ at::Tensor row_argmax(const at::Tensor& x) {
 }
 
 // Runs `jobs` jobs of `items` items each on a WorkPool of `threads`, every item adding 1 to its
-// counter: the tests check that every counter ends at `jobs` (no chunk lost, none run twice) and
-// how many threads ran chunks. In the first job the calling thread holds its first chunk until a
+// counter: the tests check that every counter ends at `jobs` (no chunk lost, none run twice), how
+// many threads ran chunks, and on how many CPUs (where OpenMP's threads are pinned one per core,
+// the pool's workers must be too, not on the caller's core). In the first job the calling thread holds its first chunk until a
 // worker has run one (for at most 10 s): on a loaded machine a worker may otherwise never be on a
 // core while the caller runs every chunk itself, which is the pool working as meant, not a fault.
-std::tuple<at::Tensor, int64_t> work_pool_counts(int64_t threads, int64_t jobs, int64_t items) {
+std::tuple<at::Tensor, int64_t, int64_t> work_pool_counts(int64_t threads, int64_t jobs, int64_t items) {
   TORCH_CHECK(threads >= 1 && jobs >= 0 && items >= 0, "work_pool_counts: threads >= 1, jobs and items >= 0");
   at::Tensor counts = at::zeros({items}, at::kInt);
   int32_t* c = counts.data_ptr<int32_t>();
   std::mutex guard;
   std::set<std::thread::id> ran;
+  std::set<int> cpus;
   const std::thread::id caller = std::this_thread::get_id();
   std::atomic<bool> helped{threads == 1}, held{false};
   pagedserve::WorkPool pool(static_cast<int>(threads));
@@ -227,6 +233,9 @@ std::tuple<at::Tensor, int64_t> work_pool_counts(int64_t threads, int64_t jobs, 
       {
         std::lock_guard<std::mutex> lock(guard);
         ran.insert(std::this_thread::get_id());
+#if defined(__linux__)
+        cpus.insert(sched_getcpu());
+#endif
       }
       if (std::this_thread::get_id() != caller) {
         helped.store(true);
@@ -236,7 +245,7 @@ std::tuple<at::Tensor, int64_t> work_pool_counts(int64_t threads, int64_t jobs, 
       }
     });
   }
-  return {counts, static_cast<int64_t>(ran.size())};
+  return {counts, static_cast<int64_t>(ran.size()), static_cast<int64_t>(cpus.size())};
 }
 
 }  // namespace
@@ -246,7 +255,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("parallel_threads(int items) -> int", &parallel_threads);  // no tensor: one kernel for every key
-  m.def("work_pool_counts(int threads, int jobs, int items) -> (Tensor, int)", &work_pool_counts);
+  m.def("work_pool_counts(int threads, int jobs, int items) -> (Tensor, int, int)", &work_pool_counts);
   m.def("row_argmax(Tensor x) -> Tensor");
 }
 
