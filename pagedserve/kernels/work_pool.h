@@ -25,6 +25,7 @@
 #include <c10/util/FunctionRef.h>
 
 #if defined(__linux__)
+#include <pthread.h>
 #include <sched.h>
 #endif
 
@@ -48,6 +49,9 @@ class WorkPool {
     for (int i = 1; i < threads; ++i) {
       workers_.emplace_back([this, place = places[i]] {
         place.apply();
+#if defined(__linux__)
+        pthread_setname_np(pthread_self(), "pagedserve-pool");  // told apart from OpenMP's in /proc
+#endif
         work();
       });
     }

@@ -241,13 +241,19 @@ def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tin
                                            max_model_len=256, max_num_seqs=4, bind_step_threads=True))
     assert core.facts.threads_pinned and core.facts.num_threads == usable_cores()
 
-    out, threads, stats = _one_step_then(core, _thread_cpus)
+    out, (threads, main_core), stats = _one_step_then(
+        core, lambda pid: (_thread_cpus(pid), frozenset(os.sched_getaffinity(pid))))
     assert len(out.outputs[0].token_ids) == 4 and stats.kv_blocks_used == 0
+    # The native decode stack's pool workers (kernels/work_pool.h) take the places of OpenMP's
+    # threads 1..n-1: one per core, none on the main thread's.
+    pool = threads.pop("pagedserve-pool", [])
     pinned = [cpus for sets in threads.values() for cpus in sets if cpus != everywhere]
-    # One step thread per core, each on its own: disjoint sets that cover every CPU the process may
-    # use. No other thread is pinned (ZMQ's started after the main thread was: they got every CPU back).
+    # One OpenMP step thread per core, each on its own: disjoint sets that cover every CPU the process
+    # may use. No other thread is pinned (ZMQ's started after the main thread was: they got every CPU back).
     assert len(pinned) == len(set(pinned)) == usable_cores() and frozenset().union(*pinned) == everywhere
     assert sum(len(cpus) for cpus in pinned) == len(everywhere)
+    assert len(pool) == len(set(pool)) == usable_cores() - 1 and all(cpus in pinned for cpus in pool)
+    assert main_core in pinned and main_core not in pool
     assert threads["ZMQbg/IO/0"] == threads["ZMQbg/Reaper"] == [everywhere]
     assert frozenset(os.sched_getaffinity(0)) == everywhere  # this process is untouched
 
