@@ -1,4 +1,4 @@
-"""The standard random-weight checkpoints of BENCH.md, built locally (nothing is downloaded).
+"""The standard random-weight checkpoints of docs/WORKLOADS.md, built locally (nothing is downloaded).
 
 Each is a Llama-architecture model (``LlamaConfig`` + ``LlamaForCausalLM``, fixed seed, saved as
 safetensors in bf16) with a byte-level BPE tokenizer (vocab 32,000) trained on the Python
@@ -139,7 +139,7 @@ def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     for f in shared_tokenizer_dir().iterdir():
         shutil.copy(f, out_dir / f.name)
     (out_dir / "PAGEDSERVE_RANDOM_WEIGHTS").write_text(
-        f"Standard model {name!r} of BENCH.md: random weights (seed {seed}); its text is meaningless.\n")
+        f"Standard model {name!r} of docs/WORKLOADS.md: random weights (seed {seed}); its text is meaningless.\n")
     return out_dir
 
 

@@ -126,7 +126,7 @@ def shape_from_config(config: dict[str, Any], name: str = "model") -> ModelShape
 
 
 def standard_shape(name: str) -> ModelShape:
-    """The shape of one of BENCH.md's standard models (``tiny``, ``small``, ``qwen05-shape``)."""
+    """The shape of one of docs/WORKLOADS.md's standard models (``tiny``, ``small``, ``qwen05-shape``)."""
     from pagedserve.models.standard import STANDARD_MODELS
 
     if name not in STANDARD_MODELS:
