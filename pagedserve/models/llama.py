@@ -55,9 +55,7 @@ class ModelArchitecture:
         rope_theta = float(rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = getattr(cfg, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-            window = None
-        if model_type == "qwen3" and not getattr(cfg, "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
         return cls(
             model_type=model_type,
@@ -244,13 +242,17 @@ class LlamaForCausalLM(nn.Module):
         seconds)."""
         super().__init__()
         self.arch = arch
-        rotary = rotary if rotary is not None else RotaryEmbedding(arch, max_positions)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.layers = self.build_layers(arch, max_positions, rotary)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = load_attention_backend(attention_backend)
         self.native_decode: NativeDecode | None = None  # set by enable_native_decode
+
+    def build_layers(self, arch: ModelArchitecture, max_positions: int,
+                     rotary: RotaryEmbedding | None) -> nn.ModuleList:
+        rotary = rotary if rotary is not None else RotaryEmbedding(arch, max_positions)
+        return nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -265,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_ops(self, ops) -> None:
         """Route norms, rotary embedding and SiLU-and-multiply through ``ops`` (the
-        ``torch.ops.pagedserve`` kernels, CPU only), or back to torch with ``None``."""
+        ``torch.ops.pagedserve`` kernels, CPU only), or back to torch with ``None`` (an MLP whose
+        forward computes another activation, Gemma 3's GeGLU, does not read them)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
                 m.ops = ops
