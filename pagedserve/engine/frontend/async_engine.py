@@ -34,8 +34,6 @@ from pagedserve.tokenizer import load_tokenizer
 if TYPE_CHECKING:
     from pagedserve.engine.core.engine_core import EngineCore
 
-__all__ = ["AsyncEngine"]
-
 logger = logging.getLogger(__name__)
 
 
