@@ -10,18 +10,18 @@ from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACT
                                EngineConfig, KVEventsConfig)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    _add_model_args(g, model_required)
+    _add_model_args(g)
     _add_kv_args(g)
     _add_scheduling_args(g)
     _add_backend_args(g)
     _add_speculative_args(parser.add_argument_group("speculative decoding"))
 
 
-def _add_model_args(g: argparse._ArgumentGroup, model_required: bool) -> None:
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
     """The model, its precision and how its weights are laid out and computed."""
-    g.add_argument("--model", required=model_required, default=None,
+    g.add_argument("--model", default=None,
                    help="Hugging Face model directory or hub id (Llama 2/3, Mistral, Qwen2, Qwen3; safetensors)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")

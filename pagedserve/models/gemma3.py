@@ -42,7 +42,8 @@ from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
 from pagedserve.models.attention import AttentionMetadata, window_view
-from pagedserve.models.llama import MLP, Attention, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding
+from pagedserve.models.llama import (MLP, Attention, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding,
+                                     input_norm)
 
 MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -157,11 +158,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(normed MLP output, residual)``: the layer's output is their sum, left for the next
         norm to add (the residual-adding norm is one pass, native where built)."""
-        if residual is None:  # the first layer: the embeddings are the residual stream
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = input_norm(self.input_layernorm, x, residual)
         a = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta, backend))
         h, residual = self.pre_feedforward_layernorm(a, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
@@ -256,11 +253,11 @@ def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dty
     the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
     dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
     precision (``int16`` or ``int8``; the LM head takes int16)."""
-    from pagedserve.models.gguf import finish_gguf_model, gguf_builder, load_embedding_and_head, open_gguf_tensors
+    from pagedserve.models.gguf import GGUFBuilder, finish_gguf_model, load_embedding_and_head, open_gguf_tensors
     from pagedserve.models.meta import meta_without_init
 
-    b = gguf_builder(open_gguf_tensors(gguf_path), arch, dtype, device, keep_quantized, permuted=False,
-                     native_kernels=native_kernels, packed_for_cpu=None, group_kernels=group_kernels)
+    b = GGUFBuilder(open_gguf_tensors(gguf_path), arch, dtype, device, keep_quantized, permuted=False,
+                    native_kernels=native_kernels, packed_for_cpu=None, group_kernels=group_kernels)
     with torch.device(device):
         rotary = (RotaryEmbedding(arch, max_positions), RotaryEmbedding(arch.local_rope(), max_positions))
     with meta_without_init():

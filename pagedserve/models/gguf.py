@@ -51,7 +51,7 @@ from pagedserve.config import cache_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
 from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
-from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding, rope_inv_freq
 from pagedserve.models.meta import meta_without_init
 from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
@@ -243,7 +243,7 @@ def hf_config_from_gguf(reader):
     if rotary_dim != kw["head_dim"]:
         raise GGUFError(f"partial rotary embeddings ({rotary_dim} of {kw['head_dim']} dims) are not supported")
     if "rope_freqs.weight" in tensors:
-        rope.update(_llama3_rope_from_factors(_float_array(tensors["rope_freqs.weight"]), rope["rope_theta"],
+        rope.update(_llama3_rope_from_factors(_dequantize(tensors["rope_freqs.weight"]).numpy(), rope["rope_theta"],
                                               kw["head_dim"]))
     if arch == "llama":
         kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
@@ -312,13 +312,7 @@ def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) 
         high = orig / (last_plain * 1.001)
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
               "original_max_position_embeddings": float(orig)}
-    from pagedserve.models.llama import rope_inv_freq
-
-    probe = ModelArchitecture(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1,
-                              num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6,
-                              rope_theta=theta, rope_scaling=params, max_position_embeddings=1,
-                              tie_word_embeddings=False, qkv_bias=False, qk_norm=False, sliding_window=None)
-    got = rope_inv_freq(probe).double().numpy()
+    got = rope_inv_freq(head_dim, theta, params).double().numpy()
     if not np.allclose(inv / got, f, rtol=1e-4):
         raise GGUFError("rope_freqs tensor is not of Llama 3's scaling form; unsupported")
     return params
@@ -336,10 +330,6 @@ def can_load(qtype) -> bool:
 def _raw(t) -> torch.Tensor:
     """A tensor's bytes (a copy out of the memory map), rows first."""
     return torch.from_numpy(np.array(t.data, copy=True))
-
-
-def _float_array(t) -> np.ndarray:
-    return _dequantize(t).numpy()
 
 
 def _rows(t) -> tuple[int, int]:
@@ -417,26 +407,31 @@ class _Part:
         return x if self.heads is None else _unpermute_rows(x, self.heads)
 
 
-class _Builder:
-    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded."""
+class GGUFBuilder:
+    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded:
+    what every architecture's GGUF loader reads with. Made after checking that every tensor's type
+    loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``: :func:`load_gguf_model`'s)."""
 
-    def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-                 keep_quantized: bool, permuted: bool, ops=None, group_ops=None):
+    def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
+                 permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None, group_kernels: bool = False):
+        for t in reader.tensors:
+            if not can_load(t.tensor_type):
+                raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch, self.dtype, self.device = arch, dtype, device
         self.keep, self.permuted = keep_quantized, permuted
-        self.ops = ops  # the native kernels: GGUF blocks kept as they are (GGUFLinear)
-        self.group_ops = group_ops  # the native group kernels for int4 / int8 layers (--group-kernels)
-        self.packed_for_cpu = device.type == "cpu"  # int4 layout: the CPU kernel's, or the portable one
+        # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
+        self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
+        self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
+        # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
+        self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
         self.loaded: Counter = Counter()  # "Q4_1 -> int4" etc., for the log line
         self.dequantized: Counter = Counter()  # types with no native format here, dequantized
 
-    def get(self, name: str, optional: bool = False):
+    def get(self, name: str):
         t = self.tensors.get(name)
         if t is None:
-            if optional:
-                return None
             raise GGUFError(f"GGUF file lacks tensor {name!r}")
         self.used.add(name)
         return t
@@ -571,8 +566,8 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
 
         return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
                                 native_kernels, activations, group_kernels)
-    b = gguf_builder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
-                     packed_for_cpu, group_kernels)
+    b = GGUFBuilder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
+                    packed_for_cpu, group_kernels)
     a = arch
     with torch.device(device):
         rotary = RotaryEmbedding(a, max_positions)
@@ -588,25 +583,7 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     return finish_gguf_model(model, b, gguf_path, dtype, activations)
 
 
-def gguf_builder(reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
-                 permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None,
-                 group_kernels: bool = False) -> _Builder:
-    """The tensor builder every architecture's GGUF loader reads with, after checking that every
-    tensor's type loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``:
-    :func:`load_gguf_model`'s)."""
-    if native_kernels is None:
-        native_kernels = device.type == "cpu"
-    ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=permuted, ops=ops,
-                 group_ops=ops if group_kernels else None)
-    b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
-    for t in reader.tensors:
-        if not can_load(t.tensor_type):
-            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
-    return b
-
-
-def load_embedding_and_head(model: nn.Module, b: _Builder, dtype: torch.dtype) -> None:
+def load_embedding_and_head(model: nn.Module, b: GGUFBuilder, dtype: torch.dtype) -> None:
     """``model.embed_tokens`` from ``token_embd``, kept quantized where it has a format here, and the
     LM head: ``output.weight``, or the embedding table itself when tied (one table for lookups and
     logits)."""
@@ -630,7 +607,7 @@ def load_embedding_and_head(model: nn.Module, b: _Builder, dtype: torch.dtype) -
         model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
 
 
-def finish_gguf_model(model: nn.Module, b: _Builder, gguf_path: Path, dtype: torch.dtype, activations: str):
+def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: torch.dtype, activations: str):
     """The loaded model, checked (every tensor of the file used, every parameter filled) and logged:
     the LM head's output in float32, the GGUF kernels' ``activations`` set (int16 on the LM head)."""
     if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):

@@ -80,12 +80,11 @@ class ModelArchitecture:
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
-def rope_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, with ``llama3`` or ``linear`` scaling applied."""
-    dim = arch.head_dim
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies per rotary pair of a ``dim``-wide head, with ``llama3`` or ``linear`` scaling applied."""
     # float32 throughout, as transformers computes it, so positions rotate bit-for-bit alike.
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling or {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return inv_freq
@@ -111,7 +110,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(arch)
+        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -212,6 +211,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm and the residual stream after it (the first layer's is the embeddings)."""
+    return (norm(x), x) if residual is None else norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
@@ -222,11 +226,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
-        if residual is None:  # the first layer: the embeddings are the residual stream
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = input_norm(self.input_layernorm, x, residual)
         a = self.self_attn(h, positions, kv, meta, backend)
         h, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(h), residual

@@ -125,10 +125,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def has_request(self, request_id: str) -> bool:
-        """True while the request is in the engine (waiting, compiling or running)."""
-        return request_id in self.requests
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """Run one scheduled batch and return the outputs of every request it advanced.

@@ -45,14 +45,13 @@ class CoreClient(EngineClient):
     core sends, and :meth:`_send` delivers a command to the core.
     """
 
-    def __init__(self, facts: ModelFacts, tokenizer: Any, observer: StepObserver | None = None,
-                 log_requests: bool = False, on_death: Callable[[], None] | None = None):
+    def __init__(self, facts: ModelFacts, tokenizer: Any, log_requests: bool = False):
         self.facts = facts
         # The front end's tokenizer for the event loop (detokenization here, the text of logprobs in
         # the server); the server tokenizes prompts with others, on its worker thread.
         self.tokenizer = tokenizer
-        self.observer = observer
-        self.on_death = on_death
+        self.observer: StepObserver | None = None  # the server's metrics, set after construction
+        self.on_death: Callable[[], None] | None = None  # the server's exit, set after construction
         self.log_requests = log_requests  # one request_log line per request that runs to its end
         self.dead_error: BaseException | None = None
         self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)

@@ -38,13 +38,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.engine.frontend.client import EngineDeadError, RequestStream, StepObserver
+from pagedserve.engine.frontend.client import EngineDeadError, RequestStream
 from pagedserve.engine.frontend.core_client import CoreClient, idle_stats
 from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess
 from pagedserve.engine.frontend.core_restart import CoreRestarter, describe_exit
@@ -58,11 +57,9 @@ class MPEngineClient(CoreClient):
     """The :class:`EngineClient` over a core process: the ZMQ transport, the death watch and the
     restart of a dead core. All methods run on one event loop."""
 
-    def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
+    def __init__(self, core: CoreProcess | CoreLink, log_requests: bool = False, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
-        super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), observer, log_requests,
-                         on_death)
+        super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), log_requests)
         self.core = core
         if restarter is not None and not core.owned:
             raise ValueError("only the client that started the engine core can restart it")
