@@ -24,8 +24,8 @@ the fused QKV projection, rotary and paged-attention calls written once):
 Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
 once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
 
-Weights come from the GGUF file through the Llama loader's tensor builder, embedding and LM-head
-loading and final checks (:mod:`pagedserve.models.gguf`): K-quant and 32-weight formats stay as the file's blocks in
+Weights come from the GGUF file through the Llama family's loader (:func:`pagedserve.models.gguf.load_gguf_model`:
+its tensor builder, this layer's ``GGUF_NORMS``, embedding and LM-head loading, final checks): K-quant and 32-weight formats stay as the file's blocks in
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` (the Q8_0 embedding too, one table for lookups
 and logits), F32 norms as float.
 """
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +144,10 @@ class Gemma3MLP(MLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # norm -> its GGUF tensor (blk.<i>.<name>.weight): 1 + w, as the file stores it
+    GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
     def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
         super().__init__()
         eps = arch.rms_norm_eps
@@ -180,10 +183,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.kv_groups = kv_groups(arch.layer_windows)
         self.layer_group = [g for g, _ in layer_slots(self.kv_groups)]
 
+    @staticmethod
+    def rotary_tables(arch: Gemma3Architecture, max_positions: int) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        return RotaryEmbedding(arch, max_positions), RotaryEmbedding(arch.local_rope(), max_positions)
+
     def build_layers(self, arch: Gemma3Architecture, max_positions: int,
                      rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:
-        glob, local = rotary if rotary is not None else (RotaryEmbedding(arch, max_positions),
-                                                         RotaryEmbedding(arch.local_rope(), max_positions))
+        glob, local = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
         return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w) for w in arch.layer_windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -243,32 +249,3 @@ def gemma3_config_from_gguf(reader):
         architectures=["Gemma3ForCausalLM"])
     config.rope_parameters = {FULL: full, SLIDING: local}  # after: the constructor's may be rewritten
     return config
-
-
-def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dtype, device: torch.device,
-                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
-                     native_kernels: bool | None = None, activations: str = "int16",
-                     group_kernels: bool = False) -> Gemma3ForCausalLM:
-    """Build Gemma 3 from a GGUF file's tensors (never materializing random weights): every format
-    the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
-    dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
-    precision (``int16`` or ``int8``; the LM head takes int16)."""
-    from pagedserve.models.gguf import GGUFBuilder, finish_gguf_model, load_embedding_and_head, open_gguf_tensors
-    from pagedserve.models.meta import meta_without_init
-
-    b = GGUFBuilder(open_gguf_tensors(gguf_path), arch, dtype, device, keep_quantized, permuted=False,
-                    native_kernels=native_kernels, packed_for_cpu=None, group_kernels=group_kernels)
-    with torch.device(device):
-        rotary = (RotaryEmbedding(arch, max_positions), RotaryEmbedding(arch.local_rope(), max_positions))
-    with meta_without_init():
-        model = Gemma3ForCausalLM(arch, max_positions, attention_backend, rotary=rotary)
-    h = arch.hidden_size
-    for i, layer in enumerate(model.layers):  # the norms' weights are 1 + w, as stored
-        layer.input_layernorm.weight = b.norm(f"blk.{i}.attn_norm.weight", h)
-        layer.post_attention_layernorm.weight = b.norm(f"blk.{i}.post_attention_norm.weight", h)
-        layer.pre_feedforward_layernorm.weight = b.norm(f"blk.{i}.ffn_norm.weight", h)
-        layer.post_feedforward_layernorm.weight = b.norm(f"blk.{i}.post_ffw_norm.weight", h)
-        b.attention_and_mlp(layer, i)
-    model.norm.weight = b.norm("output_norm.weight", h)
-    load_embedding_and_head(model, b, dtype)
-    return finish_gguf_model(model, b, gguf_path, dtype, activations)

@@ -51,8 +51,7 @@ from pagedserve.config import cache_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
 from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
-from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding, rope_inv_freq
-from pagedserve.models.meta import meta_without_init
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
 from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
                                      int4_cpu_layout_is_opaque)
@@ -548,7 +547,8 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
                     packed_for_cpu: bool | None = None, native_kernels: bool | None = None,
                     activations: str = "int16", group_kernels: bool = False) -> LlamaForCausalLM:
-    """Build the model from a GGUF file's tensors, without ever materializing random weights.
+    """Build the model (the Llama family's, or Gemma 3's) from a GGUF file's tensors, without ever
+    materializing random weights.
 
     ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
     (module docstring); otherwise every tensor is dequantized to ``dtype``. ``packed_for_cpu``
@@ -561,24 +561,18 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
-    if gguf_arch == "gemma3":
-        from pagedserve.models.gemma3 import load_gemma3_gguf
-
-        return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
-                                native_kernels, activations, group_kernels)
     b = GGUFBuilder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
                     packed_for_cpu, group_kernels)
-    a = arch
-    with torch.device(device):
-        rotary = RotaryEmbedding(a, max_positions)
-    with meta_without_init():  # the real rotary tables go in: computed on meta they'd import torch._dynamo
-        model = LlamaForCausalLM(a, max_positions, attention_backend, rotary=rotary)
+    model_cls = LlamaForCausalLM
+    if gguf_arch == "gemma3":
+        from pagedserve.models.gemma3 import Gemma3ForCausalLM as model_cls
+    model = model_cls.on_meta(arch, max_positions, attention_backend, device)
     b.used.add("rope_freqs.weight")  # read into config.json's rope parameters
     for i, layer in enumerate(model.layers):
-        layer.input_layernorm.weight = b.norm(f"blk.{i}.attn_norm.weight", a.hidden_size)
-        layer.post_attention_layernorm.weight = b.norm(f"blk.{i}.ffn_norm.weight", a.hidden_size)
+        for norm, name in layer.GGUF_NORMS.items():
+            getattr(layer, norm).weight = b.norm(f"blk.{i}.{name}.weight", arch.hidden_size)
         b.attention_and_mlp(layer, i)
-    model.norm.weight = b.norm("output_norm.weight", a.hidden_size)
+    model.norm.weight = b.norm("output_norm.weight", arch.hidden_size)
     load_embedding_and_head(model, b, dtype)
     return finish_gguf_model(model, b, gguf_path, dtype, activations)
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend
+from pagedserve.models.meta import meta_without_init
 from pagedserve.models.native_decode import NativeDecode
 
 
@@ -217,6 +218,8 @@ def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 
 class DecoderLayer(nn.Module):
+    GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # blk.<i>.<name>.weight
+
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -249,9 +252,24 @@ class LlamaForCausalLM(nn.Module):
         self.attention = load_attention_backend(attention_backend)
         self.native_decode: NativeDecode | None = None  # set by enable_native_decode
 
+    @classmethod
+    def on_meta(cls, arch: ModelArchitecture, max_positions: int, attention_backend: str,
+                device: torch.device) -> "LlamaForCausalLM":
+        """The model with its weights on the meta device, never initialized (the loader fills every
+        one), and its rotary tables (the one thing no checkpoint holds) computed for real on
+        ``device``: on meta they would go through torch's reference ops, importing torch._dynamo."""
+        with torch.device(device):
+            rotary = cls.rotary_tables(arch, max_positions)
+        with meta_without_init():
+            return cls(arch, max_positions, attention_backend, rotary=rotary)
+
+    @staticmethod
+    def rotary_tables(arch: ModelArchitecture, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(arch, max_positions)
+
     def build_layers(self, arch: ModelArchitecture, max_positions: int,
                      rotary: RotaryEmbedding | None) -> nn.ModuleList:
-        rotary = rotary if rotary is not None else RotaryEmbedding(arch, max_positions)
+        rotary = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
         return nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
