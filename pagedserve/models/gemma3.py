@@ -24,8 +24,8 @@ the fused QKV projection, rotary and paged-attention calls written once):
 Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
 once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
 
-Weights come from the GGUF file through the Llama loader's tensor builder, embedding and LM-head
-loading and final checks (:mod:`pagedserve.models.gguf`): K-quant and 32-weight formats stay as the file's blocks in
+Weights come from the GGUF file through the Llama family's loader (:func:`pagedserve.models.gguf.load_gguf_model`:
+its tensor builder, this layer's ``GGUF_NORMS``, embedding and LM-head loading, final checks): K-quant and 32-weight formats stay as the file's blocks in
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` (the Q8_0 embedding too, one table for lookups
 and logits), F32 norms as float.
 """
@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
-from pagedserve.models.attention import AttentionMetadata, load_attention_backend, window_view
-from pagedserve.models.llama import MLP, Attention, ModelArchitecture, RMSNorm, RotaryEmbedding
+from pagedserve.models.attention import AttentionMetadata, window_view
+from pagedserve.models.llama import (MLP, Attention, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding,
+                                     input_norm)
 
 MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -144,6 +144,10 @@ class Gemma3MLP(MLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # norm -> its GGUF tensor (blk.<i>.<name>.weight): 1 + w, as the file stores it
+    GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
     def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
         super().__init__()
         eps = arch.rms_norm_eps
@@ -157,40 +161,36 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(normed MLP output, residual)``: the layer's output is their sum, left for the next
         norm to add (the residual-adding norm is one pass, native where built)."""
-        if residual is None:  # the first layer: the embeddings are the residual stream
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = input_norm(self.input_layernorm, x, residual)
         a = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta, backend))
         h, residual = self.pre_feedforward_layernorm(a, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """Gemma 3's decoder over a flat batch with a paged KV cache (the interface of
-    :class:`~pagedserve.models.llama.LlamaForCausalLM`: ``forward``, ``compute_logits``,
-    ``use_native_ops``)."""
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's decoder over a flat batch with a paged KV cache: the Llama model's embedding,
+    final norm, LM head and native kernels, Gemma's layers, scaled embeddings, windows and
+    soft-capped logits."""
 
     def __init__(self, arch: Gemma3Architecture, max_positions: int, attention_backend: str = "sdpa",
                  rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None = None):
         """``rotary``: the (global, local) tables built beforehand, for a model built on the meta device."""
-        super().__init__()
-        self.arch = arch
-        glob, local = rotary if rotary is not None else (RotaryEmbedding(arch, max_positions),
-                                                         RotaryEmbedding(arch.local_rope(), max_positions))
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w)
-                                    for w in arch.layer_windows)
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if attention_backend == "triton":  # its kernels attend to whole contexts
             raise ValueError("Gemma 3's sliding windows are masked by the reference, sdpa, matmul and fused attention "
                              "backends, not triton: pass --attention-backend sdpa")
-        self.attention = load_attention_backend(attention_backend)
+        super().__init__(arch, max_positions, attention_backend, rotary)
         # KV groups (kv/groups.py): with per-group tables the runner passes one metadata per group
         self.kv_groups = kv_groups(arch.layer_windows)
         self.layer_group = [g for g, _ in layer_slots(self.kv_groups)]
+
+    @staticmethod
+    def rotary_tables(arch: Gemma3Architecture, max_positions: int) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        return RotaryEmbedding(arch, max_positions), RotaryEmbedding(arch.local_rope(), max_positions)
+
+    def build_layers(self, arch: Gemma3Architecture, max_positions: int,
+                     rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:
+        glob, local = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
+        return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w) for w in arch.layer_windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
@@ -208,13 +208,6 @@ class Gemma3ForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv, views[g], self.attention)
         return self.norm(x, residual)[0]
 
-    def use_native_ops(self, ops) -> None:
-        """Route norms and rotary embeddings through ``ops`` (CPU native kernels), or back to torch
-        with ``None``. The GeGLU product stays in torch (the native kernel is SiLU's)."""
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding)):
-                m.ops = ops
-
     def enable_native_decode(self, kv_caches: list, ops) -> str:
         """The engine asks every model; the one-call native decode stack (models/native_decode.py)
         runs the Llama family's layers, so Gemma 3 decodes through this Python model."""
@@ -222,36 +215,24 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled, soft-capped where the config says."""
-        if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = super().compute_logits(hidden)
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 # ---- from a GGUF file -----------------------------------------------------------------------
 
-def gemma3_config_from_gguf(reader, field, eos_ids, float_types):
-    """transformers' ``Gemma3TextConfig`` from a ``gemma3`` GGUF file's metadata (``field(key,
-    default)`` reads one value; the tokenizer's ids and the dtype rule are the Llama loader's)."""
+def gemma3_config_from_gguf(reader):
+    """transformers' ``Gemma3TextConfig`` from a ``gemma3`` GGUF file's metadata (the fields every
+    architecture shares read by :func:`pagedserve.models.gguf.gguf_config_fields`)."""
     from transformers import Gemma3TextConfig
 
-    from pagedserve.models.gguf import GGUFError
+    from pagedserve.models.gguf import GGUFError, gguf_config_fields
 
-    def meta(key: str, *default):
-        return field(f"gemma3.{key}", *default)
-
-    tensors = {t.name: t for t in reader.tensors}
-    embed = tensors.get("token_embd.weight")
-    if embed is None:
-        raise GGUFError("GGUF file lacks tensor 'token_embd.weight'")
-    layers = int(meta("block_count"))
-    heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", 256))
+    kw, full, meta, _ = gguf_config_fields(reader, "gemma3", rope_theta=DEFAULT_THETA[FULL], head_dim=256)
+    layers, head_dim = kw["num_hidden_layers"], kw["head_dim"]
     if int(meta("attention.value_length", head_dim)) != head_dim:
         raise GGUFError("Gemma 3 with different key and value lengths is not supported")
-    window = int(meta("attention.sliding_window"))
     pattern = meta("attention.sliding_window_pattern", None)
     if pattern is None:  # not in the metadata: the architecture's rule (llama.cpp's and transformers')
         pattern = DEFAULTS["sliding_window_pattern"]
@@ -261,67 +242,10 @@ def gemma3_config_from_gguf(reader, field, eos_ids, float_types):
         types = [SLIDING if p else FULL for p in pattern]
     else:
         types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(layers)]
-    full = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", DEFAULT_THETA[FULL]))}
-    scaling = meta("rope.scaling.type", None)
-    if scaling == "linear":
-        full.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
-    elif scaling not in (None, "none"):
-        raise GGUFError(f"unsupported GGUF rope scaling {scaling!r} for gemma3 (supported: none, linear)")
     local = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base_swa", DEFAULT_THETA[SLIDING]))}
-    types_2d = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     config = Gemma3TextConfig(
-        vocab_size=int(meta("vocab_size", None) or int(embed.shape[1])), hidden_size=int(meta("embedding_length")),
-        intermediate_size=int(meta("feed_forward_length")), num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(meta("context_length")), sliding_window=window, layer_types=types,
-        query_pre_attn_scalar=head_dim, tie_word_embeddings="output.weight" not in tensors,
-        final_logit_softcapping=meta("final_logit_softcapping", None),
-        bos_token_id=field("tokenizer.ggml.bos_token_id", None), eos_token_id=eos_ids,
-        pad_token_id=field("tokenizer.ggml.padding_token_id", None), architectures=["Gemma3ForCausalLM"],
-        dtype="bfloat16" if types_2d - set(float_types) else {"F32": "float32", "F16": "float16",
-                                                                 "BF16": "bfloat16"}[embed.tensor_type.name],
-    )
+        **kw, sliding_window=int(meta("attention.sliding_window")), layer_types=types,
+        query_pre_attn_scalar=head_dim, final_logit_softcapping=meta("final_logit_softcapping", None),
+        architectures=["Gemma3ForCausalLM"])
     config.rope_parameters = {FULL: full, SLIDING: local}  # after: the constructor's may be rewritten
     return config
-
-
-def load_gemma3_gguf(gguf_path: Path, arch: Gemma3Architecture, dtype: torch.dtype, device: torch.device,
-                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
-                     native_kernels: bool | None = None, activations: str = "int16",
-                     group_kernels: bool = False) -> Gemma3ForCausalLM:
-    """Build Gemma 3 from a GGUF file's tensors (never materializing random weights): every format
-    the native GGUF kernels read stays as the file's blocks when ``keep_quantized`` (else all is
-    dequantized to ``dtype``); norms as float. ``activations``: the GGUF kernels' activation
-    precision (``int16`` or ``int8``; the LM head takes int16)."""
-    from pagedserve.models.gguf import (_Part, finish_gguf_model, gguf_builder, load_embedding_and_head,
-                                        open_gguf_tensors)
-    from pagedserve.models.meta import meta_without_init
-
-    b = gguf_builder(open_gguf_tensors(gguf_path), arch, dtype, device, keep_quantized, permuted=False,
-                     native_kernels=native_kernels, packed_for_cpu=None, group_kernels=group_kernels)
-    a = arch
-    hq, hkv, hd, h = a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size
-    with torch.device(device):
-        rotary = (RotaryEmbedding(a, max_positions), RotaryEmbedding(a.local_rope(), max_positions))
-    with meta_without_init():
-        model = Gemma3ForCausalLM(a, max_positions, attention_backend, rotary=rotary)
-    norm = lambda name, size: nn.Parameter(b.float_tensor(name, (size,)))  # noqa: E731 - 1 + w, as stored
-    for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm.weight = norm(p + "attn_norm.weight", h)
-        layer.post_attention_layernorm.weight = norm(p + "post_attention_norm.weight", h)
-        layer.pre_feedforward_layernorm.weight = norm(p + "ffn_norm.weight", h)
-        layer.post_feedforward_layernorm.weight = norm(p + "post_ffw_norm.weight", h)
-        attn.q_norm.weight = norm(p + "attn_q_norm.weight", hd)
-        attn.k_norm.weight = norm(p + "attn_k_norm.weight", hd)
-        attn.qkv_proj = b.linear([_Part(b.get(p + f"attn_{x}.weight")) for x in "qkv"], [hq * hd, hkv * hd, hkv * hd],
-                                 h)
-        attn.o_proj = b.linear([_Part(b.get(p + "attn_output.weight"))], [h], hq * hd)
-        mlp.gate_up_proj = b.linear([_Part(b.get(p + "ffn_gate.weight")), _Part(b.get(p + "ffn_up.weight"))],
-                                    [a.intermediate_size] * 2, h)
-        mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [h], a.intermediate_size)
-    model.norm.weight = norm("output_norm.weight", h)
-    load_embedding_and_head(model, b, dtype)
-    return finish_gguf_model(model, b, gguf_path, dtype, activations)

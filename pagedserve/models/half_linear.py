@@ -44,8 +44,7 @@ class HalfWeightLinear(nn.Module):
     """``y = x Wᵀ + b`` in float32 with ``W`` stored float16 or bfloat16 (``[out, in]``, row-major)
     and the bias float32; ``ops`` is the native kernels' namespace (``None``: torch only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, ops=None,
-                 max_kernel_rows: int = KERNEL_MAX_ROWS):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, ops=None):
         super().__init__()
         if dtype not in DECODE_WEIGHT_DTYPES.values():
             raise ValueError(f"HalfWeightLinear stores float16 or bfloat16, not {dtype}")
@@ -58,7 +57,7 @@ class HalfWeightLinear(nn.Module):
         self.register_buffer("weight", stored)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.ops = ops
-        self.max_kernel_rows = max_kernel_rows
+        self.max_kernel_rows = KERNEL_MAX_ROWS
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, ops=None) -> "HalfWeightLinear":

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend
+from pagedserve.models.meta import meta_without_init
 from pagedserve.models.native_decode import NativeDecode
 
 
@@ -55,9 +56,7 @@ class ModelArchitecture:
         rope_theta = float(rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = getattr(cfg, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-            window = None
-        if model_type == "qwen3" and not getattr(cfg, "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
         return cls(
             model_type=model_type,
@@ -82,12 +81,11 @@ class ModelArchitecture:
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
-def rope_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, with ``llama3`` or ``linear`` scaling applied."""
-    dim = arch.head_dim
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies per rotary pair of a ``dim``-wide head, with ``llama3`` or ``linear`` scaling applied."""
     # float32 throughout, as transformers computes it, so positions rotate bit-for-bit alike.
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling or {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return inv_freq
@@ -113,7 +111,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(arch)
+        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -214,7 +212,14 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm and the residual stream after it (the first layer's is the embeddings)."""
+    return (norm(x), x) if residual is None else norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
+    GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # blk.<i>.<name>.weight
+
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -224,11 +229,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
-        if residual is None:  # the first layer: the embeddings are the residual stream
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = input_norm(self.input_layernorm, x, residual)
         a = self.self_attn(h, positions, kv, meta, backend)
         h, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(h), residual
@@ -244,13 +245,32 @@ class LlamaForCausalLM(nn.Module):
         seconds)."""
         super().__init__()
         self.arch = arch
-        rotary = rotary if rotary is not None else RotaryEmbedding(arch, max_positions)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.layers = self.build_layers(arch, max_positions, rotary)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = load_attention_backend(attention_backend)
         self.native_decode: NativeDecode | None = None  # set by enable_native_decode
+
+    @classmethod
+    def on_meta(cls, arch: ModelArchitecture, max_positions: int, attention_backend: str,
+                device: torch.device) -> "LlamaForCausalLM":
+        """The model with its weights on the meta device, never initialized (the loader fills every
+        one), and its rotary tables (the one thing no checkpoint holds) computed for real on
+        ``device``: on meta they would go through torch's reference ops, importing torch._dynamo."""
+        with torch.device(device):
+            rotary = cls.rotary_tables(arch, max_positions)
+        with meta_without_init():
+            return cls(arch, max_positions, attention_backend, rotary=rotary)
+
+    @staticmethod
+    def rotary_tables(arch: ModelArchitecture, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(arch, max_positions)
+
+    def build_layers(self, arch: ModelArchitecture, max_positions: int,
+                     rotary: RotaryEmbedding | None) -> nn.ModuleList:
+        rotary = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
+        return nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -265,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_ops(self, ops) -> None:
         """Route norms, rotary embedding and SiLU-and-multiply through ``ops`` (the
-        ``torch.ops.pagedserve`` kernels, CPU only), or back to torch with ``None``."""
+        ``torch.ops.pagedserve`` kernels, CPU only), or back to torch with ``None`` (an MLP whose
+        forward computes another activation, Gemma 3's GeGLU, does not read them)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
                 m.ops = ops

@@ -15,8 +15,7 @@ from pagedserve.models.gemma3 import Gemma3Architecture
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
 from pagedserve.models.hf_config import HFConfig, read_hf_config
-from pagedserve.models.meta import meta_without_init
-from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, RotaryEmbedding
+from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
 
@@ -179,12 +178,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         raise ValueError(f"{model_dir}: Gemma 3 loads from its GGUF file only (--model gemma-3-270m, or a .gguf path)")
     else:
         # Built on the meta device and filled by assignment: no random initialization of weights
-        # the checkpoint replaces anyway. The rotary tables, the one thing not in a checkpoint, are
-        # built for real (float32, then through the model's dtype as before: same values).
-        with torch.device(device):
-            rotary = RotaryEmbedding(arch, max_positions)
-        with meta_without_init():
-            model = LlamaForCausalLM(arch, max_positions, attention_backend, rotary=rotary)
+        # the checkpoint replaces anyway (the rotary tables: float32, then the model's dtype as before).
+        model = LlamaForCausalLM.on_meta(arch, max_positions, attention_backend, device)
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
         checkpoint_dtype = _checkpoint_dtype(state)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

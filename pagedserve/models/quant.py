@@ -37,10 +37,6 @@ _INT4_INNER_K_TILES = 2  # the CPU packing's tile parameter (K must be a multipl
 _NATIVE_MAX_ROWS = 48
 
 
-def _use_cpu_kernels(device: torch.device) -> bool:
-    return device.type == "cpu"
-
-
 def group_kernel_ops(ops, device: torch.device, group_size: int) -> object | None:
     """``ops`` (the native kernels, or None) when the group-of-32 kernels can serve a layer on ``device``.
 
@@ -186,7 +182,7 @@ class Int4Linear(nn.Module):
         w = linear.weight.detach()
         q, scales, zeros = quantize_int4_groups(w, group_size)
         if packed_for_cpu is None:
-            packed_for_cpu = _use_cpu_kernels(w.device)
+            packed_for_cpu = w.device.type == "cpu"
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu, group_ops)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,13 +80,24 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
 def shared_tokenizer_dir(vocab_size: int = 32000) -> Path:
     """The stdlib BPE tokenizer with ``vocab_size`` tokens, trained once per cache (the default one
     is copied into every standard model; the trained model uses a smaller one)."""
-    out = cache_dir() / f"tokenizer-bpe-{vocab_size}"
-    if not (out / "tokenizer.json").exists():
+    def build(tmp: Path) -> None:
+        logger.info("training the BPE tokenizer (vocab %d) on the stdlib sources", vocab_size)
+        train_tokenizer(tmp, vocab_size=vocab_size)
+
+    return build_once(cache_dir() / f"tokenizer-bpe-{vocab_size}", "tokenizer.json", build)
+
+
+def build_once(out: Path, marker: str, build: Callable[[Path], object]) -> Path:
+    """``out``, built on first use by ``build(tmp)`` into a sibling directory that is then renamed
+    into place, so a reader never sees half of it; once across processes (a file lock). ``marker``:
+    the file whose presence means ``out`` is complete."""
+    if not (out / marker).exists():
         with _build_lock(out):
-            if not (out / "tokenizer.json").exists():
-                logger.info("training the BPE tokenizer (vocab %d) on the stdlib sources", vocab_size)
+            if not (out / marker).exists():
                 tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-                train_tokenizer(tmp, vocab_size=vocab_size)
+                shutil.rmtree(tmp, ignore_errors=True)
+                build(tmp)
+                shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no marker)
                 tmp.rename(out)
     return out
 
@@ -126,8 +139,6 @@ def standard_hf_config(name: str):
 
 def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     """Write the named standard checkpoint (bf16 safetensors + tokenizer) into ``out_dir``."""
-    import shutil
-
     import torch
     from transformers import LlamaForCausalLM
 
@@ -147,15 +158,11 @@ def ensure_standard_model(name: str) -> Path:
     """The cached directory of a standard model, built on first use."""
     if name not in STANDARD_MODELS:
         raise ValueError(f"unknown standard model {name!r}; choose from {sorted(STANDARD_MODELS)}")
-    out = cache_dir() / "models" / name
-    if not (out / "config.json").exists():
-        with _build_lock(out):
-            if not (out / "config.json").exists():
-                logger.info("building the standard %r random-weight model in %s (first use)", name, out)
-                tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-                build_standard_model(name, tmp)
-                tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        logger.info("building the standard %r random-weight model in %s (first use)", name, tmp.parent)
+        build_standard_model(name, tmp)
+
+    return build_once(cache_dir() / "models" / name, "config.json", build)
 
 
 def is_random_weight_model(model_dir: Path) -> bool:

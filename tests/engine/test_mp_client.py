@@ -12,12 +12,18 @@ import torch
 
 from pagedserve import errors
 from pagedserve.config import EngineConfig
-from pagedserve.engine.frontend.mp_client import EngineStartupError, MPEngineClient, start_core_process
+from pagedserve.engine.frontend.core_launch import EngineStartupError, spawn_core_process
+from pagedserve.engine.frontend.mp_client import MPEngineClient
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.checkpoints import load_hf
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def start_core_process(config: EngineConfig):
+    """Spawn the core and wait until it has loaded the model (or failed to)."""
+    return spawn_core_process(config).wait_ready()
 
 
 def _hf_greedy(hf, prompt: list[int]) -> list[int]:

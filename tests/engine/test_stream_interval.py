@@ -153,7 +153,8 @@ def test_abort_counts_the_held_back_tokens_as_generated(tiny_model_dir):
     metrics = ServerMetrics("tiny", engine.stats)
 
     async def main() -> int:
-        ae = AsyncEngine(engine.core, observer=metrics)
+        ae = AsyncEngine(engine.core)
+        ae.observer = metrics
         await ae.start()
         stream = await ae.add_request("a", engine.tokenize(PROMPT), SamplingParams(max_tokens=4000, ignore_eos=True))
         first = await stream.__anext__()

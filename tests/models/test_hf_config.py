@@ -63,7 +63,7 @@ def model_dirs(tiny_model_dir, smollm2_gguf, tmp_path_factory) -> dict[str, Path
     model's prepared GGUF directory, each parity-test architecture, the trained toy, and the
     hand-written configs above."""
     from pagedserve.models.gguf import prepare_gguf_dir
-    from pagedserve.models.trained import DEFAULT_SPEC, _hf_config
+    from pagedserve.bench.trained import DEFAULT_SPEC, _hf_config
 
     root = tmp_path_factory.mktemp("configs")
     dirs = {"tiny": tiny_model_dir, "smollm2-gguf": prepare_gguf_dir(smollm2_gguf)}
@@ -102,7 +102,7 @@ def test_light_config_refuses_what_the_engine_cannot_run_in_one_line(tmp_path):
 def test_eos_ids_from_files_equal_transformers(tiny_model_dir, smollm2_gguf, tmp_path):
     from pagedserve.models.eos import eos_ids_from_files
     from pagedserve.models.gguf import prepare_gguf_dir
-    from pagedserve.models.trained import DEFAULT_SPEC, trained_model_dir
+    from pagedserve.bench.trained import DEFAULT_SPEC, trained_model_dir
 
     # The shared BPE tokenizer is what every standard model and parity checkpoint copies; here with
     # a generation config naming two ids, and once with none at all.

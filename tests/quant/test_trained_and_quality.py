@@ -13,7 +13,7 @@ from pagedserve.bench import quality
 from pagedserve.config import EngineConfig
 from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.models.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
+from pagedserve.bench.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
 
 SPEC = TrainSpec(name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                  context_len=64, batch_size=4, steps=20, warmup_steps=2, learning_rate=3e-3, max_seconds=None)

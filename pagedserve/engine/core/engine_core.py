@@ -51,15 +51,12 @@ class EngineCore:
         parts = build_core(config)
         self.parts = parts
         self.config, self.device, self.arch, self.dtype = parts.config, parts.device, parts.arch, parts.dtype
-        self.model_name, self.model_dir, self.tokenizer_source = parts.config.model, parts.model_dir, \
-            parts.tokenizer_source
-        self.eos_token_ids, self.weight_bytes = parts.eos_token_ids, parts.weight_bytes
+        self.tokenizer_source, self.weight_bytes = parts.tokenizer_source, parts.weight_bytes
         self.num_kv_blocks, self.kv_bytes_per_token, self.kv_dtype = parts.kv.num_blocks, parts.kv.bytes_per_token, \
             parts.kv.dtype
         self.block_manager, self.scheduler, self.runner = parts.block_manager, parts.scheduler, parts.runner
-        self.kv_event_log, self.kv_event_publisher = parts.kv_event_log, parts.kv_event_publisher
-        self.grammars = parts.grammars
-        self.assembler = OutputAssembler(self.config, self.scheduler, self.grammars, self.eos_token_ids, self.device,
+        self.kv_event_publisher, self.grammars = parts.kv_event_publisher, parts.grammars
+        self.assembler = OutputAssembler(self.config, self.scheduler, self.grammars, parts.eos_token_ids, self.device,
                                          self._fault_point)
         self.requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (on the compiler's thread):
@@ -128,10 +125,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def has_request(self, request_id: str) -> bool:
-        """True while the request is in the engine (waiting, compiling or running)."""
-        return request_id in self.requests
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """Run one scheduled batch and return the outputs of every request it advanced.
@@ -175,8 +168,8 @@ class EngineCore:
     def publish_kv_events(self) -> None:
         """Send what the prefix cache gained and lost since the last call, as one batch (the step
         calls it; so may whoever resets the cache between steps). A no-op with events off."""
-        if self.kv_event_publisher is not None and self.kv_event_log is not None:
-            events = self.kv_event_log.take()
+        if self.kv_event_publisher is not None and self.parts.kv_event_log is not None:
+            events = self.parts.kv_event_log.take()
             if events:
                 self.kv_event_publisher.publish(events)
 

@@ -41,8 +41,7 @@ def binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """Publishes :class:`KVEventBatch` es; create it in the engine, :meth:`shutdown` it when done."""
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
-        self._rank = data_parallel_rank
+    def __init__(self, config: KVEventsConfig):
         self._topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
@@ -74,7 +73,7 @@ class ZmqEventPublisher:
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Hand one step's events to the thread (non-blocking; dropped with a warning if it is behind)."""
-        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank)
+        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)  # one engine, no data parallelism
         seq = next(self._seq)
         self.published = seq + 1
         try:

@@ -128,7 +128,7 @@ class CoreLoop:
             return  # not this front's request (already ended, or another front's of the same id)
         if self.core.abort(cmd.request_id, cmd.index) and cmd.index is None:
             self._batches[front].aborted.append(cmd.request_id)
-        if not self.core.has_request(cmd.request_id):
+        if cmd.request_id not in self.core.requests:  # gone (waiting, compiling or running no more)
             del self.owner[cmd.request_id]
 
     def _add(self, front: int, cmd: AddRequest) -> None:

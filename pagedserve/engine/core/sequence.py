@@ -113,10 +113,6 @@ class Sequence:
         return (self.request.priority, self.request.arrival_time, self.seq_id)
 
     @property
-    def prefix_extra(self) -> str | None:
-        return self.request.cache_salt
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

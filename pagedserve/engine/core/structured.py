@@ -161,7 +161,3 @@ class GrammarCompiler:
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=rows)
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)

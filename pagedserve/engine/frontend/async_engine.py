@@ -20,12 +20,13 @@ embedders and Ray replicas use this one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.frontend.client import EngineDeadError, StepObserver
+from pagedserve.engine.frontend.client import EngineDeadError
 from pagedserve.engine.frontend.core_client import CoreClient
 from pagedserve.engine.core.loop import CoreLoop
 from pagedserve.engine.wire import AddRequest, Command, CoreBatch, Shutdown
@@ -33,8 +34,6 @@ from pagedserve.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.engine_core import EngineCore
-
-__all__ = ["AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +86,10 @@ class AsyncEngine(CoreClient):
     (the server's lifespan). All public methods are called from that event loop.
     """
 
-    def __init__(self, core: EngineCore, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None):
-        super().__init__(core.facts(), load_tokenizer(core.tokenizer_source), observer, log_requests, on_death)
+    def __init__(self, core: EngineCore, log_requests: bool = False):
+        super().__init__(core.facts(), load_tokenizer(core.tokenizer_source), log_requests)
         self.core = core
-        self._transport = _ThreadTransport(self._from_core)
+        self._transport = _ThreadTransport(functools.partial(self._call_soon, self._handle))  # on the step thread
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -123,9 +121,6 @@ class AsyncEngine(CoreClient):
             future = self._admissions.pop(command.request_id, None)
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError("the engine is not running"))
-
-    def _from_core(self, batch: CoreBatch) -> None:  # on the step thread
-        self._call_soon(self._handle, batch)
 
     def _call_soon(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
         if self._loop is not None and not self._loop.is_closed():

@@ -12,8 +12,8 @@
 ```
 
 Two implementations with this one interface, built by :mod:`pagedserve.engine.frontend.factory`; both
-are a :class:`~pagedserve.engine.frontend.core_client.CoreClient` (the output processor on the server's
-event loop) over the one core loop (:mod:`pagedserve.engine.core.loop`):
+are a :class:`~pagedserve.engine.frontend.core_client.CoreClient` (the streams, the output processor
+on the server's event loop, the load report) over the one core loop (:mod:`pagedserve.engine.core.loop`):
 
 - :class:`~pagedserve.engine.frontend.async_engine.AsyncEngine` — in-process: the core loop on a step
   thread of the server's own process. For tests, embedding and Ray replicas; it shares the
@@ -29,20 +29,21 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import collections
 import logging
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve import errors
 from pagedserve.engine.block_map import BlockMap
 from pagedserve.engine.wire import ModelFacts
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.frontend.core_client import CoreClient
 
 logger = logging.getLogger(__name__)
 # log_requests writes here: one key=value line per finished request, easy to grep or parse.
@@ -105,7 +106,7 @@ class RequestStream:
     way the consumer stops. An output carrying an error raises :class:`RequestFailed`.
     """
 
-    def __init__(self, request_id: str, client: StreamingClient, priority: int = 0):
+    def __init__(self, request_id: str, client: CoreClient, priority: int = 0):
         self.request_id = request_id
         self.priority = priority
         self._client = client
@@ -227,108 +228,6 @@ class EngineClient(abc.ABC):
         it when the server is going down anyway): no engine process outlives the server."""
 
 
-class StreamingClient(EngineClient):
-    """What both clients share: the per-request streams, their delivery, the load report."""
-
-    def __init__(self, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None):
-        self.observer = observer
-        self.on_death = on_death
-        self.log_requests = log_requests  # one request_log line per request that runs to its end
-        self.dead_error: BaseException | None = None
-        self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)
-        self._streams: dict[str, RequestStream] = {}
-        self._accepting = True
-        # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.
-        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._recent_e2e: collections.deque[float] = collections.deque(maxlen=64)
-        self._rates_from_stats = False  # True: a subclass feeds _record_rates itself (not per delivery)
-
-    def _check_accepting(self, request_id: str) -> RequestStream:
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
-        if not self._accepting:
-            raise EngineDeadError("the server is shutting down; send the request to another replica")
-        if request_id in self._streams:
-            raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
-        return RequestStream(request_id, self)
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        stream._put(_END)
-        self._abort_in_engine(request_id)
-
-    @abc.abstractmethod
-    def _abort_in_engine(self, request_id: str) -> None:
-        """Tell the engine to drop a request whose stream was just closed."""
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a batch of outputs to their streams (on the event loop); feed the rates and observer."""
-        now = time.monotonic()
-        new_tokens = finished = 0
-        for out in outputs:
-            new_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
-            if out.finished:
-                finished += 1
-                self._recent_e2e.append(now - out.metrics.arrival_time)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:  # None: aborted meanwhile, the output is dropped
-                stream._put(out)
-                if out.finished and self.log_requests and out.error is None:
-                    _log_finished(out, stream.priority)
-        if not self._rates_from_stats:
-            self._record_rates(now, new_tokens, finished)
-        if self.observer is not None:
-            self.observer.on_outputs(outputs, now)
-
-    def _record_rates(self, now: float, new_tokens: int, finished: int) -> None:
-        self._history.append((now, new_tokens, finished))
-        while self._history and now - self._history[0][0] > RATE_WINDOW_S:
-            self._history.popleft()
-
-    def _fail_streams(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            stream._put(error)
-        self._streams.clear()
-
-    async def _drain(self, drain_timeout_s: float) -> None:
-        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest."""
-        self._accepting = False
-        deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline and self.dead_error is None:
-            await asyncio.sleep(0.02)
-        for request_id in list(self._streams):
-            self.abort(request_id)
-
-    def load(self) -> LoadReport:
-        s = self.stats()
-        now = time.monotonic()
-        history = [h for h in list(self._history) if now - h[0] <= RATE_WINDOW_S]
-        span = max(now - history[0][0], 1.0) if history else RATE_WINDOW_S
-        tokens_per_s = sum(h[1] for h in history) / span if history else 0.0
-        finished_per_s = sum(h[2] for h in history) / span if history else 0.0
-        return LoadReport(
-            running=s.num_running,
-            waiting=s.num_waiting,
-            max_num_seqs=s.max_num_seqs,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_cached=s.kv_blocks_cached_free,
-            kv_blocks_total=s.kv_blocks_total,
-            kv_utilization=s.kv_utilization,
-            tokens_per_s=tokens_per_s,
-            est_queue_wait_s=self._estimate_queue_wait(s, finished_per_s),
-        )
-
-    def _estimate_queue_wait(self, s: EngineStats, finished_per_s: float) -> float:
-        mean_e2e = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
-        return queue_wait_estimate(s.num_running, s.num_waiting, s.max_num_seqs, finished_per_s, mean_e2e)
-
-
 def queue_wait_estimate(running: int, waiting: int, seats: int, finished_per_s: float, mean_e2e_s: float) -> float:
     """Queue wait for a request arriving now: the seats that must free up before it gets one,
     divided by the rate at which they do (Little's law); without a rate, recent requests' mean
@@ -357,7 +256,7 @@ class EngineTimes:
 
 
 def read_request_log(path: Path) -> dict[str, EngineTimes]:
-    """request id → its :class:`EngineTimes`, from the ``log_requests`` lines :func:`_log_finished`
+    """request id → its :class:`EngineTimes`, from the ``log_requests`` lines :func:`log_finished`
     writes (the format and its reader kept together)."""
     out = {}
     for line in path.read_text(errors="replace").splitlines():
@@ -369,7 +268,7 @@ def read_request_log(path: Path) -> dict[str, EngineTimes]:
     return out
 
 
-def _log_finished(out: RequestOutput, priority: int) -> None:
+def log_finished(out: RequestOutput, priority: int) -> None:
     """The ``log_requests`` line of a request that ran to its end (aborted ones are not logged)."""
     m = out.metrics
 

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.engine.frontend.client import EngineDeadError, RequestStream, StepObserver, StreamingClient
+from pagedserve import errors
+from pagedserve.engine.block_map import BlockMap
+from pagedserve.engine.frontend.client import (_END, RATE_WINDOW_S, EngineClient, EngineDeadError, LoadReport,
+                                               RequestStream, StepObserver, log_finished, queue_wait_estimate)
 from pagedserve.engine.frontend.output_processor import OutputProcessor
-from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.frontend.request_check import check_request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shutdown, WatchBlocks
@@ -33,27 +37,37 @@ from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shu
 logger = logging.getLogger(__name__)
 
 
-class CoreClient(StreamingClient):
-    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core.loop.CoreLoop`.
+class CoreClient(EngineClient):
+    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core.loop.CoreLoop`:
+    the per-request streams, their delivery, admissions, the output processor and the load report.
 
     All methods run on one event loop; :meth:`_handle` must be called there with every batch the
     core sends, and :meth:`_send` delivers a command to the core.
     """
 
-    def __init__(self, facts: ModelFacts, tokenizer: Any, observer: StepObserver | None = None,
-                 log_requests: bool = False, on_death: Callable[[], None] | None = None):
-        super().__init__(observer, log_requests, on_death)
+    def __init__(self, facts: ModelFacts, tokenizer: Any, log_requests: bool = False):
         self.facts = facts
         # The front end's tokenizer for the event loop (detokenization here, the text of logprobs in
         # the server); the server tokenizes prompts with others, on its worker thread.
         self.tokenizer = tokenizer
+        self.observer: StepObserver | None = None  # the server's metrics, set after construction
+        self.on_death: Callable[[], None] | None = None  # the server's exit, set after construction
+        self.log_requests = log_requests  # one request_log line per request that runs to its end
+        self.dead_error: BaseException | None = None
+        self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)
         self.output_processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, RequestStream] = {}
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._stats = idle_stats(facts)  # until the core's first stats arrive
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = True
         self._shutting_down = False
         self._dead = False  # for good: no restart follows
         self._watching_blocks = False
+        # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.
+        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._recent_e2e: collections.deque[float] = collections.deque(maxlen=64)
+        self._rates_from_stats = False  # True: the rates come from the core's counters (not per delivery)
         self._last_counts: tuple[int, int] | None = None
 
     @abc.abstractmethod
@@ -86,7 +100,23 @@ class CoreClient(StreamingClient):
             raise
         return stream
 
-    def _abort_in_engine(self, request_id: str) -> None:
+    def _check_accepting(self, request_id: str) -> RequestStream:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down; send the request to another replica")
+        if request_id in self._streams:
+            raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
+        return RequestStream(request_id, self)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream._put(_END)
         self.output_processor.abort(request_id)
         if self.dead_error is None and not self._shutting_down:
             self._send(Abort(request_id))
@@ -100,6 +130,21 @@ class CoreClient(StreamingClient):
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def load(self) -> LoadReport:
+        s = self.stats()
+        now = time.monotonic()
+        history = [h for h in list(self._history) if now - h[0] <= RATE_WINDOW_S]
+        span = max(now - history[0][0], 1.0) if history else RATE_WINDOW_S
+        tokens_per_s = sum(h[1] for h in history) / span if history else 0.0
+        finished_per_s = sum(h[2] for h in history) / span if history else 0.0
+        mean_e2e = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
+        return LoadReport(
+            running=s.num_running, waiting=s.num_waiting, max_num_seqs=s.max_num_seqs,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_cached=s.kv_blocks_cached_free,
+            kv_blocks_total=s.kv_blocks_total, kv_utilization=s.kv_utilization, tokens_per_s=tokens_per_s,
+            est_queue_wait_s=queue_wait_estimate(s.num_running, s.num_waiting, s.max_num_seqs, finished_per_s,
+                                                 mean_e2e))
 
     # ---- what the core sends ---------------------------------------------------------------
 
@@ -129,6 +174,30 @@ class CoreClient(StreamingClient):
             if processed.outputs:
                 self._deliver(processed.outputs)
 
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a batch of outputs to their streams (on the event loop); feed the rates and observer."""
+        now = time.monotonic()
+        new_tokens = finished = 0
+        for out in outputs:
+            new_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
+            if out.finished:
+                finished += 1
+                self._recent_e2e.append(now - out.metrics.arrival_time)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: aborted meanwhile, the output is dropped
+                stream._put(out)
+                if out.finished and self.log_requests and out.error is None:
+                    log_finished(out, stream.priority)
+        if not self._rates_from_stats:
+            self._record_rates(now, new_tokens, finished)
+        if self.observer is not None:
+            self.observer.on_outputs(outputs, now)
+
+    def _record_rates(self, now: float, new_tokens: int, finished: int) -> None:
+        self._history.append((now, new_tokens, finished))
+        while self._history and now - self._history[0][0] > RATE_WINDOW_S:
+            self._history.popleft()
+
     def _count_from_stats(self, s: EngineStats) -> None:
         """Feed /load's rate window from the core's cumulative counters (tokens sampled, requests ended)."""
         counts = (s.generation_tokens, s.ended_requests)
@@ -146,7 +215,18 @@ class CoreClient(StreamingClient):
                 future.set_exception(error)
         self._admissions.clear()
         self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
-        self._fail_streams(error)
+        for stream in list(self._streams.values()):
+            stream._put(error)
+        self._streams.clear()
+
+    async def _drain(self, drain_timeout_s: float) -> None:
+        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self.dead_error is None:
+            await asyncio.sleep(0.02)
+        for request_id in list(self._streams):
+            self.abort(request_id)
 
     def _die(self, error: EngineDeadError) -> None:
         """The core is gone for good: fail everything, tell the server (once)."""

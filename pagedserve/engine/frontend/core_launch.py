@@ -163,18 +163,10 @@ def spawn_core_process(config: EngineConfig, log_level: str = "info", num_fronts
     fault tests' seam (tests/helpers/faults.py), never set by the server itself."""
     socket_dir = tempfile.TemporaryDirectory(prefix="pagedserve-")
     addrs = [(f"ipc://{socket_dir.name}/input-{i}", f"ipc://{socket_dir.name}/output-{i}") for i in range(num_fronts)]
-    return _launch(config, log_level, addrs, socket_dir, core_factory)
+    return launch(config, log_level, addrs, socket_dir, core_factory)
 
 
-def respawn_core_process(dead: CoreProcess, config: EngineConfig, log_level: str = "info") -> CoreLaunch:
-    """Spawn a core in place of ``dead`` (``serve --restart-engine-core``): the same config and the
-    same socket addresses, which the front end still has bound, so its sockets simply take the new
-    core's connections. The new :class:`CoreProcess` shares ``dead``'s socket directory."""
-    dead.kill()  # reaped (it is dead already, or is made so: never two cores on one socket pair)
-    return _launch(config, log_level, dead.addrs, dead.socket_dir)
-
-
-def _launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],
+def launch(config: EngineConfig, log_level: str, addrs: list[tuple[str, str]],
             socket_dir: tempfile.TemporaryDirectory,
             core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> CoreLaunch:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads and locks

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreProcess, respawn_core_process
+from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreProcess, launch
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -56,8 +56,11 @@ class CoreRestarter:
     budget: RestartBudget = field(default_factory=RestartBudget)
 
     def respawn(self, dead: CoreProcess) -> CoreLaunch:
-        """Start loading a new core in place of ``dead`` (the caller spent the budget)."""
-        return respawn_core_process(dead, self.config, self.log_level)
+        """Start loading a new core in place of ``dead`` (the caller spent the budget): the same config
+        and the same socket addresses, which the front end still has bound, so its sockets simply take
+        the new core's connections. The new :class:`CoreProcess` shares ``dead``'s socket directory."""
+        dead.kill()  # reaped (it is dead already, or is made so: never two cores on one socket pair)
+        return launch(self.config, self.log_level, dead.addrs, dead.socket_dir)
 
 
 def describe_exit(code: int | None) -> str:

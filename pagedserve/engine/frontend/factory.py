@@ -30,10 +30,6 @@ if TYPE_CHECKING:
 # What builds the core in place of ``EngineCore(config)``: the fault tests' seam, never the server's.
 CoreFactory = Callable[["EngineConfig"], "EngineCore"]
 
-__all__ = ["CoreFactory", "CoreLaunch", "CoreLink", "CoreProcess", "EngineStartupError", "connect", "core_restarter",
-           "describe_exit", "die_with_parent", "in_process", "spawn_core_process"]
-
-
 def core_restarter(config: EngineConfig, log_level: str, max_restarts: int, window_s: float) -> CoreRestarter:
     """What replaces a dead core (``--restart-engine-core``): at most ``max_restarts`` per ``window_s``."""
     return CoreRestarter(config, log_level, RestartBudget(max_restarts, window_s))

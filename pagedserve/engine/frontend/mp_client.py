@@ -13,9 +13,10 @@ What both clients share (admissions, detokenization, streams, load) is
 :class:`~pagedserve.engine.frontend.core_client.CoreClient`'s; this module adds the sockets, the death
 watch and the restart of a dead core.
 
-The core is started with :func:`start_core_process` (blocking: it waits until the model is
-loaded, and raises :class:`EngineStartupError` with the core's own one-line reason if it is
-not), then the client attaches to it inside the event loop with :meth:`MPEngineClient.start`.
+The core is started with :func:`~pagedserve.engine.frontend.core_launch.spawn_core_process`;
+``CoreLaunch.wait_ready`` waits until the model is loaded (raising :class:`EngineStartupError`
+with the core's own one-line reason if it is not); then the client attaches to it inside the
+event loop with :meth:`MPEngineClient.start`.
 
 With ``num_fronts`` N > 1 (``serve --api-server-count N``) the core gets one socket pair per
 front end, and each front, in a process of its own, attaches through a :class:`CoreLink`: the
@@ -37,43 +38,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.config import EngineConfig
-from pagedserve.engine.frontend.client import EngineDeadError, RequestStream, StepObserver
+from pagedserve.engine.frontend.client import EngineDeadError, RequestStream
 from pagedserve.engine.frontend.core_client import CoreClient, idle_stats
-from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process
+from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess
 from pagedserve.engine.frontend.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
 from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 
-# CoreLink, CoreProcess and EngineStartupError live in core_launch (importable without the engine); named here too.
-__all__ = ["CoreLink", "CoreProcess", "EngineStartupError", "MPEngineClient", "start_core_process"]
-
 logger = logging.getLogger(__name__)
-
-
-def start_core_process(config: EngineConfig, log_level: str = "info", num_fronts: int = 1) -> CoreProcess:
-    """Spawn the core and wait until it has loaded the model (or failed to). The server spawns it
-    with :func:`~pagedserve.engine.frontend.core_launch.spawn_core_process` instead, to load its own side
-    meanwhile. ``num_fronts``: how many front ends will attach (one socket pair each; see
-    :meth:`CoreProcess.link`)."""
-    return spawn_core_process(config, log_level, num_fronts).wait_ready()
 
 
 class MPEngineClient(CoreClient):
     """The :class:`EngineClient` over a core process: the ZMQ transport, the death watch and the
     restart of a dead core. All methods run on one event loop."""
 
-    def __init__(self, core: CoreProcess | CoreLink, observer: StepObserver | None = None, log_requests: bool = False,
-                 on_death: Callable[[], None] | None = None, restarter: CoreRestarter | None = None,
+    def __init__(self, core: CoreProcess | CoreLink, log_requests: bool = False, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
-        super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), observer, log_requests,
-                         on_death)
+        super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), log_requests)
         self.core = core
         if restarter is not None and not core.owned:
             raise ValueError("only the client that started the engine core can restart it")

@@ -11,6 +11,9 @@ The tokenizer is the standard byte-level BPE recipe (``standard.train_tokenizer`
 vocabulary: with 32,000 the output layer and its softmax dominate every training step on a CPU
 (measured ~12 s per 4,096-token step on 2 cores, against ~1 s here).
 
+It is bench tooling (``bench quality``, ``bench train-model``), not a model the engine implements:
+the engine never imports it, it loads the checkpoint it writes like any other.
+
 The result is cached under ``$PAGEDSERVE_CACHE/models/trained-<name>`` after the first run
 (a few minutes on 2 CPU cores); ``ensure_trained_model()`` returns its directory.
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.models.standard import _build_lock, _stdlib_sources, cache_dir, shared_tokenizer_dir
+from pagedserve.models.standard import _stdlib_sources, build_once, cache_dir, shared_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -185,22 +187,16 @@ def trained_model_dir(spec: TrainSpec = DEFAULT_SPEC) -> Path:
 
 def ensure_trained_model(spec: TrainSpec = DEFAULT_SPEC, progress: bool = True) -> Path:
     """The cached trained checkpoint's directory, training it on first use (minutes on 2 cores)."""
-    out = trained_model_dir(spec)
-    if not (out / REPORT_FILE).exists():
-        with _build_lock(out):
-            if not (out / REPORT_FILE).exists():
-                logger.info("training %s on the stdlib sources into %s (first use)", spec.name, out)
-                tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-                train_model(spec, tmp, progress=progress)
-                if out.exists():
-                    shutil.rmtree(out)
-                tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        logger.info("training %s on the stdlib sources into %s (first use)", spec.name, trained_model_dir(spec))
+        train_model(spec, tmp, progress=progress)
+
+    return build_once(trained_model_dir(spec), REPORT_FILE, build)
 
 
 def load_heldout_tokens(model_dir: Path) -> torch.Tensor:
     """The held-out token stream saved beside a trained checkpoint."""
     path = Path(model_dir) / HELDOUT_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{model_dir} has no {HELDOUT_FILE}: it is not a model from pagedserve.models.trained")
+        raise FileNotFoundError(f"{model_dir} has no {HELDOUT_FILE}: it is not a model from pagedserve.bench.trained")
     return torch.load(path)
