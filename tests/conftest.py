@@ -58,9 +58,11 @@ def run_all(engine) -> dict:
 
 
 def assert_no_leaks(engine) -> None:
-    """Every request has ended: no block is referenced and the allocator's invariants hold."""
-    assert not engine.has_unfinished_requests()
-    bm = engine.core.block_manager
+    """Every request has ended: no block is referenced and the allocator's invariants hold.
+    ``engine``: an Engine, or an EngineCore driven without a front end."""
+    core = getattr(engine, "core", engine)
+    assert not core.has_unfinished_requests()
+    bm = core.block_manager
     bm.check_invariants()
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks leaked"
     assert not bm.tables

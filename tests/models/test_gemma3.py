@@ -160,9 +160,10 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
     (windows only masked); no block leaks either way."""
     import numpy as np
 
+    from pagedserve.config import EngineConfig
     from pagedserve.engine.block_map import OWNED, SHARED
     from pagedserve.engine.core.block_map_feed import build_block_map, split_group_bits
-    from pagedserve.engine.frontend.llm import LLM
+    from pagedserve.engine.core.engine_core import EngineCore
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.kv.sizing import window_blocks
 
@@ -171,24 +172,28 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
     # 20 tokens (once 24) are enough: the decode writes positions 530-548, across the point where each
     # window group gives a block back (543) and takes the next (544), with five steps after it.
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    tokens = {}
+    tokens: dict[tuple[bool, str], list[int]] = {}
     for free in (True, False):
-        engine = LLM(str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048, max_num_batched_tokens=256,
-                     free_window_blocks=free).engine
-        bm = engine.core.block_manager
+        # The engine core alone, token ids in and out: the front end would only add a tokenizer, and
+        # Gemma 3's (transformers', 262k tokens) took seconds to load for each engine.
+        core = EngineCore(EngineConfig(model=str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048,
+                                       max_num_batched_tokens=256, free_window_blocks=free))
+        bm = core.block_manager
         window_use = []
         for run in ("cold", "warm") if free else ("cold",):
-            engine.add_request(run, prompt, params)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        tokens[free, run] = out.outputs[0].token_ids
-                if free and engine.core.scheduler.running and engine.core.scheduler.running[0].num_computed_tokens >= 530:
+            core.add_request(run, prompt, params)
+            got = tokens[free, run] = []
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    assert out.error is None, out.error
+                    got += [t for seq in out.seqs for t in seq.token_ids]
+                if free and core.scheduler.running and core.scheduler.running[0].num_computed_tokens >= 530:
                     window_use.append(bm.group_blocks_in_use(window=True))
                     if len(window_use) == 1:  # the dashboard's block map owns every group's blocks
-                        state = split_group_bits(np.frombuffer(build_block_map(engine.core).state, np.uint8))[0]
+                        state = split_group_bits(np.frombuffer(build_block_map(core).state, np.uint8))[0]
                         assert int(np.isin(state, (OWNED, SHARED)).sum()) == bm.num_used_blocks
-        assert_no_leaks(engine)
+            assert len(got) == 20, (free, run, got)
+        assert_no_leaks(core)
         if free:
             assert bm.prefix_hit_tokens >= 512
             assert max(window_use) <= 5 * window_blocks(512, 16)
