@@ -58,9 +58,11 @@ def run_all(engine) -> dict:
 
 
 def assert_no_leaks(engine) -> None:
-    """Every request has ended: no block is referenced and the allocator's invariants hold."""
-    assert not engine.has_unfinished_requests()
-    bm = engine.core.block_manager
+    """Every request has ended: no block is referenced and the allocator's invariants hold.
+    ``engine``: an Engine, or an EngineCore driven without a front end."""
+    core = getattr(engine, "core", engine)
+    assert not core.has_unfinished_requests()
+    bm = core.block_manager
     bm.check_invariants()
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks leaked"
     assert not bm.tables
@@ -167,6 +169,24 @@ def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServ
         assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
+# The API key the SDK server demands (as Bearer or x-api-key) and how long it keeps a stored response.
+SDK_SERVER_KEY = "sk-sdk-test"
+SDK_SERVER_RESPONSE_TTL_S = 8  # long enough for a conversation's turns, short enough to watch one expire
+
+
+@pytest.fixture(scope="session")
+def sdk_server(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A tiny server for the tests that drive it through the official SDKs (Anthropic's Messages,
+    OpenAI's Responses): its model served as ``tiny``, an API key (the Anthropic SDK sends it as
+    x-api-key, the OpenAI SDK as Bearer) and a short TTL for stored responses. The shared server
+    has neither flag, and one start serves both APIs' tests."""
+    with run_engine_server(tiny_model_dir, "--max-model-len", "512", "--num-kv-blocks", "256",
+                           "--api-key", SDK_SERVER_KEY, "--served-model-name", "tiny",
+                           "--response-ttl", str(SDK_SERVER_RESPONSE_TTL_S), "--log-level", "warning",
+                           timeout=120) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def model_name(server_url: str) -> str:
     """The name the shared server serves its model under."""
@@ -175,10 +195,12 @@ def model_name(server_url: str) -> str:
 
 @pytest.fixture(autouse=True)
 def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test that talked to the shared server must leave it with 0 KV blocks used."""
+    """Every test that talked to the shared server or the SDK server, whether through an SDK or raw
+    HTTP, must leave it with 0 KV blocks used (a leak fails the test that caused it, not a later one)."""
     yield
-    if "server_url" in request.fixturenames:
-        url = request.getfixturevalue("server_url")
-        load = wait_for_idle(url)
-        assert load["kv_blocks_used"] == 0, f"KV blocks leaked after {request.node.name}: {load}"
-        assert load["running"] == 0 and load["waiting"] == 0, load
+    for server in ("server_url", "sdk_server"):
+        if server in request.fixturenames:
+            url = request.getfixturevalue(server)
+            load = wait_for_idle(url, timeout=15)
+            assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {server} after {request.node.name}: {load}"
+            assert load["running"] == 0 and load["waiting"] == 0, load

@@ -11,6 +11,7 @@ import pytest
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_map import CACHED, FREE, OWNED, SHARED
 from pagedserve.engine.core.block_map_feed import build_block_map, split_group_bits
+from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks
@@ -19,9 +20,11 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_gemma3_gguf) -> Engine:  # type: ignore[no-untyped-def]
-    return Engine(EngineConfig(model=str(tiny_gemma3_gguf), num_kv_blocks=128, max_model_len=512,
-                               block_size=BLOCK, max_num_batched_tokens=64))
+def core(tiny_gemma3_gguf) -> EngineCore:  # type: ignore[no-untyped-def]
+    """The engine core alone, token ids in: a front end would only add Gemma 3's tokenizer
+    (transformers', 262k tokens), seconds to load and of no use here."""
+    return EngineCore(EngineConfig(model=str(tiny_gemma3_gguf), num_kv_blocks=128, max_model_len=512,
+                                   block_size=BLOCK, max_num_batched_tokens=64))
 
 
 def _per_group(snap) -> dict[tuple[int, bool], dict[str, int]]:  # type: ignore[no-untyped-def]
@@ -46,19 +49,19 @@ def _held(bm) -> dict[int, set[int]]:  # type: ignore[no-untyped-def]
     return held
 
 
-def test_each_groups_blocks_match_the_managers_tables_step_by_step(engine: Engine) -> None:
-    bm = engine.core.block_manager
+def test_each_groups_blocks_match_the_managers_tables_step_by_step(core: EngineCore) -> None:
+    bm = core.block_manager
     assert [g.window for g in bm.groups] == [None, 32, 32]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     prompts = {"a": list(range(100, 300)), "b": list(range(5000, 5090))}  # 200 and 90 tokens: past the window
     for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
+        core.add_request(rid, p, params)
     steps = 0
     window_below_full = False
-    while engine.has_unfinished_requests():
-        engine.step()
+    while core.has_unfinished_requests():
+        core.step()
         steps += 1
-        snap = build_block_map(engine.core)
+        snap = build_block_map(core)
         per_group, held = _per_group(snap), _held(bm)
         for g, blocks in held.items():
             assert per_group.get((g, g > 0), {"used": 0})["used"] == len(blocks), (steps, g)
@@ -70,11 +73,11 @@ def test_each_groups_blocks_match_the_managers_tables_step_by_step(engine: Engin
             window_below_full = True
     assert window_below_full, "the window groups never held fewer blocks than the full group"
     # Idle: every group cached the same full blocks of both sequences' computed tokens.
-    done = _per_group(build_block_map(engine.core))
+    done = _per_group(build_block_map(core))
     want = sum((len(p) + params.max_tokens - 1) // BLOCK for p in prompts.values())
     assert done == {(0, False): {"used": 0, "cached": want}, (1, True): {"used": 0, "cached": want},
                     (2, True): {"used": 0, "cached": want}}
-    assert_no_leaks(engine)
+    assert_no_leaks(core)
 
 
 def test_a_one_table_pool_has_no_group_marks(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

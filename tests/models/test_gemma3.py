@@ -134,59 +134,78 @@ def test_gemma3_matches_transformers_across_the_window(gemma3_gguf, prompts, tra
     """Dequantized float32 (transformers' reference precision): identical greedy tokens for
     prompts of 16, 530 and 1,100 tokens (across the window), every step's top-5 log-probabilities
     within 5e-4 of transformers' (measured: 4e-5); no KV block left behind."""
-    from pagedserve.engine.frontend.llm import LLM
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.core.engine_core import EngineCore
     from pagedserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(str(gemma3_gguf), dtype="float32", kv_cache_memory="160MiB", max_model_len=2048,
-              max_num_batched_tokens=1024)
+    # The engine core alone, token ids in and out: a front end would only add Gemma 3's tokenizer
+    # (transformers', 262k tokens), seconds to load and of no use here.
+    core = EngineCore(EngineConfig(model=str(gemma3_gguf), dtype="float32", kv_cache_memory="160MiB",
+                                   max_model_len=2048, max_num_batched_tokens=1024))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-    outs = llm.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    got: dict[str, tuple[list[int], list]] = {str(i): ([], []) for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.error is None, out.error
+            for seq in out.seqs:
+                got[out.request_id][0].extend(seq.token_ids)
+                got[out.request_id][1].extend(seq.logprobs or [])
     worst = 0.0
-    for out, (want, ref_logprobs) in zip(outs, transformers_reference["refs"]):
-        assert out.outputs[0].token_ids == want
-        for lp, ref in zip(out.outputs[0].logprobs, ref_logprobs):
+    for i, (want, ref_logprobs) in enumerate(transformers_reference["refs"]):
+        token_ids, logprobs = got[str(i)]
+        assert token_ids == want and len(logprobs) == NEW_TOKENS
+        for lp, ref in zip(logprobs, ref_logprobs):
             ids = torch.tensor([t for t, _ in lp.top])
             worst = max(worst, float((torch.tensor([v for _, v in lp.top]) - ref[ids]).abs().max()))
     assert worst < 5e-4, worst
-    assert_no_leaks(llm.engine)
+    assert_no_leaks(core)
 
 
 @pytest.mark.slow
 def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts):
-    """A 530-token prompt and 24 greedy tokens, then the same prompt again: with the window groups
+    """A 530-token prompt and 20 greedy tokens, then the same prompt again: with the window groups
     giving blocks back (kv/groups.py) the window groups hold at most 5 × 33 blocks once the prompt
     is in, flat while decoding, every group's blocks owned in the dashboard's block map; the second
     run hits the prefix cache in every group; the tokens are those of the one-table engine
     (windows only masked); no block leaks either way."""
     import numpy as np
 
+    from pagedserve.config import EngineConfig
     from pagedserve.engine.block_map import OWNED, SHARED
     from pagedserve.engine.core.block_map_feed import build_block_map, split_group_bits
-    from pagedserve.engine.frontend.llm import LLM
+    from pagedserve.engine.core.engine_core import EngineCore
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.kv.sizing import window_blocks
 
     prompt = prompts[1]
     assert len(prompt) == 530
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    tokens = {}
+    # 20 tokens (once 24) are enough: the decode writes positions 530-548, across the point where each
+    # window group gives a block back (543) and takes the next (544), with five steps after it.
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    tokens: dict[tuple[bool, str], list[int]] = {}
     for free in (True, False):
-        engine = LLM(str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048, max_num_batched_tokens=256,
-                     free_window_blocks=free).engine
-        bm = engine.core.block_manager
+        # The engine core alone, token ids in and out: the front end would only add a tokenizer, and
+        # Gemma 3's (transformers', 262k tokens) took seconds to load for each engine.
+        core = EngineCore(EngineConfig(model=str(gemma3_gguf), kv_cache_memory="48MiB", max_model_len=2048,
+                                       max_num_batched_tokens=256, free_window_blocks=free))
+        bm = core.block_manager
         window_use = []
         for run in ("cold", "warm") if free else ("cold",):
-            engine.add_request(run, prompt, params)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        tokens[free, run] = out.outputs[0].token_ids
-                if free and engine.core.scheduler.running and engine.core.scheduler.running[0].num_computed_tokens >= 530:
+            core.add_request(run, prompt, params)
+            got = tokens[free, run] = []
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    assert out.error is None, out.error
+                    got += [t for seq in out.seqs for t in seq.token_ids]
+                if free and core.scheduler.running and core.scheduler.running[0].num_computed_tokens >= 530:
                     window_use.append(bm.group_blocks_in_use(window=True))
                     if len(window_use) == 1:  # the dashboard's block map owns every group's blocks
-                        state = split_group_bits(np.frombuffer(build_block_map(engine.core).state, np.uint8))[0]
+                        state = split_group_bits(np.frombuffer(build_block_map(core).state, np.uint8))[0]
                         assert int(np.isin(state, (OWNED, SHARED)).sum()) == bm.num_used_blocks
-        assert_no_leaks(engine)
+            assert len(got) == 20, (free, run, got)
+        assert_no_leaks(core)
         if free:
             assert bm.prefix_hit_tokens >= 512
             assert max(window_use) <= 5 * window_blocks(512, 16)

@@ -12,34 +12,19 @@ import anthropic
 import httpx
 import pytest
 
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.conftest import SDK_SERVER_KEY as KEY
+from tests.helpers.servers import wait_for_idle
 from tests.server.test_disconnect import aborted_total
 
-KEY = "sk-anthropic-test"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
                             "required": ["city"], "additionalProperties": False}}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model_dir: Any) -> Iterator[str]:
-    with run_engine_server(tiny_model_dir, "--max-model-len", "512", "--num-kv-blocks", "256", "--api-key", KEY,
-                           "--served-model-name", "tiny", "--log-level", "warning", timeout=120) as u:
-        yield u
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(url: str) -> Iterator[None]:
-    """Every test, whether it used the SDK or raw HTTP, leaves the server with no KV block in use."""
-    yield
-    load = wait_for_idle(url, timeout=15)
-    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
-
-
 @pytest.fixture
-def client(url: str) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60) as c:
+def client(sdk_server: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=sdk_server, api_key=KEY, max_retries=0, timeout=60) as c:
         yield c
 
 
@@ -70,9 +55,9 @@ def test_stream_equals_non_streamed_and_prefix_cache_reads(client: anthropic.Ant
     assert total(final) == total(whole)
 
 
-def test_raw_event_sequence(url: str) -> None:
+def test_raw_event_sequence(sdk_server: str) -> None:
     body = {"model": "tiny", "max_tokens": 5, "stream": True, "messages": QUESTION}
-    with httpx.stream("POST", f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+    with httpx.stream("POST", f"{sdk_server}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
     assert events[:2] == ["message_start", "ping"]
@@ -129,7 +114,7 @@ def test_stop_sequence(client: anthropic.Anthropic) -> None:
     assert text.startswith(cut.content[0].text) and len(cut.content[0].text) < len(text)
 
 
-def test_count_tokens(client: anthropic.Anthropic, url: str) -> None:
+def test_count_tokens(client: anthropic.Anthropic, sdk_server: str) -> None:
     counted = client.messages.count_tokens(model="tiny", messages=QUESTION, system="Be brief.")
     msg = client.messages.create(model="tiny", max_tokens=1, messages=QUESTION, system="Be brief.")
     assert counted.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
@@ -137,8 +122,8 @@ def test_count_tokens(client: anthropic.Anthropic, url: str) -> None:
     assert with_tools.input_tokens > 0
 
 
-def test_bad_key_is_401_in_anthropic_shape(url: str) -> None:
-    with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as bad:
+def test_bad_key_is_401_in_anthropic_shape(sdk_server: str) -> None:
+    with anthropic.Anthropic(base_url=sdk_server, api_key="wrong", max_retries=0) as bad:
         with pytest.raises(anthropic.AuthenticationError) as e:
             bad.messages.create(model="tiny", max_tokens=4, messages=QUESTION)
     assert e.value.status_code == 401 and e.value.body["type"] == "error"  # type: ignore[index]
@@ -158,10 +143,10 @@ def test_bad_key_is_401_in_anthropic_shape(url: str) -> None:
     # This server has neither --enable-auto-tool-choice nor a template showing a tool-call format.
     ({"tool_choice": {"type": "auto"}, "tools": [WEATHER]}, "tool_choice"),
 ])
-def test_bad_fields_are_400_in_anthropic_shape(url: str, extra: dict[str, Any], field: str) -> None:
+def test_bad_fields_are_400_in_anthropic_shape(sdk_server: str, extra: dict[str, Any], field: str) -> None:
     body = {"model": "tiny", "max_tokens": 4, "messages": QUESTION, **extra}
-    r = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
-                   timeout=30)
+    r = httpx.post(f"{sdk_server}/v1/messages", json=body,
+                   headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}, timeout=30)
     assert r.status_code in (400, 404), r.text
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] in ("invalid_request_error", "not_found_error"), err
@@ -179,15 +164,15 @@ def test_sdk_raises_bad_request(client: anthropic.Anthropic) -> None:
     ("/v1/messages", {"model": "tiny", "max_tokens": 400, "stream": True, "messages": QUESTION}),
     ("/v1/responses", {"model": "tiny", "max_output_tokens": 400, "stream": True, "input": "Go on."}),
 ])
-def test_client_leaving_mid_stream_aborts_the_request(url: str, path: str, body: dict[str, Any]) -> None:
+def test_client_leaving_mid_stream_aborts_the_request(sdk_server: str, path: str, body: dict[str, Any]) -> None:
     """The translated stream keeps the chat stream's cleanup: the engine request is aborted (the
     autouse check then finds no KV block in use)."""
     headers = {"x-api-key": KEY, "content-type": "application/json"}
-    before = aborted_total(url)
-    with httpx.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=60) as r:
+    before = aborted_total(sdk_server)
+    with httpx.stream("POST", f"{sdk_server}{path}", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert any(line.startswith("data:") for line in (next(lines), next(lines)))
-    load = wait_for_idle(url, timeout=15)
+    load = wait_for_idle(sdk_server, timeout=15)
     assert load["running"] == 0 and load["kv_blocks_used"] == 0, load
-    assert aborted_total(url) == before + 1  # aborted, not run to its end
+    assert aborted_total(sdk_server) == before + 1  # aborted, not run to its end

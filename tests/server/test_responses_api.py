@@ -13,47 +13,31 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.conftest import SDK_SERVER_KEY, SDK_SERVER_RESPONSE_TTL_S as TTL_S
 
-TTL_S = 8  # long enough for a conversation's turns, short enough to watch one expire
+AUTH = {"authorization": f"Bearer {SDK_SERVER_KEY}"}  # raw HTTP sends the key the SDK client sends
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
                           "required": ["city"], "additionalProperties": False}}
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model_dir: Any) -> Iterator[str]:
-    with run_engine_server(tiny_model_dir, "--max-model-len", "512", "--num-kv-blocks", "256",
-                           "--served-model-name", "tiny", "--response-ttl", str(TTL_S), "--log-level", "warning",
-                           timeout=120) as u:
-        yield u
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(url: str) -> Iterator[None]:
-    """Every test, whether it used the SDK or raw HTTP, leaves the server with no KV block in use."""
-    yield
-    load = wait_for_idle(url, timeout=15)
-    assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
-
-
 @pytest.fixture
-def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+def client(sdk_server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{sdk_server}/v1", api_key=SDK_SERVER_KEY, max_retries=0, timeout=60) as c:
         yield c
 
 
 def _tokens(url: str, messages: list[dict[str, str]]) -> int:
-    return httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()["count"]
+    return httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=AUTH, timeout=30).json()["count"]
 
 
-def test_create_retrieve_delete(client: openai.OpenAI, url: str) -> None:
+def test_create_retrieve_delete(client: openai.OpenAI, sdk_server: str) -> None:
     r = client.responses.create(model="tiny", input="Say hi.", instructions="Be brief.", max_output_tokens=6,
                                 temperature=0, metadata={"k": "v"})
     assert r.id.startswith("resp_") and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].type == "message" and r.output_text and r.usage.output_tokens == 6
-    assert r.usage.input_tokens == _tokens(url, [{"role": "system", "content": "Be brief."},
-                                                 {"role": "user", "content": "Say hi."}])
+    assert r.usage.input_tokens == _tokens(sdk_server, [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": "Say hi."}])
     again = client.responses.retrieve(r.id)
     assert again.output_text == r.output_text and again.metadata == {"k": "v"}
     client.responses.delete(r.id)
@@ -79,7 +63,7 @@ def test_stream_equals_non_streamed_and_is_stored(client: openai.OpenAI) -> None
     assert client.responses.retrieve(final.id).output_text == whole.output_text
 
 
-def test_three_turns_by_previous_response_id(client: openai.OpenAI, url: str) -> None:
+def test_three_turns_by_previous_response_id(client: openai.OpenAI, sdk_server: str) -> None:
     """Each turn's prompt is the whole conversation: its input tokens are exactly the chat template's
     count of every earlier message and answer (the store expanded the chain)."""
     first = client.responses.create(model="tiny", input="My name is Ada.", max_output_tokens=5, temperature=0)
@@ -92,8 +76,8 @@ def test_three_turns_by_previous_response_id(client: openai.OpenAI, url: str) ->
                     {"role": "assistant", "content": second.output_text},
                     {"role": "user", "content": "What is my name?"}]
     assert third.previous_response_id == second.id
-    assert third.usage.input_tokens == _tokens(url, conversation)
-    assert second.usage.input_tokens == _tokens(url, conversation[:3])
+    assert third.usage.input_tokens == _tokens(sdk_server, conversation)
+    assert second.usage.input_tokens == _tokens(sdk_server, conversation[:3])
 
 
 def test_function_call_then_output(client: openai.OpenAI) -> None:
@@ -149,9 +133,9 @@ def test_expired_response_is_404(client: openai.OpenAI) -> None:
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]}, 400, "input"),
     ({"previous_response_id": "bad id!"}, 400, "previous_response_id"),
 ])
-def test_bad_fields(url: str, extra: dict[str, Any], status: int, field: str) -> None:
-    r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra},
-                   timeout=30)
+def test_bad_fields(sdk_server: str, extra: dict[str, Any], status: int, field: str) -> None:
+    r = httpx.post(f"{sdk_server}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra},
+                   headers=AUTH, timeout=30)
     assert r.status_code == status, r.text
     assert field in r.text and set(r.json()["error"]) >= {"message", "type"}
-    assert httpx.get(f"{url}/v1/responses/{'x' * 200}", timeout=10).status_code == 400
+    assert httpx.get(f"{sdk_server}/v1/responses/{'x' * 200}", headers=AUTH, timeout=10).status_code == 400

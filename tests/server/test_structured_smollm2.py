@@ -13,8 +13,10 @@ from tests.server.structured_cases import run_schema_requests
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def test_fifty_json_schema_requests_validate(smollm2_server: str) -> None:
-    run_schema_requests(smollm2_server, MODEL, 50, max_tokens=160)
+def test_twenty_json_schema_requests_validate(smollm2_server: str) -> None:
+    # Every schema, streamed and not, twice (two seeds each): what the real model adds to the random
+    # one's fifty concurrent requests (test_structured_output) is its own choice of tokens.
+    run_schema_requests(smollm2_server, MODEL, 20, max_tokens=160)
     assert wait_for_idle(smollm2_server, timeout=30)["kv_blocks_used"] == 0
 
 
