@@ -17,13 +17,16 @@ backends compute the same thing:
 
 The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCache` pools, plain
 ``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
-(int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
-gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
-blocks gathered), except the fused decode kernel, which reads head-major and quantized pools in
-place, dequantizing each K and V vector with its scale as it goes. int4 pools store each vector
-rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused`` then
-attend in the stored basis, queries rotated in and the output rotated back; ``reference`` instead
-rotates every gathered vector back. ``fused`` decodes go through
+(int8 / fp8 with per-token, per-head scales) or :class:`~pagedserve.kv.int4.Int4KVCache` pools (int4:
+keys per channel within a block, values rotated per token, each sequence's open block in a float16
+tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
+one copy, quantized pools dequantizing only the blocks gathered), except the fused decode kernel,
+which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
+stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
+then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
+gathered value back. Over int4 pools a prompt chunk's queries read their own block exact, from the
+step's rows before rounding (:func:`own_block_exact`), as a decode reads its open block from the
+tail. ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 
@@ -42,8 +45,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import native_ops, paged_decode_kernel, paged_decode_quantized_kernel
+from pagedserve.kernels import native_ops, paged_decode_int4_kernel, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
+from pagedserve.kv.int4 import Int4KVCache
 from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
 from pagedserve.kv.sizing import window_blocks
 
@@ -137,20 +141,20 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads = q.shape[1]
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
-    for start, q_len, ctx_len, block_ids in seqs:
+    for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
         k = gather_context(k_cache, block_ids, ctx_len).float()
         v = gather_context(v_cache, block_ids, ctx_len).float()
+        block_size = k_cache.shape[1]
+        hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
+        if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
+            k = torch.cat([k, k_cache.fresh_rows(start, q_len)])
+            v = torch.cat([v, v_cache.fresh_rows(start, q_len)])
+            hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # [ctx, heads, d]
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:start + q_len].float()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-        k_pos = torch.arange(ctx_len).unsqueeze(0)
-        hidden = k_pos > q_pos
-        if meta.window is not None:  # and keys that slid out of the window
-            hidden |= k_pos <= q_pos - meta.window
         scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -204,6 +208,14 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
         # (the kernel reads every position of its table: a window starting mid-block needs the mask)
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
+    if isinstance(k_cache, Int4KVCache):
+        kernel = paged_decode_int4_kernel()
+        if kernel is None:
+            return _decode_matmul(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k_cache.tail, v_cache.tail,
+               k_cache.tails.slot_of, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return out
     if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()
         if kernel is not None:
@@ -230,6 +242,20 @@ def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tens
     k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
     seen = k_pos <= q_pos
     return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def own_block_exact(q_len: int, ctx_len: int, block_size: int, window: int | None, device) -> torch.Tensor:
+    """``[q_len, ctx + q_len]`` bool over int4 pools: which of the gathered keys (the first ``ctx``,
+    dequantized or from the tail) and of the chunk's own exact rows (the last ``q_len``, from
+    :meth:`~pagedserve.kv.int4.Int4KVCache.fresh_rows`) each query sees: the exact row for a key in
+    the query's own block that this chunk wrote, the gathered one otherwise. A query thus reads
+    what it would read decoded, its own block exact and every earlier block quantized, however
+    the prompt is chunked (examples/int4_kv_study.py's ``+tail``)."""
+    seen = _visible(q_len, ctx_len, window, device)
+    q_block = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1) // block_size
+    k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
+    own = (k_pos // block_size == q_block) & (k_pos >= ctx_len - q_len)
+    return torch.cat([seen & ~own, own[:, ctx_len - q_len:] & seen[:, ctx_len - q_len:]], dim=1)
 
 
 def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -310,26 +336,32 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
         v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
-        out[start:start + q_len] = prefill(qs, k, v, scale, meta.window).transpose(0, 1)
+        if isinstance(k_cache, Int4KVCache):  # its own block exact: one masked SDPA over both key sets
+            k = torch.cat([k, k_cache.fresh_rows(start, q_len).transpose(0, 1).to(q.dtype)], 1)
+            v = torch.cat([v, v_cache.fresh_rows(start, q_len).transpose(0, 1).to(q.dtype)], 1)
+            mask = own_block_exact(q_len, ctx, block_size, meta.window, q.device)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = prefill(qs, k, v, scale, meta.window)
+        out[start:start + q_len] = o.transpose(0, 1)
     return out
 
 
 def in_stored_basis(backend):
-    """``backend`` over pools stored rotated (:attr:`QuantizedKVCache.rotation`): queries rotated in,
-    the output rotated back, the pools read as stored (:meth:`QuantizedKVCache.stored_basis`), all
-    in float32.
+    """``backend`` over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`):
+    the output rotated back, the pools read as stored (:meth:`Int4KVCache.stored_basis`), all in
+    float32.
 
-    With an orthogonal, symmetric ``R``, ``(qR)·(kR) = q·k`` and ``(Σ p vR) R = Σ p v``: the same
-    attention, for one ``head_dim × head_dim`` product per query row and per output row, where
-    rotating back every gathered K and V row would cost one per context token (and the fused
-    kernel reads the stored rows in place, so it could not). Unrotated pools pass straight through.
+    With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same attention, for one
+    ``head_dim × head_dim`` product per output row, where rotating back every gathered value row
+    would cost one per context token (and the fused kernel reads the stored rows in place, so it
+    could not). Other pools pass straight through.
     """
     def run(q, k_cache, v_cache, meta, scale):
-        rotation = getattr(k_cache, "rotation", None)
-        if rotation is None:
+        if not isinstance(v_cache, Int4KVCache):
             return backend(q, k_cache, v_cache, meta, scale)
-        out = backend(q.float() @ rotation, k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
-        return (out @ rotation).to(q.dtype)  # float32 until here: one rounding, as without the rotation
+        out = backend(q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
+        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
 
     run.__name__, run.__doc__ = backend.__name__, backend.__doc__
     return run
@@ -351,9 +383,9 @@ def fused_attention(q, k_cache, v_cache, meta, scale):
     return _attention(_decode_fused, _prefill_fused, q, k_cache, v_cache, meta, scale)
 
 
-# The fast backends read rotated pools through in_stored_basis. The reference does not: it gathers
-# K and V rotated back into the model's basis (QuantizedKVCache.dequantize), slowly and obviously,
-# so testing the others against it tests the rotation algebra too.
+# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
+# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
+# testing the others against it tests the rotation algebra too.
 sdpa_attention = in_stored_basis(sdpa_attention)
 matmul_attention = in_stored_basis(matmul_attention)
 fused_attention = in_stored_basis(fused_attention)

@@ -1,0 +1,275 @@
+"""int4 KV: keys per channel within each block, values rotated per token, and each sequence's open
+block kept in a float16 *tail* until it fills — the layout ``examples/int4_kv_study.py`` chose
+(docs/QUANTIZATION.md: +1.2 % perplexity on SmolLM2 at 0.289× bf16's bytes).
+
+One layer's K (or V) pool::
+
+    data   [num_blocks, block_size, kv_heads, head_dim // 2]  uint8, two int4 values a byte
+    scales [num_blocks, kv_heads, head_dim]   float16  (K: one per block, head and channel)
+           [num_blocks, block_size, kv_heads] float16  (V: one per token and head)
+    tail   [tail_slots, block_size, kv_heads, head_dim] float16
+
+Post-RoPE keys of Llama-family models keep a few channels far larger than the rest: a scale per
+channel over the block's 16 keys gives each channel its own range, which a per-vector scale cannot.
+Values have no such channels; they are stored as before, per vector, rotated by the normalised
+Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
+back (``models.attention.in_stored_basis``).
+
+A per-channel scale needs the block's 16 keys, so a block is quantized when it fills; until then
+its K and V rows sit in a tail slot at float16. The query's nearest keys carry most of its
+attention, which is why the tail is also the layout's largest gain. :class:`TailMap`, one per
+engine and shared by every layer's pools, maps block id → tail slot (``-1``: quantized): a
+sequence holds at most one open block (per KV group), so ``max_num_seqs`` slots suffice; the
+block manager gives a slot back when a block's last holder frees it (:meth:`TailMap.release`).
+Only full blocks enter the prefix cache, and those are quantized, so a prefix hit reads what the
+first request wrote.
+
+Prompt chunks read their own block exact (:meth:`Int4KVCache.fresh_rows`, the step's rows before
+rounding): each query then sees what it would see decoded, the earlier blocks quantized and its
+own block exact, however the prompt was chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagedserve.kv.quant import SCALE_DTYPE, dequantize_kv, hadamard_matrix, quantize_kv
+from pagedserve.kv.zeros import zeros
+
+TAIL_DTYPE = torch.float16
+_QMAX = 7.0
+_MIN_SCALE = 1e-6
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How one step's tokens (one ``slot_mapping``) land, worked out once on the host for every
+    layer: blocks the step fills are quantized (their earlier rows from a tail slot, or
+    dequantized where a rolled-back block is reopened), the others' rows go to tail slots."""
+
+    full_blocks: torch.Tensor  # [F] blocks quantized this step
+    full_from_tail: torch.Tensor  # [Ft] indices into full_blocks whose earlier rows are in a tail slot ...
+    full_tail_slots: torch.Tensor  # [Ft] ... this one
+    full_from_pool: torch.Tensor  # [Fp] indices into full_blocks whose earlier rows are quantized (reopened)
+    full_rows: torch.Tensor  # [R] row (index * block_size + offset) of each of the step's tokens in full blocks
+    full_tokens: torch.Tensor  # [R] and which token it is
+    reopen_blocks: torch.Tensor  # [O] quantized blocks written again mid-block (after a rollback) ...
+    reopen_slots: torch.Tensor  # [O] ... dequantized into these tail slots first
+    tail_rows: torch.Tensor  # [T] flat tail row (slot * block_size + offset) of each token in an open block
+    tail_tokens: torch.Tensor  # [T]
+
+
+class TailMap:
+    """Which blocks are open (in a tail slot) and which slots are free, for every layer's pools."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device):
+        if num_slots < 1:
+            raise ValueError("an int4 KV cache needs at least one tail slot")
+        self.block_size, self.num_slots = block_size, num_slots
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self._slot_of = [-1] * num_blocks  # host copy: planning never waits on the device
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._plans: list[tuple[torch.Tensor, WritePlan]] = []  # this step's, one per KV group's slot mapping
+
+    @property
+    def num_open(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def _set(self, changes: dict[int, int]) -> None:
+        if changes:
+            ids = torch.tensor(list(changes), dtype=torch.long)
+            self.slot_of[ids.to(self.slot_of.device)] = torch.tensor(list(changes.values())).to(self.slot_of.device)
+
+    def _take(self, block: int, changes: dict[int, int]) -> int:
+        if not self._free:
+            raise RuntimeError(f"int4 KV: more open blocks than the {self.num_slots} tail slots "
+                               "(sized by max_num_seqs)")
+        slot = self._slot_of[block] = changes[block] = self._free.pop()
+        return slot
+
+    def _drop(self, block: int, changes: dict[int, int]) -> None:
+        slot = self._slot_of[block]
+        if slot >= 0:
+            self._free.append(slot)
+            self._slot_of[block] = changes[block] = -1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Blocks no sequence holds any more: their tail slots (if open) are free again. The block
+        manager calls this as it frees, truncates or releases blocks."""
+        changes: dict[int, int] = {}
+        for b in block_ids:
+            self._drop(b, changes)
+        self._set(changes)
+
+    def ensure_open(self, block_ids: list[int]) -> list[int]:
+        """Tail slots for ``block_ids`` (copy-on-write targets), taking free ones where needed."""
+        changes: dict[int, int] = {}
+        slots = [self._slot_of[b] if self._slot_of[b] >= 0 else self._take(b, changes) for b in block_ids]
+        self._set(changes)
+        return slots
+
+    def plan(self, slot_mapping: torch.Tensor) -> WritePlan:
+        """The :class:`WritePlan` for a step's ``slot_mapping`` (negative slots: padding, skipped),
+        made on the first layer's write and reused by the others."""
+        for mapping, plan in self._plans:
+            if mapping is slot_mapping:
+                return plan
+        plan = self._make_plan(slot_mapping.tolist())
+        self._plans = [*self._plans[-3:], (slot_mapping, plan)]
+        return plan
+
+    def _make_plan(self, slots: list[int]) -> WritePlan:
+        bs = self.block_size
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for i, s in enumerate(slots):
+            if s >= 0:
+                rows.setdefault(s // bs, []).append((i, s % bs))
+        full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
+        full_set = set(full)
+        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__}
+        changes: dict[int, int] = {}
+        # Filled blocks first: their slots come free before the open blocks take theirs (a slot
+        # given back and taken again in one step is read, then written, in that order per layer).
+        for j, b in enumerate(full):
+            if self._slot_of[b] >= 0:
+                lists["full_from_tail"].append(j)
+                lists["full_tail_slots"].append(self._slot_of[b])
+            elif min(o for _, o in rows[b]) > 0:
+                lists["full_from_pool"].append(j)
+            for i, o in rows[b]:
+                lists["full_rows"].append(j * bs + o)
+                lists["full_tokens"].append(i)
+            self._drop(b, changes)
+        lists["full_blocks"] = full
+        for b, r in rows.items():
+            if b in full_set:
+                continue
+            slot = self._slot_of[b]
+            if slot < 0:
+                slot = self._take(b, changes)
+                if min(o for _, o in r) > 0:  # written before, quantized since (a rollback): reopened
+                    lists["reopen_blocks"].append(b)
+                    lists["reopen_slots"].append(slot)
+            for i, o in r:
+                lists["tail_rows"].append(slot * bs + o)
+                lists["tail_tokens"].append(i)
+        self._set(changes)
+        dev = self.slot_of.device
+        return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()})
+
+
+def _pack(y: torch.Tensor) -> torch.Tensor:
+    """Values on int4's grid ``[..., head_dim]`` (rounded and clamped here) → bytes ``[..., head_dim // 2]``."""
+    nib = (y.round().clamp(-_QMAX, _QMAX) + 8).to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+@dataclass
+class Int4KVCache:
+    """One layer's K (``per_channel``) or V (rotated, per token) pool in the int4 layout; the
+    selected blocks of one (``cache[block_ids]``, with their ``slots``) read the same way."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    tail: torch.Tensor
+    tails: TailMap
+    per_channel: bool
+    out_dtype: torch.dtype
+    rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
+    slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
+    fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
+    kv_cache_dtype: str = "int4"
+
+    @classmethod
+    def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
+                      device: torch.device, tails: TailMap) -> tuple[Int4KVCache, Int4KVCache]:
+        """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``."""
+        if head_dim % 2:
+            raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
+        data = (num_blocks, block_size, num_kv_heads, head_dim // 2)
+        tail = (tails.num_slots, block_size, num_kv_heads, head_dim)
+        k = cls(zeros(data, torch.uint8, device), zeros((num_blocks, num_kv_heads, head_dim), SCALE_DTYPE, device),
+                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype)
+        v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
+                tails, False, out_dtype, hadamard_matrix(head_dim, device=device))
+        return k, v
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape: ``[blocks, block_size, kv_heads, head_dim]``."""
+        return torch.Size((*self.data.shape[:3], self.tail.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: blocks, scales and tail slots."""
+        return self.data.nbytes + self.scales.nbytes + self.tail.nbytes
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks ``[n, block_size, kv_heads, head_dim]`` (float32, as stored) → (bytes, scales)."""
+        if not self.per_channel:
+            return quantize_kv(x, "int4")
+        scales = (x.abs().amax(dim=1) / _QMAX).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+        return _pack(x / scales.float().unsqueeze(1)), scales  # divided by what dequantizing multiplies by
+
+    def _values(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Quantized blocks as float32 values, as stored (V still rotated)."""
+        if not self.per_channel:
+            return dequantize_kv(data, scales, "int4", torch.float32)
+        grid = torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2).float() - 8
+        return grid * scales.float().unsqueeze(-3)
+
+    def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
+        p = self.tails.plan(slot_mapping)
+        x = x.float() if self.rotation is None else x.float() @ self.rotation
+        self.fresh = x
+        bs, kvh, hd = self.shape[1:]
+        if p.full_blocks.numel():
+            rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
+            rows[p.full_from_tail] = self.tail[p.full_tail_slots].float()
+            pool_ids = p.full_blocks[p.full_from_pool]
+            rows[p.full_from_pool] = self._values(self.data[pool_ids], self.scales[pool_ids])
+            rows.view(-1, kvh, hd)[p.full_rows] = x[p.full_tokens]
+            self.data[p.full_blocks], self.scales[p.full_blocks] = self._quantize(rows)
+        if p.reopen_blocks.numel():
+            ids = p.reopen_blocks
+            self.tail[p.reopen_slots] = self._values(self.data[ids], self.scales[ids]).to(TAIL_DTYPE)
+        self.tail.view(-1, kvh, hd)[p.tail_rows] = x[p.tail_tokens].to(TAIL_DTYPE)
+
+    def fresh_rows(self, start: int, count: int) -> torch.Tensor:
+        """Rows ``start .. start + count`` of the last write, float32, in the model's basis for a
+        pool read rotated back (:meth:`dequantize`), as stored for a :meth:`stored_basis` view."""
+        rows = self.fresh[start:start + count]
+        return rows if self.rotation is None else rows @ self.rotation
+
+    def __getitem__(self, block_ids) -> Int4KVCache:
+        """The selected blocks (``cache[block_table]``), still quantized, with their tail slots."""
+        return replace(self, data=self.data[block_ids], scales=self.scales[block_ids],
+                       slots=self.tails.slot_of[block_ids])
+
+    def __setitem__(self, block_ids, blocks: Int4KVCache) -> None:
+        """Copy-on-write: ``block_ids`` become copies of ``blocks``, open ones in tail slots of their own."""
+        self.data[block_ids], self.scales[block_ids] = blocks.data, blocks.scales
+        dst = torch.as_tensor(block_ids).reshape(-1)
+        open_src = blocks.slots.reshape(-1) >= 0
+        if open_src.any():
+            slots = self.tails.ensure_open(dst[open_src.to(dst.device)].tolist())
+            self.tail[torch.tensor(slots, device=self.tail.device)] = self.tail[blocks.slots.reshape(-1)[open_src]]
+
+    def dequantize(self) -> torch.Tensor:
+        """A selection's values in ``out_dtype``, open blocks from their tail, V rotated back."""
+        values = self._values(self.data, self.scales)
+        if self.slots is not None:
+            open_ = self.slots >= 0
+            values[open_] = self.tail[self.slots[open_]].float()
+        if self.rotation is not None:
+            values = values @ self.rotation
+        return values.to(self.out_dtype)
+
+    def stored_basis(self) -> Int4KVCache:
+        """The same storage read as stored (V rotated), in float32: attention rotates its output
+        back instead of every value row (``models.attention.in_stored_basis``)."""
+        return replace(self, rotation=None, out_dtype=torch.float32)
