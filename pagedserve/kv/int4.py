@@ -225,7 +225,9 @@ class Int4KVCache:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
         p = self.tails.plan(slot_mapping)
         x = x.float() if self.rotation is None else x.float() @ self.rotation
-        self.fresh = x
+        # At the tail's precision from the start: a block's bits, and what a query reads of its own
+        # block, are then the same however its rows arrived (one chunk, several, or decodes).
+        x = self.fresh = x.to(TAIL_DTYPE).float()
         bs, kvh, hd = self.shape[1:]
         if p.full_blocks.numel():
             rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
