@@ -24,9 +24,10 @@ block manager gives a slot back when a block's last holder frees it (:meth:`Tail
 Only full blocks enter the prefix cache, and those are quantized, so a prefix hit reads what the
 first request wrote.
 
-Prompt chunks read their own block exact (:meth:`Int4KVCache.fresh_rows`, the step's rows before
-rounding): each query then sees what it would see decoded, the earlier blocks quantized and its
-own block exact, however the prompt was chunked.
+Prompt chunks read their own block exact (:meth:`Int4KVCache.own_block_rows`: the step's rows and
+the block's earlier ones, at float16): each query then sees what it would see decoded, the earlier
+blocks quantized and its own block exact, however the prompt was chunked. (A decode whose token
+fills its block reads that block quantized: the one place the engine differs from the simulation.)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class WritePlan:
     reopen_slots: torch.Tensor  # [O] ... dequantized into these tail slots first
     tail_rows: torch.Tensor  # [T] flat tail row (slot * block_size + offset) of each token in an open block
     tail_tokens: torch.Tensor  # [T]
+    # Filled blocks' former tail slots, which keep their rows through the step: a prompt chunk that
+    # finishes a block reads the block's earlier rows exact from there (Int4KVCache.own_block_rows).
+    filled_slots: dict[int, int]
 
 
 class TailMap:
@@ -129,8 +133,9 @@ class TailMap:
                 rows.setdefault(s // bs, []).append((i, s % bs))
         full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
         full_set = set(full)
-        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__}
+        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__ if name != "filled_slots"}
         changes: dict[int, int] = {}
+        filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
         # Filled blocks first: their slots come free before the open blocks take theirs (a slot
         # given back and taken again in one step is read, then written, in that order per layer).
         for j, b in enumerate(full):
@@ -158,7 +163,8 @@ class TailMap:
                 lists["tail_tokens"].append(i)
         self._set(changes)
         dev = self.slot_of.device
-        return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()})
+        return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()},
+                         filled_slots=filled_slots)
 
 
 def _pack(y: torch.Tensor) -> torch.Tensor:
@@ -181,6 +187,7 @@ class Int4KVCache:
     rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
     slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
     fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
+    plan: WritePlan | None = None  # and its plan
     kv_cache_dtype: str = "int4"
 
     @classmethod
@@ -228,6 +235,7 @@ class Int4KVCache:
         # At the tail's precision from the start: a block's bits, and what a query reads of its own
         # block, are then the same however its rows arrived (one chunk, several, or decodes).
         x = self.fresh = x.to(TAIL_DTYPE).float()
+        self.plan = p
         bs, kvh, hd = self.shape[1:]
         if p.full_blocks.numel():
             rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
@@ -241,10 +249,18 @@ class Int4KVCache:
             self.tail[p.reopen_slots] = self._values(self.data[ids], self.scales[ids]).to(TAIL_DTYPE)
         self.tail.view(-1, kvh, hd)[p.tail_rows] = x[p.tail_tokens].to(TAIL_DTYPE)
 
-    def fresh_rows(self, start: int, count: int) -> torch.Tensor:
-        """Rows ``start .. start + count`` of the last write, float32, in the model's basis for a
-        pool read rotated back (:meth:`dequantize`), as stored for a :meth:`stored_basis` view."""
+    def own_block_rows(self, start: int, count: int, lead: int, block: int) -> torch.Tensor:
+        """A prompt chunk's rows at the tail's precision, float32: the ``lead`` rows its first
+        ``block`` held before the chunk (from its tail slot, which keeps them through the step
+        even if the chunk filled the block), then rows ``start .. start + count`` of the last
+        write. In the model's basis for a pool read rotated back (:meth:`dequantize`), as stored
+        for a :meth:`stored_basis` view."""
         rows = self.fresh[start:start + count]
+        if lead:
+            slot = self.plan.filled_slots.get(block, self.tails._slot_of[block])
+            before = (self.tail[slot, :lead].float() if slot >= 0  # else reopened and filled at once: as quantized
+                      else self._values(self.data[block], self.scales[block])[:lead])
+            rows = torch.cat([before, rows])
         return rows if self.rotation is None else rows @ self.rotation
 
     def __getitem__(self, block_ids) -> Int4KVCache:

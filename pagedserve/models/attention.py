@@ -25,7 +25,7 @@ which reads head-major and quantized pools in place, dequantizing as it goes. in
 stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
 then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
 gathered value back. Over int4 pools a prompt chunk's queries read their own block exact, from the
-step's rows before rounding (:func:`own_block_exact`), as a decode reads its open block from the
+step's rows at the tail's precision (:func:`own_block_exact`), as a decode reads its open block from the
 tail. ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
@@ -147,8 +147,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_size = k_cache.shape[1]
         hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
         if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
-            k = torch.cat([k, k_cache.fresh_rows(start, q_len)])
-            v = torch.cat([v, v_cache.fresh_rows(start, q_len)])
+            lead, block = (ctx_len - q_len) % block_size, int(block_ids[(ctx_len - q_len) // block_size])
+            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block)])
+            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block)])
             hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # [ctx, heads, d]
@@ -245,17 +246,17 @@ def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tens
 
 
 def own_block_exact(q_len: int, ctx_len: int, block_size: int, window: int | None, device) -> torch.Tensor:
-    """``[q_len, ctx + q_len]`` bool over int4 pools: which of the gathered keys (the first ``ctx``,
-    dequantized or from the tail) and of the chunk's own exact rows (the last ``q_len``, from
-    :meth:`~pagedserve.kv.int4.Int4KVCache.fresh_rows`) each query sees: the exact row for a key in
-    the query's own block that this chunk wrote, the gathered one otherwise. A query thus reads
+    """``[q_len, ctx + exact]`` bool over int4 pools: which of the gathered keys (the first ``ctx``,
+    dequantized or from the tail) and of the chunk's exact rows (the rest, from its first block's
+    start: :meth:`~pagedserve.kv.int4.Int4KVCache.own_block_rows`) each query sees: the exact row
+    for a key in the query's own block, the gathered one for earlier blocks. A query thus reads
     what it would read decoded, its own block exact and every earlier block quantized, however
     the prompt is chunked (examples/int4_kv_study.py's ``+tail``)."""
     seen = _visible(q_len, ctx_len, window, device)
+    first = (ctx_len - q_len) // block_size * block_size  # the chunk's first block starts here
     q_block = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1) // block_size
-    k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
-    own = (k_pos // block_size == q_block) & (k_pos >= ctx_len - q_len)
-    return torch.cat([seen & ~own, own[:, ctx_len - q_len:] & seen[:, ctx_len - q_len:]], dim=1)
+    own = torch.arange(ctx_len, device=device).unsqueeze(0) // block_size == q_block
+    return torch.cat([seen & ~own, (own & seen)[:, first:]], dim=1)
 
 
 def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -337,8 +338,9 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
         if isinstance(k_cache, Int4KVCache):  # its own block exact: one masked SDPA over both key sets
-            k = torch.cat([k, k_cache.fresh_rows(start, q_len).transpose(0, 1).to(q.dtype)], 1)
-            v = torch.cat([v, v_cache.fresh_rows(start, q_len).transpose(0, 1).to(q.dtype)], 1)
+            lead, block = (ctx - q_len) % block_size, int(ids[(ctx - q_len) // block_size])
+            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)], 1)
+            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)], 1)
             mask = own_block_exact(q_len, ctx, block_size, meta.window, q.device)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:

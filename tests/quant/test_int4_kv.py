@@ -1,0 +1,147 @@
+"""int4 KV (kv/int4.py): blocks quantized exactly when they fill, float16 tails for open blocks, slots
+given back, prompt chunks reading their own block exact, and the layout against the simulation."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.kv.block_manager import BlockManager
+from pagedserve.kv.cache import allocate_kv_caches
+from pagedserve.kv.int4 import TAIL_DTYPE
+from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, reference_attention, write_kv
+
+CPU = torch.device("cpu")
+
+
+def _pools(num_blocks=8, block_size=16, kvh=2, hd=16, tail_slots=None):
+    return allocate_kv_caches(1, num_blocks, block_size, kvh, hd, torch.float32, CPU, "int4", tail_slots)[0]
+
+
+def _slots(table: list[int], lo: int, hi: int, bs: int = 16) -> torch.Tensor:
+    pos = torch.arange(lo, hi)
+    return torch.tensor(table)[pos // bs] * bs + pos % bs
+
+
+def test_a_block_is_quantized_exactly_when_it_fills_across_chunks_and_decodes():
+    """Rows arrive in prompt chunks of 5 and 7, then decodes: block 3 stays in a tail slot until its
+    16th row, then holds the bits one write of all 16 rows gives; a chunk that finishes block 3's
+    successor, covers the next wholly and opens a third quantizes two and opens one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 2, 16, generator=g)
+    k, v = _pools()
+    table = [3, 5, 1, 6]
+    for lo, hi in [(0, 5), (5, 12), *[(i, i + 1) for i in range(12, 20)]]:
+        write_kv(k, v, x[lo:hi], x[lo:hi], _slots(table, lo, hi))
+        open_ = k.tails.slot_of[table].tolist()
+        assert (open_[0] >= 0) == (hi < 16) and (open_[1] >= 0) == (hi > 16), (hi, open_)
+    whole_k, whole_v = _pools()
+    write_kv(whole_k, whole_v, x[:16], x[:16], torch.arange(3 * 16, 4 * 16))
+    assert torch.equal(k.data[3], whole_k.data[3]) and torch.equal(k.scales[3], whole_k.scales[3])
+    assert torch.equal(v.data[3], whole_v.data[3]) and torch.equal(v.scales[3], whole_v.scales[3])
+    assert k.tails.num_open == 1  # block 5, rows 16..19
+    write_kv(k, v, x[20:50], x[20:50], _slots(table, 20, 50))  # finishes 5, fills 1, opens 6
+    assert k.tails.slot_of[table].tolist()[:3] == [-1, -1, -1] and k.tails.slot_of[6] >= 0
+    assert k.tails.num_open == 1
+    got = k[torch.tensor(table)].dequantize().flatten(0, 1)[:50]
+    assert torch.equal(got[48:50], x[48:50].to(TAIL_DTYPE).float())  # the open block: exact, at float16
+    step = x[:48].view(3, 16, 2, 16).abs().amax(1, keepdim=True) / 14 + 1e-3  # per channel, half a step
+    assert ((got[:48].view(3, 16, 2, 16) - x[:48].view(3, 16, 2, 16)).abs() <= step).all()
+
+
+def test_tail_slots_come_back_when_the_block_manager_frees_truncates_or_copies():
+    """The block manager tells the tails which blocks no one holds; a copy-on-write copy of an open
+    block gets a slot of its own; more open blocks than slots is refused."""
+    k, v = _pools(tail_slots=2)
+    bm = BlockManager(8, 16, enable_prefix_caching=True)
+    bm.on_release = k.tails.release
+    assert bm.allocate(1, 20)
+    table = bm.block_ids(1)
+    write_kv(k, v, torch.randn(20, 2, 16), torch.randn(20, 2, 16), _slots(table, 0, 20))
+    assert k.tails.num_open == 1 and k.tails.slot_of[table[1]] >= 0
+    src, dst = torch.tensor([table[1]]), torch.tensor([7])
+    k[dst], v[dst] = k[src], v[src]  # the runner's copy-on-write
+    assert k.tails.num_open == 2 and torch.equal(k.tail[k.tails.slot_of[7]], k.tail[k.tails.slot_of[table[1]]])
+    assert torch.equal(v[dst].dequantize(), v[src].dequantize())
+    with pytest.raises(RuntimeError, match="tail slots"):
+        write_kv(k, v, torch.randn(1, 2, 16), torch.randn(1, 2, 16), torch.tensor([2 * 16]))
+    k.tails.release([7])
+    bm.truncate(1, 16)  # the open block rolled back: its slot is free
+    assert k.tails.num_open == 0
+    assert bm.allocate(1, 20)
+    bm.free(1)
+    assert k.tails.num_open == 0 and (k.tails.slot_of == -1).all()
+
+
+def test_a_block_written_again_after_a_rollback_is_reopened_from_its_quantized_rows():
+    """Speculative decoding's rollback can leave a quantized block that is written again mid-block:
+    its earlier rows come back from the quantized block into a tail slot, the new rows exact."""
+    x = torch.randn(16, 2, 16)
+    k, v = _pools()
+    write_kv(k, v, x, x, torch.arange(16))
+    quantized = k[torch.tensor([0])].dequantize()[0]
+    y = torch.randn(2, 2, 16)
+    write_kv(k, v, y, y, torch.tensor([10, 11]))  # rows 10, 11 again, 12..15 rolled back
+    assert k.tails.slot_of[0] >= 0
+    rows = k[torch.tensor([0])].dequantize()[0]
+    assert torch.equal(rows[:10], quantized[:10].to(TAIL_DTYPE).float())
+    assert torch.equal(rows[10:12], y.to(TAIL_DTYPE).float())
+
+
+def _prompt_step(k, v, q, xk, xv, lo, hi, table):
+    """One prompt chunk (positions lo..hi of one sequence) written, then attended by the reference."""
+    slots = _slots(table, lo, hi)
+    write_kv(k, v, xk[lo:hi], xv[lo:hi], slots)
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), None,
+                             [(0, hi - lo, hi, torch.tensor(table[:-(-hi // 16)]))])
+    return {name: ATTENTION_BACKENDS[name](q[lo:hi], k, v, meta, 0.25) for name in ("reference", "matmul", "fused")}
+
+
+def test_prompt_chunks_read_their_own_block_exact_however_the_prompt_is_chunked():
+    """A 37-token prompt in one chunk, in chunks of 5, 11, 16 and 5, and ending in decodes: every
+    position gets the same output (each query reads earlier blocks quantized and its own block at
+    float16, wherever the chunk boundaries fall), in every backend."""
+    g = torch.Generator().manual_seed(2)
+    q, xk, xv = (torch.randn(37, n, 16, generator=g) for n in (4, 2, 2))
+    table = [4, 0, 6]
+    whole = _prompt_step(*_pools(), q, xk, xv, 0, 37, table)
+    k, v = _pools()
+    bounds = [0, 5, 16, 32, 33, 34, 35, 36, 37]
+    parts = [_prompt_step(k, v, q, xk, xv, lo, hi, table) for lo, hi in zip(bounds, bounds[1:])]
+    for name in whole:
+        assert torch.allclose(torch.cat([p[name] for p in parts]), whole[name], atol=1e-5), name
+        assert torch.allclose(whole[name], whole["reference"], atol=1e-5), name
+
+
+def _study():
+    path = Path(__file__).resolve().parents[2] / "examples" / "int4_kv_study.py"
+    spec = importlib.util.spec_from_file_location("int4_kv_study", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_engine_layout_is_the_simulated_kchan_vrot_tail():
+    """Attention over the engine's int4 pools for a 64-token prompt equals examples/int4_kv_study.py's
+    attention for ``kchan-vrot+tail`` (the layout docs/QUANTIZATION.md chose), to the float16
+    rounding of the scales and the tail; and differs from its no-tail variant."""
+    study = _study()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g)
+    k[..., [3, 35]] *= 20  # a RoPE pair of large key channels
+    state = {"format": "kchan-vrot+tail"}
+    attend = study.make_attention(state)
+    want = attend(None, q, k, v, None, scaling=0.125)[0][0]  # [64 tokens, 4 heads, 64]
+    state["format"] = "kchan-vrot"
+    no_tail = attend(None, q, k, v, None, scaling=0.125)[0][0]
+    k_pool, v_pool = allocate_kv_caches(1, 4, 16, 2, 64, torch.float32, CPU, "int4")[0]
+    slots = torch.arange(64)
+    write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), None,
+                             [(0, 64, 64, torch.arange(4))])
+    got = reference_attention(q[0].transpose(0, 1), k_pool, v_pool, meta, 0.125)
+    err = float((got - want).norm() / want.norm())
+    assert err < 0.01 < float((no_tail - want).norm() / want.norm()), err
