@@ -26,8 +26,9 @@ first request wrote.
 
 Prompt chunks read their own block exact (:meth:`Int4KVCache.own_block_rows`: the step's rows and
 the block's earlier ones, at float16): each query then sees what it would see decoded, the earlier
-blocks quantized and its own block exact, however the prompt was chunked. (A decode whose token
-fills its block reads that block quantized: the one place the engine differs from the simulation.)
+blocks quantized and its own block exact, however the prompt was chunked. A decode whose token
+fills its block reads that block from its tail slot too (:attr:`WritePlan.decode_slots`): the slot
+is given back after the step (sooner only when no other is free).
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ class WritePlan:
     reopen_slots: torch.Tensor  # [O] ... dequantized into these tail slots first
     tail_rows: torch.Tensor  # [T] flat tail row (slot * block_size + offset) of each token in an open block
     tail_tokens: torch.Tensor  # [T]
-    # Filled blocks' former tail slots, which keep their rows through the step: a prompt chunk that
-    # finishes a block reads the block's earlier rows exact from there (Int4KVCache.own_block_rows).
+    # Filled blocks' former tail slots, which keep their rows through the step (taken again only
+    # when no other slot is free): a prompt chunk that finishes a block reads the block's earlier
+    # rows exact from there (Int4KVCache.own_block_rows), and a decode that fills its block reads it
+    # from there too (decode_slots: block -> slot as this step's decodes read them).
     filled_slots: dict[int, int]
+    decode_slots: torch.Tensor
 
 
 class TailMap:
@@ -87,11 +91,12 @@ class TailMap:
             ids = torch.tensor(list(changes), dtype=torch.long)
             self.slot_of[ids.to(self.slot_of.device)] = torch.tensor(list(changes.values())).to(self.slot_of.device)
 
-    def _take(self, block: int, changes: dict[int, int]) -> int:
-        if not self._free:
+    def _take(self, block: int, changes: dict[int, int], spare: list[int] | None = None) -> int:
+        pool = self._free or spare
+        if not pool:
             raise RuntimeError(f"int4 KV: more open blocks than the {self.num_slots} tail slots "
                                "(sized by max_num_seqs)")
-        slot = self._slot_of[block] = changes[block] = self._free.pop()
+        slot = self._slot_of[block] = changes[block] = pool.pop()
         return slot
 
     def _drop(self, block: int, changes: dict[int, int]) -> None:
@@ -133,11 +138,11 @@ class TailMap:
                 rows.setdefault(s // bs, []).append((i, s % bs))
         full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
         full_set = set(full)
-        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__ if name != "filled_slots"}
+        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__
+                                       if name not in ("filled_slots", "decode_slots")}
         changes: dict[int, int] = {}
         filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
-        # Filled blocks first: their slots come free before the open blocks take theirs (a slot
-        # given back and taken again in one step is read, then written, in that order per layer).
+        released = list(filled_slots.values())  # free again after this step, or in it if none else is
         for j, b in enumerate(full):
             if self._slot_of[b] >= 0:
                 lists["full_from_tail"].append(j)
@@ -147,14 +152,15 @@ class TailMap:
             for i, o in rows[b]:
                 lists["full_rows"].append(j * bs + o)
                 lists["full_tokens"].append(i)
-            self._drop(b, changes)
+            if self._slot_of[b] >= 0:
+                self._slot_of[b] = changes[b] = -1
         lists["full_blocks"] = full
         for b, r in rows.items():
             if b in full_set:
                 continue
             slot = self._slot_of[b]
-            if slot < 0:
-                slot = self._take(b, changes)
+            if slot < 0:  # (a slot taken from `released` is read, then written, in that order per layer)
+                slot = self._take(b, changes, released)
                 if min(o for _, o in r) > 0:  # written before, quantized since (a rollback): reopened
                     lists["reopen_blocks"].append(b)
                     lists["reopen_slots"].append(slot)
@@ -162,9 +168,16 @@ class TailMap:
                 lists["tail_rows"].append(slot * bs + o)
                 lists["tail_tokens"].append(i)
         self._set(changes)
+        self._free.extend(released)
+        filled_slots = {b: s for b, s in filled_slots.items() if s in released}
+        decode_slots = self.slot_of
+        if filled_slots:
+            decode_slots = self.slot_of.clone()
+            decode_slots[torch.tensor(list(filled_slots)).to(decode_slots.device)] = \
+                torch.tensor(list(filled_slots.values())).to(decode_slots.device)
         dev = self.slot_of.device
         return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()},
-                         filled_slots=filled_slots)
+                         filled_slots=filled_slots, decode_slots=decode_slots)
 
 
 def _pack(y: torch.Tensor) -> torch.Tensor:
@@ -186,6 +199,7 @@ class Int4KVCache:
     out_dtype: torch.dtype
     rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
     slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
+    read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
     plan: WritePlan | None = None  # and its plan
     kv_cache_dtype: str = "int4"
@@ -244,6 +258,8 @@ class Int4KVCache:
             rows[p.full_from_pool] = self._values(self.data[pool_ids], self.scales[pool_ids])
             rows.view(-1, kvh, hd)[p.full_rows] = x[p.full_tokens]
             self.data[p.full_blocks], self.scales[p.full_blocks] = self._quantize(rows)
+            # whole in its slot too, for this step's decodes (WritePlan.decode_slots)
+            self.tail[p.full_tail_slots] = rows[p.full_from_tail].to(TAIL_DTYPE)
         if p.reopen_blocks.numel():
             ids = p.reopen_blocks
             self.tail[p.reopen_slots] = self._values(self.data[ids], self.scales[ids]).to(TAIL_DTYPE)
@@ -266,7 +282,17 @@ class Int4KVCache:
     def __getitem__(self, block_ids) -> Int4KVCache:
         """The selected blocks (``cache[block_table]``), still quantized, with their tail slots."""
         return replace(self, data=self.data[block_ids], scales=self.scales[block_ids],
-                       slots=self.tails.slot_of[block_ids])
+                       slots=self.tail_slots()[block_ids])
+
+    def tail_slots(self) -> torch.Tensor:
+        """``[num_blocks]``: each block's tail slot as this view reads it (-1: quantized)."""
+        return self.tails.slot_of if self.read_slots is None else self.read_slots
+
+    def decode_view(self) -> Int4KVCache:
+        """The pool as this step's decodes read it: a block their write filled is still read from
+        its tail slot (the decode's own block, exact, as in the simulation); prompt chunks read it
+        quantized and their own block from :meth:`own_block_rows`."""
+        return self if self.plan is None else replace(self, read_slots=self.plan.decode_slots)
 
     def __setitem__(self, block_ids, blocks: Int4KVCache) -> None:
         """Copy-on-write: ``block_ids`` become copies of ``blocks``, open ones in tail slots of their own."""

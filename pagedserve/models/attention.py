@@ -24,9 +24,9 @@ one copy, quantized pools dequantizing only the blocks gathered), except the fus
 which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
 stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
 then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
-gathered value back. Over int4 pools a prompt chunk's queries read their own block exact, from the
-step's rows at the tail's precision (:func:`own_block_exact`), as a decode reads its open block from the
-tail. ``fused`` decodes go through
+gathered value back. Over int4 pools every query reads its own block exact: a decode from the
+tail (the block it fills this step included), a prompt chunk's queries from the step's rows at
+the tail's precision (:func:`own_block_exact`). ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 
@@ -129,6 +129,12 @@ def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _decode_view(cache: KVCache) -> KVCache:
+    """``cache`` as decodes read it: an int4 block filled by this step's decode still from its tail
+    (:meth:`~pagedserve.kv.int4.Int4KVCache.decode_view`); other pools as they are."""
+    return cache.decode_view() if isinstance(cache, Int4KVCache) else cache
+
+
 def gather_context(cache: KVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first ``context_len`` cached tokens, ``[context_len, kv_heads, head_dim]``."""
     return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
@@ -141,9 +147,10 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads = q.shape[1]
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
+    decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
     for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
-        k = gather_context(k_cache, block_ids, ctx_len).float()
-        v = gather_context(v_cache, block_ids, ctx_len).float()
+        pools = (decode_k, decode_v) if i < meta.num_decodes else (k_cache, v_cache)
+        k, v = (gather_context(pool, block_ids, ctx_len).float() for pool in pools)
         block_size = k_cache.shape[1]
         hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
         if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
@@ -215,7 +222,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
             return _decode_matmul(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k_cache.tail, v_cache.tail,
-               k_cache.tails.slot_of, meta.decode_block_tables, meta.decode_context_lens, scale)
+               k_cache.tail_slots(), meta.decode_block_tables, meta.decode_context_lens, scale)
         return out
     if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()
@@ -324,10 +331,10 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     window, a chunk reads its context from the block holding the first key its first query sees."""
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
-        return decode(q, k_cache, v_cache, meta, scale)
+        return decode(q, _decode_view(k_cache), _decode_view(v_cache), meta, scale)
     out = torch.empty_like(q)
     if d:
-        out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
+        out[:d] = decode(q[:d], _decode_view(k_cache), _decode_view(v_cache), meta, scale)
     block_size = k_cache.shape[1]
     for start, q_len, ctx_len, block_ids in meta.prefills:
         first = 0 if meta.window is None else max(0, ctx_len - q_len + 1 - meta.window) // block_size

@@ -76,8 +76,9 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
     assert torch.equal(direct, got[:d])
 
 
-# int4 (kv/int4.py): decodes whose context ends on a block boundary (every block quantized), inside
-# the first block (all tail), or past it (quantized blocks, then the open block from the tail).
+# int4 (kv/int4.py): decodes whose context ends on a block boundary (every earlier block quantized,
+# the one this decode filled still read from its tail), inside the first block (all tail), or past
+# it (quantized blocks, then the open block from the tail).
 @needs_kernels
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (9, 3, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -87,8 +88,10 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     q, k, v, meta = paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
     k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=13)
     k_pool.out_dtype = v_pool.out_dtype = dtype
-    slots = k_pool.tails.slot_of[meta.decode_block_tables[torch.arange(d), (meta.decode_context_lens - 1) // 16]]
-    assert ((slots >= 0) == torch.tensor([c % 16 != 0 for c in ctx])).all()  # the states named above
+    last = meta.decode_block_tables[torch.arange(d), (meta.decode_context_lens - 1) // 16]
+    assert ((k_pool.tails.slot_of[last] >= 0) == torch.tensor([c % 16 != 0 for c in ctx])).all()  # as named above
+    read = k_pool.decode_view().tail_slots()  # and this step's decodes read the blocks they filled from the tail
+    assert (read[last] >= 0).all() and ((read >= 0).sum() > (k_pool.tails.slot_of >= 0).sum())
     want = reference_attention(q, k_pool, v_pool, meta, hd ** -0.5)
     got = fused_attention(q, k_pool, v_pool, meta, hd ** -0.5)
     assert torch.allclose(got.float(), want.float(), atol=atol)
@@ -96,7 +99,7 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     # in_stored_basis does), and match the float32 reference over the same bits
     direct = torch.empty(d, heads, hd)
     paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, v_pool.scales,
-                               k_pool.tail, v_pool.tail, k_pool.tails.slot_of, meta.decode_block_tables,
+                               k_pool.tail, v_pool.tail, read, meta.decode_block_tables,
                                meta.decode_context_lens, hd ** -0.5)
     assert torch.equal((direct @ v_pool.rotation).to(dtype), got[:d])
     k_pool.out_dtype = v_pool.out_dtype = torch.float32

@@ -116,6 +116,27 @@ def test_prompt_chunks_read_their_own_block_exact_however_the_prompt_is_chunked(
         assert torch.allclose(whole[name], whole["reference"], atol=1e-5), name
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "matmul", "fused"])
+def test_a_decode_reads_its_own_block_exact_even_the_one_it_fills(backend):
+    """Tokens 0..30 as one prompt chunk, then token 31 (the 16th of block 1) and 32 as decodes: each
+    decode's output equals what the one-chunk prefill of all 33 tokens gives at its position, so
+    the decode that fills block 1 reads it from its tail slot (the block quantized for everyone after)."""
+    g = torch.Generator().manual_seed(5)
+    q, xk, xv = (torch.randn(33, n, 16, generator=g) for n in (4, 2, 2))
+    table = [4, 0, 6]
+    whole = _prompt_step(*_pools(), q, xk, xv, 0, 33, table)["reference"]
+    k, v = _pools()
+    _prompt_step(k, v, q, xk, xv, 0, 31, table)
+    for pos in (31, 32):
+        slots = _slots(table, pos, pos + 1)
+        write_kv(k, v, xk[pos:pos + 1], xv[pos:pos + 1], slots)
+        meta = AttentionMetadata(slots, 1, torch.tensor([table]), torch.tensor([pos + 1]),
+                                 (torch.arange(48) < pos + 1).view(1, 1, 1, 48), [])
+        got = ATTENTION_BACKENDS[backend](q[pos:pos + 1], k, v, meta, 0.25)
+        assert torch.allclose(got, whole[pos:pos + 1], atol=1e-5), pos
+    assert k.tails.slot_of[0] == -1 and k.tails.num_open == 1
+
+
 def _study():
     path = Path(__file__).resolve().parents[2] / "examples" / "int4_kv_study.py"
     spec = importlib.util.spec_from_file_location("int4_kv_study", path)
