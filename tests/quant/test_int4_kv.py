@@ -189,3 +189,62 @@ def test_smollm2_int4_kv_perplexity_stays_within_two_percent_of_float(smollm2_gg
             ppl[kv], _ = quality.score_windows(engine, windows)
             assert_no_leaks(engine)
     assert 1.0 < ppl["int4"] / ppl["auto"] < 1.02, ppl
+
+
+def _greedy(engine, prompts, abort_after: int | None = None) -> list[list[int]]:
+    """Greedy continuations of ``prompts``; with ``abort_after``, one more request is aborted after that
+    many steps."""
+    from pagedserve.engine.sampling_params import SamplingParams
+    from tests.conftest import run_all
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    if abort_after is not None:
+        engine.add_request("aborted", prompts[0], params)
+        for _ in range(abort_after):
+            engine.step()
+        assert engine.abort("aborted")
+    done = run_all(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def test_int4_engine_gives_tail_slots_back_on_finish_abort_and_preemption(checkpoint_dir):
+    """A pool far too small for the batch (preemption frees a sequence's blocks, its open block's
+    tail slot with them, and recomputes it), and a request aborted mid-decode: every request ends
+    with the tokens of an engine with room for all, and no block or tail slot is left held."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+    from tests.conftest import assert_no_leaks
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 25, 40, 33, 20, 28)]
+    tokens = {}
+    for blocks in (14, 128):
+        engine = Engine(EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32", kv_cache_dtype="int4",
+                                     num_kv_blocks=blocks, block_size=8, enable_prefix_caching=False))
+        tokens[blocks] = _greedy(engine, prompts, abort_after=3)
+        assert (engine.core.scheduler.num_preemptions > 0) == (blocks == 14)
+        assert_no_leaks(engine)
+    assert tokens[14] == tokens[128]
+
+
+def test_int4_engine_with_window_groups_holds_a_tail_per_seat_and_group(tiny_gemma3_gguf):
+    """Gemma 3's KV groups (one full, two sliding-window): a tail slot per seat and group; prompts past
+    the 32-token window, whose leading window blocks are given back mid-request, end with their
+    blocks and tail slots free; the same tokens with the window groups as with one table."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+    from tests.conftest import assert_no_leaks
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (70, 45, 100)]
+    tokens = {}
+    for free in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_gemma3_gguf), kv_cache_dtype="int4", num_kv_blocks=128,
+                                     max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
+                                     free_window_blocks=free))
+        assert engine.core.runner.kv_caches[0][0].tails.num_slots == 8 * (3 if free else 1)
+        tokens[free] = _greedy(engine, prompts)
+        assert_no_leaks(engine)
+    assert tokens[True] == tokens[False]
