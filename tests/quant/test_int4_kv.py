@@ -248,3 +248,23 @@ def test_int4_engine_with_window_groups_holds_a_tail_per_seat_and_group(tiny_gem
         tokens[free] = _greedy(engine, prompts)
         assert_no_leaks(engine)
     assert tokens[True] == tokens[False]
+
+
+def test_int4_engine_with_speculative_decoding_gives_the_plain_tokens(tiny_model_dir):
+    """n-gram drafts written into int4 blocks and rolled back when rejected (a block a draft filled is
+    reopened for the next token): the same greedy tokens as without drafts, drafts accepted, and no
+    block or tail slot held afterwards."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+    from tests.conftest import assert_no_leaks
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 6, [20, 21, 22, 23] * 9, list(range(30, 61))]
+    tokens = {}
+    for spec in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="int4",
+                                     kv_cache_memory="32MiB", speculative="ngram" if spec else None,
+                                     num_speculative_tokens=4))
+        tokens[spec] = _greedy(engine, prompts)
+        assert (engine.stats().spec_num_accepted_tokens > 0) == spec
+        assert_no_leaks(engine)
+    assert tokens[True] == tokens[False]
