@@ -73,18 +73,22 @@ class WritePlan:
 class TailMap:
     """Which blocks are open (in a tail slot) and which slots are free, for every layer's pools."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device):
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device, kv_groups: int = 1):
         if num_slots < 1:
             raise ValueError("an int4 KV cache needs at least one tail slot")
-        self.block_size, self.num_slots = block_size, num_slots
+        self.block_size, self.num_slots, self.kv_groups = block_size, num_slots, kv_groups
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         self._slot_of = [-1] * num_blocks  # host copy: planning never waits on the device
         self._free = list(range(num_slots - 1, -1, -1))
-        self._plans: list[tuple[torch.Tensor, WritePlan]] = []  # this step's, one per KV group's slot mapping
+        # Slots of blocks filled this step: read through the step (WritePlan.filled_slots), free for
+        # the next. A step writes one slot mapping per KV group, so a step is kv_groups plans.
+        self._resting: list[int] = []
+        self._num_plans = 0
+        self._plans: list[tuple[torch.Tensor, WritePlan]] = []  # this step's and the last, by slot mapping
 
     @property
     def num_open(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - len(self._free) - len(self._resting)
 
     def _set(self, changes: dict[int, int]) -> None:
         if changes:
@@ -92,11 +96,18 @@ class TailMap:
             self.slot_of[ids.to(self.slot_of.device)] = torch.tensor(list(changes.values())).to(self.slot_of.device)
 
     def _take(self, block: int, changes: dict[int, int], spare: list[int] | None = None) -> int:
-        pool = self._free or spare
+        """A free slot for ``block``; with none, a slot of a block filled this step (``spare``: by
+        this plan; else by another KV group's, whose plan then reads that block quantized)."""
+        pool = self._free or spare or self._resting
         if not pool:
             raise RuntimeError(f"int4 KV: more open blocks than the {self.num_slots} tail slots "
                                "(sized by max_num_seqs)")
         slot = self._slot_of[block] = changes[block] = pool.pop()
+        if pool is self._resting:
+            for _, plan in self._plans:
+                for b in [b for b, s in plan.filled_slots.items() if s == slot]:
+                    del plan.filled_slots[b]
+                    plan.decode_slots[b] = -1
         return slot
 
     def _drop(self, block: int, changes: dict[int, int]) -> None:
@@ -126,8 +137,12 @@ class TailMap:
         for mapping, plan in self._plans:
             if mapping is slot_mapping:
                 return plan
+        if self._num_plans % self.kv_groups == 0:  # a new step: last step's filled blocks' slots are free
+            self._free += self._resting
+            self._resting = []
+        self._num_plans += 1
         plan = self._make_plan(slot_mapping.tolist())
-        self._plans = [*self._plans[-3:], (slot_mapping, plan)]
+        self._plans = [*self._plans[1 - 2 * self.kv_groups:], (slot_mapping, plan)]
         return plan
 
     def _make_plan(self, slots: list[int]) -> WritePlan:
@@ -142,7 +157,7 @@ class TailMap:
                                        if name not in ("filled_slots", "decode_slots")}
         changes: dict[int, int] = {}
         filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
-        released = list(filled_slots.values())  # free again after this step, or in it if none else is
+        released = list(filled_slots.values())  # free after this step, or in it if no other slot is
         for j, b in enumerate(full):
             if self._slot_of[b] >= 0:
                 lists["full_from_tail"].append(j)
@@ -168,7 +183,7 @@ class TailMap:
                 lists["tail_rows"].append(slot * bs + o)
                 lists["tail_tokens"].append(i)
         self._set(changes)
-        self._free.extend(released)
+        self._resting += released
         filled_slots = {b: s for b, s in filled_slots.items() if s in released}
         decode_slots = self.slot_of
         if filled_slots:

@@ -268,3 +268,29 @@ def test_int4_engine_with_speculative_decoding_gives_the_plain_tokens(tiny_model
         assert (engine.stats().spec_num_accepted_tokens > 0) == spec
         assert_no_leaks(engine)
     assert tokens[True] == tokens[False]
+
+
+def test_kv_groups_keep_a_filled_blocks_slot_through_the_step():
+    """With three KV groups a step writes three slot mappings: the slot of a block group A's decode
+    fills is not handed to group B's new block in the same step while another is free; with none
+    other free group C's takes it, and A's decodes then read that block quantized; the step after,
+    it is free."""
+    k, v = allocate_kv_caches(1, 8, 4, 1, 8, torch.float32, CPU, "int4", tail_slots=2, kv_groups=3)[0]
+    tails, x = k.tails, torch.randn(4, 1, 8)
+    pad = torch.tensor([-1])
+    write_kv(k, v, x[:3], x[:3], torch.arange(3))  # step 1, group A: block 0 open
+    for _ in range(2):  # groups B and C: padding only
+        write_kv(k, v, x[:1], x[:1], pad.clone())
+    a = torch.tensor([3])
+    write_kv(k, v, x[3:], x[3:], a)  # step 2, group A: fills block 0
+    filled = tails.plan(a).filled_slots[0]
+    assert tails.plan(a).decode_slots[0] == filled and tails.slot_of[0] == -1 and tails.num_open == 0
+    write_kv(k, v, x[:1], x[:1], torch.tensor([4 * 5]))  # group B opens block 5 in the other slot
+    assert tails.slot_of[5] != filled and tails.plan(a).decode_slots[0] == filled
+    write_kv(k, v, x[:1], x[:1], torch.tensor([4 * 6]))  # group C: no slot free but block 0's
+    assert tails.slot_of[6] == filled and tails.plan(a).decode_slots[0] == -1 and not tails.plan(a).filled_slots
+    with pytest.raises(RuntimeError, match="tail slots"):  # step 3, group A: nothing left at all
+        write_kv(k, v, x[:1], x[:1], torch.tensor([4 * 7]))
+    tails.release([5])
+    write_kv(k, v, x[:1], x[:1], torch.tensor([4 * 7]))
+    assert tails.num_open == 2

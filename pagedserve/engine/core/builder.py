@@ -188,7 +188,8 @@ def build_core(config: EngineConfig) -> CoreParts:
     use_graphs = device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
     config, kv = _size_kv_pool(config, model, arch, dtype, kv_model_dtype, device, size, use_graphs)
     kv_caches = allocate_kv_caches(kv.pool_layers, kv.num_blocks, config.block_size, arch.num_kv_heads,
-                                   arch.head_dim, kv.pool_dtype, device, config.kv_cache_dtype, kv.tail_slots)
+                                   arch.head_dim, kv.pool_dtype, device, config.kv_cache_dtype, kv.tail_slots,
+                                   len(kv.groups) if kv.groups else 1)
     if kv.groups:  # each layer reads the pool slot of its position in its group
         kv_caches = [kv_caches[slot] for _, slot in layer_slots(kv.groups)]
     block_manager, event_log = _block_manager(config, kv)
