@@ -217,7 +217,6 @@ class Int4KVCache:
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
     plan: WritePlan | None = None  # and its plan
-    kv_cache_dtype: str = "int4"
 
     @classmethod
     def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,

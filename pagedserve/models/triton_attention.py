@@ -34,10 +34,10 @@ def pool_view(cache: KVCache) -> PoolView:
     if isinstance(cache, HeadMajorKVCache):
         return PoolView.head_major(cache.data)
     if isinstance(cache, QuantizedKVCache):
-        if cache.kv_cache_dtype not in TRITON_KV_DTYPES:
-            raise ValueError(f"the triton backend has no kernel for {cache.kv_cache_dtype} KV pools; "
-                             f"use one of {', '.join(TRITON_KV_DTYPES)} or another attention backend")
         return PoolView.token_major(cache.data, cache.kv_cache_dtype, cache.scales)
+    if not isinstance(cache, torch.Tensor):  # int4 (kv/int4.py)
+        raise ValueError(f"the triton backend has no kernel for int4 KV pools; use one of "
+                         f"{', '.join(TRITON_KV_DTYPES)} or another attention backend")
     return PoolView.token_major(cache)
 
 

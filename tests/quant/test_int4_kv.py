@@ -294,3 +294,12 @@ def test_kv_groups_keep_a_filled_blocks_slot_through_the_step():
     tails.release([5])
     write_kv(k, v, x[:1], x[:1], torch.tensor([4 * 7]))
     assert tails.num_open == 2
+
+
+def test_the_triton_backend_refuses_int4_pools():
+    """Triton has no int4 kernel (the engine pairs int4 with sdpa on CUDA): handed one, it says so."""
+    pytest.importorskip("triton")
+    from pagedserve.models.triton_attention import pool_view
+
+    with pytest.raises(ValueError, match="no kernel for int4"):
+        pool_view(_pools()[0])
