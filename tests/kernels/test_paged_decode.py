@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import kernel_error, paged_decode_int4_kernel, paged_decode_kernel, paged_decode_quantized_kernel
+from pagedserve.kernels import (kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
+                                paged_decode_quantized_kernel)
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention
 from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, paged_batch, quantized
