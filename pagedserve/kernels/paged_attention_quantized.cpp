@@ -171,17 +171,7 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         Mq::scores(qs.data(), p.k + (blk * bs * kvh + h) * hd / 2, qrow, hd, n, scores.data() + start, len);
       }
       float inv_sum[G];
-      for (int g = 0; g < G; ++g) {
-        float* row = scores.data() + g * len;
-        float m = row[0];
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, row[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - m);
-          sum += row[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
+      softmax_rows<G>(scores.data(), len, inv_sum);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
