@@ -10,10 +10,11 @@ next-token distributions, top-1 agreement, and the bytes per token the format wo
 Formats (`--formats`, all by default):
 
 * ``token``          int4 per token and head, one absmax scale per 64 values (the original format)
-* ``token-rot``      the same after a Hadamard rotation of each vector (today's ``--kv-cache-dtype int4``)
+* ``token-rot``      the same after a Hadamard rotation of each vector (``--kv-cache-dtype int4`` until 2026-12-04)
 * ``kivi``           KIVI: keys per channel over each 16-token block (scale and zero point per
                      channel), values per token (scale and zero point per vector)
 * ``kchan-vrot``     keys per channel over each block (absmax scale, symmetric), values rotated per token
+                     (with the tail: ``--kv-cache-dtype int4`` since 2026-12-04, kv/int4.py)
 * ``...+tail``       any of the above with the sequence's last, unfilled block kept in full precision:
                      a query sees its own block's keys and values exact, earlier blocks quantized (a
                      per-channel key scale needs the block's 16 tokens, so the block waits in float

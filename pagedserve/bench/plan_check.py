@@ -102,11 +102,14 @@ def check_sizing(engine: Any, shape: ModelShape, dtype: str, kv_budget: int, kv_
     """Compare the planner's KV bytes/token, blocks and seats with a running engine's pool.
 
     ``kv_cache_dtype`` ``auto`` stores KV in the model ``dtype``; fp8 / int8 / int4 add their scales
-    on both sides, so the comparison covers the quantized pools too.
+    on both sides, so the comparison covers the quantized pools too; int4's tail blocks (one per
+    ``max_num_seqs`` seat) come out of the budget first.
     """
     cfg = engine.core.config
-    bpt = shape.kv_pool_bytes_per_token(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
-    blocks = sizing.num_kv_blocks(kv_budget, bpt, cfg.block_size)
+    precision = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    bpt = shape.kv_pool_bytes_per_token(precision, cfg.block_size)
+    tails = cfg.max_num_seqs * shape.kv_tail_bytes_per_sequence(precision, cfg.block_size)
+    blocks = sizing.num_kv_blocks(kv_budget - tails, bpt, cfg.block_size)
     return SizingCheck(
         model=shape.name, dtype=dtype if kv_cache_dtype == "auto" else f"{dtype}, KV {kv_cache_dtype}", kv_budget=kv_budget, block_size=cfg.block_size,
         max_model_len=cfg.max_model_len, planner_kv_bytes_per_token=bpt,

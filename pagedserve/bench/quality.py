@@ -126,6 +126,9 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
         decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_mask=None,
         prefills=[(0, n, n, torch.arange(num_blocks, device=dev))])
     hidden = runner.model(torch.tensor(token_ids, device=dev), positions, runner.kv_caches, meta)
+    tails = getattr(runner.kv_caches[0][0], "tails", None)
+    if tails is not None:  # int4: the window's open last block is no one's, its tail slot free again
+        tails.release(range(num_blocks))
     return runner.model.compute_logits(hidden).log_softmax(dim=-1).cpu()
 
 

@@ -28,8 +28,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache precision: auto = the model dtype; fp8 (e4m3), int8 or int4 store each token's "
-                        "K/V per head with a float16 scale (int8 about doubles the seats, int4 about quadruples them)")
+                   help="KV cache precision: auto = the model dtype; fp8 (e4m3) or int8 store each token's K/V per "
+                        "head with a float16 scale (about doubles the seats); int4 stores keys per channel per block, "
+                        "values per token, each sequence's open block at 16 bits (about 3.4x the seats)")
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="weight-only quantization applied at load: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads")

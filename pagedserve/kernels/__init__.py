@@ -4,7 +4,8 @@
   once, in place, through its block table, where the pure-torch path first copies them into a
   padded contiguous tensor (measured on W1's decode batches: 3x less time per layer).
   ``paged_attention_quantized.cpp`` is the same kernel (``paged_decode.h``) over the quantized
-  pools (int8, fp8, int4), dequantizing each K and V vector with its scale as it reads.
+  pools (int8, fp8), dequantizing each K and V vector with its scale as it reads, and over the int4
+  layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail.
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
@@ -216,9 +217,16 @@ def paged_decode_kernel() -> Callable[..., None] | None:
 def paged_decode_quantized_kernel() -> Callable[..., None] | None:
     """``paged_decode_attention_quantized(out, q, k_data, v_data, k_scales, v_scales, block_tables,
     context_lens, scale, kind)`` over :class:`~pagedserve.kv.quant.QuantizedKVCache` storage
-    (``kind``: ``int8``, ``fp8`` or ``int4``), or ``None``."""
+    (``kind``: ``int8`` or ``fp8``), or ``None``."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode_attention_quantized
+
+
+def paged_decode_int4_kernel() -> Callable[..., None] | None:
+    """``paged_decode_attention_int4(out, q, k_data, v_data, k_scales, v_scales, k_tail, v_tail, tail_of,
+    block_tables, context_lens, scale)`` over :class:`~pagedserve.kv.int4.Int4KVCache` storage, or ``None``."""
+    ops = native_ops()
+    return None if ops is None else ops.paged_decode_attention_int4
 
 
 def isa_paths() -> list[str]:

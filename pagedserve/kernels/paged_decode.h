@@ -189,6 +189,24 @@ inline void apply_scales(float* rows, int64_t stride, const c10::Half* scales, i
   }
 }
 
+// The G score rows (len each, one after another) exponentiated in place, max-shifted; inv_sum[g]
+// gets 1 / row g's sum (applied to the output once, not to every weight). exp over whole rows, so
+// it vectorizes.
+template <int G>
+inline void softmax_rows(float* scores, int64_t len, float* inv_sum) {
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * len;
+    float m = row[0];  // len >= 1; no infinities, which -ffast-math assumes away
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, row[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - m);
+      sum += row[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+}
+
 struct Shapes {
   int64_t num_seqs, max_blocks, kv_heads, num_blocks, block_size, hd;
   float scale;
@@ -232,17 +250,7 @@ void decode_impl(const Batch<E>& b) {
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }
       float inv_sum[G];
-      for (int g = 0; g < G; ++g) {  // softmax in place; exp over whole rows so it vectorizes
-        float* row = scores.data() + g * len;
-        float m = row[0];  // len >= 1; no infinities, which -ffast-math assumes away
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, row[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - m);
-          sum += row[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
+      softmax_rows<G>(scores.data(), len, inv_sum);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs];

@@ -34,7 +34,7 @@ recorded there under its content hash, for routers; without one nothing is hashe
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence as Seq
+from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 
 from pagedserve.kv.events import KVEventLog, block_hash
 
@@ -194,6 +194,8 @@ class BlockManager:
         self.num_evictions = 0  # cached blocks whose content was dropped to reuse the block
         # Held by the manager itself (ref_count 1 + one per table entry standing in for a released block).
         self.null_block = self._take_free() if null_block else None
+        # Told the ids of blocks no table holds any more (int4 KV frees their tail slots: kv/int4.py).
+        self.on_release: Callable[[list[int]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -391,12 +393,25 @@ class BlockManager:
                 continue
             table[i] = null
             null.ref_count += 1
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue.append(block)
-                self._num_cached_free += block.cache_key is not None
+            self._unref([block])
             released += 1
         return released
+
+    def _unref(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
+        """Drop one reference to each block; those no one holds go back to the free queue (``front``:
+        to be reused first, for blocks with no cached content)."""
+        freed = []
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                freed.append(block.block_id)
+                if front and block.cache_key is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+                    self._num_cached_free += block.cache_key is not None
+        if freed and self.on_release is not None:
+            self.on_release(freed)
 
     def _needs_copy(self, table: list[KVBlock], num_computed_tokens: int) -> bool:
         index = num_computed_tokens // self.block_size
@@ -431,11 +446,7 @@ class BlockManager:
         self._hash_chains.pop(seq_id, None)
         if table is None:
             return
-        for block in reversed(table):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue.append(block)
-                self._num_cached_free += block.cache_key is not None
+        self._unref(reversed(table))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Shrink ``seq_id``'s table to the blocks ``num_tokens`` slots need, dropping the tail
@@ -449,15 +460,9 @@ class BlockManager:
             return
         keep = self.num_blocks_for(num_tokens)
         assert keep >= len(self.chains[seq_id]), "truncating into the sequence's cached full blocks"
-        while len(table) > keep:
-            block = table.pop()
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.cache_key is None:
-                    self.free_queue.appendleft(block)  # empty: reused before any cached block
-                else:
-                    self.free_queue.append(block)
-                    self._num_cached_free += 1
+        dropped = table[keep:]
+        del table[keep:]
+        self._unref(reversed(dropped), front=True)  # empty ones: reused before any cached block
 
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:

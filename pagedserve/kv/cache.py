@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kv.int4 import Int4KVCache, TailMap
 from pagedserve.kv.quant import QuantizedKVCache
 from pagedserve.kv.zeros import zeros
 
@@ -61,7 +62,7 @@ class HeadMajorKVCache:
         self.data[:, block_ids] = blocks.movedim(-2, 0)
 
 
-KVCache = torch.Tensor | HeadMajorKVCache | QuantizedKVCache  # one layer's K (or V) pool
+KVCache = torch.Tensor | HeadMajorKVCache | QuantizedKVCache | Int4KVCache  # one layer's K (or V) pool
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
@@ -71,9 +72,17 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: i
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device,
-                       kv_cache_dtype: str = "auto") -> list[tuple[KVCache, KVCache]]:
+                       kv_cache_dtype: str = "auto", tail_slots: int | None = None,
+                       kv_groups: int = 1) -> list[tuple[KVCache, KVCache]]:
     """Per layer, K and V pools of logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``:
-    :class:`HeadMajorKVCache` pools in the model dtype for ``auto``, else :class:`QuantizedKVCache` pools."""
+    :class:`HeadMajorKVCache` pools in the model dtype for ``auto``, :class:`Int4KVCache` pools over one
+    shared :class:`TailMap` of ``tail_slots`` open blocks (default: one per block; ``kv_groups``: slot
+    mappings a step writes) for ``int4``, else
+    :class:`QuantizedKVCache` pools."""
+    if kv_cache_dtype == "int4":
+        tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
+        return [Int4KVCache.allocate_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, tails)
+                for _ in range(num_layers)]
     if kv_cache_dtype != "auto":
         return [tuple(QuantizedKVCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,
                                                 dtype, device) for _ in range(2))

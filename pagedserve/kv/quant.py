@@ -5,22 +5,18 @@ Each stored K (or V) vector — one token, one KV head, ``head_dim`` values — 
 (``absmax / qmax``, kept as float16 beside the blocks), so an outlier in one head or one token
 costs precision nowhere else::
 
-    data   [num_blocks, block_size, kv_heads, head_dim]     int8 / fp8 bits   (int4: head_dim // 2 bytes, two per byte)
+    data   [num_blocks, block_size, kv_heads, head_dim]     int8 / fp8 bits
     scales [num_blocks, block_size, kv_heads]               float16
 
-int4 pools store each vector rotated by the normalised Hadamard matrix (:func:`hadamard_matrix`,
-:data:`ROTATED_KV_DTYPES`): post-RoPE keys of Llama-family models put most of a vector's
-magnitude in a few channels, and one absmax scale over 64 values then leaves the other channels
-one or two of int4's levels (SmolLM2: +29 % perplexity, nearly all of it from K). Rotated, the
-magnitude is spread over all 64 values and the same 15 levels fit them (+8 %, docs/QUANTIZATION.md).
-The layout and the bytes are unchanged; attention rotates the queries instead of the stored rows
-(``pagedserve.models.attention.in_stored_basis``).
+int4 has a layout of its own (:mod:`pagedserve.kv.int4`: keys per channel within a block, values
+rotated per token, each sequence's open block in a float16 tail); its values use this module's
+per-vector int4 rounding (:func:`quantize_kv`) and its rotation (:func:`hadamard_matrix`).
 
-Bytes per token therefore are ``2 × layers × kv_heads × (head_dim × element_bytes + 2)``: int8
-with head_dim 64 is 66 bytes per head against bf16's 128 (×1.94 the seats), int4 34 (×3.76).
+Bytes per token therefore are ``2 × layers × kv_heads × (head_dim × element_bytes + 2)`` for int8
+and fp8: with head_dim 64 that is 66 bytes per head against bf16's 128 (×1.94 the seats).
 
-The native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads this
-layout in place, applying each vector's scale once to its dot product and once to its softmax
+The native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads the int8 and
+fp8 layout in place, applying each vector's scale once to its dot product and once to its softmax
 weight.
 
 :class:`QuantizedKVCache` behaves like the plain cache tensor where the engine touches it:
@@ -37,15 +33,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.config import KV_CACHE_DTYPES
-from pagedserve.kv.sizing import kv_pool_bytes_per_token
+from pagedserve.kv.sizing import DEFAULT_BLOCK_SIZE, kv_pool_bytes_per_token
 from pagedserve.kv.zeros import zeros
 
-QUANTIZED_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest stored magnitude; fp8 is e4m3's finite max
 _MIN_SCALE = 1e-6  # an all-zero vector still gets a finite, float16-representable scale
-# Stored rotated by the Hadamard matrix (QuantizedKVCache.rotation): chosen by measurement, docs/QUANTIZATION.md.
-ROTATED_KV_DTYPES = frozenset({"int4"})
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -61,14 +54,15 @@ def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                             model_dtype: torch.dtype) -> int:
+                             model_dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The real bytes one token's K and V take across all layers, scales included.
 
     The planner's formula (:func:`~pagedserve.kv.sizing.kv_pool_bytes_per_token`), with ``auto``
     resolved to the model dtype.
     """
     check_kv_cache_dtype(kv_cache_dtype)
-    return kv_pool_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype_name(kv_cache_dtype, model_dtype))
+    return kv_pool_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype_name(kv_cache_dtype, model_dtype),
+                                   block_size)
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
@@ -121,34 +115,28 @@ def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_cache_dtype: str,
 
 @dataclass
 class QuantizedKVCache:
-    """One layer's K (or V) pool in a quantized precision, with per-token, per-head scales.
+    """One layer's K (or V) pool in int8 or fp8, with per-token, per-head scales.
 
-    ``out_dtype`` is the model dtype attention computes in; :meth:`dequantize` returns it. With a
-    ``rotation`` (the :func:`hadamard_matrix` of ``head_dim``, for the dtypes in
-    :data:`ROTATED_KV_DTYPES`), each vector is stored rotated, ``x @ rotation``: :meth:`dequantize`
-    rotates it back, and the attention backends instead rotate the queries in and the output back
-    out (:meth:`stored_basis`), which is exact because the rotation is orthogonal.
+    ``out_dtype`` is the model dtype attention computes in; :meth:`dequantize` returns it.
     """
 
-    data: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim or head_dim // 2]
+    data: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     scales: torch.Tensor  # [num_blocks, block_size, kv_heads] float16
     kv_cache_dtype: str
     out_dtype: torch.dtype
     head_dim: int
-    rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32, symmetric orthogonal, or None
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                  out_dtype: torch.dtype, device: torch.device) -> "QuantizedKVCache":
-        """An all-zero pool of ``num_blocks`` blocks, rotated if ``kv_cache_dtype`` is in :data:`ROTATED_KV_DTYPES`."""
-        if kv_cache_dtype not in QUANTIZED_KV_DTYPES:
-            raise ValueError(f"not a quantized KV dtype: {kv_cache_dtype!r}; choose from {QUANTIZED_KV_DTYPES}")
-        width = head_dim // 2 if kv_cache_dtype == "int4" else head_dim
+        """An all-zero pool of ``num_blocks`` blocks."""
+        if kv_cache_dtype not in ("int8", "fp8"):
+            raise ValueError(f"a per-token quantized pool is int8 or fp8, not {kv_cache_dtype!r} "
+                             "(int4: kv.int4.Int4KVCache)")
         storage = torch.int8 if kv_cache_dtype == "int8" else torch.uint8
-        data = zeros((num_blocks, block_size, num_kv_heads, width), storage, device)  # lazily zeroed on CPU
+        data = zeros((num_blocks, block_size, num_kv_heads, head_dim), storage, device)  # lazily zeroed on CPU
         scales = zeros((num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device)
-        rotation = hadamard_matrix(head_dim, device=device) if kv_cache_dtype in ROTATED_KV_DTYPES else None
-        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim, rotation)
+        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim)
 
     @property
     def shape(self) -> torch.Size:
@@ -157,7 +145,7 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, scales included (the rotation is one matrix per pool, not per token: not counted)."""
+        """Bytes held, scales included."""
         return self.data.nbytes + self.scales.nbytes
 
     def __getitem__(self, index) -> "QuantizedKVCache":
@@ -166,44 +154,25 @@ class QuantizedKVCache:
 
     def __setitem__(self, index, blocks: "QuantizedKVCache") -> None:
         """Overwrite blocks with other quantized blocks, bit for bit (copy-on-write)."""
-        if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype \
-                or (blocks.rotation is None) != (self.rotation is None):
-            raise TypeError("a quantized KV cache takes only quantized blocks of the same precision and basis")
+        if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype:
+            raise TypeError("a quantized KV cache takes only quantized blocks of the same precision")
         self.data[index] = blocks.data
         self.scales[index] = blocks.scales
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize ``x [T, kv_heads, head_dim]`` (rotated first, if the pool is) and store token i at
-        flat slot ``slot_mapping[i]``."""
-        if self.rotation is not None:
-            x = x.float() @ self.rotation
+        """Quantize ``x [T, kv_heads, head_dim]`` and store token i at flat slot ``slot_mapping[i]``."""
         data, scales = quantize_kv(x, self.kv_cache_dtype)
         num_slots = self.data.shape[0] * self.data.shape[1]
         self.data.view(num_slots, *self.data.shape[2:]).index_copy_(0, slot_mapping, data)
         self.scales.view(num_slots, self.scales.shape[2]).index_copy_(0, slot_mapping, scales)
 
     def dequantize(self) -> torch.Tensor:
-        """The held blocks as ``out_dtype`` values in the model's basis (rotated back), shape :attr:`shape`."""
-        if self.rotation is None:
-            return dequantize_kv(self.data, self.scales, self.kv_cache_dtype, self.out_dtype)
-        values = dequantize_kv(self.data, self.scales, self.kv_cache_dtype, torch.float32)
-        return (values @ self.rotation).to(self.out_dtype)
-
-    def stored_basis(self) -> "QuantizedKVCache":
-        """The same storage, read as it is stored: :meth:`dequantize` then gives the rotated vectors,
-        in float32.
-
-        Attention over a rotated pool runs on this view with rotated float32 queries
-        (``q @ rotation``), and rotates its output back: ``q·k = (qR)·(kR)`` and
-        ``Σ p v = (Σ p vR) R`` for an orthogonal symmetric ``R``. That costs one
-        ``head_dim × head_dim`` product per query and output row, instead of one per gathered K and
-        V row. float32 throughout, so the rotations add no rounding of their own: the output is
-        rounded to the model dtype once, as without them.
-        """
-        return replace(self, rotation=None, out_dtype=torch.float32)
+        """The held blocks as ``out_dtype`` values, shape :attr:`shape`."""
+        return dequantize_kv(self.data, self.scales, self.kv_cache_dtype, self.out_dtype)
 
 
-def gather_blocks(cache: torch.Tensor | QuantizedKVCache, block_ids: torch.Tensor) -> torch.Tensor:
-    """``cache[block_ids]`` as values attention can use: quantized pools are dequantized here."""
+def gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]`` as values attention can use: quantized pools (int8, fp8, int4) are
+    dequantized here."""
     blocks = cache[block_ids]
-    return blocks.dequantize() if isinstance(blocks, QuantizedKVCache) else blocks
+    return blocks if isinstance(blocks, torch.Tensor) else blocks.dequantize()

@@ -9,9 +9,11 @@ from __future__ import annotations
 # Bytes per stored element for each KV precision (int4 packs two values in a byte).
 KV_ELEMENT_BYTES = {"float32": 4.0, "fp32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0,
                     "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-# A quantized cache stores one float16 scale per K and per V vector.
+# A quantized cache stores float16 scales: one per K and per V vector (int8, fp8; int4's V), and for
+# int4's K one per block, head and channel (kv/int4.py).
 SCALE_BYTES = 2
 QUANTIZED_KV = frozenset({"fp8", "int8", "int4"})
+DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
 
 class SizingError(ValueError):
@@ -36,21 +38,37 @@ def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int) -> int:
     return 2 * num_layers * num_kv_heads * SCALE_BYTES
 
 
-def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, precision: str) -> int:
+def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, precision: str,
+                            block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The bytes one token really takes in a KV pool of ``precision``: what the engine sizes its
     pool by and the planner quotes, so the two agree exactly.
 
     The elements (:func:`kv_bytes_per_token`), plus, for a quantized precision (fp8, int8,
     int4), one float16 scale per K and per V vector (:func:`kv_scale_bytes_per_token`): int8 KV
-    is not half of bf16 but half plus ``4 / head_dim`` of it.
+    is not half of bf16 but half plus ``4 / head_dim`` of it. int4's keys instead take one scale
+    per channel per ``block_size`` tokens (``2 × head_dim / block_size`` bytes a token and head:
+    8 at head_dim 64 in blocks of 16, so 40 + 34 bytes against bf16's 256, ×0.289), rounded up to
+    whole bytes. int4 also holds :func:`kv_tail_bytes_per_sequence` per running sequence.
     """
     name = precision.lower()
     elements = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_element_bytes(name))
     if name not in QUANTIZED_KV:
         return int(elements)
-    if name == "int4" and head_dim % 2:
+    if name != "int4":
+        return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)
+    if head_dim % 2:
         raise SizingError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
-    return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)
+    key_scales = -(-num_layers * num_kv_heads * head_dim * SCALE_BYTES // block_size)
+    return int(elements) + int(key_scales) + num_layers * num_kv_heads * SCALE_BYTES
+
+
+def kv_tail_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int, precision: str,
+                               block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The bytes int4 KV holds per running sequence besides its blocks: its open block's K and V at
+    float16 (kv/int4.py's tail: one block of a 16-bit cache); 0 for the other precisions."""
+    if precision.lower() != "int4":
+        return 0
+    return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, 2)) * block_size
 
 
 def window_blocks(window: int, block_size: int) -> int:

@@ -17,13 +17,16 @@ backends compute the same thing:
 
 The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCache` pools, plain
 ``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
-(int8 / fp8 / int4 with per-token, per-head scales): ``write_kv`` quantizes on write. Backends
-gather the blocks they read (head-major pools in one copy, quantized pools dequantizing only the
-blocks gathered), except the fused decode kernel, which reads head-major and quantized pools in
-place, dequantizing each K and V vector with its scale as it goes. int4 pools store each vector
-rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused`` then
-attend in the stored basis, queries rotated in and the output rotated back; ``reference`` instead
-rotates every gathered vector back. ``fused`` decodes go through
+(int8 / fp8 with per-token, per-head scales) or :class:`~pagedserve.kv.int4.Int4KVCache` pools (int4:
+keys per channel within a block, values rotated per token, each sequence's open block in a float16
+tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
+one copy, quantized pools dequantizing only the blocks gathered), except the fused decode kernel,
+which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
+stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
+then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
+gathered value back. Over int4 pools every query reads its own block exact: a decode from the
+tail (the block it fills this step included), a prompt chunk's queries from the step's rows at
+the tail's precision (:func:`own_block_exact`). ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 
@@ -42,8 +45,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import native_ops, paged_decode_kernel, paged_decode_quantized_kernel
+from pagedserve.kernels import native_ops, paged_decode_int4_kernel, paged_decode_kernel, paged_decode_quantized_kernel
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
+from pagedserve.kv.int4 import Int4KVCache
 from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
 from pagedserve.kv.sizing import window_blocks
 
@@ -125,6 +129,12 @@ def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _decode_view(cache: KVCache) -> KVCache:
+    """``cache`` as decodes read it: an int4 block filled by this step's decode still from its tail
+    (:meth:`~pagedserve.kv.int4.Int4KVCache.decode_view`); other pools as they are."""
+    return cache.decode_view() if isinstance(cache, Int4KVCache) else cache
+
+
 def gather_context(cache: KVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first ``context_len`` cached tokens, ``[context_len, kv_heads, head_dim]``."""
     return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
@@ -137,20 +147,22 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads = q.shape[1]
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
-    for start, q_len, ctx_len, block_ids in seqs:
-        k = gather_context(k_cache, block_ids, ctx_len).float()
-        v = gather_context(v_cache, block_ids, ctx_len).float()
+    decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
+    for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
+        pools = (decode_k, decode_v) if i < meta.num_decodes else (k_cache, v_cache)
+        k, v = (gather_context(pool, block_ids, ctx_len).float() for pool in pools)
+        block_size = k_cache.shape[1]
+        hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
+        if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
+            lead, block = (ctx_len - q_len) % block_size, int(block_ids[(ctx_len - q_len) // block_size])
+            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block)])
+            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block)])
+            hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # [ctx, heads, d]
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:start + q_len].float()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-        k_pos = torch.arange(ctx_len).unsqueeze(0)
-        hidden = k_pos > q_pos
-        if meta.window is not None:  # and keys that slid out of the window
-            hidden |= k_pos <= q_pos - meta.window
         scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -204,6 +216,14 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
         # (the kernel reads every position of its table: a window starting mid-block needs the mask)
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
+    if isinstance(k_cache, Int4KVCache):
+        kernel = paged_decode_int4_kernel()
+        if kernel is None:
+            return _decode_matmul(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k_cache.tail, v_cache.tail,
+               k_cache.tail_slots(), meta.decode_block_tables, meta.decode_context_lens, scale)
+        return out
     if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()
         if kernel is not None:
@@ -230,6 +250,20 @@ def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tens
     k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
     seen = k_pos <= q_pos
     return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def own_block_exact(q_len: int, ctx_len: int, block_size: int, window: int | None, device) -> torch.Tensor:
+    """``[q_len, ctx + exact]`` bool over int4 pools: which of the gathered keys (the first ``ctx``,
+    dequantized or from the tail) and of the chunk's exact rows (the rest, from its first block's
+    start: :meth:`~pagedserve.kv.int4.Int4KVCache.own_block_rows`) each query sees: the exact row
+    for a key in the query's own block, the gathered one for earlier blocks. A query thus reads
+    what it would read decoded, its own block exact and every earlier block quantized, however
+    the prompt is chunked (examples/int4_kv_study.py's ``+tail``)."""
+    seen = _visible(q_len, ctx_len, window, device)
+    first = (ctx_len - q_len) // block_size * block_size  # the chunk's first block starts here
+    q_block = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1) // block_size
+    own = torch.arange(ctx_len, device=device).unsqueeze(0) // block_size == q_block
+    return torch.cat([seen & ~own, (own & seen)[:, first:]], dim=1)
 
 
 def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -297,10 +331,10 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     window, a chunk reads its context from the block holding the first key its first query sees."""
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
-        return decode(q, k_cache, v_cache, meta, scale)
+        return decode(q, _decode_view(k_cache), _decode_view(v_cache), meta, scale)
     out = torch.empty_like(q)
     if d:
-        out[:d] = decode(q[:d], k_cache, v_cache, meta, scale)
+        out[:d] = decode(q[:d], _decode_view(k_cache), _decode_view(v_cache), meta, scale)
     block_size = k_cache.shape[1]
     for start, q_len, ctx_len, block_ids in meta.prefills:
         first = 0 if meta.window is None else max(0, ctx_len - q_len + 1 - meta.window) // block_size
@@ -310,26 +344,33 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
         v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
-        out[start:start + q_len] = prefill(qs, k, v, scale, meta.window).transpose(0, 1)
+        if isinstance(k_cache, Int4KVCache):  # its own block exact: one masked SDPA over both key sets
+            lead, block = (ctx - q_len) % block_size, int(ids[(ctx - q_len) // block_size])
+            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)], 1)
+            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)], 1)
+            mask = own_block_exact(q_len, ctx, block_size, meta.window, q.device)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = prefill(qs, k, v, scale, meta.window)
+        out[start:start + q_len] = o.transpose(0, 1)
     return out
 
 
 def in_stored_basis(backend):
-    """``backend`` over pools stored rotated (:attr:`QuantizedKVCache.rotation`): queries rotated in,
-    the output rotated back, the pools read as stored (:meth:`QuantizedKVCache.stored_basis`), all
-    in float32.
+    """``backend`` over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`):
+    the output rotated back, the pools read as stored (:meth:`Int4KVCache.stored_basis`), all in
+    float32.
 
-    With an orthogonal, symmetric ``R``, ``(qR)·(kR) = q·k`` and ``(Σ p vR) R = Σ p v``: the same
-    attention, for one ``head_dim × head_dim`` product per query row and per output row, where
-    rotating back every gathered K and V row would cost one per context token (and the fused
-    kernel reads the stored rows in place, so it could not). Unrotated pools pass straight through.
+    With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same attention, for one
+    ``head_dim × head_dim`` product per output row, where rotating back every gathered value row
+    would cost one per context token (and the fused kernel reads the stored rows in place, so it
+    could not). Other pools pass straight through.
     """
     def run(q, k_cache, v_cache, meta, scale):
-        rotation = getattr(k_cache, "rotation", None)
-        if rotation is None:
+        if not isinstance(v_cache, Int4KVCache):
             return backend(q, k_cache, v_cache, meta, scale)
-        out = backend(q.float() @ rotation, k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
-        return (out @ rotation).to(q.dtype)  # float32 until here: one rounding, as without the rotation
+        out = backend(q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
+        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
 
     run.__name__, run.__doc__ = backend.__name__, backend.__doc__
     return run
@@ -351,9 +392,9 @@ def fused_attention(q, k_cache, v_cache, meta, scale):
     return _attention(_decode_fused, _prefill_fused, q, k_cache, v_cache, meta, scale)
 
 
-# The fast backends read rotated pools through in_stored_basis. The reference does not: it gathers
-# K and V rotated back into the model's basis (QuantizedKVCache.dequantize), slowly and obviously,
-# so testing the others against it tests the rotation algebra too.
+# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
+# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
+# testing the others against it tests the rotation algebra too.
 sdpa_attention = in_stored_basis(sdpa_attention)
 matmul_attention = in_stored_basis(matmul_attention)
 fused_attention = in_stored_basis(fused_attention)

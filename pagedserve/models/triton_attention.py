@@ -10,7 +10,7 @@ written by slot mapping in one launch per layer (quantized as they are stored). 
 (negative slots, context length 0) cost nothing and write nothing, which is what lets a CUDA graph
 replay a fixed-size decode batch (:mod:`pagedserve.engine.core.cuda_graphs`).
 
-int4 pools (Hadamard-rotated nibbles) have no Triton kernel: the engine does not pair them with
+int4 pools (kv/int4.py: per-channel key blocks, float16 tails) have no Triton kernel: the engine does not pair them with
 this backend (``pagedserve.engine.core.engine_core``).
 """
 
@@ -34,10 +34,10 @@ def pool_view(cache: KVCache) -> PoolView:
     if isinstance(cache, HeadMajorKVCache):
         return PoolView.head_major(cache.data)
     if isinstance(cache, QuantizedKVCache):
-        if cache.kv_cache_dtype not in TRITON_KV_DTYPES:
-            raise ValueError(f"the triton backend has no kernel for {cache.kv_cache_dtype} KV pools; "
-                             f"use one of {', '.join(TRITON_KV_DTYPES)} or another attention backend")
         return PoolView.token_major(cache.data, cache.kv_cache_dtype, cache.scales)
+    if not isinstance(cache, torch.Tensor):  # int4 (kv/int4.py)
+        raise ValueError(f"the triton backend has no kernel for int4 KV pools; use one of "
+                         f"{', '.join(TRITON_KV_DTYPES)} or another attention backend")
     return PoolView.token_major(cache)
 
 

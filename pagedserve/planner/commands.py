@@ -57,14 +57,17 @@ def run_kv(args: argparse.Namespace) -> Report:
     rows, payload = [], []
     for precision in args.kv_dtype or sizing.KV_PRECISIONS:
         bpt = shape.kv_pool_bytes_per_token(precision)
-        per_request = sizing.kv_bytes_per_request(bpt, args.context)
-        rows.append((precision, format_bytes(bpt), f"{bpt:,.0f}", format_bytes(per_request),
+        per_seq = shape.kv_tail_bytes_per_sequence(precision)
+        per_request = sizing.kv_bytes_per_request(bpt, args.context) + per_seq
+        rows.append((precision, format_bytes(bpt), f"{bpt:,.0f}", format_bytes(per_seq), format_bytes(per_request),
                      format_bytes(per_request * args.users)))
-        payload.append({"kv_dtype": precision, "bytes_per_token": bpt, "bytes_per_request": per_request,
-                        "bytes_for_users": per_request * args.users})
+        payload.append({"kv_dtype": precision, "bytes_per_token": bpt, "bytes_per_sequence": per_seq,
+                        "bytes_per_request": per_request, "bytes_for_users": per_request * args.users})
     title = (f"KV cache of {shape.name}: 2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
-             f"{shape.head_dim} dims x bytes/element (+ a 2-byte scale per K and V vector for fp8/int8/int4)")
-    text = render_table(["KV dtype", "per token", "bytes", f"per request @ {args.context:,} tok",
+             f"{shape.head_dim} dims x bytes/element (+ a 2-byte scale per K and V vector for fp8/int8, per V "
+             f"vector and per key channel of each 16-token block for int4) per token; int4 also keeps each "
+             f"sequence's open block at 16 bits (per sequence)")
+    text = render_table(["KV dtype", "per token", "bytes", "per sequence", f"per request @ {args.context:,} tok",
                          f"{args.users} users"], rows, title)
     if args.plot:
         contexts = [2**k for k in range(9, 18)]
@@ -95,17 +98,19 @@ def run_seats(args: argparse.Namespace) -> Report:
     shape = resolve_shape(args)
     assert shape is not None
     free, card_rows = _free_memory(args, shape)
-    bpt = shape.kv_pool_bytes_per_token(args.kv_dtype)
     max_len, block = args.max_model_len, args.block_size
-    seats = sizing.worst_case_seats(free, bpt, max_len)
-    blocks = sizing.num_kv_blocks(free, bpt, block)
+    bpt = shape.kv_pool_bytes_per_token(args.kv_dtype, block)
+    per_seq = shape.kv_tail_bytes_per_sequence(args.kv_dtype, block)  # int4's tail, one per seat
+    seats = sizing.worst_case_seats(free, bpt, max_len, per_seq)
+    blocks = sizing.num_kv_blocks(free - seats * per_seq, bpt, block)  # the engine at max_num_seqs = seats
     mean_len = args.mean_len if args.mean_len is not None else max_len
-    paged = sizing.paged_seats(free, bpt, block, mean_len)
+    paged = sizing.paged_seats(free, bpt, block, mean_len, per_seq)
     users = args.users if args.users is not None else seats
     plan = sizing.reservation_plan(bpt, max_len, mean_len, users, block)
     pairs = card_rows + [
         ("KV budget", format_bytes(free)),
         (f"KV per token ({args.kv_dtype})", format_bytes(bpt)),
+        *([("KV per sequence (int4 tail)", format_bytes(per_seq))] if per_seq else []),
         (f"KV per request @ {max_len:,} tok", format_bytes(plan.reserved_bytes)),
         ("worst-case seats", f"{seats} (request {seats + 1} refused)"),
         (f"KV blocks of {block} tokens", f"{blocks:,}"),
@@ -123,6 +128,7 @@ def run_seats(args: argparse.Namespace) -> Report:
         charts.seats_vs_context(Path(args.plot), free, by_precision, contexts,
                                 f"Seats in {format_bytes(free)} of KV, {shape.name}")
     payload = {"model": shape.name, "kv_dtype": args.kv_dtype, "free_bytes": free, "bytes_per_token": bpt,
+               "bytes_per_sequence": per_seq,
                "max_model_len": max_len, "worst_case_seats": seats, "num_kv_blocks": blocks, "block_size": block,
                "seats_at_max_len": sizing.seats_at_max_len(blocks, block, max_len), "mean_len": mean_len,
                "paged_seats": paged, "reservation": plan}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.planner.sizing import kv_bytes_per_token, kv_pool_bytes_per_token
+from pagedserve.planner.sizing import kv_bytes_per_token, kv_pool_bytes_per_token, kv_tail_bytes_per_sequence
 
 
 class ModelShapeError(ValueError):
@@ -51,10 +51,14 @@ class ModelShape:
         formula's first term; sizing uses :meth:`kv_pool_bytes_per_token`)."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
 
-    def kv_pool_bytes_per_token(self, precision: str) -> int:
+    def kv_pool_bytes_per_token(self, precision: str, block_size: int = 16) -> int:
         """Bytes one token takes in the engine's KV pool at ``precision`` (bf16, fp8, int8, int4, ...),
         quantized formats' scales included: exactly what the engine sizes its pool by."""
-        return kv_pool_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, precision)
+        return kv_pool_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, precision, block_size)
+
+    def kv_tail_bytes_per_sequence(self, precision: str, block_size: int = 16) -> int:
+        """Bytes each running sequence holds besides its blocks (int4's float16 tail block; else 0)."""
+        return kv_tail_bytes_per_sequence(self.num_layers, self.num_kv_heads, self.head_dim, precision, block_size)
 
     @property
     def embedding_params(self) -> int:

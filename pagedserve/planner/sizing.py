@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # The KV formula lives with the KV cache; the planner's API re-exports it.
 from pagedserve.kv.sizing import (  # noqa: F401
     KV_ELEMENT_BYTES, QUANTIZED_KV, SizingError, hybrid_kv_bytes_per_sequence, kv_bytes_per_token, kv_element_bytes,
-    kv_pool_bytes_per_token, kv_scale_bytes_per_token, window_blocks,
+    kv_pool_bytes_per_token, kv_scale_bytes_per_token, kv_tail_bytes_per_sequence, window_blocks,
 )
 
 # Bytes per weight for each weight precision; quantized ones also carry per-group scales.
@@ -33,12 +33,14 @@ def kv_bytes_per_request(bytes_per_token: float, context_len: int) -> float:
     return bytes_per_token * context_len
 
 
-def worst_case_seats(free_bytes: float, bytes_per_token: float, max_model_len: int) -> int:
-    """Requests a KV budget holds when each reserves ``max_model_len`` tokens up front."""
+def worst_case_seats(free_bytes: float, bytes_per_token: float, max_model_len: int,
+                     per_sequence_bytes: float = 0) -> int:
+    """Requests a KV budget holds when each reserves ``max_model_len`` tokens up front, plus
+    ``per_sequence_bytes`` each (int4's float16 tail block: :func:`kv_tail_bytes_per_sequence`)."""
     _check_positive(bytes_per_token=bytes_per_token, max_model_len=max_model_len)
     if free_bytes < 0:
         raise SizingError(f"free memory must be >= 0, got {free_bytes}")
-    return int(free_bytes // (bytes_per_token * max_model_len))
+    return int(free_bytes // (bytes_per_token * max_model_len + per_sequence_bytes))
 
 
 def num_kv_blocks(free_bytes: float, bytes_per_token: float, block_size: int) -> int:
@@ -61,10 +63,15 @@ def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
 
 
-def paged_seats(free_bytes: float, bytes_per_token: float, block_size: int, mean_len: int) -> int:
-    """Requests of ``mean_len`` tokens a paged pool holds: each takes ``ceil(mean_len/block_size)`` blocks."""
-    _check_positive(mean_len=mean_len)
-    return num_kv_blocks(free_bytes, bytes_per_token, block_size) // blocks_per_sequence(mean_len, block_size)
+def paged_seats(free_bytes: float, bytes_per_token: float, block_size: int, mean_len: int,
+                per_sequence_bytes: float = 0) -> int:
+    """Requests of ``mean_len`` tokens a paged pool holds: each takes ``ceil(mean_len/block_size)``
+    blocks, and ``per_sequence_bytes`` besides (int4's tail)."""
+    _check_positive(mean_len=mean_len, bytes_per_token=bytes_per_token, block_size=block_size)
+    if free_bytes < 0:
+        raise SizingError(f"free memory must be >= 0, got {free_bytes}")
+    per_request = blocks_per_sequence(mean_len, block_size) * block_size * bytes_per_token + per_sequence_bytes
+    return int(free_bytes // per_request)
 
 
 def tail_waste_bytes(bytes_per_token: float, block_size: int) -> float:

@@ -111,7 +111,8 @@ def test_logits_match_transformers(arch, backend, checkpoint_dir):
 def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch):
     """The fused kernel reads the quantized pools in place, matmul gathers and dequantizes them:
     the same greedy tokens (prompts over many blocks of 8, some ending mid-block)."""
-    kernel = attention.paged_decode_quantized_kernel()
+    getter = "paged_decode_int4_kernel" if kv == "int4" else "paged_decode_quantized_kernel"
+    kernel = getattr(attention, getter)()
     if kernel is None:
         pytest.skip("native kernels unavailable")
     calls = []
@@ -120,7 +121,7 @@ def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch
         calls.append(args)
         return kernel(*args)
 
-    monkeypatch.setattr(attention, "paged_decode_quantized_kernel", lambda: counted)
+    monkeypatch.setattr(attention, getter, lambda: counted)
     model_dir = checkpoint_dir("llama")
     prompts = _prompts([5, 37, 70, 16, 9], seed=10)
     tokens = {}

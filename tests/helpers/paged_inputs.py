@@ -57,3 +57,33 @@ def quantized(cache: torch.Tensor, kind: str) -> QuantizedKVCache:
 def in_float32(pool: QuantizedKVCache) -> QuantizedKVCache:
     """The same stored bits, scales and rotation, dequantized to float32 when gathered."""
     return replace(pool, out_dtype=torch.float32)
+
+
+def int4_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, chunk: int = 5,
+               tail_slots: int | None = None):
+    """The batch's K/V written into int4 pools (kv/int4.py) as an engine writes them: each sequence's
+    earlier tokens in prompt chunks of ``chunk``, then the step's tokens (a decode's last, a chunk's
+    ``q_len``) in one write. Returns the K and V pools and ``meta`` with the step's slot mapping."""
+    from pagedserve.kv.cache import allocate_kv_caches
+
+    nb, bs, kvh, hd = k_cache.shape
+    k, v = allocate_kv_caches(1, nb, bs, kvh, hd, torch.float32, torch.device("cpu"), "int4", tail_slots)[0]
+    seqs = [(meta.decode_block_tables[i], int(meta.decode_context_lens[i]), 1) for i in range(meta.num_decodes)]
+    seqs += [(table, ctx, q_len) for _, q_len, ctx, table in meta.prefills]
+
+    def write(table, lo, hi):
+        pos = torch.arange(lo, hi)
+        slots = table[pos // bs] * bs + pos % bs
+        k.write(slots, k_cache[table].flatten(0, 1)[lo:hi].float())
+        v.write(slots, v_cache[table].flatten(0, 1)[lo:hi].float())
+        return slots
+
+    for table, ctx, n in seqs:
+        for lo in range(0, ctx - n, chunk):
+            write(table, lo, min(lo + chunk, ctx - n))
+    step = [(table, ctx - n, ctx) for table, ctx, n in seqs]
+    pos = [torch.arange(lo, hi) for _, lo, hi in step]
+    slot_mapping = torch.cat([t[p // bs] * bs + p % bs for (t, _, _), p in zip(step, pos)])
+    k.write(slot_mapping, torch.cat([k_cache[t].flatten(0, 1)[lo:hi] for t, lo, hi in step]).float())
+    v.write(slot_mapping, torch.cat([v_cache[t].flatten(0, 1)[lo:hi] for t, lo, hi in step]).float())
+    return k, v, replace(meta, slot_mapping=slot_mapping)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import kernel_error, paged_decode_kernel, paged_decode_quantized_kernel
+from pagedserve.kernels import (kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
+                                paged_decode_quantized_kernel)
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention
-from tests.helpers.paged_inputs import head_major, in_float32, paged_batch, quantized
+from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, paged_batch, quantized
 
 # Both decode entry points live in the one native library: built, or neither is.
 needs_kernels = pytest.mark.skipif(paged_decode_kernel() is None, reason=f"native kernel unavailable: {kernel_error()}")
@@ -55,7 +56,7 @@ def test_fused_kernel_refuses_a_block_outside_the_pool():
 # difference (the existing bf16 tolerance), so the kernel's decodes are also held to the float32
 # reference over the same stored bits: off by their output's bf16 rounding alone (2^-8 relative).
 @needs_kernels
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol,rtol_exact", [(torch.float32, 1e-5, 0), (torch.bfloat16, 3e-2, 2 ** -8)])
 def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh, hd, dtype, atol, rtol_exact):
@@ -68,27 +69,67 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
     assert torch.allclose(got.float(), want.float(), atol=atol)
     exact = reference_attention(q.float(), in_float32(k_pool), in_float32(v_pool), meta, hd ** -0.5)
     assert torch.allclose(got[:d].float(), exact[:d], atol=1e-5, rtol=rtol_exact)
-    # and the decodes really went through the kernel, not the matmul fallback (over a rotated pool,
-    # with the queries rotated in and the output rotated back, as in_stored_basis does it)
-    rot = k_pool.rotation
-    q_in = q[:d] if rot is None else q[:d].float() @ rot
-    direct = torch.empty_like(q_in)
-    paged_decode_quantized_kernel()(direct, q_in.contiguous(), k_pool.data, v_pool.data, k_pool.scales,
+    # and the decodes really went through the kernel, not the matmul fallback
+    direct = torch.empty_like(q[:d])
+    paged_decode_quantized_kernel()(direct, q[:d].contiguous(), k_pool.data, v_pool.data, k_pool.scales,
                                     v_pool.scales, meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5,
                                     kind)
-    if rot is not None:
-        direct = (direct @ rot).to(dtype)
     assert torch.equal(direct, got[:d])
 
 
+# int4 (kv/int4.py): decodes whose context ends on a block boundary (every earlier block quantized,
+# the one this decode filled still read from its tail), inside the first block (all tail), or past
+# it (quantized blocks, then the open block from the tail).
 @needs_kernels
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (9, 3, 64), (8, 1, 64), (16, 2, 128)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh, hd, dtype, atol):
+    ctx = [1, 5, 16, 17, 32, 33, 100, 250]
+    d = len(ctx)
+    q, k, v, meta = paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
+    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=13)
+    k_pool.out_dtype = v_pool.out_dtype = dtype
+    last = meta.decode_block_tables[torch.arange(d), (meta.decode_context_lens - 1) // 16]
+    assert ((k_pool.tails.slot_of[last] >= 0) == torch.tensor([c % 16 != 0 for c in ctx])).all()  # as named above
+    read = k_pool.decode_view().tail_slots()  # and this step's decodes read the blocks they filled from the tail
+    assert (read[last] >= 0).all() and ((read >= 0).sum() > (k_pool.tails.slot_of >= 0).sum())
+    want = reference_attention(q, k_pool, v_pool, meta, hd ** -0.5)
+    got = fused_attention(q, k_pool, v_pool, meta, hd ** -0.5)
+    assert torch.allclose(got.float(), want.float(), atol=atol)
+    # the decodes really went through the kernel (computing in float32, the output rotated back as
+    # in_stored_basis does), and match the float32 reference over the same bits
+    direct = torch.empty(d, heads, hd)
+    paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, v_pool.scales,
+                               k_pool.tail, v_pool.tail, read, meta.decode_block_tables,
+                               meta.decode_context_lens, hd ** -0.5)
+    assert torch.equal((direct @ v_pool.rotation).to(dtype), got[:d])
+    k_pool.out_dtype = v_pool.out_dtype = torch.float32
+    exact = reference_attention(q.float(), k_pool, v_pool, meta, hd ** -0.5)
+    assert torch.allclose(direct @ v_pool.rotation, exact[:d], atol=1e-5)
+
+
+@needs_kernels
+def test_int4_kernel_refuses_a_tail_slot_outside_the_tails():
+    q, k, v, meta = paged_batch([20], [], block_size=16, kvh=2, heads=4, hd=64)
+    kp, vp, meta = int4_pools(k, v, meta)
+    bad = kp.tails.slot_of.clone()
+    bad[0] = kp.tail.shape[0]
+    with pytest.raises(RuntimeError, match="tail slot"):
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, vp.scales, kp.tail,
+                                   vp.tail, bad, meta.decode_block_tables, meta.decode_context_lens, 0.1)
+    with pytest.raises(RuntimeError, match="scales"):  # K's per-channel scales are not V's per-token ones
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, vp.scales, kp.tail,
+                                   vp.tail, kp.tails.slot_of, meta.decode_block_tables, meta.decode_context_lens, 0.1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("hd", [64, 24])  # the AVX-512 loaders and the generic ones
 def test_fused_kernel_dequantizes_every_stored_value_exactly(kind, hd):
-    """A one-token context returns its value row: every stored bit pattern (fp8 subnormals, the
-    int4 nibbles of both halves of a byte) times its scale, exactly as dequantize_kv gives it."""
+    """A one-token context returns its value row: every stored bit pattern (fp8 subnormals
+    included) times its scale, exactly as dequantize_kv gives it."""
     g = torch.Generator().manual_seed(3)
-    width = hd // 2 if kind == "int4" else hd
+    width = hd
     rows = -(-256 // width)  # one row per block, together holding all 256 byte values
     pool = QuantizedKVCache.allocate(rows, 4, 1, hd, kind, torch.float32, torch.device("cpu"))
     patterns = torch.arange(rows * width) % 256
@@ -111,8 +152,8 @@ def test_fused_kernel_refuses_mismatched_quantized_pools():
     pool = quantized(k, "int8")
     args = (meta.decode_block_tables, meta.decode_context_lens, 0.1)
     kernel = paged_decode_quantized_kernel()
-    with pytest.raises(RuntimeError, match="int4"):  # int8 bytes are not an int4 pool of this head_dim
-        kernel(torch.empty_like(q), q, pool.data, pool.data, pool.scales, pool.scales, *args, "int4")
+    with pytest.raises(RuntimeError, match="fp8"):  # int8 bytes are not an fp8 pool
+        kernel(torch.empty_like(q), q, pool.data, pool.data, pool.scales, pool.scales, *args, "fp8")
     with pytest.raises(RuntimeError, match="unknown kind"):
         kernel(torch.empty_like(q), q, pool.data, pool.data, pool.scales, pool.scales, *args, "int3")
     bad = meta.decode_block_tables.clone()

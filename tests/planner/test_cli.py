@@ -21,14 +21,18 @@ def test_plan_kv_table_shows_the_worked_figures(run_cli: RunCli) -> None:
     assert code == 0
     bf16 = next(line for line in out.splitlines() if line.startswith("bf16"))
     assert "160 KiB" in bf16 and "163,840" in bf16 and "640 MiB" in bf16 and "6.25 GiB" in bf16
-    # int4: 40 KiB of elements plus a 2-byte scale per K and V vector (2 x 40 x 8 x 2 = 1,280 B).
-    assert any(line.startswith("int4") and "42,240" in line for line in out.splitlines())
+    # int4: 40 KiB of elements, a 2-byte scale per V vector (40 x 8 x 2 = 640 B) and per key channel
+    # of each 16-token block (40 x 8 x 128 x 2 / 16 = 5,120 B); per sequence its open block at 16 bits
+    # (16 x 160 KiB = 2.5 MiB).
+    int4 = next(line for line in out.splitlines() if line.startswith("int4"))
+    assert "46,720" in int4 and "2.5 MiB" in int4
+    assert "0 B" in next(line for line in out.splitlines() if line.startswith("int8"))  # no per-sequence bytes
 
 
 def test_plan_kv_json_and_plot(run_cli: RunCli, tmp_path: Path) -> None:
     code, out, _ = run_cli("plan", "kv", "--model", "small", "--kv-dtype", "bf16", "--json")
     assert code == 0
-    assert json.loads(out)["rows"] == [{"kv_dtype": "bf16", "bytes_per_token": 12288.0,
+    assert json.loads(out)["rows"] == [{"kv_dtype": "bf16", "bytes_per_token": 12288.0, "bytes_per_sequence": 0,
                                         "bytes_per_request": 12288.0 * 4096, "bytes_for_users": 12288.0 * 4096}]
     chart = tmp_path / "kv.png"
     assert run_cli("plan", "kv", "--model", "small", "--plot", str(chart))[0] == 0

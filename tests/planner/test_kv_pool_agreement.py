@@ -37,15 +37,18 @@ def test_planner_bytes_per_token_equal_the_allocated_pool(name: str, kv_cache_dt
     assert sizing.num_kv_blocks(budget, planner_bpt, block) == blocks
     # The bytes the engine's pools really hold, every layer's K and V with their scales.
     pools = allocate_kv_caches(shape.num_layers, blocks, block, shape.num_kv_heads, shape.head_dim,
-                               torch.bfloat16, torch.device("cpu"), kv_cache_dtype)
+                               torch.bfloat16, torch.device("cpu"), kv_cache_dtype, tail_slots=3)
     held = sum(k.nbytes + v.nbytes for k, v in pools)
-    assert held == blocks * block * planner_bpt
+    assert held == blocks * block * planner_bpt + 3 * shape.kv_tail_bytes_per_sequence(precision)
 
 
 def test_int8_small_worked_figure() -> None:
     shape = standard_shape("small")  # 12 layers, 4 KV heads, 64 dims
     assert shape.kv_pool_bytes_per_token("int8") == 6_144 + 2 * 12 * 4 * 2 == 6_336
-    assert shape.kv_pool_bytes_per_token("int4") == 3_072 + 192
+    # int4: a scale per V vector (96 B) and per key channel of each 16-token block (384 B a token)
+    assert shape.kv_pool_bytes_per_token("int4") == 3_072 + 96 + 384
+    assert 12_288 / shape.kv_pool_bytes_per_token("int4") > 3.45
+    assert shape.kv_tail_bytes_per_sequence("int4") == 16 * 12_288 and shape.kv_tail_bytes_per_sequence("int8") == 0
     assert shape.kv_pool_bytes_per_token("bf16") == 12_288  # no scales in 16-bit KV
     assert sizing.worst_case_seats(384 * MIB, shape.kv_pool_bytes_per_token("int8"), 4096) == 15
     with pytest.raises(sizing.SizingError, match="even head_dim"):

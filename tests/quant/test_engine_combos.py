@@ -44,17 +44,24 @@ def test_combination_serves_with_prefix_hits_and_preemption_without_leaks(tiny_m
 
 def test_pool_sizing_uses_real_bytes_so_int8_about_doubles_the_seats(tiny_model_dir):
     """The engine's own pool sizing, same budget: int8 / int4 KV against bf16 (tiny: head_dim 16)."""
-    blocks = {}
+    blocks, tails = {}, 0
     for kv in ("auto", "int8", "int4"):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=kv, kv_cache_memory="4MiB",
-                                     max_model_len=256))
-        held = sum(k.nbytes + v.nbytes for k, v in engine.core.runner.kv_caches)
-        assert held == engine.core.num_kv_blocks * 16 * engine.core.kv_bytes_per_token <= 4 * 2**20
+                                     max_model_len=256, max_num_seqs=32))
+        caches = engine.core.runner.kv_caches
+        held = sum(k.nbytes + v.nbytes for k, v in caches)
+        if kv == "int4":  # and a float16 tail block per seat, taken from the same budget
+            tails = sum(k.tail.nbytes + v.tail.nbytes for k, v in caches)
+            # 16 tokens at float16: 256 B each (layers × KV heads = 4, of 20 int4 bytes a token; 16 dims × K, V × 2 B)
+            assert engine.core.kv_bytes_per_token == 4 * 20
+            assert caches[0][0].tails.num_slots == 32 and tails == 32 * 16 * 4 * 16 * 2 * 2
+        assert held == engine.core.num_kv_blocks * 16 * engine.core.kv_bytes_per_token + tails <= 4 * 2**20
         assert engine.stats().kv_bytes_per_token == engine.core.kv_bytes_per_token
         blocks[kv] = engine.core.num_kv_blocks
-    # head_dim 16: int8 stores 16 + 2 scale bytes per vector against 32 (x1.78); int4 8 + 2 (x3.2).
+    # head_dim 16: int8 stores 16 + 2 scale bytes per vector against 32 (x1.78); int4 8 + 2 per K
+    # (a scale per channel and 16 tokens) and per V vector (x3.2), in what the tails leave.
     assert blocks["int8"] / blocks["auto"] == pytest.approx(32 / 18, rel=0.01)
-    assert blocks["int4"] / blocks["auto"] == pytest.approx(32 / 10, rel=0.01)
+    assert blocks["int4"] / blocks["auto"] == pytest.approx(32 / 10 * (1 - tails / (4 * 2**20)), rel=0.01)
 
 
 def test_bad_precision_values_are_refused_at_the_edge(tiny_model_dir):
@@ -80,12 +87,13 @@ def test_engine_flags_carry_both_dials():
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "int2"])
 
 
-def test_rotated_int4_pools_serve_branches_and_prefix_hits_alike_in_every_backend(checkpoint_dir):
-    """int4 KV, stored rotated: in each attention backend, n=3 greedy branches (the prompt's partial
-    last block copied on write) each equal the single greedy continuation, a request served the
-    prompt's blocks from the prefix cache continues it the same way, and no block leaks; and the
-    backends agree with each other (the fused kernel reads the rotated pool in place, the others
-    gather it, the reference rotates each gathered vector back)."""
+def test_int4_pools_serve_branches_and_prefix_hits_alike_in_every_backend(checkpoint_dir):
+    """int4 KV (keys per channel, values rotated, open blocks in float16 tails): in each attention
+    backend, n=3 greedy branches (the prompt's partial last block, in a tail, copied on write into
+    tails of their own) each equal the single greedy continuation, a request served the prompt's
+    full (quantized) blocks from the prefix cache continues it the same way, and no block or tail
+    slot leaks; and the backends agree with each other (the fused kernel reads the pools in place,
+    the others gather them, the reference rotates each gathered value back)."""
     from tests.conftest import run_all
 
     prompt = list(range(300, 311))  # 11 tokens, block 8: the last block is partial
@@ -94,7 +102,8 @@ def test_rotated_int4_pools_serve_branches_and_prefix_hits_alike_in_every_backen
     for backend in ("fused", "matmul", "sdpa", "reference"):
         engine = Engine(EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32", kv_cache_dtype="int4",
                                      num_kv_blocks=64, block_size=8, attention_backend=backend))
-        assert engine.core.runner.kv_caches[0][0].rotation is not None
+        k_pool, v_pool = engine.core.runner.kv_caches[0]
+        assert k_pool.per_channel and k_pool.rotation is None and v_pool.rotation is not None
         engine.add_request("single", prompt, greedy)
         single = run_all(engine)["single"].outputs[0].token_ids
         engine.add_request("branches", prompt, SamplingParams(n=3, max_tokens=12, temperature=0, ignore_eos=True))

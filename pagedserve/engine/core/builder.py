@@ -32,6 +32,7 @@ from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
 from pagedserve.kv.events import KVEventLog
 from pagedserve.kv.groups import GroupedBlockManager, KVGroup, kv_groups, layer_slots
 from pagedserve.kv.quant import kv_cache_bytes_per_token, kv_dtype_name
+from pagedserve.kv.sizing import kv_tail_bytes_per_sequence
 from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
 from pagedserve.models.llama import ModelArchitecture
@@ -118,6 +119,8 @@ class KVPool:
     pool_dtype: torch.dtype  # the pools' own dtype, or what quantized pools dequantize to
     num_blocks: int
     block_size: int
+    tail_slots: int = 0  # int4: open blocks held in float16 (kv/int4.py), one per sequence and KV group
+    tail_bytes: int = 0  # what they take out of the budget
 
     @property
     def tokens(self) -> int:
@@ -185,10 +188,13 @@ def build_core(config: EngineConfig) -> CoreParts:
     use_graphs = device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
     config, kv = _size_kv_pool(config, model, arch, dtype, kv_model_dtype, device, size, use_graphs)
     kv_caches = allocate_kv_caches(kv.pool_layers, kv.num_blocks, config.block_size, arch.num_kv_heads,
-                                   arch.head_dim, kv.pool_dtype, device, config.kv_cache_dtype)
+                                   arch.head_dim, kv.pool_dtype, device, config.kv_cache_dtype, kv.tail_slots,
+                                   len(kv.groups) if kv.groups else 1)
     if kv.groups:  # each layer reads the pool slot of its position in its group
         kv_caches = [kv_caches[slot] for _, slot in layer_slots(kv.groups)]
     block_manager, event_log = _block_manager(config, kv)
+    if kv.tail_slots:  # a block no table holds gives its tail slot back
+        getattr(block_manager, "inner", block_manager).on_release = kv_caches[0][0].tails.release
     publisher = None
     if event_log is not None:
         from pagedserve.engine.core.kv_events import ZmqEventPublisher  # zmq only when asked for
@@ -223,24 +229,31 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
     groups = kv_groups(windows) if config.free_window_blocks and any(windows) else None
     pool_layers = len(groups[0].layers) if groups else arch.num_layers
     per_token = kv_cache_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, config.kv_cache_dtype,
-                                         kv_model_dtype)
+                                         kv_model_dtype, config.block_size)
+    tail_slots = config.max_num_seqs * (len(groups) if groups else 1) if config.kv_cache_dtype == "int4" else 0
+    tail_bytes = tail_slots * kv_tail_bytes_per_sequence(pool_layers, arch.num_kv_heads, arch.head_dim,
+                                                         config.kv_cache_dtype, config.block_size)
     pool_dtype = kv_model_dtype if config.kv_cache_dtype == "auto" else dtype
     auto: AutoKVBudget | ProfiledKVBudget | None = None
     if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
         if device.type == "cuda":
-            auto = _profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs)
+            auto = _profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs,
+                                       tail_bytes)
         else:
-            auto = choose_auto_kv_budget(arch, config, device, per_token)
+            auto = choose_auto_kv_budget(arch, config, device, per_token, tail_bytes)
         logger.info("%s", auto.describe())
         config = dataclasses.replace(config, kv_cache_memory=auto.budget)
-    num_blocks = config.num_kv_blocks or num_blocks_for_budget(config.kv_cache_memory, config.block_size, per_token)
+    num_blocks = config.num_kv_blocks or num_blocks_for_budget(config.kv_cache_memory - tail_bytes, config.block_size,
+                                                               per_token)
     if num_blocks < 1:
         if auto is not None:
             raise ValueError(f"{auto.describe()}: no KV block of {config.block_size} tokens × "
                              f"{per_token} B fits; free memory or give --kv-cache-memory")
+        tails = f" beside int4's tail blocks ({tail_slots} × {tail_bytes // tail_slots} B)" if tail_slots else ""
         raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
-                         f"{config.block_size} tokens × {per_token} B; raise --kv-cache-memory")
-    kv = KVPool(groups, pool_layers, per_token, kv_dtype, pool_dtype, num_blocks, config.block_size)
+                         f"{config.block_size} tokens × {per_token} B{tails}; raise --kv-cache-memory")
+    kv = KVPool(groups, pool_layers, per_token, kv_dtype, pool_dtype, num_blocks, config.block_size, tail_slots,
+                tail_bytes)
     if kv.tokens < config.max_model_len and not groups:
         logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
                        "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
@@ -249,14 +262,16 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
 
 
 def _profiled_kv_budget(c: EngineConfig, arch: ModelArchitecture, model: torch.nn.Module, device: torch.device,
-                        size: int, per_token: int, kv_pool_dtype: torch.dtype, use_graphs: bool) -> ProfiledKVBudget:
+                        size: int, per_token: int, kv_pool_dtype: torch.dtype, use_graphs: bool,
+                        tail_bytes: int = 0) -> ProfiledKVBudget:
     """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/core/memory.py)."""
     step = profile_step(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs, c.block_size, device)
     peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, kv_pool_dtype,
                                    c.kv_cache_dtype, device)
     free, total = torch.cuda.mem_get_info(device)
     return profiled_kv_budget(total, free, size, peak, c.kv_cache_memory_fraction,
-                              CUDA_GRAPH_ALLOWANCE if use_graphs else 0, kv_budget_cap(c, per_token), step.num_tokens)
+                              CUDA_GRAPH_ALLOWANCE if use_graphs else 0, kv_budget_cap(c, per_token, tail_bytes),
+                              step.num_tokens)
 
 
 def _block_manager(config: EngineConfig, kv: KVPool) -> tuple[BlockManager | GroupedBlockManager, KVEventLog | None]:

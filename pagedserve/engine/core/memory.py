@@ -137,7 +137,8 @@ def auto_kv_budget(free: FreeMemory, fraction: float, reserve: int, cap: int) ->
     return AutoKVBudget(max(0, min(free.usable - reserve, cap)), free, fraction, reserve, cap)
 
 
-def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token: int) -> AutoKVBudget:
+def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token: int,
+                          tail_bytes: int = 0) -> AutoKVBudget:
     """The ``auto`` pool for this model (a :class:`~pagedserve.models.llama.ModelArchitecture`) and
     resolved engine config, on ``device``, once the weights are loaded."""
     fraction = config.kv_cache_memory_fraction
@@ -145,7 +146,7 @@ def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token
     reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                  arch.intermediate_size, arch.vocab_size, config.max_num_batched_tokens,
                                  config.max_num_seqs, config.max_model_len)
-    return auto_kv_budget(free, fraction, reserve, kv_budget_cap(config, kv_bytes_per_token))
+    return auto_kv_budget(free, fraction, reserve, kv_budget_cap(config, kv_bytes_per_token, tail_bytes))
 
 
 # Left free for the decode CUDA graphs, captured after the pool: their activations for the largest
@@ -185,7 +186,8 @@ def profiled_kv_budget(total: int, free: int, weights: int, peak_activation: int
                             profile_tokens, graphs, cap)
 
 
-def kv_budget_cap(config, kv_bytes_per_token: int) -> int:
-    """The most KV bytes ``max_num_seqs`` sequences of ``max_model_len`` tokens can hold."""
+def kv_budget_cap(config, kv_bytes_per_token: int, tail_bytes: int = 0) -> int:
+    """The most KV bytes ``max_num_seqs`` sequences of ``max_model_len`` tokens can hold, and
+    ``tail_bytes`` besides (int4's tail blocks, kv/int4.py)."""
     blocks_per_seq = -(-config.max_model_len // config.block_size)
-    return config.max_num_seqs * blocks_per_seq * config.block_size * kv_bytes_per_token
+    return config.max_num_seqs * blocks_per_seq * config.block_size * kv_bytes_per_token + tail_bytes

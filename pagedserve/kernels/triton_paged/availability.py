@@ -8,7 +8,7 @@ import torch
 
 INSTALL_HINT = "pip install 'pagedserve[triton]'"
 # The --kv-cache-dtype values whose pools the kernels read and write (pools.FORMATS; auto = float);
-# int4's rotated nibbles have no kernel.
+# int4 (kv/int4.py: per-channel key blocks, float16 tails) has no kernel.
 TRITON_KV_DTYPES = ("auto", "int8", "fp8")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Storage formats the kernels read and write; int4 pools (Hadamard-rotated nibbles) are not among them.
+# Storage formats the kernels read and write; int4 pools (kv/int4.py) are not among them.
 FORMATS = ("float", "int8", "fp8")
 # The largest stored magnitude of each quantized format, as pagedserve.kv.quant quantizes.
 QMAX = {"int8": 127.0, "fp8": 448.0}

@@ -1,0 +1,333 @@
+"""int4 KV: keys per channel within each block, values rotated per token, and each sequence's open
+block kept in a float16 *tail* until it fills — the layout ``examples/int4_kv_study.py`` chose
+(docs/QUANTIZATION.md: +1.2 % perplexity on SmolLM2 at 0.289× bf16's bytes).
+
+One layer's K (or V) pool::
+
+    data   [num_blocks, block_size, kv_heads, head_dim // 2]  uint8, two int4 values a byte
+    scales [num_blocks, kv_heads, head_dim]   float16  (K: one per block, head and channel)
+           [num_blocks, block_size, kv_heads] float16  (V: one per token and head)
+    tail   [tail_slots, block_size, kv_heads, head_dim] float16
+
+Post-RoPE keys of Llama-family models keep a few channels far larger than the rest: a scale per
+channel over the block's 16 keys gives each channel its own range, which a per-vector scale cannot.
+Values have no such channels; they are stored as before, per vector, rotated by the normalised
+Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
+back (``models.attention.in_stored_basis``).
+
+A per-channel scale needs the block's 16 keys, so a block is quantized when it fills; until then
+its K and V rows sit in a tail slot at float16. The query's nearest keys carry most of its
+attention, which is why the tail is also the layout's largest gain. :class:`TailMap`, one per
+engine and shared by every layer's pools, maps block id → tail slot (``-1``: quantized): a
+sequence holds at most one open block (per KV group), so ``max_num_seqs`` slots suffice; the
+block manager gives a slot back when a block's last holder frees it (:meth:`TailMap.release`).
+Only full blocks enter the prefix cache, and those are quantized, so a prefix hit reads what the
+first request wrote.
+
+Prompt chunks read their own block exact (:meth:`Int4KVCache.own_block_rows`: the step's rows and
+the block's earlier ones, at float16): each query then sees what it would see decoded, the earlier
+blocks quantized and its own block exact, however the prompt was chunked. A decode whose token
+fills its block reads that block from its tail slot too (:attr:`WritePlan.decode_slots`): the slot
+is given back after the step (sooner only when no other is free).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagedserve.kv.quant import SCALE_DTYPE, dequantize_kv, hadamard_matrix, quantize_kv
+from pagedserve.kv.zeros import zeros
+
+TAIL_DTYPE = torch.float16
+_QMAX = 7.0
+_MIN_SCALE = 1e-6
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How one step's tokens (one ``slot_mapping``) land, worked out once on the host for every
+    layer: blocks the step fills are quantized (their earlier rows from a tail slot, or
+    dequantized where a rolled-back block is reopened), the others' rows go to tail slots."""
+
+    full_blocks: torch.Tensor  # [F] blocks quantized this step
+    full_from_tail: torch.Tensor  # [Ft] indices into full_blocks whose earlier rows are in a tail slot ...
+    full_tail_slots: torch.Tensor  # [Ft] ... this one
+    full_from_pool: torch.Tensor  # [Fp] indices into full_blocks whose earlier rows are quantized (reopened)
+    full_rows: torch.Tensor  # [R] row (index * block_size + offset) of each of the step's tokens in full blocks
+    full_tokens: torch.Tensor  # [R] and which token it is
+    reopen_blocks: torch.Tensor  # [O] quantized blocks written again mid-block (after a rollback) ...
+    reopen_slots: torch.Tensor  # [O] ... dequantized into these tail slots first
+    tail_rows: torch.Tensor  # [T] flat tail row (slot * block_size + offset) of each token in an open block
+    tail_tokens: torch.Tensor  # [T]
+    # Filled blocks' former tail slots, which keep their rows through the step (taken again only
+    # when no other slot is free): a prompt chunk that finishes a block reads the block's earlier
+    # rows exact from there (Int4KVCache.own_block_rows), and a decode that fills its block reads it
+    # from there too (decode_slots: block -> slot as this step's decodes read them).
+    filled_slots: dict[int, int]
+    decode_slots: torch.Tensor
+
+
+class TailMap:
+    """Which blocks are open (in a tail slot) and which slots are free, for every layer's pools."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device, kv_groups: int = 1):
+        if num_slots < 1:
+            raise ValueError("an int4 KV cache needs at least one tail slot")
+        self.block_size, self.num_slots, self.kv_groups = block_size, num_slots, kv_groups
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self._slot_of = [-1] * num_blocks  # host copy: planning never waits on the device
+        self._free = list(range(num_slots - 1, -1, -1))
+        # Slots of blocks filled this step: read through the step (WritePlan.filled_slots), free for
+        # the next. A step writes one slot mapping per KV group, so a step is kv_groups plans.
+        self._resting: list[int] = []
+        self._num_plans = 0
+        self._plans: list[tuple[torch.Tensor, WritePlan]] = []  # this step's and the last, by slot mapping
+
+    @property
+    def num_open(self) -> int:
+        return self.num_slots - len(self._free) - len(self._resting)
+
+    def _set(self, changes: dict[int, int]) -> None:
+        if changes:
+            ids = torch.tensor(list(changes), dtype=torch.long)
+            self.slot_of[ids.to(self.slot_of.device)] = torch.tensor(list(changes.values())).to(self.slot_of.device)
+
+    def _take(self, block: int, changes: dict[int, int], spare: list[int] | None = None) -> int:
+        """A free slot for ``block``; with none, a slot of a block filled this step (``spare``: by
+        this plan; else by another KV group's, whose plan then reads that block quantized)."""
+        pool = self._free or spare or self._resting
+        if not pool:
+            raise RuntimeError(f"int4 KV: more open blocks than the {self.num_slots} tail slots "
+                               "(sized by max_num_seqs)")
+        slot = self._slot_of[block] = changes[block] = pool.pop()
+        if pool is self._resting:
+            for _, plan in self._plans:
+                for b in [b for b, s in plan.filled_slots.items() if s == slot]:
+                    del plan.filled_slots[b]
+                    plan.decode_slots[b] = -1
+        return slot
+
+    def _drop(self, block: int, changes: dict[int, int]) -> None:
+        slot = self._slot_of[block]
+        if slot >= 0:
+            self._free.append(slot)
+            self._slot_of[block] = changes[block] = -1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Blocks no sequence holds any more: their tail slots (if open) are free again. The block
+        manager calls this as it frees, truncates or releases blocks."""
+        changes: dict[int, int] = {}
+        for b in block_ids:
+            self._drop(b, changes)
+        self._set(changes)
+
+    def ensure_open(self, block_ids: list[int]) -> list[int]:
+        """Tail slots for ``block_ids`` (copy-on-write targets), taking free ones where needed."""
+        changes: dict[int, int] = {}
+        slots = [self._slot_of[b] if self._slot_of[b] >= 0 else self._take(b, changes) for b in block_ids]
+        self._set(changes)
+        return slots
+
+    def plan(self, slot_mapping: torch.Tensor) -> WritePlan:
+        """The :class:`WritePlan` for a step's ``slot_mapping`` (negative slots: padding, skipped),
+        made on the first layer's write and reused by the others."""
+        for mapping, plan in self._plans:
+            if mapping is slot_mapping:
+                return plan
+        if self._num_plans % self.kv_groups == 0:  # a new step: last step's filled blocks' slots are free
+            self._free += self._resting
+            self._resting = []
+        self._num_plans += 1
+        plan = self._make_plan(slot_mapping.tolist())
+        self._plans = [*self._plans[1 - 2 * self.kv_groups:], (slot_mapping, plan)]
+        return plan
+
+    def _make_plan(self, slots: list[int]) -> WritePlan:
+        bs = self.block_size
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for i, s in enumerate(slots):
+            if s >= 0:
+                rows.setdefault(s // bs, []).append((i, s % bs))
+        full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
+        full_set = set(full)
+        lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__
+                                       if name not in ("filled_slots", "decode_slots")}
+        changes: dict[int, int] = {}
+        filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
+        released = list(filled_slots.values())  # free after this step, or in it if no other slot is
+        for j, b in enumerate(full):
+            if self._slot_of[b] >= 0:
+                lists["full_from_tail"].append(j)
+                lists["full_tail_slots"].append(self._slot_of[b])
+            elif min(o for _, o in rows[b]) > 0:
+                lists["full_from_pool"].append(j)
+            for i, o in rows[b]:
+                lists["full_rows"].append(j * bs + o)
+                lists["full_tokens"].append(i)
+            if self._slot_of[b] >= 0:
+                self._slot_of[b] = changes[b] = -1
+        lists["full_blocks"] = full
+        for b, r in rows.items():
+            if b in full_set:
+                continue
+            slot = self._slot_of[b]
+            if slot < 0:  # (a slot taken from `released` is read, then written, in that order per layer)
+                slot = self._take(b, changes, released)
+                if min(o for _, o in r) > 0:  # written before, quantized since (a rollback): reopened
+                    lists["reopen_blocks"].append(b)
+                    lists["reopen_slots"].append(slot)
+            for i, o in r:
+                lists["tail_rows"].append(slot * bs + o)
+                lists["tail_tokens"].append(i)
+        self._set(changes)
+        self._resting += released
+        filled_slots = {b: s for b, s in filled_slots.items() if s in released}
+        decode_slots = self.slot_of
+        if filled_slots:
+            decode_slots = self.slot_of.clone()
+            decode_slots[torch.tensor(list(filled_slots)).to(decode_slots.device)] = \
+                torch.tensor(list(filled_slots.values())).to(decode_slots.device)
+        dev = self.slot_of.device
+        return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()},
+                         filled_slots=filled_slots, decode_slots=decode_slots)
+
+
+def _pack(y: torch.Tensor) -> torch.Tensor:
+    """Values on int4's grid ``[..., head_dim]`` (rounded and clamped here) → bytes ``[..., head_dim // 2]``."""
+    nib = (y.round().clamp(-_QMAX, _QMAX) + 8).to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+@dataclass
+class Int4KVCache:
+    """One layer's K (``per_channel``) or V (rotated, per token) pool in the int4 layout; the
+    selected blocks of one (``cache[block_ids]``, with their ``slots``) read the same way."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    tail: torch.Tensor
+    tails: TailMap
+    per_channel: bool
+    out_dtype: torch.dtype
+    rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
+    slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
+    read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
+    fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
+    plan: WritePlan | None = None  # and its plan
+
+    @classmethod
+    def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
+                      device: torch.device, tails: TailMap) -> tuple[Int4KVCache, Int4KVCache]:
+        """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``."""
+        if head_dim % 2:
+            raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
+        data = (num_blocks, block_size, num_kv_heads, head_dim // 2)
+        tail = (tails.num_slots, block_size, num_kv_heads, head_dim)
+        k = cls(zeros(data, torch.uint8, device), zeros((num_blocks, num_kv_heads, head_dim), SCALE_DTYPE, device),
+                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype)
+        v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
+                tails, False, out_dtype, hadamard_matrix(head_dim, device=device))
+        return k, v
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape: ``[blocks, block_size, kv_heads, head_dim]``."""
+        return torch.Size((*self.data.shape[:3], self.tail.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: blocks, scales and tail slots."""
+        return self.data.nbytes + self.scales.nbytes + self.tail.nbytes
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks ``[n, block_size, kv_heads, head_dim]`` (float32, as stored) → (bytes, scales)."""
+        if not self.per_channel:
+            return quantize_kv(x, "int4")
+        scales = (x.abs().amax(dim=1) / _QMAX).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+        return _pack(x / scales.float().unsqueeze(1)), scales  # divided by what dequantizing multiplies by
+
+    def _values(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Quantized blocks as float32 values, as stored (V still rotated)."""
+        if not self.per_channel:
+            return dequantize_kv(data, scales, "int4", torch.float32)
+        grid = torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2).float() - 8
+        return grid * scales.float().unsqueeze(-3)
+
+    def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
+        p = self.tails.plan(slot_mapping)
+        x = x.float() if self.rotation is None else x.float() @ self.rotation
+        # At the tail's precision from the start: a block's bits, and what a query reads of its own
+        # block, are then the same however its rows arrived (one chunk, several, or decodes).
+        x = self.fresh = x.to(TAIL_DTYPE).float()
+        self.plan = p
+        bs, kvh, hd = self.shape[1:]
+        if p.full_blocks.numel():
+            rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
+            rows[p.full_from_tail] = self.tail[p.full_tail_slots].float()
+            pool_ids = p.full_blocks[p.full_from_pool]
+            rows[p.full_from_pool] = self._values(self.data[pool_ids], self.scales[pool_ids])
+            rows.view(-1, kvh, hd)[p.full_rows] = x[p.full_tokens]
+            self.data[p.full_blocks], self.scales[p.full_blocks] = self._quantize(rows)
+            # whole in its slot too, for this step's decodes (WritePlan.decode_slots)
+            self.tail[p.full_tail_slots] = rows[p.full_from_tail].to(TAIL_DTYPE)
+        if p.reopen_blocks.numel():
+            ids = p.reopen_blocks
+            self.tail[p.reopen_slots] = self._values(self.data[ids], self.scales[ids]).to(TAIL_DTYPE)
+        self.tail.view(-1, kvh, hd)[p.tail_rows] = x[p.tail_tokens].to(TAIL_DTYPE)
+
+    def own_block_rows(self, start: int, count: int, lead: int, block: int) -> torch.Tensor:
+        """A prompt chunk's rows at the tail's precision, float32: the ``lead`` rows its first
+        ``block`` held before the chunk (from its tail slot, which keeps them through the step
+        even if the chunk filled the block), then rows ``start .. start + count`` of the last
+        write. In the model's basis for a pool read rotated back (:meth:`dequantize`), as stored
+        for a :meth:`stored_basis` view."""
+        rows = self.fresh[start:start + count]
+        if lead:
+            slot = self.plan.filled_slots.get(block, self.tails._slot_of[block])
+            before = (self.tail[slot, :lead].float() if slot >= 0  # else reopened and filled at once: as quantized
+                      else self._values(self.data[block], self.scales[block])[:lead])
+            rows = torch.cat([before, rows])
+        return rows if self.rotation is None else rows @ self.rotation
+
+    def __getitem__(self, block_ids) -> Int4KVCache:
+        """The selected blocks (``cache[block_table]``), still quantized, with their tail slots."""
+        return replace(self, data=self.data[block_ids], scales=self.scales[block_ids],
+                       slots=self.tail_slots()[block_ids])
+
+    def tail_slots(self) -> torch.Tensor:
+        """``[num_blocks]``: each block's tail slot as this view reads it (-1: quantized)."""
+        return self.tails.slot_of if self.read_slots is None else self.read_slots
+
+    def decode_view(self) -> Int4KVCache:
+        """The pool as this step's decodes read it: a block their write filled is still read from
+        its tail slot (the decode's own block, exact, as in the simulation); prompt chunks read it
+        quantized and their own block from :meth:`own_block_rows`."""
+        return self if self.plan is None else replace(self, read_slots=self.plan.decode_slots)
+
+    def __setitem__(self, block_ids, blocks: Int4KVCache) -> None:
+        """Copy-on-write: ``block_ids`` become copies of ``blocks``, open ones in tail slots of their own."""
+        self.data[block_ids], self.scales[block_ids] = blocks.data, blocks.scales
+        dst = torch.as_tensor(block_ids).reshape(-1)
+        open_src = blocks.slots.reshape(-1) >= 0
+        if open_src.any():
+            slots = self.tails.ensure_open(dst[open_src.to(dst.device)].tolist())
+            self.tail[torch.tensor(slots, device=self.tail.device)] = self.tail[blocks.slots.reshape(-1)[open_src]]
+
+    def dequantize(self) -> torch.Tensor:
+        """A selection's values in ``out_dtype``, open blocks from their tail, V rotated back."""
+        values = self._values(self.data, self.scales)
+        if self.slots is not None:
+            open_ = self.slots >= 0
+            values[open_] = self.tail[self.slots[open_]].float()
+        if self.rotation is not None:
+            values = values @ self.rotation
+        return values.to(self.out_dtype)
+
+    def stored_basis(self) -> Int4KVCache:
+        """The same storage read as stored (V rotated), in float32: attention rotates its output
+        back instead of every value row (``models.attention.in_stored_basis``)."""
+        return replace(self, rotation=None, out_dtype=torch.float32)
