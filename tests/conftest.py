@@ -66,7 +66,7 @@ def assert_no_leaks(engine) -> None:
     bm.check_invariants()
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks leaked"
     assert not bm.tables
-    tails = getattr(engine.core.runner.kv_caches[0][0], "tails", None)  # int4 KV's open blocks (kv/int4.py)
+    tails = getattr(core.runner.kv_caches[0][0], "tails", None)  # int4 KV's open blocks (kv/int4.py)
     assert tails is None or tails.num_open == 0, f"{tails.num_open} int4 tail slots leaked"
 
 
