@@ -373,7 +373,8 @@ def run_retrieval(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from pagedserve.bench.corpus import CORPUS_NAME, load_prose
-    from pagedserve.models.loader import load_hf_config, resolve_model_dir
+    from pagedserve.models.hf_config import read_hf_config
+    from pagedserve.models.loader import resolve_model_dir
 
     if not 1 <= args.needles <= MAX_NEEDLES:
         raise SystemExit(f"error: --needles must be in [1, {MAX_NEEDLES}]")
@@ -383,7 +384,7 @@ def run_retrieval(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
-    context = int(getattr(load_hf_config(model_dir), "max_position_embeddings", 0) or 0)
+    context = int(getattr(read_hf_config(model_dir), "max_position_embeddings", 0) or 0)
     if context and max(args.lengths) + 16 > context:
         raise SystemExit(f"error: --lengths up to {max(args.lengths)} leave no room for the answer in the model's "
                          f"{context}-token context")

@@ -279,29 +279,23 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(chain), num_computed_tokens // bs):
             block = table[i]
-            if block.cache_key is not None:  # shared full block, e.g. a prefix hit
-                chain.append(block.content_id)
-                if hashes is not None:
-                    hashes.append(block.block_hash)
-                continue
-            parent = chain[i - 1] if i else ROOT_CONTENT_ID
-            tokens = token_ids[i * bs:(i + 1) * bs]
-            key = self._key(parent, tokens, i, extra)
-            existing = self._cache.get(key)
-            if existing is not None:
-                chain.append(existing.content_id)
-                if hashes is not None:
-                    hashes.append(existing.block_hash)
-                continue
-            block.cache_key, block.content_id = key, self._next_content_id
-            self._next_content_id += 1
-            self._cache[key] = block
+            if block.cache_key is None:  # not a shared full block (e.g. a prefix hit)
+                tokens = token_ids[i * bs:(i + 1) * bs]
+                key = self._key(chain[i - 1] if i else ROOT_CONTENT_ID, tokens, i, extra)
+                existing = self._cache.get(key)
+                if existing is not None:
+                    block = existing  # the chain goes on from the cached copy; this block stays private
+                else:
+                    block.cache_key, block.content_id = key, self._next_content_id
+                    self._next_content_id += 1
+                    self._cache[key] = block
+                    if hashes is not None:
+                        parent_hash = hashes[i - 1] if i else None
+                        block.block_hash = block_hash(parent_hash, tokens, extra if i == 0 else None)
+                        events.stored(block.block_hash, parent_hash, tokens)
             chain.append(block.content_id)
             if hashes is not None:
-                parent_hash = hashes[i - 1] if i else None
-                block.block_hash = block_hash(parent_hash, tokens, extra if i == 0 else None)
                 hashes.append(block.block_hash)
-                events.stored(block.block_hash, parent_hash, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
@@ -348,18 +342,17 @@ class BlockManager:
         compute falls into it, it gets a private copy first (copy-on-write). ``reserve`` blocks
         must stay free afterwards (a watermark that keeps room for running sequences to grow).
         """
-        table = self.tables.get(seq_id, [])
-        if seq_id in self.tables:
-            cached_prefix = ()
-        need_new = max(0, self.num_blocks_for(num_tokens) - len(table) - len(cached_prefix))
-        cow = self._needs_copy(table, num_computed_tokens)
         if not self.can_allocate(self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens), reserve):
             return False
-        if seq_id not in self.tables:
-            self.tables[seq_id], self.chains[seq_id] = table, []
+        table = self.tables.get(seq_id)
+        cow = table is not None and self._needs_copy(table, num_computed_tokens)  # a new table shares nothing yet
+        if table is None:
+            table = self.tables[seq_id] = []
+            self.chains[seq_id] = []
             for block in cached_prefix:
                 self._ref(block)
                 table.append(block)
+        need_new = max(0, self.num_blocks_for(num_tokens) - len(table))
         if cow:
             self._copy_on_write(table, num_computed_tokens // self.block_size)
         for _ in range(need_new):

@@ -90,17 +90,17 @@ class GroupedBlockManager:
     def _key(self, seq_id: int, group: int) -> int:
         return seq_id * len(self.groups) + group
 
-    # ---- what the BlockManager answers, for the whole pool ------------------------------------
-    num_blocks = property(lambda self: self.inner.num_blocks)
-    enable_prefix_caching = property(lambda self: self.inner.enable_prefix_caching)
-    num_free_blocks = property(lambda self: self.inner.num_free_blocks)
-    num_used_blocks = property(lambda self: self.inner.num_used_blocks)
-    num_cached_free_blocks = property(lambda self: self.inner.num_cached_free_blocks)
-    num_evictions = property(lambda self: self.inner.num_evictions)
-    prefix_queried_tokens = property(lambda self: self.inner.prefix_queried_tokens)
-    prefix_hit_tokens = property(lambda self: self.inner.prefix_hit_tokens)
-    blocks = property(lambda self: self.inner.blocks)
-    events = property(lambda self: self.inner.events)
+    # What the BlockManager answers for the whole pool: asked of the inner manager as it is.
+    _POOL_WIDE = frozenset({
+        "num_blocks", "enable_prefix_caching", "num_free_blocks", "num_used_blocks", "num_cached_free_blocks",
+        "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens", "blocks", "events", "cached_block_hashes",
+        "cached_blocks", "can_allocate", "record_prefix_lookup", "reset_prefix_cache", "take_pending_copies",
+        "check_invariants"})
+
+    def __getattr__(self, name: str):
+        if name in GroupedBlockManager._POOL_WIDE:
+            return getattr(self.inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def tables(self) -> dict[int, list[KVBlock]]:
@@ -140,27 +140,6 @@ class GroupedBlockManager:
         chunk = self.inner.num_blocks_for(self.max_chunk_tokens) + 1
         return sum(blocks if g.window is None else min(blocks, window_blocks(g.window, self.block_size) + chunk)
                    for g in self.groups)
-
-    def cached_block_hashes(self) -> frozenset[int]:
-        return self.inner.cached_block_hashes()
-
-    def cached_blocks(self) -> Iterable[KVBlock]:
-        return self.inner.cached_blocks()
-
-    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
-        return self.inner.can_allocate(num_blocks, reserve)
-
-    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
-        self.inner.record_prefix_lookup(num_queried_tokens, num_hit_tokens)
-
-    def reset_prefix_cache(self) -> None:
-        self.inner.reset_prefix_cache()
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        return self.inner.take_pending_copies()
-
-    def check_invariants(self) -> None:
-        self.inner.check_invariants()
 
     # ---- per group -----------------------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Seq[int], extra: Hashable = None) -> list[tuple[KVBlock, ...]]:

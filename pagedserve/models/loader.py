@@ -14,7 +14,6 @@ from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.gemma3 import Gemma3Architecture
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
-from pagedserve.models.hf_config import HFConfig, read_hf_config
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -59,11 +58,6 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
 
     logger.info("fetching %s from the Hugging Face hub (or its local cache)", model)
     return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
-
-
-def load_hf_config(model_dir: Path) -> HFConfig:
-    """The directory's config.json, read without transformers (:mod:`pagedserve.models.hf_config`)."""
-    return read_hf_config(model_dir)
 
 
 def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torch.dtype, str, torch.dtype]:

@@ -101,9 +101,10 @@ def test_profile_step_is_the_largest_batch_the_scheduler_forms(tokens, max_model
 
 def test_profile_step_runs_through_the_model(tiny_model_dir):
     from pagedserve.models.llama import ModelArchitecture
-    from pagedserve.models.loader import load_hf_config, load_model
+    from pagedserve.models.hf_config import read_hf_config
+    from pagedserve.models.loader import load_model
 
-    hf = load_hf_config(tiny_model_dir)
+    hf = read_hf_config(tiny_model_dir)
     arch = ModelArchitecture.from_hf_config(hf)
     model = load_model(tiny_model_dir, hf, torch.float32, torch.device("cpu"), 256, "matmul")
     step = profile_step(300, 256, 8, 16, torch.device("cpu"))

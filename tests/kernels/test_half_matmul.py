@@ -23,6 +23,7 @@ from pagedserve.engine.args import add_engine_args, engine_config_from_args
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
 from pagedserve.models import half_linear, loader
 from pagedserve.models.half_linear import HalfWeightLinear, choose_decode_weights
+from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.quant import QuantizedEmbedding, weight_bytes
 
 OPS = native_ops()
@@ -226,7 +227,7 @@ def bf16_checkpoint(checkpoint_dir, tmp_path_factory):
 
 
 def _load(model_dir, decode_weights: str, caplog):
-    cfg = loader.load_hf_config(model_dir)
+    cfg = read_hf_config(model_dir)
     with caplog.at_level(logging.INFO, logger="pagedserve.models.loader"):
         model = loader.load_model(model_dir, cfg, torch.float32, CPU, 128, "reference", "none", decode_weights)
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode weights: ")]

@@ -36,7 +36,8 @@ from pagedserve.kv.sizing import kv_tail_bytes_per_sequence
 from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.eos import eos_ids_from_files, eos_ids_from_transformers
 from pagedserve.models.llama import ModelArchitecture
-from pagedserve.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_dir
+from pagedserve.models.hf_config import read_hf_config
+from pagedserve.models.loader import load_model, resolve_dtype, resolve_model_dir
 from pagedserve.models.quant import weight_bytes
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def build_core(config: EngineConfig) -> CoreParts:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     model_dir = resolve_model_dir(config.model, config.revision)
-    hf_config = load_hf_config(model_dir)
+    hf_config = read_hf_config(model_dir)  # without transformers
     arch = architecture_from_hf_config(hf_config)
     dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, device)
     logger.info("compute dtype %s (%s)", str(dtype).removeprefix("torch."), why)
