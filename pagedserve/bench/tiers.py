@@ -52,6 +52,7 @@ import json
 import logging
 import math
 import multiprocessing
+import re
 import sys
 import time
 import uuid
@@ -66,9 +67,32 @@ from pagedserve.bench.common import percentiles
 from pagedserve.bench.processes import engine_server, free_port, running_process
 from pagedserve.bench.sse_client import CLIENT_ERRORS, stream_post
 from pagedserve.bench.sse_client import session as sse_session
-from pagedserve.engine.frontend.client import EngineTimes, read_request_log
 
 PAID_KEY, FREE_KEY = "sk-w6-paid", "sk-w6-free"
+_REQUEST_LINE = re.compile(
+    r"request (\S+) finished: .*?(?:to_core_ms=(\S+) )?queue_ms=(\S+) ttft_ms=(\S+)")
+
+
+@dataclass(frozen=True)
+class EngineTimes:
+    """One request's engine-side times in seconds, from its ``log_requests`` line."""
+
+    queue: float  # the engine's waiting queue: enqueued -> the scheduling pass that admits it
+    ttft: float  # the front handing the request over -> the step that sampled its first token
+    to_core: float | None = None  # the front handing it over -> enqueued in the core (None: an older line)
+
+
+def read_request_log(path: Path) -> dict[str, EngineTimes]:
+    """request id → its :class:`EngineTimes`, from the ``log_requests`` lines ``log_finished``
+    writes (engine/frontend/client.py: ``serve --log-requests``)."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = _REQUEST_LINE.search(line)
+        if m and m.group(3) != "-" and m.group(4) != "-":
+            to_core = m.group(2)
+            out[m.group(1)] = EngineTimes(float(m.group(3)) / 1000, float(m.group(4)) / 1000,
+                                          float(to_core) / 1000 if to_core not in (None, "-") else None)
+    return out
 
 
 @dataclass

@@ -1,14 +1,10 @@
 """The engine: a core that steps token ids, and the front ends that drive it.
 
 * :mod:`pagedserve.engine.core` — what the engine core process runs (or a thread of the server
-  with ``--no-engine-process``): the scheduler, the model runner, the sampler, the step loop.
-  It never sees text and imports nothing of the front end or the server.
-* :mod:`pagedserve.engine.frontend` — the clients the servers hold (in-process, multiprocess),
-  the output processor and detokenizer that turn token ids into text, the front end's one request
-  check, the core process's launcher and restarter, the offline ``LLM``.
-* :mod:`pagedserve.engine.wire` — what crosses between them (commands, outputs, the model's facts);
-  ``outputs``, ``sampling_params``, ``block_map`` and ``args`` are the types and flags both sides
-  and the servers share.
+  with ``--no-engine-process``); it never sees text.
+* :mod:`pagedserve.engine.frontend` — the clients the servers hold, text in and out, the offline ``LLM``.
+* :mod:`pagedserve.engine.wire` — what crosses between them; ``outputs``, ``sampling_params``,
+  ``block_map`` and ``args`` are the types and flags both sides and the servers share.
 
 This package's names are the door the servers (``server/``, ``ray_serve/``, ``gateway/``) use:
 the client interface, the factory that starts a core and connects a client, and the types. None

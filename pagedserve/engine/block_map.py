@@ -6,11 +6,9 @@ sequence's id, or the root of the cached prefix chain) and its reference count, 
 packed to bytes, plus the list of requests with their tokens, blocks, state and priority.
 
 Cost is the point: the core builds a snapshot on its own loop, so
-:class:`~pagedserve.engine.core.block_map_feed.BlockMapFeed` makes one
-only while someone watches, at most ``max_hz`` times a second, and never more often than keeps
-its measured build time under ``cpu_share`` of the loop's time (a 100k-block pool takes a few
-milliseconds to walk, so it is sampled about once a second, a 1k-block pool ten times). A
-snapshot identical to the previous one is not sent. Deltas are the front end's business: it diffs
+:class:`~pagedserve.engine.core.block_map_feed.BlockMapFeed` makes one only while someone watches,
+at most ``max_hz`` times a second and within ``cpu_share`` of the loop's time (a 100k-block pool
+takes a few milliseconds to walk: about once a second), and never sends one unchanged. Deltas are the front end's business: it diffs
 consecutive snapshots off the step loop (pagedserve.server.dashboard).
 
 This module holds what crosses to the front end (the snapshot's types, importable without the

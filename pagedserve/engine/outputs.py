@@ -39,13 +39,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.monotonic``) of one request's life.
-
-    ``arrival_time`` is when the request reached the server (the API layer, before it waited for
-    the step loop to take it); ``queued_time`` is when the engine put it in its waiting queue. TTFT
-    and end-to-end time count from arrival, queue time from ``queued_time`` to the first step that
-    scheduled it (vLLM's definitions).
-    """
+    """Wall-clock timestamps (``time.monotonic``) of one request's life. ``arrival_time``: it reached
+    the server (the API layer); ``queued_time``: the engine queued it. TTFT and end-to-end time count
+    from arrival, queue time from ``queued_time`` to the first step that scheduled it (vLLM's)."""
 
     arrival_time: float
     queued_time: float

@@ -1,11 +1,9 @@
 """Per-request sampling parameters, and the bounds :meth:`SamplingParams.validate` holds them to.
 
-``validate()`` is called explicitly, once per request, by the front end's request check
-(:mod:`pagedserve.engine.frontend.request_check`, whichever client or the offline ``Engine`` takes the
-request), never on construction: a copy made in the core (``dataclasses.replace``) or decoded
-from the wire (msgspec) is not checked again. Every field is bounded to what the engine can hold
-(the server's schema checks the same bounds first, from the constants below, so an HTTP client
-gets the schema's message; the offline ``LLM`` gets these):
+``validate()`` runs once per request, in the front end's request check
+(:mod:`pagedserve.engine.frontend.request_check`), never on construction: a copy made in the core or
+decoded from the wire is not checked again. Every field is bounded to what the engine can hold (the
+server's schema checks the same bounds first, from the constants below):
 
 - integers that reach the sampler's tensors or torch's generators (``top_k``, ``seed``, token
   ids) stay in the ranges those hold: a ``top_k`` of 2**70 does not fit an int64 tensor;

@@ -24,12 +24,10 @@ the KV dtype and the request's ``cache_salt``.
 Free blocks sit in an intrusive doubly linked list in LRU order: allocation takes the head
 (evicting its cached content), a cache hit unlinks a block from the middle in O(1), and a
 finished sequence returns its blocks tail first so a prefix chain is evicted from its end.
-Blocks never handed out yet are built on their first allocation (:class:`FreeBlockQueue`), so
-a large pool costs nothing to set up.
 
-With a :class:`~pagedserve.kv.events.KVEventLog` (``--kv-events-endpoint``), every block that enters
-the prefix cache (:meth:`cache_full_blocks`) or leaves it (eviction, :meth:`reset_prefix_cache`) is
-recorded there under its content hash, for routers; without one nothing is hashed or recorded.
+With a :class:`~pagedserve.kv.events.KVEventLog` (``--kv-events-endpoint``), every block entering or
+leaving the prefix cache is recorded there under its content hash, for routers; without one
+nothing is hashed or recorded.
 """
 
 from __future__ import annotations
@@ -62,13 +60,11 @@ class KVBlock:
 class FreeBlockQueue:
     """Doubly linked list of free blocks, least recently freed at the head. All operations O(1).
 
-    The blocks never handed out yet are not objects: they are one run of ids, ``[_next_fresh,
-    num_blocks)``, held in the list by a single marker node at the place they occupy (initially
-    the whole queue), and each becomes a :class:`KVBlock` only when it is popped. A pool of a few
-    hundred thousand blocks then costs nothing to set up (building them all took the engine's
-    start-up over a second). Blocks come out in exactly the order they would if all had been
-    built and queued in id order at the start: frees append behind the marker, ``appendleft``
-    puts blocks before it, and the marker hands out its ids lowest first.
+    The blocks never handed out yet are not objects but one run of ids, held in the list by a single
+    marker node, each built into a :class:`KVBlock` only when popped: a pool of a few hundred
+    thousand blocks costs nothing to set up (building them all took the engine's start-up over a
+    second). Blocks come out in exactly the order they would if all had been built and queued in id
+    order at the start (frees append behind the marker, which hands out its ids lowest first).
     """
 
     def __init__(self, num_blocks: int):

@@ -74,11 +74,9 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                        dtype: torch.dtype, device: torch.device,
                        kv_cache_dtype: str = "auto", tail_slots: int | None = None,
                        kv_groups: int = 1) -> list[tuple[KVCache, KVCache]]:
-    """Per layer, K and V pools of logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``:
-    :class:`HeadMajorKVCache` pools in the model dtype for ``auto``, :class:`Int4KVCache` pools over one
-    shared :class:`TailMap` of ``tail_slots`` open blocks (default: one per block; ``kv_groups``: slot
-    mappings a step writes) for ``int4``, else
-    :class:`QuantizedKVCache` pools."""
+    """Per layer, K and V pools of logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    int4's share one :class:`TailMap` of ``tail_slots`` open blocks (default: one per block;
+    ``kv_groups``: slot mappings a step writes)."""
     if kv_cache_dtype == "int4":
         tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
         return [Int4KVCache.allocate_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, tails)

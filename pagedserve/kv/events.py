@@ -85,10 +85,7 @@ def block_hash(parent: int | None, token_ids: Sequence[int], extra: Hashable) ->
 
 class KVEventLog:
     """The events one engine step caused, in order; the block manager writes, the core takes them.
-
-    Adjacent events merge: blocks stored one after another along a chain become one ``BlockStored``
-    (as vLLM sends them), consecutive removals one ``BlockRemoved``.
-    """
+    Adjacent events merge, as vLLM sends them: a chain's stored blocks, consecutive removals."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size

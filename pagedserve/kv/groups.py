@@ -24,9 +24,6 @@ Prefix caching keys each group's blocks apart (the group index joins the first b
 A hit is the longest prefix cached in **every** group: conservative for window groups, which only
 need the blocks of the window before the hit's end (vLLM searches for exactly that; here a hit
 whose early window blocks were evicted is a miss, computed again, never wrong).
-
-To the scheduler a :class:`GroupedBlockManager` is a :class:`~pagedserve.kv.block_manager.BlockManager`
-(the same calls); the runner reads each group's table with :meth:`GroupedBlockManager.block_ids`.
 """
 
 from __future__ import annotations
@@ -70,10 +67,8 @@ def layer_slots(groups: Seq[KVGroup]) -> list[tuple[int, int]]:
 
 
 class GroupedBlockManager:
-    """A :class:`BlockManager` per sequence and group, over one pool (module docstring).
-
-    Group ``g``'s table for sequence ``s`` is the inner manager's table ``s * G + g``. The scheduler's
-    calls fan out to every group; an allocation succeeds for all groups or for none.
+    """The :class:`BlockManager` interface the scheduler calls, fanned out to a table per sequence and
+    group over one pool: group ``g``'s table for sequence ``s`` is the inner manager's ``s * G + g``.
     ``max_chunk_tokens``: the most tokens one step computes for a sequence (a prompt chunk), which
     a window group holds on top of its window while computing it."""
 

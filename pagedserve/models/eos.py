@@ -108,9 +108,7 @@ def eos_ids_from_files(tokenizer_dir: str | Path, model_dir: str | Path) -> set[
 
 
 def eos_ids_from_transformers(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int]:
-    """The same answer through transformers' tokenizer and generation config: the fallback where
-    the files don't settle it (a hub id as the tokenizer, an unnamed EOS token), and the reference
-    the tests compare :func:`eos_ids_from_files` with."""
+    """The same answer through transformers' tokenizer and generation config (module docstring)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     ids = set()

@@ -24,10 +24,8 @@ the fused QKV projection, rotary and paged-attention calls written once):
 Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
 once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
 
-Weights come from the GGUF file through the Llama family's loader (:func:`pagedserve.models.gguf.load_gguf_model`:
-its tensor builder, this layer's ``GGUF_NORMS``, embedding and LM-head loading, final checks): K-quant and 32-weight formats stay as the file's blocks in
-:class:`~pagedserve.models.gguf_linear.GGUFLinear` (the Q8_0 embedding too, one table for lookups
-and logits), F32 norms as float.
+Weights come from the GGUF file through the Llama family's loader
+(:func:`pagedserve.models.gguf.load_gguf_model`, with this layer's ``GGUF_NORMS``).
 """
 
 from __future__ import annotations
@@ -113,14 +111,10 @@ class Gemma3Architecture(ModelArchitecture):
             final_logit_softcapping=get("final_logit_softcapping"),
         )
 
-    def local_rope(self) -> ModelArchitecture:
-        """The architecture the sliding layers' rotary tables are built from (their base, unscaled)."""
-        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None)
-
 
 class Gemma3Attention(Attention):
-    """The Llama family's attention (its fused QKV, rotary and paged attention calls), with
-    QK-norm always, the ``query_pre_attn_scalar`` scale, and the layer's window (None: global)."""
+    """The Llama family's attention with the ``query_pre_attn_scalar`` scale and the layer's window
+    (None: global)."""
 
     def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
         super().__init__(arch, rotary)  # arch.qk_norm is True: q_norm and k_norm are built
@@ -168,9 +162,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's decoder over a flat batch with a paged KV cache: the Llama model's embedding,
-    final norm, LM head and native kernels, Gemma's layers, scaled embeddings, windows and
-    soft-capped logits."""
+    """Gemma 3's decoder: the Llama model's embedding, final norm, LM head and native kernels, with
+    Gemma's layers, scaled embeddings, windows and soft-capped logits."""
 
     def __init__(self, arch: Gemma3Architecture, max_positions: int, attention_backend: str = "sdpa",
                  rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None = None):
@@ -185,7 +178,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def rotary_tables(arch: Gemma3Architecture, max_positions: int) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-        return RotaryEmbedding(arch, max_positions), RotaryEmbedding(arch.local_rope(), max_positions)
+        local = dataclasses.replace(arch, rope_theta=arch.local_rope_theta, rope_scaling=None)  # unscaled
+        return RotaryEmbedding(arch, max_positions), RotaryEmbedding(local, max_positions)
 
     def build_layers(self, arch: Gemma3Architecture, max_positions: int,
                      rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:

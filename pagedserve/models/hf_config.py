@@ -5,11 +5,8 @@ start (its llama configuration module alone pulls in ``torch.distributed.tensor`
 numbers. This module reads the file itself and fills in what a config.json may leave out with the
 defaults transformers' own config classes use for the model types the engine runs (Llama,
 Mistral, Qwen2, Qwen3), including transformers 5's move of ``rope_theta`` and the legacy
-``rope_scaling`` into one ``rope_parameters`` dict. tests/models/test_hf_config.py checks the
-result against ``AutoConfig`` field by field.
-
-Other model types keep exactly the keys their file has: :meth:`ModelArchitecture.from_hf_config
-<pagedserve.models.llama.ModelArchitecture.from_hf_config>` refuses them in one line, as before.
+``rope_scaling`` into one ``rope_parameters`` dict (other model types keep exactly the keys their
+file has). tests/models/test_hf_config.py checks the result against ``AutoConfig`` field by field.
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ _ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 
 class HFConfig:
-    """A config.json as attributes (``cfg.hidden_size``), defaults filled in for supported types.
-
-    Attributes may be set (the loader notes ``pagedserve_requested_dtype`` on it); ``to_dict``
-    gives the values back as a plain dict."""
+    """A config.json as attributes (``cfg.hidden_size``), defaults filled in for supported types;
+    settable (the loader notes ``pagedserve_requested_dtype`` on it)."""
 
     def __init__(self, values: dict[str, Any]):
         self.__dict__.update(values)

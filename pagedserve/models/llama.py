@@ -240,9 +240,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, max_positions: int, attention_backend: str = "sdpa",
                  rotary: RotaryEmbedding | None = None):
-        """``rotary``: tables built beforehand, for a model built on the meta device (computing
-        them there would go through torch's reference ops, whose first use imports torch._dynamo:
-        seconds)."""
+        """``rotary``: tables built beforehand, for a model built on the meta device (:meth:`on_meta`)."""
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)

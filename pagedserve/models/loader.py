@@ -25,15 +25,9 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The Hugging Face-style directory to load ``model`` from.
-
-    A ``.gguf`` file, or a directory holding one (and no safetensors), becomes its prepared
-    directory in the cache (:func:`pagedserve.models.gguf.prepare_gguf_dir`); another local
-    directory is taken as is; a standard model's name (``tiny``, ``small``, ``qwen05-shape``) is
-    built on first use; the default model's name (``SmolLM2-135M-Instruct``) and ``gemma-3-270m``
-    (Gemma 3 270M, Q4_K_M: :mod:`pagedserve.models.gemma3_file`) are fetched on first use; anything
-    else is a hub id, downloaded (or taken from the HF cache).
-    """
+    """The Hugging Face-style directory to load ``model`` from: a GGUF file's prepared directory, a
+    local directory as is, a standard model built (or the default model and ``gemma-3-270m``
+    fetched) on first use, else a hub id, downloaded (or taken from the HF cache)."""
     from pagedserve.models.default import DEFAULT_MODEL_NAME, ensure_default_model
     from pagedserve.models.gemma3_file import GEMMA3_MODEL_NAME, ensure_gemma3_model
     from pagedserve.models.gguf import find_gguf_file, prepare_gguf_dir
@@ -71,9 +65,8 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     (measured 7x on an AVX2 EPYC). Quantized GGUF weights stay quantized either way; their kernels
     quantize the activations themselves (:mod:`pagedserve.models.gguf_linear`).
 
-    The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``), which
-    :func:`load_model` reads for GGUF files: quantized tensors stay quantized under ``auto`` and are
-    dequantized when a dtype is asked for."""
+    The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``) for :func:`load_model`:
+    a GGUF's quantized tensors stay quantized under ``auto``, are dequantized to an asked-for dtype."""
     try:
         hf_config.pagedserve_requested_dtype = requested
     except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
@@ -131,33 +124,16 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> 
     return out
 
 
-def _checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
-    """The one floating dtype a checkpoint's weights are stored in, or None if it mixes several."""
-    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                attention_backend: str, quantization: str = "none", decode_weights: str = "auto",
                gguf_activations: str = "int16", native_kernels: bool = True, pack_weights: str = "onednn",
                group_kernels: bool = False) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint's safetensors.
-
-    ``quantization`` (``int8`` | ``int4``) then replaces every linear layer by a weight-only
-    quantized one (embeddings and norms stay in ``dtype``); without it, on CPU, linear weights are
-    prepacked for oneDNN (:mod:`pagedserve.models.packed`; ``pack_weights="none"`` turns that
-    off, ``"panel"`` puts float32 weights into panels for the native kernel instead: faster for
-    decode batches of up to ~8 rows, slower for W1's 64-row batches, so not the default). On CPU the
-    native layer kernels are switched on where they build, unless ``native_kernels`` is False (then
-    nothing is compiled); ``group_kernels`` sends int4 / grouped-int8 layers through the native group
-    kernels (opt-in, docs/QUANTIZATION.md). The engine's load log line states the resulting weight bytes.
-
-    ``decode_weights`` (``auto`` | ``float32`` | ``float16`` | ``bfloat16``): on a CPU without native
-    bf16, a float32 model's linear weights may be kept 16-bit for decode
-    (:mod:`pagedserve.models.half_linear`); ``auto`` does so where it is lossless (a bf16 or f16
-    checkpoint). One log line says what was chosen and why. ``gguf_activations`` (``int16`` |
-    ``int8``): the GGUF kernels' activation precision (:mod:`pagedserve.models.gguf_linear`).
-    """
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint (its safetensors, or
+    the GGUF file behind a prepared directory). The other arguments are the engine flags of the same
+    names (engine/args.py): ``quantization`` (:mod:`~pagedserve.models.quant`), ``decode_weights``
+    (:mod:`~pagedserve.models.half_linear`), ``gguf_activations`` (:mod:`~pagedserve.models.gguf_linear`),
+    ``pack_weights`` (:mod:`~pagedserve.models.packed`), ``native_kernels`` (False: nothing is
+    compiled) and ``group_kernels``; each choice is logged."""
     checkpoint_dtype = None  # unknown or mixed (a GGUF file): auto then keeps float32
     weight_format = quantization  # what choose_decode_weights is told the linears hold
     arch = architecture_from_hf_config(hf_config)
@@ -175,7 +151,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         # the checkpoint replaces anyway (the rotary tables: float32, then the model's dtype as before).
         model = LlamaForCausalLM.on_meta(arch, max_positions, attention_backend, device)
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
-        checkpoint_dtype = _checkpoint_dtype(state)
+        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+        checkpoint_dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: the checkpoint mixes several
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise ValueError(f"checkpoint has weights this model does not use: {sorted(unexpected)[:5]}")

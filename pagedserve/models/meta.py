@@ -1,10 +1,6 @@
-"""Building a model's modules on the meta device with no random initialization.
-
-A model that is filled from a checkpoint right after it is built needs neither real memory for
-its parameters nor their random initial values. On the meta device torch computes those values
-through its Python reference ops, and their first use imports ``torch._dynamo``: 2.7 s of CPU in
-every engine start that built a model this way. Under :func:`meta_without_init` modules are
-built on meta and ``torch.nn.init``'s functions leave the tensors as they are.
+"""Building a model's modules on the meta device with no random initialization: on meta, torch
+computes initial values through its Python reference ops, whose first use imports
+``torch._dynamo`` (2.7 s of CPU in every engine start), for weights a checkpoint replaces anyway.
 """
 
 from __future__ import annotations

@@ -8,11 +8,8 @@ large as the kernels. :class:`NativeDecode` hands a decode step's layers to one 
 every layer's weights and KV pools, which runs the same kernels back to back.
 
 It computes what the Python path computes, call for call (same kernels, same conversions: the same
-bits, tested), and takes only what it can: decode-only steps of at most :attr:`NativeDecode.max_rows`
-rows, over the engine's model-dtype KV pools (``HeadMajorKVCache``), through the ``fused``
-attention backend, with linears held as GGUF blocks, 16-bit decode weights, oneDNN-packed or plain
-float weights. Everything else (prompt chunks, quantized KV pools, other linear kinds) runs through
-the Python model, which stays the reference.
+bits, tested), and takes only what it can (:meth:`NativeDecode.build` says why not, :meth:`NativeDecode.runs`
+which steps); everything else runs through the Python model, which stays the reference.
 """
 
 from __future__ import annotations

@@ -14,10 +14,8 @@ weight packed at load skips that. The gain is largest where a step is small, whi
 torch's own compiler (inductor with freezing) applies to CPU linears; here it is done without
 compiling anything.
 
-Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU with oneDNN are packed; quantized
-twins, other devices and dtypes keep their own path. A tied LM head is not packed: its packed
-copy would hold the embedding matrix a second time (SmolLM2 dequantized to bf16: 54 MiB more, 310.6
-MiB logged for 256.6 MiB of weights), so its logits read the one table the lookups use.
+Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU with oneDNN are packed. A tied LM
+head is not (:mod:`~pagedserve.models.replace`: SmolLM2 dequantized to bf16 held 54 MiB more).
 """
 
 from __future__ import annotations

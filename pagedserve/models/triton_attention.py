@@ -10,8 +10,7 @@ written by slot mapping in one launch per layer (quantized as they are stored). 
 (negative slots, context length 0) cost nothing and write nothing, which is what lets a CUDA graph
 replay a fixed-size decode batch (:mod:`pagedserve.engine.core.cuda_graphs`).
 
-int4 pools (kv/int4.py: per-channel key blocks, float16 tails) have no Triton kernel: the engine does not pair them with
-this backend (``pagedserve.engine.core.engine_core``).
+int4 pools (kv/int4.py) have no Triton kernel: the engine does not pair them with this backend.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """After the model: sample the step's logits, append the tokens, decide what finished, and
 assemble each advanced request's :class:`~pagedserve.engine.wire.CoreOutput` (its new tokens
 since the last output, under ``stream_interval``).
-
-The :class:`~pagedserve.engine.core.engine_core.EngineCore` runs the model and hands the logits here. A fault
-while sampling or verifying drafts is retried row by row, so only the requests whose own rows
-raise are failed (``failed``: request id → message, shared with the core's step).
+A fault while sampling or verifying drafts is retried row by row, so only the requests whose own
+rows raise are failed (``failed``: request id → message, shared with the core's step).
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ class OutputAssembler:
 
     def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         """Completion ``index`` of ``req``: its own generator (a seeded request), grammar matcher and logprobs."""
-        gen = None
-        if req.params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(req.params.seed + index)
+        seed = req.params.seed
+        gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed + index)
         seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=gen)
         if req.compiled_grammar is not None:
             seq.grammar = self.grammars.matcher(req.compiled_grammar)

@@ -120,10 +120,8 @@ def _root(content_id: int, parent_of: dict[int, int], root_of: dict[int, int]) -
 
 
 class BlockMapFeed:
-    """Decides when the core makes a snapshot: only while watched, rate- and cost-bounded, only on change.
-
-    Owned by the loop that steps the core (the step thread, or the core process's loop).
-    """
+    """Decides when the core's loop makes a snapshot: only while watched, rate- and cost-bounded,
+    only on change."""
 
     def __init__(self, max_hz: float = 10.0, cpu_share: float = 0.01):
         self.max_hz = max_hz

@@ -46,31 +46,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto",
                                native_kernels: bool = True) -> str:
     """``auto`` → on GPU the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV
     dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built or
     ``native_kernels`` is off."""
-    if name == "triton":
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
         why = triton_unavailable(device)
         if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
             why = f"its kernels read {', '.join(TRITON_KV_DTYPES)} KV pools, not {kv_cache_dtype}"
-        if why is not None:
+        if name == "triton" and why is not None:
             raise ValueError(f"attention_backend 'triton' cannot run here: {why}")
-    if name == "auto":
-        if device.type == "cuda":
-            why = triton_unavailable(device)
-            if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
-                why = f"no Triton kernel for {kv_cache_dtype} KV pools"
+        if name == "auto":
             name = "triton" if why is None else "sdpa"
             logger.info("attention backend: %s%s", name, "" if why is None else f" ({why})")
-            return name
+    elif name == "auto":
         name = "fused" if native_kernels and paged_decode_kernel() is not None else "matmul"
         why = kernel_error() if native_kernels else "--no-native-kernels"
         logger.info("attention backend: %s%s", name, "" if name == "fused" else f" (fused kernel unavailable: {why})")
@@ -82,18 +72,14 @@ def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: 
 
 
 def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
-    """The ids that end a completion: the tokenizer's EOS plus generation_config.json's.
-
-    Read from the files (:mod:`pagedserve.models.eos`: no transformers import at start-up); only
-    where they don't settle it (a hub id as the tokenizer, an unnamed EOS token) is transformers'
-    tokenizer built to ask."""
+    """The ids that end a completion: the tokenizer's EOS plus generation_config.json's, from the
+    files where they settle it (:mod:`pagedserve.models.eos`: no transformers import at start-up)."""
     ids = eos_ids_from_files(tokenizer_dir, model_dir)
     return ids if ids is not None else eos_ids_from_transformers(tokenizer_dir, model_dir)
 
 
 def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, device: torch.device) -> EngineConfig:
-    """A copy of ``config`` with every ``None``/``auto`` that the model decides filled in (the
-    caller's object is left as it was)."""
+    """A copy of ``config`` with every ``None``/``auto`` that the model decides filled in."""
     limit = arch.max_position_embeddings
     if arch.sliding_window:  # attention beyond the window is not implemented: cap instead
         limit = min(limit, arch.sliding_window)
@@ -167,7 +153,7 @@ def build_core(config: EngineConfig) -> CoreParts:
     if config.num_threads is not None:
         # Before the weights are prepacked and the kernels run: all of the step uses this count.
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
+    device = torch.device(config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model_dir(config.model, config.revision)
     hf_config = read_hf_config(model_dir)  # without transformers
     arch = architecture_from_hf_config(hf_config)
@@ -237,11 +223,8 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
     pool_dtype = kv_model_dtype if config.kv_cache_dtype == "auto" else dtype
     auto: AutoKVBudget | ProfiledKVBudget | None = None
     if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
-        if device.type == "cuda":
-            auto = _profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs,
-                                       tail_bytes)
-        else:
-            auto = choose_auto_kv_budget(arch, config, device, per_token, tail_bytes)
+        auto = (_profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs, tail_bytes)
+                if device.type == "cuda" else choose_auto_kv_budget(arch, config, device, per_token, tail_bytes))
         logger.info("%s", auto.describe())
         config = dataclasses.replace(config, kv_cache_memory=auto.budget)
     num_blocks = config.num_kv_blocks or num_blocks_for_budget(config.kv_cache_memory - tail_bytes, config.block_size,

@@ -51,11 +51,8 @@ def padded_batch_size(rows: int, sizes: list[int]) -> int | None:
 
 
 class DecodeBuffers:
-    """The persistent inputs of the captured decode graphs, filled in place every step.
-
-    Every captured batch size reads a prefix of the same buffers; :meth:`inputs` returns the same
-    views for a size every time, which is what a graph captured on them replays over.
-    """
+    """The persistent inputs of the captured decode graphs, filled in place every step: every batch
+    size reads a prefix of the same buffers, through the same views each time (:meth:`inputs`)."""
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
         self.max_batch, self.max_blocks = max_batch, max_blocks

@@ -3,12 +3,8 @@
 Three parts, three modules: :mod:`~pagedserve.engine.core.builder` builds what the core steps (the
 model, the KV pool, the block manager, scheduler and runner); this module holds the requests and
 runs the step (schedule, execute, fault isolation); :mod:`~pagedserve.engine.core.assembly` samples
-the logits, appends tokens, decides finishes and assembles the outputs.
-
-The core owns the scheduler, the block manager, the model runner and the sampler. It never sees
-text: prompts arrive tokenized, outputs leave as new token ids per completion, and whoever holds
-the tokenizer (the in-process :class:`~pagedserve.engine.frontend.engine.Engine`, or the server's front
-end when the core runs in its own process) turns them into text and applies stop strings.
+the logits, appends tokens, decides finishes and assembles the outputs. It never sees text: whoever
+holds the tokenizer (a front end) turns the new token ids into text and applies stop strings.
 
 A request's fault is that request's alone: when a step raises, the core runs the step's
 requests one at a time to find which one raised, fails only that one (its blocks are freed and
@@ -41,11 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe.
-
-    Built by :func:`~pagedserve.engine.core.builder.build_core`; what follows the model in a step
-    (sampling, stop conditions, output deltas) is its :class:`~pagedserve.engine.core.assembly.OutputAssembler`.
-    """
+    """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe."""
 
     def __init__(self, config: EngineConfig):
         parts = build_core(config)
@@ -73,9 +65,8 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a tokenized request that passed the front end's check (engine/frontend/request_check.py):
-        the core asserts what that checked, and refuses only what depends on its own state, with
-        a typed error: a duplicate id, a request its KV pool can never hold, a full queue.
+        """Queue a tokenized request that passed the front end's check (engine/frontend/request_check.py);
+        the core asserts that, and refuses only what depends on its own state.
 
         ``arrival_time`` (``time.monotonic``) is when the server received it, if earlier than now:
         TTFT and end-to-end time count from there; queue time counts from now."""
@@ -110,30 +101,29 @@ class EngineCore:
         False if it is unknown or already done. A request whose last completion is dropped is gone.
         """
         req = self.requests.get(request_id)
-        if req is None:
-            return False
+        if req is not None and self._end(req, index):
+            logger.debug("aborted request %s", request_id)
+        return req is not None
+
+    def _end(self, req: Request, index: int | None = None) -> bool:
+        """Finish the request's unfinished completions (``index``: that one); True if the request is gone."""
         for seq in req.seqs:
             if not seq.is_finished and (index is None or seq.index == index):
                 self.scheduler.finish(seq)
         if index is None or all(s.is_finished for s in req.seqs):  # (an unforked n > 1 has one seq)
-            del self.requests[request_id]
+            del self.requests[req.request_id]
             self.num_ended_requests += 1
-            self.compiling.pop(request_id, None)
-            logger.debug("aborted request %s", request_id)
-        return True
+            self.compiling.pop(req.request_id, None)
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
-        """Run one scheduled batch and return the outputs of every request it advanced.
-
-        With ``stream_interval`` N > 1 (the engine's, or the request's own if coarser) a running
-        request's output is returned only when due (its first token, then every N tokens, and its
-        finish); skipped steps' tokens arrive in the next output's deltas, so nothing is lost and
-        the step may return no output at all.
-        """
+        """Run one scheduled batch and return the outputs due (``stream_interval``: the assembler's) of
+        the requests it advanced; a step may return none."""
         failed: dict[str, str] = {}
         if self.compiling:
             self._admit_compiled(failed)
@@ -159,8 +149,7 @@ class EngineCore:
             self._log_stats(now)
         outputs, ended = self.assembler.finish_step(sampled, logits, failed)
         for req in ended:
-            del self.requests[req.request_id]
-            self.num_ended_requests += 1
+            self._end(req)
         outputs = [self._fail(rid, msg) for rid, msg in failed.items()] + outputs
         self.publish_kv_events()
         return outputs
@@ -251,12 +240,8 @@ class EngineCore:
 
     def _fail(self, request_id: str, message: str) -> CoreOutput:
         """End a request whose processing raised: free its blocks, report the error to its owner."""
-        req = self.requests.pop(request_id)
-        self.num_ended_requests += 1
-        self.compiling.pop(request_id, None)
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
+        req = self.requests[request_id]
+        self._end(req)
         self.num_failed_requests += 1
         req.metrics.finished_time = time.monotonic()
         logger.error("request %s failed and was ended alone (the rest of its batch goes on): %s", request_id, message)

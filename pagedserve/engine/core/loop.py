@@ -8,9 +8,7 @@
 ```
 
 Two transports drive it, and nothing else steps a core that serves clients: the core process's
-ZMQ sockets (:mod:`pagedserve.engine.core.proc`) and the in-process client's thread
-(:mod:`pagedserve.engine.frontend.async_engine`). Either way the front end on the other side is a
-:class:`~pagedserve.engine.frontend.core_client.CoreClient` that turns the batches into text.
+ZMQ sockets (:mod:`pagedserve.engine.core.proc`) and the in-process client's thread.
 
 With several front ends (``--api-server-count N``) the loop remembers which front added each
 request and sends that request's admission and outputs back to it alone; the stats snapshot goes

@@ -12,12 +12,9 @@ reserve, measured *after* the weights are loaded (so they are already out of it)
 
 On CPU the reserve is an estimate (:func:`activation_reserve`): the largest step's float32
 activations and attention scores, the sampler's logits, and 256 MiB of headroom. On CUDA it is
-measured, as vLLM does (:class:`ProfiledKVBudget`, ``engine/core/profile_run.py``): one step of
-``max_num_batched_tokens`` prompt tokens and ``max_num_seqs`` sampled rows is run before the pool
-exists, and its peak allocation above the weights is what the pool leaves free, plus an
-allowance for the CUDA graphs captured after it. The pool is also capped at what
-``max_num_seqs`` sequences of ``max_model_len`` tokens could ever fill: more than that is never
-used.
+measured, as vLLM does (:class:`ProfiledKVBudget`: the peak of a profile step,
+``engine/core/profile_run.py``, plus an allowance for the CUDA graphs captured after it). The pool
+is also capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever fill.
 """
 
 from __future__ import annotations
@@ -139,8 +136,7 @@ def auto_kv_budget(free: FreeMemory, fraction: float, reserve: int, cap: int) ->
 
 def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token: int,
                           tail_bytes: int = 0) -> AutoKVBudget:
-    """The ``auto`` pool for this model (a :class:`~pagedserve.models.llama.ModelArchitecture`) and
-    resolved engine config, on ``device``, once the weights are loaded."""
+    """The ``auto`` pool for this model and resolved engine config, once the weights are loaded."""
     fraction = config.kv_cache_memory_fraction
     free = cuda_free_memory(device, fraction) if device.type == "cuda" else cpu_free_memory(fraction)
     reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,

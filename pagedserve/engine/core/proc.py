@@ -76,7 +76,9 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
     ready.send(("ready", core.facts()))
     ready.close()
     try:
-        _serve(core, commands, results, parent)
+        CoreLoop(core, ZmqTransport(commands, results, parent)).run()
+    except _ParentGone:
+        logger.warning("the server process is gone: engine core exiting")
     finally:
         core.close()
         for sock in commands:
@@ -146,10 +148,3 @@ class ZmqTransport:
     def _check_parent(self) -> None:
         if os.getppid() != self.parent:
             raise _ParentGone()
-
-
-def _serve(core: EngineCore, commands: list[zmq.Socket], results: list[zmq.Socket], parent: int) -> None:
-    try:
-        CoreLoop(core, ZmqTransport(commands, results, parent)).run()
-    except _ParentGone:
-        logger.warning("the server process is gone: engine core exiting")

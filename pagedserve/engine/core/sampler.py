@@ -38,15 +38,14 @@ def row_argmax(x: torch.Tensor, native: bool = True) -> torch.Tensor:
     at a decode batch's size (``pagedserve bench sampler``).
 
     float32 rows on a CPU with the native kernels go to ``row_argmax`` (``kernels/layer_ops.cpp``),
-    one pass per row on the calling thread: torch's reductions below fork its OpenMP team, and with
+    one pass per row on the calling thread: torch's reductions fork its OpenMP team, and with
     another process on a core each fork waited out a time slice (11 ms a step, measured under load).
 
-    Torch's CPU argmax walks each row one element at a time (about 30 us per 32,000-token row,
-    1-2 ms for a decode batch of 64), while ``amax`` is vectorized (1.6 us per row). So: the maximum of
-    each 128-wide chunk, the first chunk holding the row's maximum, and the argmax within that
-    chunk only. Ties go to the first index, as in torch, and so does NaN (amax propagates it,
-    argmax takes it as the largest); a vocabulary that is not a multiple of the chunk keeps its
-    tail in a second, short comparison."""
+    Torch's CPU argmax walks each row one element at a time (about 30 us per 32,000-token row),
+    while ``amax`` is vectorized (1.6 us per row). So: the maximum of each 128-wide chunk, the first
+    chunk holding the row's maximum, and the argmax within that chunk only. Ties and NaN go to the
+    first index, as in torch; a vocabulary that is not a multiple of the chunk keeps its tail in a
+    second, short comparison."""
     rows, vocab = x.shape
     if x.stride(-1) != 1:  # the chunk view needs each row's elements side by side
         x = x.contiguous()

@@ -24,9 +24,6 @@ are freed (full ones stay in the prefix cache) and it waits, with its original a
 recomputed. A waiting sequence of strictly better priority may preempt a worse running one,
 for memory or for a seat. Starvation of low-priority work is bounded only by the arrival of
 higher-priority work: a steady stream of priority-0 requests can keep priority-1 ones waiting.
-
-The scheduler is plain Python: it moves sequences between queues and asks the block manager
-for pages; it never touches tensors.
 """
 
 from __future__ import annotations
@@ -97,7 +94,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting heap and the running list; asks the BlockManager for pages."""
+    """Owns the waiting heap and the running list; asks the BlockManager for pages, never touches tensors."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config

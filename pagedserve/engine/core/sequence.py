@@ -57,10 +57,8 @@ class Request:
 class Sequence:
     """One completion being generated: its tokens, how many have KV, and its sampling state.
 
-    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler gives a
-    sequence ``len(token_ids) - num_computed_tokens`` more (or a chunk of them) each step and
-    the step that catches up also samples its next token. A preempted sequence drops to zero
-    and is recomputed (mostly from the prefix cache) when it is admitted again.
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the step that catches up with
+    ``len(token_ids)`` also samples the next token. A preempted sequence drops to zero.
     """
 
     request: Request

@@ -7,14 +7,11 @@
  CoreClient._handle ◀── call_soon_threadsafe(CoreBatch) ◀──┘
 ```
 
-The same :class:`~pagedserve.engine.core.loop.CoreLoop` the core process runs, and the same
-front end (:class:`~pagedserve.engine.frontend.core_client.CoreClient`: admissions, the output
-processor, the streams) the multiprocess client uses; only the transport differs: a list under
-a condition variable one way (the thread sleeps on it when there is no work), the event loop's
-``call_soon_threadsafe`` the other, no encoding. The core is not thread-safe, so only the step
-thread touches it while the client runs. It shares the server's process, GIL and fate: the
-server uses :class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` unless told otherwise; tests,
-embedders and Ray replicas use this one.
+The same core loop and :class:`~pagedserve.engine.frontend.core_client.CoreClient` as the
+multiprocess client; only the transport differs (no encoding; the thread sleeps on the condition
+when there is no work). The core is not thread-safe, so only the step thread touches it while the
+client runs. It shares the server's process, GIL and fate: the server uses the multiprocess client
+unless told otherwise; tests, embedders and Ray replicas use this one.
 """
 
 from __future__ import annotations
@@ -80,11 +77,8 @@ class _ThreadTransport:
 
 
 class AsyncEngine(CoreClient):
-    """Runs a :class:`~pagedserve.engine.core.loop.CoreLoop` over ``core`` on a dedicated thread.
-
-    Create it, then :meth:`start` it inside the running event loop that will consume the streams
-    (the server's lifespan). All public methods are called from that event loop.
-    """
+    """Runs a :class:`~pagedserve.engine.core.loop.CoreLoop` over ``core`` on a dedicated thread;
+    :meth:`start` it inside the event loop that will consume the streams, and call it only there."""
 
     def __init__(self, core: EngineCore, log_requests: bool = False):
         super().__init__(core.facts(), load_tokenizer(core.tokenizer_source), log_requests)

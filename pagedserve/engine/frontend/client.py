@@ -11,18 +11,11 @@
  EngineClient.abort() / load() / stats() / facts
 ```
 
-Two implementations with this one interface, built by :mod:`pagedserve.engine.frontend.factory`; both
-are a :class:`~pagedserve.engine.frontend.core_client.CoreClient` (the streams, the output processor
-on the server's event loop, the load report) over the one core loop (:mod:`pagedserve.engine.core.loop`):
-
-- :class:`~pagedserve.engine.frontend.async_engine.AsyncEngine` — in-process: the core loop on a step
-  thread of the server's own process. For tests, embedding and Ray replicas; it shares the
-  process's GIL and fate.
-- :class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` — the core loop in its own process (pyzmq
-  + msgspec in between). A request's fault ends that request; the core's death ends every open
-  stream with an error at once.
-
-Every method is called from the one event loop that consumes the streams.
+Both implementations (:mod:`~pagedserve.engine.frontend.async_engine`: in-process;
+:mod:`~pagedserve.engine.frontend.mp_client`: the core in its own process) are a
+:class:`~pagedserve.engine.frontend.core_client.CoreClient`, built by
+:mod:`pagedserve.engine.frontend.factory`. Every method is called from the one event loop that
+consumes the streams.
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -242,34 +233,9 @@ def queue_wait_estimate(running: int, waiting: int, seats: int, finished_per_s: 
     return ahead * mean_e2e_s / max(seats, 1)
 
 
-_REQUEST_LINE = re.compile(
-    r"request (\S+) finished: .*?(?:to_core_ms=(\S+) )?queue_ms=(\S+) ttft_ms=(\S+)")
-
-
-@dataclass(frozen=True)
-class EngineTimes:
-    """One request's engine-side times in seconds, from its ``log_requests`` line."""
-
-    queue: float  # the engine's waiting queue: enqueued -> the scheduling pass that admits it
-    ttft: float  # the front handing the request over -> the step that sampled its first token
-    to_core: float | None = None  # the front handing it over -> enqueued in the core (None: an older line)
-
-
-def read_request_log(path: Path) -> dict[str, EngineTimes]:
-    """request id → its :class:`EngineTimes`, from the ``log_requests`` lines :func:`log_finished`
-    writes (the format and its reader kept together)."""
-    out = {}
-    for line in path.read_text(errors="replace").splitlines():
-        m = _REQUEST_LINE.search(line)
-        if m and m.group(3) != "-" and m.group(4) != "-":
-            to_core = m.group(2)
-            out[m.group(1)] = EngineTimes(float(m.group(3)) / 1000, float(m.group(4)) / 1000,
-                                          float(to_core) / 1000 if to_core not in (None, "-") else None)
-    return out
-
-
 def log_finished(out: RequestOutput, priority: int) -> None:
-    """The ``log_requests`` line of a request that ran to its end (aborted ones are not logged)."""
+    """The ``log_requests`` line of a request that ran to its end (aborted ones are not logged); the
+    W6 benchmark reads it back (pagedserve/bench/tiers.py, ``read_request_log``)."""
     m = out.metrics
 
     def ms(start: float | None, end: float | None) -> str:

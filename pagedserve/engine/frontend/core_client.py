@@ -8,10 +8,8 @@
    OutputProcessor: text, stop strings ──▶ RequestStream queues; a stop string hit ──▶ Abort(index)
 ```
 
-The two clients differ only in the transport: :class:`~pagedserve.engine.frontend.async_engine.AsyncEngine`
-hands the messages to the core loop on a thread of this process,
-:class:`~pagedserve.engine.frontend.mp_client.MPEngineClient` encodes them onto ZMQ sockets to the core's
-process. Detokenization, stop strings, admissions and the load report are this module's, once.
+The two clients (a thread of this process, or ZMQ sockets to the core's process) differ only in
+the transport; detokenization, stop strings, admissions and the load report are this module's, once.
 """
 
 from __future__ import annotations
@@ -38,12 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 class CoreClient(EngineClient):
-    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core.loop.CoreLoop`:
-    the per-request streams, their delivery, admissions, the output processor and the load report.
-
+    """An :class:`EngineClient` whose core runs a :class:`~pagedserve.engine.core.loop.CoreLoop`.
     All methods run on one event loop; :meth:`_handle` must be called there with every batch the
-    core sends, and :meth:`_send` delivers a command to the core.
-    """
+    core sends, and :meth:`_send` delivers a command to the core."""
 
     def __init__(self, facts: ModelFacts, tokenizer: Any, log_requests: bool = False):
         self.facts = facts

@@ -125,18 +125,11 @@ class CoreLaunch:
         """Block until the core has loaded the model; raise :class:`EngineStartupError` with its
         one-line reason if it could not (or died without saying)."""
         process, receiver = self.process, self.receiver
-        try:
-            while True:  # wait for the first message, or for the process to die without one
-                ready = multiprocessing.connection.wait([receiver, process.sentinel])
-                if receiver in ready:
-                    try:
-                        kind, payload = receiver.recv()
-                    except EOFError:
-                        kind, payload = "error", None
-                    break
-                if process.sentinel in ready and not receiver.poll():
-                    kind, payload = "error", None
-                    break
+        try:  # the first message, or the process's death without one
+            multiprocessing.connection.wait([receiver, process.sentinel])
+            kind, payload = receiver.recv() if receiver.poll() else ("error", None)
+        except EOFError:
+            kind, payload = "error", None
         finally:
             receiver.close()
         if kind != "ready":

@@ -1,10 +1,8 @@
 """The synchronous in-process engine: an :class:`EngineCore`, a tokenizer and the output processor.
 
-``add_request`` takes text or token ids, ``step`` returns :class:`RequestOutput` s with text. The
-offline :class:`~pagedserve.engine.frontend.llm.LLM`, the benchmarks and the tests drive it step by step
-(no thread, no event loop). It holds a core, it is not one: the core steps on token ids, and the
-same :class:`OutputProcessor` the clients use (engine/frontend/core_client.py) turns its outputs into text,
-so detokenization and stop strings live in one place whichever way the core is driven.
+The offline :class:`~pagedserve.engine.frontend.llm.LLM`, the benchmarks and the tests drive it step
+by step (no thread, no event loop). The same :class:`OutputProcessor` the clients use turns the
+core's token ids into text, so detokenization and stop strings live in one place.
 """
 
 from __future__ import annotations
@@ -37,8 +35,6 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (text or token ids); raises a typed error if it can never be served or
-        the queue is full."""
         if not prompt:  # checked before tokenizing: a BOS token alone is not a prompt
             raise InvalidRequest("the prompt is empty", param="prompt")
         token_ids = self.tokenize(prompt)

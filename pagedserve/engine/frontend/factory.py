@@ -4,10 +4,8 @@ The server, its API-server supervisor and the Ray replica import this module, th
 (:mod:`pagedserve.engine.frontend.client`) and the request/output types, and nothing else of the engine.
 
 Nothing heavy is imported at module level: ``serve`` spawns the core process first and imports
-its own side (FastAPI, the tokenizers) while the core loads torch and the model. The process
-handles named here (a :class:`CoreLaunch` while the core loads, the :class:`CoreProcess` it
-becomes, the :class:`CoreLink` a front in another process attaches through) come from
-:mod:`pagedserve.engine.frontend.core_launch`, which imports neither torch nor the core.
+its own side (FastAPI, the tokenizers) while the core loads torch and the model
+(:mod:`pagedserve.engine.frontend.core_launch`, which imports neither torch nor the core).
 """
 
 from __future__ import annotations

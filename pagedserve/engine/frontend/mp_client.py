@@ -9,14 +9,9 @@
  death watch: the process's sentinel fd on the loop ──▶ every stream fails at once, on_death()
 ```
 
-What both clients share (admissions, detokenization, streams, load) is
-:class:`~pagedserve.engine.frontend.core_client.CoreClient`'s; this module adds the sockets, the death
-watch and the restart of a dead core.
-
-The core is started with :func:`~pagedserve.engine.frontend.core_launch.spawn_core_process`;
-``CoreLaunch.wait_ready`` waits until the model is loaded (raising :class:`EngineStartupError`
-with the core's own one-line reason if it is not); then the client attaches to it inside the
-event loop with :meth:`MPEngineClient.start`.
+Over :class:`~pagedserve.engine.frontend.core_client.CoreClient` this module adds the sockets, the
+death watch and the restart of a dead core; it attaches to a loaded core (``CoreLaunch.wait_ready``)
+in :meth:`MPEngineClient.start`, inside the event loop.
 
 With ``num_fronts`` N > 1 (``serve --api-server-count N``) the core gets one socket pair per
 front end, and each front, in a process of its own, attaches through a :class:`CoreLink`: the
@@ -54,8 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class MPEngineClient(CoreClient):
-    """The :class:`EngineClient` over a core process: the ZMQ transport, the death watch and the
-    restart of a dead core. All methods run on one event loop."""
+    """The :class:`EngineClient` over a core process. All methods run on one event loop."""
 
     def __init__(self, core: CoreProcess | CoreLink, log_requests: bool = False, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
