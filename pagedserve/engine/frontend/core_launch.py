@@ -19,7 +19,7 @@ from multiprocessing.process import BaseProcess
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.process_placement import bind_step_threads, die_with_parent, yield_cpu_to_front_ends
+from pagedserve.engine.process_placement import bind_step_threads, yield_cpu_to_front_ends
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
