@@ -12,11 +12,10 @@ from pagedserve.kv.zeros import zeros
 class HeadMajorKVCache:
     """One layer's K (or V) pool in the model dtype, stored head-major: ``[kv_heads, blocks, block_size, head_dim]``.
 
-    Its logical view (what ``cache[block_ids]`` returns, what ``shape`` says) is the usual
-    ``[blocks, block_size, kv_heads, head_dim]``, so it stands in wherever a plain tensor or a
-    :class:`QuantizedKVCache` does. Stored head-major, the blocks a decode batch gathers come out
-    as one contiguous ``[kv_heads, seqs, tokens, head_dim]`` tensor, ready for batched matmuls
-    with no transposing copy (on CPU that copy cost more than the gather itself).
+    Its logical view (``cache[block_ids]``, ``shape``) is the usual ``[blocks, block_size, kv_heads,
+    head_dim]``. Stored head-major, the blocks a decode batch gathers come out as one contiguous
+    ``[kv_heads, seqs, tokens, head_dim]`` tensor, ready for batched matmuls with no transposing copy
+    (on CPU that copy cost more than the gather itself).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -232,12 +232,9 @@ class OutputAssembler:
 
     @staticmethod
     def _output_due(req: Request, interval: int) -> bool:
-        """Whether a running request's output goes out this step under ``stream_interval`` > 1.
-
-        Due when any of its sequences has its first token unsent (TTFT is never delayed), has
-        ``interval`` or more tokens unsent, or has finished with tokens unsent (an n > 1 choice
-        that ended gets its finish at once, not up to ``interval`` steps later).
-        """
+        """Whether a running request's output goes out this step under ``stream_interval`` > 1: when any
+        of its sequences has its first token unsent (TTFT is never delayed), ``interval`` or more tokens
+        unsent, or has finished with tokens unsent (an n > 1 choice's finish goes at once)."""
         for seq in req.seqs:
             unsent = seq.num_output_tokens - seq.sent_token_len
             if unsent > 0 and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished):

@@ -54,7 +54,8 @@ def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: 
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         why = triton_unavailable(device)
         if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
-            why = f"its kernels read {', '.join(TRITON_KV_DTYPES)} KV pools, not {kv_cache_dtype}"
+            why = (f"its kernels read {', '.join(TRITON_KV_DTYPES)} KV pools, not {kv_cache_dtype}" if name == "triton"
+                   else f"no Triton kernel for {kv_cache_dtype} KV pools")
         if name == "triton" and why is not None:
             raise ValueError(f"attention_backend 'triton' cannot run here: {why}")
         if name == "auto":

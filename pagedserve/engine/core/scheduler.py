@@ -352,10 +352,8 @@ class Scheduler:
         bm.truncate(seq.seq_id, self._target_tokens(seq, seq.num_tokens - seq.num_computed_tokens))
 
     def _preempt_worse_than(self, seq: Sequence, planned: dict[Sequence, int], out: SchedulerOutput) -> bool:
-        """Preempt the worst running sequence if its priority is strictly worse than ``seq``'s.
-
-        Unlike a preemption for memory, this one does not stop admission for the step.
-        """
+        """Preempt the worst running sequence if its priority is strictly worse than ``seq``'s (unlike a
+        preemption for memory, this one does not stop admission for the step)."""
         if not self.running or self.running[-1].priority <= seq.priority:
             return False
         victim = self.running[-1]
