@@ -64,3 +64,21 @@ def test_the_quality_table_marks_the_rows_under_the_floor():
     lines = format_table(rows).splitlines()
     assert lines[0].endswith("| floor (+3%) |")
     assert [line.rsplit("|", 2)[1].strip() for line in lines[2:]] == ["above", "above", "**under**"]
+
+
+def test_the_table_the_engine_warns_from_is_the_matrix_in_the_docs():
+    """config.py's figures and docs/QUANTIZATION.md's floor matrix, cell by cell (float32 = none / auto)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "QUANTIZATION.md").read_text()
+    matrix = text[text.index("## The quality floor"):text.index("## KV cache quantization")]
+    documented = {}
+    for line in matrix.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 12 and cells[0] in ("float32", "int8", "int4") and cells[1] in ("float32", *KV_CACHE_DTYPES):
+            key = ("none" if cells[0] == "float32" else cells[0], "auto" if cells[1] == "float32" else cells[1])
+            documented[key] = (float(cells[3].rstrip("%")) / 100, cells[11] == "**under**")
+    assert set(documented) == set(MEASURED_PPL_COST)
+    for key, (change, under) in documented.items():
+        assert abs(MEASURED_PPL_COST[key] - change) <= 0.00006, key
+        assert under == (under_quality_floor(*key) is not None), key
