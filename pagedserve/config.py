@@ -43,6 +43,41 @@ def parse_bytes(value: int | float | str) -> int:
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 # Weight-only quantization applied at load: none, int8 (per-output-channel) or int4 (group-wise).
 QUANTIZATIONS = ("none", "int8", "int4")
+
+# The quality floor (docs/QUANTIZATION.md, "The quality floor"): a weight × KV precision combination
+# is under it when its measured perplexity cost exceeds QUALITY_FLOOR. Issue #35 holds KV alone to
+# +1.5 %; a combination rounds twice (weights and KV), so each may spend that much: +3 % in all.
+QUALITY_FLOOR = 0.03
+QUALITY_FLOOR_MODEL = "SmolLM2-135M-Instruct"
+# Perplexity cost of each (quantization, kv_cache_dtype) on QUALITY_FLOOR_MODEL against its GGUF
+# dequantized to float32 with float32 KV, every cell on the same 8 windows × 256 tokens of the Python
+# tutorial's prose (the commands are in docs/QUANTIZATION.md). "int4" re-quantizes a Q4_1 file: two
+# roundings, where a float checkpoint has one. The engine warns at start-up for a cell under the floor.
+MEASURED_PPL_COST: dict[tuple[str, str], float] = {
+    ("none", "auto"): 0.0, ("none", "fp8"): -0.0010, ("none", "int8"): -0.0011, ("none", "int4"): 0.0125,
+    ("int8", "auto"): 0.0040, ("int8", "fp8"): 0.0056, ("int8", "int8"): 0.0035, ("int8", "int4"): 0.0224,
+    ("int4", "auto"): 0.0604, ("int4", "fp8"): 0.0600, ("int4", "int8"): 0.0609, ("int4", "int4"): 0.0761,
+}
+
+
+def under_quality_floor(quantization: str, kv_cache_dtype: str) -> float | None:
+    """The measured perplexity cost of a combination under the floor, or None (at or above it)."""
+    cost = MEASURED_PPL_COST.get((quantization, kv_cache_dtype))
+    return cost if cost is not None and cost > QUALITY_FLOOR else None
+
+
+def quality_floor_alternative(quantization: str, kv_cache_dtype: str) -> tuple[str, str]:
+    """The nearest combination above the floor: the same weights with the smallest KV that passes,
+    else the same KV with the smallest weights that pass, else full precision."""
+    for kv in ("int4", "int8", "fp8", "auto"):  # fewest bytes first; int8 before fp8: same bytes, closer
+        if (quantization, kv) in MEASURED_PPL_COST and under_quality_floor(quantization, kv) is None:
+            return quantization, kv
+    for weights in ("int4", "int8", "none"):
+        if (weights, kv_cache_dtype) in MEASURED_PPL_COST and under_quality_floor(weights, kv_cache_dtype) is None:
+            return weights, kv_cache_dtype
+    return "none", "auto"
+
+
 # How a float32 model's linear weights are stored on a CPU without native bf16 (models/half_linear.py):
 # auto = 16-bit where lossless (a bf16 or f16 checkpoint), else float32; float16 / bfloat16 round a
 # float32 checkpoint's weights, so they are asked for by name.

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.common import machine_summary, resolve_model, run_engine, write_result
 from pagedserve.bench.workloads import BenchRequest
-from pagedserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from pagedserve.config import KV_CACHE_DTYPES, QUALITY_FLOOR, QUANTIZATIONS
 from pagedserve.planner.sizing import seats_at_max_len
 
 FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
@@ -357,17 +357,19 @@ def gguf_types(model_dir: str) -> str:
 
 
 def format_table(rows: list[QualityRow]) -> str:
-    """The quality table as markdown."""
+    """The quality table as markdown; a row whose perplexity cost exceeds the quality floor
+    (config.py's QUALITY_FLOOR) says so in its last column."""
     ref = rows[0]
     lines = ["| weights | KV | perplexity | Δ ppl | mean KL (nats) | top-1 agreement | greedy agreement | weight MiB | "
-             "KV B/token | seats | seats × | decode tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"KV B/token | seats | seats × | decode tok/s | floor (+{100 * QUALITY_FLOOR:.0f}%) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         w = r.model_dtype if r.weights == "none" else r.weights
         k = r.model_dtype if r.kv == "auto" else r.kv
         lines.append(f"| {w} | {k} | {r.perplexity:.3f} | {100 * r.ppl_change:+.2f}% | {r.mean_kl:.4f} | "
                      f"{100 * r.top1_agreement:.1f}% | {100 * r.greedy_agreement:.1f}% | {r.weight_bytes / 2**20:.2f} | {r.kv_bytes_per_token} | "
-                     f"{r.seats} | {r.seats / ref.seats:.2f} | {r.decode_tok_s:.1f} |")
+                     f"{r.seats} | {r.seats / ref.seats:.2f} | {r.decode_tok_s:.1f} | "
+                     f"{'**under**' if r.ppl_change > QUALITY_FLOOR else 'above'} |")
     return "\n".join(lines)
 
 

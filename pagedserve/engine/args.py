@@ -33,7 +33,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "values per token, each sequence's open block at 16 bits (about 3.4x the seats)")
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="weight-only quantization applied at load: int8 per output channel, int4 in groups of 32 "
-                        "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads")
+                        "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads. A weight x KV "
+                        "combination under the quality floor (int4 here, docs/QUANTIZATION.md) warns at start-up")
     g.add_argument("--decode-weights", default="auto", choices=list(DECODE_WEIGHTS),
                    help="on a CPU without native bf16 (no AVX512_BF16, no AMX), with a float32 model: how linear "
                         "weights are stored. float16 / bfloat16 keep them 16-bit and widen them in registers, so "

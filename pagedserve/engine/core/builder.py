@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import (MEASURED_PPL_COST, QUALITY_FLOOR, QUALITY_FLOOR_MODEL, EngineConfig,
+                               quality_floor_alternative, under_quality_floor)
 from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
 from pagedserve.engine.core.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
                                       kv_budget_cap, profiled_kv_budget)
@@ -165,6 +166,7 @@ def build_core(config: EngineConfig) -> CoreParts:
                        "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU "
                        "(a bf16 checkpoint's linear weights then stay bf16 for decode: --decode-weights)")
     config = resolve_config(config, hf_config, arch, device)
+    _warn_under_quality_floor(config.quantization, config.kv_cache_dtype)
     tokenizer_source = str(config.tokenizer or model_dir)
     eos = eos_token_ids(tokenizer_source, str(model_dir))
 
@@ -203,6 +205,19 @@ def build_core(config: EngineConfig) -> CoreParts:
                       GrammarCompiler(tokenizer_source, arch.vocab_size, sorted(eos)))
     _log_loaded(parts, time.monotonic() - t0)
     return parts
+
+
+def _warn_under_quality_floor(quantization: str, kv_cache_dtype: str) -> None:
+    """One warning when the weight × KV precisions asked for are under the quality floor
+    (config.py: measured on the default model, the precisions' cost and not this model's)."""
+    cost = under_quality_floor(quantization, kv_cache_dtype)
+    if cost is None:
+        return
+    weights, kv = quality_floor_alternative(quantization, kv_cache_dtype)
+    logger.warning("--quantization %s with --kv-cache-dtype %s is under the quality floor: +%.1f%% perplexity "
+                   "measured on %s, over the +%.0f%% floor (docs/QUANTIZATION.md); use --quantization %s "
+                   "--kv-cache-dtype %s instead (%+.1f%% there)", quantization, kv_cache_dtype, 100 * cost,
+                   QUALITY_FLOOR_MODEL, 100 * QUALITY_FLOOR, weights, kv, 100 * MEASURED_PPL_COST[weights, kv])
 
 
 def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchitecture, dtype: torch.dtype,
