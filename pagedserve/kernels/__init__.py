@@ -5,7 +5,10 @@
   padded contiguous tensor (measured on W1's decode batches: 3x less time per layer).
   ``paged_attention_quantized.cpp`` is the same kernel (``paged_decode.h``) over the quantized
   pools (int8, fp8), dequantizing each K and V vector with its scale as it reads, and over the int4
-  layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail.
+  layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail,
+  with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``). ``paged_attention.cpp`` also holds the
+  prompt chunks' softmax passes: causal (``causal_softmax_``) and under an explicit mask
+  (``masked_softmax_``, int4's own-block-exact chunks).
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels

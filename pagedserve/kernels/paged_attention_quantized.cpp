@@ -7,12 +7,18 @@
 //
 // And paged_decode_attention_int4 over kv/int4.py's layout: keys per channel within each block,
 // values per token (rotated: the caller rotates the output back), a sequence's open block in a
-// float16 tail.
+// float16 tail; with the instruction-set paths of cpu_isa.h (scalar, avx2, avx512), the scalar one
+// the reference the others are tested against.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
 #include "paged_decode.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <string_view>
@@ -20,6 +26,8 @@
 namespace {
 
 using namespace pagedserve::decode;
+using pagedserve::Isa;
+using pagedserve::parse_isa;
 
 // What every quantized kind shares: stored elements S holding ValuesPerElem values each, a float16
 // scale per row, and ValueScale folded into that scale. They compute in float32: q and out are
@@ -140,17 +148,29 @@ struct Int4Pools {
   const int64_t* tail_of;  // [blocks]: the block's tail slot, or -1 once it is quantized
 };
 
+// Where a view of the int4 pools keeps KV head h's rows (kept apart from the math, which each path
+// supplies): the quantized blocks' rows, `qrow` bytes apart, and a tail slot's, `trow` halves apart.
+struct Int4Layout {
+  int64_t kvh, bs, hd, qrow, trow;
+  int64_t row0(int64_t blk, int64_t h) const { return (blk * bs * kvh + h) * hd / 2; }  // bytes to the first row
+  const uint8_t* k_rows(const Int4Pools& p, int64_t blk, int64_t h) const { return p.k + row0(blk, h); }
+  const uint8_t* v_rows(const Int4Pools& p, int64_t blk, int64_t h) const { return p.v + row0(blk, h); }
+  void prefetch(const uint8_t* rows) const {  // a block's rows of one head: bs runs of hd / 2 bytes
+    for (int64_t t = 0; t < bs; ++t) prefetch_bytes(rows + t * qrow, hd / 2);
+  }
+};
+
 // One (sequence, KV head) at a time, as decode_impl, block by block: a block with a tail slot is
-// read from the float16 tail; a quantized one through its grid values, its per-channel key scales
-// folded into the query (one product per channel and block instead of one per key value) and its
-// per-token value scales into the softmax weights.
-template <int G, int HD>
+// read from the float16 tail (Mt); a quantized one through its grid values (Mq), its per-channel
+// key scales folded into the query (one product per channel and block instead of one per key
+// value) and its per-token value scales into the softmax weights. Mq and Mt are the path's block
+// math (BlockMath's interface): the plain loops (scalar), AVX2 or AVX-512.
+template <typename Mq, typename Mt, int G>
 void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* tables, const int64_t* lens,
                  const Shapes& sh) {
-  using Mq = BlockMath<Int4KV, G, HD>;
-  using Mt = BlockMath<HalfRows, G, HD>;
   const int64_t kvh = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kvh * G;
-  const int64_t qrow = kvh * hd / 2, trow = kvh * hd;  // stored elements between two tokens' rows
+  const Int4Layout lay{kvh, bs, hd, kvh * hd / 2, kvh * hd};
+  const int n_hd = static_cast<int>(hd);
   pagedserve::parallel_for(nullptr, 0, sh.num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -158,17 +178,23 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
       const int64_t* table = tables + s * sh.max_blocks;
       for (int64_t i = 0; i < G * hd; ++i) qf[i] = q[(s * heads + h * G) * hd + i] * sh.scale;
       scores.resize(G * len);
+      // Blocks sit at random places in the pool: the next block's keys are asked for ahead, as in
+      // decode_impl (prefetch_bytes says why).
+      if (p.tail_of[table[0]] < 0) lay.prefetch(lay.k_rows(p, table[0], h));
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
         const int n = static_cast<int>(std::min(bs, len - start));
+        const int64_t next = start + bs < len ? table[start / bs + 1] : -1;
+        if (next >= 0 && p.tail_of[next] < 0) lay.prefetch(lay.k_rows(p, next, h));
         if (slot >= 0) {
-          Mt::scores(qf.data(), p.k_tail + (slot * bs * kvh + h) * hd, trow, hd, n, scores.data() + start, len);
+          Mt::scores(qf.data(), p.k_tail + (slot * bs * kvh + h) * hd, lay.trow, n_hd, n, scores.data() + start, len);
           continue;
         }
+        lay.prefetch(lay.v_rows(p, blk, h));
         const c10::Half* ks = p.k_scales + (blk * kvh + h) * hd;
         for (int g = 0; g < G; ++g)
           for (int64_t d = 0; d < hd; ++d) qs[g * hd + d] = qf[g * hd + d] * static_cast<float>(ks[d]);
-        Mq::scores(qs.data(), p.k + (blk * bs * kvh + h) * hd / 2, qrow, hd, n, scores.data() + start, len);
+        Mq::scores(qs.data(), lay.k_rows(p, blk, h), lay.qrow, n_hd, n, scores.data() + start, len);
       }
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum);
@@ -177,11 +203,12 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
         const int n = static_cast<int>(std::min(bs, len - start));
         if (slot >= 0) {
-          Mt::accumulate(scores.data() + start, len, p.v_tail + (slot * bs * kvh + h) * hd, trow, hd, n, acc.data());
+          Mt::accumulate(scores.data() + start, len, p.v_tail + (slot * bs * kvh + h) * hd, lay.trow, n_hd, n,
+                         acc.data());
           continue;
         }
         apply_scales<Int4KV, G>(scores.data() + start, len, p.v_scales + blk * bs * kvh + h, kvh, n);
-        Mq::accumulate(scores.data() + start, len, p.v + (blk * bs * kvh + h) * hd / 2, qrow, hd, n, acc.data());
+        Mq::accumulate(scores.data() + start, len, lay.v_rows(p, blk, h), lay.qrow, n_hd, n, acc.data());
       }
       float* os = out + (s * heads + h * G) * hd;
       for (int g = 0; g < G; ++g)
@@ -190,14 +217,151 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
   });
 }
 
-template <int G>
-void decode_int4_hd(float* out, const float* q, const Int4Pools& p, const int64_t* t, const int64_t* l,
-                    const Shapes& sh) {
-  switch (sh.hd) {
-    case 64: return decode_int4<G, 64>(out, q, p, t, l, sh);
-    case 128: return decode_int4<G, 128>(out, q, p, t, l, sh);
-    default: return decode_int4<G, 0>(out, q, p, t, l, sh);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PAGEDSERVE_INT4_X86 1
+#endif
+
+#ifdef PAGEDSERVE_INT4_X86
+// ---- avx2: AVX2 + FMA + F16C, 8 floats per vector ----------------------------------------------
+// Without it the plain loops are what an AVX2 machine runs, and GCC leaves the int4 one scalar
+// (each value's nibble shift depends on its index): measured 4.5x the int8 kernel's time on W1's
+// decodes. Here each 16 values of a row, 8 bytes, become two vectors in four instructions.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// Values d .. d + 15 of a row as two vectors of 8 floats: int4's grid values or a tail's float16.
+struct Int4x16 {
+  using Store = uint8_t;
+  static void load(const uint8_t* row, int d, __m256& lo, __m256& hi) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    const __m128i values = _mm_sub_epi8(nibbles, _mm_set1_epi8(8));  // value 2i from byte i's low nibble
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
   }
+};
+
+struct Halfx16 {
+  using Store = c10::Half;
+  static void load(const c10::Half* row, int d, __m256& lo, __m256& hi) {
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d + 8)));
+  }
+};
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The lane sums of a, b, c and d as one 4-lane vector (three hadds: a quarter of the shuffles of
+// four hsum8).
+inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// BlockMath for head_dim a multiple of 16 (HD, or the run-time hd when HD is 0). Scores take four
+// keys at a time while their 4 x G accumulators fit the 16 registers (G <= 3), else one; the
+// query is read from L1 as the FMAs' memory operand. The weighted sum runs 16 output values at a
+// time over the block's rows, the G query heads' 2 x G accumulators in registers.
+template <typename L, int G, int HD>
+struct Avx2Math {
+  using S = typename L::Store;
+  static constexpr int kKeys = G <= 3 ? 4 : 1;
+  static void scores(const float* q, const S* k, int64_t rs, int hd_rt, int n, float* out, int64_t stride) {
+    const int hd = HD ? HD : hd_rt;
+    int t = 0;
+    if constexpr (kKeys == 4) {
+      for (; t + 4 <= n; t += 4) {
+        __m256 acc[4][G];
+        for (int j = 0; j < 4; ++j)
+          for (int g = 0; g < G; ++g) acc[j][g] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 16) {
+          for (int j = 0; j < 4; ++j) {
+            __m256 lo, hi;
+            L::load(k + (t + j) * rs, d, lo, hi);
+            for (int g = 0; g < G; ++g) {
+              acc[j][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), lo, acc[j][g]);
+              acc[j][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d + 8), hi, acc[j][g]);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          _mm_storeu_ps(out + g * stride + t, hsum8x4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+      }
+    }
+    for (; t < n; ++t) {
+      __m256 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      for (int d = 0; d < hd; d += 16) {
+        __m256 lo, hi;
+        L::load(k + t * rs, d, lo, hi);
+        for (int g = 0; g < G; ++g) {
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), lo, acc[g]);
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d + 8), hi, acc[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) out[g * stride + t] = hsum8(acc[g]);
+    }
+  }
+  static void accumulate(const float* probs, int64_t stride, const S* v, int64_t rs, int hd_rt, int n, float* acc) {
+    const int hd = HD ? HD : hd_rt;
+    for (int d = 0; d < hd; d += 16) {
+      __m256 lo_acc[G], hi_acc[G];
+      for (int g = 0; g < G; ++g) {
+        lo_acc[g] = _mm256_loadu_ps(acc + g * hd + d);
+        hi_acc[g] = _mm256_loadu_ps(acc + g * hd + d + 8);
+      }
+      for (int t = 0; t < n; ++t) {
+        __m256 lo, hi;
+        L::load(v + t * rs, d, lo, hi);
+        for (int g = 0; g < G; ++g) {
+          const __m256 w = _mm256_broadcast_ss(probs + g * stride + t);
+          lo_acc[g] = _mm256_fmadd_ps(w, lo, lo_acc[g]);
+          hi_acc[g] = _mm256_fmadd_ps(w, hi, hi_acc[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm256_storeu_ps(acc + g * hd + d, lo_acc[g]);
+        _mm256_storeu_ps(acc + g * hd + d + 8, hi_acc[g]);
+      }
+    }
+  }
+};
+
+#pragma GCC pop_options
+#endif  // PAGEDSERVE_INT4_X86
+
+// The path's kernel for G query heads per KV head: scalar is the plain loops (BlockMath with
+// head_dim known at run time), the reference the others are tested against; avx2 the math above
+// (head_dim a multiple of 16, else the plain loops); avx512 BlockMath's AVX-512 specialization,
+// compiled where the build machine has AVX-512 (-march=native).
+template <int G>
+void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, const int64_t* t, const int64_t* l,
+                      const Shapes& sh) {
+#ifdef PAGEDSERVE_INT4_X86
+  if (isa == Isa::avx2 && sh.hd % 16 == 0) {
+    switch (sh.hd) {
+      case 64: return decode_int4<Avx2Math<Int4x16, G, 64>, Avx2Math<Halfx16, G, 64>, G>(out, q, p, t, l, sh);
+      case 128: return decode_int4<Avx2Math<Int4x16, G, 128>, Avx2Math<Halfx16, G, 128>, G>(out, q, p, t, l, sh);
+      default: return decode_int4<Avx2Math<Int4x16, G, 0>, Avx2Math<Halfx16, G, 0>, G>(out, q, p, t, l, sh);
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  if (isa == Isa::avx512) {
+    switch (sh.hd) {
+      case 64: return decode_int4<BlockMath<Int4KV, G, 64>, BlockMath<HalfRows, G, 64>, G>(out, q, p, t, l, sh);
+      case 128: return decode_int4<BlockMath<Int4KV, G, 128>, BlockMath<HalfRows, G, 128>, G>(out, q, p, t, l, sh);
+      default: break;
+    }
+  }
+#endif
+  decode_int4<BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, sh);
 }
 
 // out, q [seqs, heads, head_dim] (any model dtype, computed in float32); k_data, v_data [blocks, bs,
@@ -206,7 +370,9 @@ void decode_int4_hd(float* out, const float* q, const Int4Pools& p, const int64_
 void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
                                  const at::Tensor& v_data, const at::Tensor& k_scales, const at::Tensor& v_scales,
                                  const at::Tensor& k_tail, const at::Tensor& v_tail, const at::Tensor& tail_of,
-                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                 std::string_view isa_name) {
+  const Isa isa = parse_isa(isa_name, "paged_decode_attention_int4");
   TORCH_CHECK(k_data.dim() == 4 && k_data.sizes() == v_data.sizes() && k_data.scalar_type() == at::kByte &&
                   v_data.scalar_type() == at::kByte, "int4 pools must be uint8 [blocks, bs, kvh, head_dim / 2]");
   const int64_t nb = k_data.size(0), bs = k_data.size(1), kvh = k_data.size(2), hd = 2 * k_data.size(3);
@@ -233,14 +399,14 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   float* o = of.data_ptr<float>();
   const float* qp = qf.data_ptr<float>();
   switch (q.size(1) / kvh) {
-    case 1: decode_int4_hd<1>(o, qp, p, t, l, sh); break;
-    case 2: decode_int4_hd<2>(o, qp, p, t, l, sh); break;
-    case 3: decode_int4_hd<3>(o, qp, p, t, l, sh); break;
-    case 4: decode_int4_hd<4>(o, qp, p, t, l, sh); break;
-    case 5: decode_int4_hd<5>(o, qp, p, t, l, sh); break;
-    case 6: decode_int4_hd<6>(o, qp, p, t, l, sh); break;
-    case 7: decode_int4_hd<7>(o, qp, p, t, l, sh); break;
-    case 8: decode_int4_hd<8>(o, qp, p, t, l, sh); break;
+    case 1: decode_int4_path<1>(isa, o, qp, p, t, l, sh); break;
+    case 2: decode_int4_path<2>(isa, o, qp, p, t, l, sh); break;
+    case 3: decode_int4_path<3>(isa, o, qp, p, t, l, sh); break;
+    case 4: decode_int4_path<4>(isa, o, qp, p, t, l, sh); break;
+    case 5: decode_int4_path<5>(isa, o, qp, p, t, l, sh); break;
+    case 6: decode_int4_path<6>(isa, o, qp, p, t, l, sh); break;
+    case 7: decode_int4_path<7>(isa, o, qp, p, t, l, sh); break;
+    case 8: decode_int4_path<8>(isa, o, qp, p, t, l, sh); break;
     default: TORCH_CHECK(false, "paged_decode_attention_int4: query heads per KV head must be 1..8");
   }
   if (!of.is_same(out)) out.copy_(of);
@@ -253,7 +419,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, str kind) -> ()");
   m.def("paged_decode_attention_int4(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scales, "
         "Tensor v_scales, Tensor k_tail, Tensor v_tail, Tensor tail_of, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> ()");
+        "float scale, str isa='auto') -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

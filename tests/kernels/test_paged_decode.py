@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import (kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
+from pagedserve.kernels import (best_isa, isa_paths, kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
                                 paged_decode_quantized_kernel)
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention
@@ -106,6 +106,34 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     k_pool.out_dtype = v_pool.out_dtype = torch.float32
     exact = reference_attention(q.float(), k_pool, v_pool, meta, hd ** -0.5)
     assert torch.allclose(direct @ v_pool.rotation, exact[:d], atol=1e-5)
+
+
+# Every instruction-set path of the int4 kernel (cpu_isa.h) this CPU runs: head_dim 64 and 128 take
+# the SIMD paths' compile-time shapes, 48 their run-time one, 24 the plain loops everywhere; groups
+# of 1-3 query heads score four keys at a time on avx2, wider ones one; contexts end mid-block at
+# every remainder of four.
+@needs_kernels
+@pytest.mark.parametrize("isa", isa_paths())
+@pytest.mark.parametrize("heads,kvh,hd", [(3, 3, 64), (12, 4, 64), (8, 2, 128), (8, 1, 48), (16, 2, 64), (4, 2, 24)])
+def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, heads, kvh, hd):
+    ctx = [1, 2, 3, 4, 7, 16, 18, 29, 32, 45, 100, 131]
+    d = len(ctx)
+    q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=kvh, heads=heads, hd=hd)
+    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=11)
+    read = k_pool.decode_view().tail_slots()
+
+    def run(path):
+        out = torch.empty(d, heads, hd)
+        paged_decode_int4_kernel()(out, q, k_pool.data, v_pool.data, k_pool.scales, v_pool.scales, k_pool.tail,
+                                   v_pool.tail, read, meta.decode_block_tables, meta.decode_context_lens,
+                                   hd ** -0.5, path)
+        return out @ v_pool.rotation
+
+    got = run(isa)
+    exact = reference_attention(q, k_pool, v_pool, meta, hd ** -0.5)
+    assert torch.allclose(got, exact, atol=1e-5), isa
+    assert torch.allclose(got, run("scalar"), atol=2e-6, rtol=0), isa
+    assert torch.equal(run("auto"), run(best_isa()))
 
 
 @needs_kernels
