@@ -19,7 +19,9 @@ from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_server import GatewayThread, bucket_levels, metric
 from tests.gateway.stub_replica import StubReplica
 
-LONG = {"model": MODEL, "prompt": "hold a seat", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+# 4,000 of the tiny model's 4,096 positions: the stream must outlast the whole test (at 3,000 a fast
+# machine finished it before the seat was to be freed by hand, and the queued request went early).
+LONG = {"model": MODEL, "prompt": "hold a seat", "max_tokens": 4000, "ignore_eos": True, "stream": True}
 
 
 def _wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
