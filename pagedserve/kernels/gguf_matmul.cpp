@@ -137,14 +137,21 @@ namespace avx512 {
 struct Path {
   RowKernel kernel;
   QuantizeRow quantize;
+  bool pairs = false;  // the kernel wants each pair of runs swizzled (pairs_swizzled)
 };
 
 Path path_for(Isa isa, Format f) {
 #if PS_X86
-  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row};
-  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row};
+  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row, pairs_swizzled(f)};
+  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row, pairs_swizzled(f)};
 #endif
   return {scalar::row_kernel(f), &scalar::quantize_row};
+}
+
+// A quantized row's runs put in planar_pair's order: in every whole pair of 32-value runs, values
+// 16-31 of the first trade places with values 0-15 of the second (an odd last run stays as it is).
+void swizzle_pairs(int8_t* q, int64_t K) {
+  for (int64_t c = 0; c + 64 <= K; c += 64) std::swap_ranges(q + c + 16, q + c + 32, q + c + 32);
 }
 
 // Rows of x in float32: a view of x itself, or a converted copy in `buffer`.
@@ -209,10 +216,13 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t r = m * per_row;
       path.quantize(xf + m * K, K, q.data() + r * K, d.data() + r * runs, s.data() + r * runs);
-      if (!residual) continue;
-      for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
-        left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
-      path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+      if (residual) {
+        for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
+          left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
+        path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+      }
+      if (path.pairs)
+        for (int j = 0; j < per_row; ++j) swizzle_pairs(q.data() + (r + j) * K, K);
     }
   });
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
