@@ -131,9 +131,9 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor h = at::empty_like(x);
       if (!residual.defined()) {
         residual = x;
-        ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_);
+        ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_, pool_.get());
       } else {
-        ops::rms_norm(h, x, residual, L.input_norm, eps_);
+        ops::rms_norm(h, x, residual, L.input_norm, eps_, pool_.get());
       }
       const at::Tensor qkv = apply(L.qkv, h);
       const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
@@ -144,19 +144,19 @@ class DecodeStack : public torch::CustomClassHolder {
         q = head_norm(q, *L.q_norm);
         k = head_norm(k, *L.k_norm);
       }
-      ops::rotary_embedding(q, k, positions, cos_, sin_);
+      ops::rotary_embedding(q, k, positions, cos_, sin_, pool_.get());
       write_kv(L.k_pool, slots, k);
       write_kv(L.v_pool, slots, v);
       const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens).reshape({t, q_size}));
       at::Tensor h2 = at::empty_like(a);
-      ops::rms_norm(h2, a, residual, L.post_norm, eps_);
+      ops::rms_norm(h2, a, residual, L.post_norm, eps_, pool_.get());
       const at::Tensor gate_up = apply(L.gate_up, h2);
       at::Tensor act = at::empty({t, intermediate_}, gate_up.options());
-      ops::silu_and_mul(act, gate_up);
+      ops::silu_and_mul(act, gate_up, pool_.get());
       x = apply(L.down, act);
     }
     at::Tensor out = at::empty_like(x);
-    ops::rms_norm(out, x, residual, final_norm_, eps_);
+    ops::rms_norm(out, x, residual, final_norm_, eps_, pool_.get());
     return out;
   }
 
