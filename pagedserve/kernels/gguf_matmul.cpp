@@ -171,6 +171,19 @@ const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
   return out;
 }
 
+// Asks for the weight bytes kPrefetchBytes ahead of a row, one row's worth, up to `end`. A decode
+// step streams each row from memory once and a row takes ~0.1 us: the hardware prefetcher, which
+// starts afresh in every task, left the first load of each row waiting (13 % of a decode's samples
+// sat on the load of a row's scales).
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+#if PS_X86
+  const uint8_t* from = row + kPrefetchBytes;
+  const uint8_t* to = std::min(from + row_bytes, end);
+  for (const uint8_t* p = from; p < to; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
+
 constexpr int kTile = 4;        // activation rows sharing one unpacked weight run
 constexpr int64_t kPanel = 64;  // activation rows kept hot while a thread walks its weight rows
 
@@ -240,9 +253,11 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
     float dots[kTile];
     for (int64_t p0 = 0; p0 < Mq; p0 += kPanel) {  // kTile and kPanel even: a row's pair stays together
       const int64_t p1 = std::min(Mq, p0 + kPanel);
+      const uint8_t* task_end = wp + n1 * row_bytes;
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wrow = wp + n * row_bytes;
         const float b = bp ? bp[n] : 0.f;
+        prefetch_ahead(wrow, row_bytes, task_end);
         for (int64_t m = p0; m < p1; m += kTile) {
           const int rows = static_cast<int>(std::min<int64_t>(kTile, p1 - m));
           const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs};
