@@ -51,9 +51,11 @@ struct Rows {
   const float* d;
   const float* s;
   int64_t q_stride, d_stride;  // between consecutive rows
+  bool pairs = false;          // rows 2i and 2i + 1 are one row's two quantizations: out[i] gets their sum
 };
 
-// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows].
+// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows] (out[rows / 2]
+// with x.pairs).
 using RowKernel = void (*)(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* out);
 using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
 
@@ -93,6 +95,8 @@ void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* 
       }
     }
   }
+  if (x.pairs)
+    for (int r = 0; r < rows; r += 2) out[r / 2] = out[r] + out[r + 1];
 }
 
 RowKernel row_kernel(Format f) {
@@ -260,10 +264,9 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
         prefetch_ahead(wrow, row_bytes, task_end);
         for (int64_t m = p0; m < p1; m += kTile) {
           const int rows = static_cast<int>(std::min<int64_t>(kTile, p1 - m));
-          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs};
+          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, residual};
           path.kernel(wrow, blocks, xr, rows, dots);
-          for (int r = 0; r < rows; r += per_row)
-            y[(m + r) / per_row * ld + n] = (residual ? dots[r] + dots[r + 1] : dots[r]) + b;
+          for (int i = 0; i < rows / per_row; ++i) y[(m / per_row + i) * ld + n] = dots[i] + b;
         }
       }
     }
