@@ -16,6 +16,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "convert.h"
 #include "kernel_ops.h"
 #include "work_pool.h"
 
@@ -208,20 +209,56 @@ class DecodeStack : public torch::CustomClassHolder {
     return weight * xf.to(x.scalar_type());
   }
 
-  // HeadMajorKVCache.write: token i's [kv_heads, head_dim] to flat slot slots[i] of every head.
+  // HeadMajorKVCache.write: token i's [kv_heads, head_dim] (x's rows may be strided, a view into
+  // the fused QKV output) to flat slot slots[i] of every head, converted to the pool's dtype as
+  // torch's .to() rounds. A plain loop: the torch ops it replaces (a conversion and an index_copy_)
+  // cost microseconds each of dispatch for a few hundred values, twice per layer.
   static void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
-    const at::Tensor src = x.scalar_type() == pool.scalar_type() ? x : x.to(pool.scalar_type());
-    pool.view({pool.size(0), pool.size(1) * pool.size(2), pool.size(3)}).index_copy_(1, slots, src.transpose(0, 1));
+    const int64_t t = x.size(0), heads = x.size(1), hd = x.size(2), per_head = pool.size(1) * pool.size(2);
+    TORCH_CHECK(x.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.numel() == t,
+                "DecodeStack: KV rows must have contiguous head_dim and one int64 slot each");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
+      using S = decltype(src_tag);
+      dispatch_model_dtype(pool.scalar_type(), "DecodeStack", [&](auto dst_tag) {
+        using D = decltype(dst_tag);
+        const S* src = x.data_ptr<S>();
+        D* dst = pool.data_ptr<D>();
+        for (int64_t i = 0; i < t; ++i) {
+          TORCH_CHECK(slot[i] >= 0 && slot[i] < per_head, "DecodeStack: slot ", slot[i], " out of range");
+          for (int64_t h = 0; h < heads; ++h)
+            convert_row(dst + (h * per_head + slot[i]) * hd, src + i * x.stride(0) + h * x.stride(1), hd);
+        }
+      });
+    });
+  }
+
+  // x [rows, ...] (contiguous) in `dtype`, converted as torch's .to() rounds; x itself if it has it.
+  static at::Tensor converted(const at::Tensor& x, at::ScalarType dtype) {
+    if (x.scalar_type() == dtype) return x;
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+    dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
+      using S = decltype(src_tag);
+      dispatch_model_dtype(dtype, "DecodeStack", [&](auto dst_tag) {
+        using D = decltype(dst_tag);
+        convert_row(out.data_ptr<D>(), x.data_ptr<S>(), x.numel());
+      });
+    });
+    return out;
+  }
+
+  template <typename D, typename S>
+  static void convert_row(D* dst, const S* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
   }
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
   // the output converted back).
   at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens) const {
-    const bool same = q.scalar_type() == L.k_pool.scalar_type();
     at::Tensor out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
-    ops::paged_decode_attention(out, same ? q : q.to(L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens,
-                                scale_, pool_.get());
-    return same ? out : out.to(q.scalar_type());
+    ops::paged_decode_attention(out, converted(q, L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens, scale_,
+                                pool_.get());
+    return converted(out, q.scalar_type());
   }
 
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
