@@ -22,6 +22,7 @@ model as a Hugging Face directory (neither runs GGUF files reliably).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -509,6 +510,10 @@ def worker(argv: list[str]) -> int:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                  enable_prefix_caching=False, gguf_activations=args.gguf_activations))
     load_s = time.perf_counter() - t0
+    # As the engine core process does once it is built (engine/core/proc.py): what loading made
+    # lives until exit, so the cyclic GC's collections during the run walk only per-step objects.
+    gc.collect()
+    gc.freeze()
     rate = worker_rate(engine, args.worker, Shape(args.prompt, args.output, args.streams))
     print(json.dumps({"row": args.worker, "tok_s": rate, "dtype": str(engine.core.dtype).removeprefix("torch."),
                       "threads": args.threads, "load_s": load_s}))

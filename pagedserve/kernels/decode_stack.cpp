@@ -16,6 +16,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "convert.h"
 #include "kernel_ops.h"
 #include "work_pool.h"
 
@@ -131,9 +132,9 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor h = at::empty_like(x);
       if (!residual.defined()) {
         residual = x;
-        ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_);
+        ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_, pool_.get());
       } else {
-        ops::rms_norm(h, x, residual, L.input_norm, eps_);
+        ops::rms_norm(h, x, residual, L.input_norm, eps_, pool_.get());
       }
       const at::Tensor qkv = apply(L.qkv, h);
       const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
@@ -144,19 +145,19 @@ class DecodeStack : public torch::CustomClassHolder {
         q = head_norm(q, *L.q_norm);
         k = head_norm(k, *L.k_norm);
       }
-      ops::rotary_embedding(q, k, positions, cos_, sin_);
+      ops::rotary_embedding(q, k, positions, cos_, sin_, pool_.get());
       write_kv(L.k_pool, slots, k);
       write_kv(L.v_pool, slots, v);
       const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens).reshape({t, q_size}));
       at::Tensor h2 = at::empty_like(a);
-      ops::rms_norm(h2, a, residual, L.post_norm, eps_);
+      ops::rms_norm(h2, a, residual, L.post_norm, eps_, pool_.get());
       const at::Tensor gate_up = apply(L.gate_up, h2);
       at::Tensor act = at::empty({t, intermediate_}, gate_up.options());
-      ops::silu_and_mul(act, gate_up);
+      ops::silu_and_mul(act, gate_up, pool_.get());
       x = apply(L.down, act);
     }
     at::Tensor out = at::empty_like(x);
-    ops::rms_norm(out, x, residual, final_norm_, eps_);
+    ops::rms_norm(out, x, residual, final_norm_, eps_, pool_.get());
     return out;
   }
 
@@ -208,20 +209,56 @@ class DecodeStack : public torch::CustomClassHolder {
     return weight * xf.to(x.scalar_type());
   }
 
-  // HeadMajorKVCache.write: token i's [kv_heads, head_dim] to flat slot slots[i] of every head.
+  // HeadMajorKVCache.write: token i's [kv_heads, head_dim] (x's rows may be strided, a view into
+  // the fused QKV output) to flat slot slots[i] of every head, converted to the pool's dtype as
+  // torch's .to() rounds. A plain loop: the torch ops it replaces (a conversion and an index_copy_)
+  // cost microseconds each of dispatch for a few hundred values, twice per layer.
   static void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
-    const at::Tensor src = x.scalar_type() == pool.scalar_type() ? x : x.to(pool.scalar_type());
-    pool.view({pool.size(0), pool.size(1) * pool.size(2), pool.size(3)}).index_copy_(1, slots, src.transpose(0, 1));
+    const int64_t t = x.size(0), heads = x.size(1), hd = x.size(2), per_head = pool.size(1) * pool.size(2);
+    TORCH_CHECK(x.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.numel() == t,
+                "DecodeStack: KV rows must have contiguous head_dim and one int64 slot each");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
+      using S = decltype(src_tag);
+      dispatch_model_dtype(pool.scalar_type(), "DecodeStack", [&](auto dst_tag) {
+        using D = decltype(dst_tag);
+        const S* src = x.data_ptr<S>();
+        D* dst = pool.data_ptr<D>();
+        for (int64_t i = 0; i < t; ++i) {
+          TORCH_CHECK(slot[i] >= 0 && slot[i] < per_head, "DecodeStack: slot ", slot[i], " out of range");
+          for (int64_t h = 0; h < heads; ++h)
+            convert_row(dst + (h * per_head + slot[i]) * hd, src + i * x.stride(0) + h * x.stride(1), hd);
+        }
+      });
+    });
+  }
+
+  // x [rows, ...] (contiguous) in `dtype`, converted as torch's .to() rounds; x itself if it has it.
+  static at::Tensor converted(const at::Tensor& x, at::ScalarType dtype) {
+    if (x.scalar_type() == dtype) return x;
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+    dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
+      using S = decltype(src_tag);
+      dispatch_model_dtype(dtype, "DecodeStack", [&](auto dst_tag) {
+        using D = decltype(dst_tag);
+        convert_row(out.data_ptr<D>(), x.data_ptr<S>(), x.numel());
+      });
+    });
+    return out;
+  }
+
+  template <typename D, typename S>
+  static void convert_row(D* dst, const S* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
   }
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
   // the output converted back).
   at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens) const {
-    const bool same = q.scalar_type() == L.k_pool.scalar_type();
     at::Tensor out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
-    ops::paged_decode_attention(out, same ? q : q.to(L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens,
-                                scale_, pool_.get());
-    return same ? out : out.to(q.scalar_type());
+    ops::paged_decode_attention(out, converted(q, L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens, scale_,
+                                pool_.get());
+    return converted(out, q.scalar_type());
   }
 
   int64_t heads_, kv_heads_, head_dim_, intermediate_;

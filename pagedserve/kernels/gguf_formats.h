@@ -78,6 +78,10 @@ inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
 // block's m (Q4_1, Q5_1). The same bytes as GGUF's, regrouped so that a kernel converts eight blocks'
 // scales with one instruction instead of one at a time. K-quants keep GGUF's layout.
 constexpr bool planar(Format f) { return f != Format::q4_k && f != Format::q5_k && f != Format::q6_k; }
+// The SIMD paths read Q4_0 / Q4_1 two blocks at a time (gguf_simd.inc's planar_pair), against
+// activations whose runs are swizzled to match: in each pair of 32-value runs, values 16-31 of the
+// first and 0-15 of the second trade places. The scalar path reads them in their own order.
+constexpr bool pairs_swizzled(Format f) { return f == Format::q4_0 || f == Format::q4_1; }
 constexpr bool with_min(Format f) { return f == Format::q4_1 || f == Format::q5_1; }
 constexpr int quant_bytes(Format f) {
   return f == Format::q8_0 ? 32 : (f == Format::q5_0 || f == Format::q5_1) ? 20 : 16;

@@ -51,9 +51,11 @@ struct Rows {
   const float* d;
   const float* s;
   int64_t q_stride, d_stride;  // between consecutive rows
+  bool pairs = false;          // rows 2i and 2i + 1 are one row's two quantizations: out[i] gets their sum
 };
 
-// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows].
+// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows] (out[rows / 2]
+// with x.pairs).
 using RowKernel = void (*)(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* out);
 using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
 
@@ -93,6 +95,8 @@ void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* 
       }
     }
   }
+  if (x.pairs)
+    for (int r = 0; r < rows; r += 2) out[r / 2] = out[r] + out[r + 1];
 }
 
 RowKernel row_kernel(Format f) {
@@ -137,14 +141,21 @@ namespace avx512 {
 struct Path {
   RowKernel kernel;
   QuantizeRow quantize;
+  bool pairs = false;  // the kernel wants each pair of runs swizzled (pairs_swizzled)
 };
 
 Path path_for(Isa isa, Format f) {
 #if PS_X86
-  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row};
-  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row};
+  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row, pairs_swizzled(f)};
+  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row, pairs_swizzled(f)};
 #endif
   return {scalar::row_kernel(f), &scalar::quantize_row};
+}
+
+// A quantized row's runs put in planar_pair's order: in every whole pair of 32-value runs, values
+// 16-31 of the first trade places with values 0-15 of the second (an odd last run stays as it is).
+void swizzle_pairs(int8_t* q, int64_t K) {
+  for (int64_t c = 0; c + 64 <= K; c += 64) std::swap_ranges(q + c + 16, q + c + 32, q + c + 32);
 }
 
 // Rows of x in float32: a view of x itself, or a converted copy in `buffer`.
@@ -162,6 +173,19 @@ const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
     }
   });
   return out;
+}
+
+// Asks for the weight bytes kPrefetchBytes ahead of a row, one row's worth, up to `end`. A decode
+// step streams each row from memory once and a row takes ~0.1 us: the hardware prefetcher, which
+// starts afresh in every task, left the first load of each row waiting (13 % of a decode's samples
+// sat on the load of a row's scales).
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+#if PS_X86
+  const uint8_t* from = row + kPrefetchBytes;
+  const uint8_t* to = std::min(from + row_bytes, end);
+  for (const uint8_t* p = from; p < to; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#endif
 }
 
 constexpr int kTile = 4;        // activation rows sharing one unpacked weight run
@@ -204,40 +228,49 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   const int64_t Mq = M * per_row;
   std::vector<int8_t> q(Mq * K);
   std::vector<float> d(Mq * runs), s(Mq * runs);
-  pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+  pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
     std::vector<float> left(residual ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t r = m * per_row;
       path.quantize(xf + m * K, K, q.data() + r * K, d.data() + r * runs, s.data() + r * runs);
-      if (!residual) continue;
-      for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
-        left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
-      path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+      if (residual) {
+        for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
+          left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
+        path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+      }
+      if (path.pairs)
+        for (int j = 0; j < per_row; ++j) swizzle_pairs(q.data() + (r + j) * K, K);
     }
   });
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   const int64_t ld = out.stride(0);
-  // At least ~32k weights per task: a small matrix is not split into slivers that cost more to
-  // schedule than to compute.
+  // Tasks of at least ~32k weights: a small matrix is not split into slivers that cost more to
+  // schedule than to compute. On the decode stack's pool, a task per ~256k multiply-adds (weights x
+  // quantized rows), 8 to 64 of them: a batch's matmul is then split finely enough that its last
+  // task does not keep the other threads waiting (with the pool's default 8, the master thread of
+  // a 16-stream decode spent 6 % of its time waiting at the end of each matmul).
+  const int64_t macs = N * K * std::min<int64_t>(Mq, kPanel);
+  const int64_t tasks = std::clamp<int64_t>(macs / (1 << 18), 8, 64);
   pagedserve::parallel_for(pool, 0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
     float dots[kTile];
     for (int64_t p0 = 0; p0 < Mq; p0 += kPanel) {  // kTile and kPanel even: a row's pair stays together
       const int64_t p1 = std::min(Mq, p0 + kPanel);
+      const uint8_t* task_end = wp + n1 * row_bytes;
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wrow = wp + n * row_bytes;
         const float b = bp ? bp[n] : 0.f;
+        prefetch_ahead(wrow, row_bytes, task_end);
         for (int64_t m = p0; m < p1; m += kTile) {
           const int rows = static_cast<int>(std::min<int64_t>(kTile, p1 - m));
-          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs};
+          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, residual};
           path.kernel(wrow, blocks, xr, rows, dots);
-          for (int r = 0; r < rows; r += per_row)
-            y[(m + r) / per_row * ld + n] = (residual ? dots[r] + dots[r + 1] : dots[r]) + b;
+          for (int i = 0; i < rows / per_row; ++i) y[(m / per_row + i) * ld + n] = dots[i] + b;
         }
       }
     }
-  });
+  }, tasks);
 }
 
 // The registered op: torch's threads.

@@ -18,10 +18,10 @@ namespace pagedserve::ops {
 
 // layer_ops.cpp
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-              const at::Tensor& weight, double eps);
+              const at::Tensor& weight, double eps, WorkPool* pool = nullptr);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin);
-void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+                      const at::Tensor& sin, WorkPool* pool = nullptr);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x, WorkPool* pool = nullptr);
 
 // paged_attention.cpp
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -34,11 +34,14 @@ using pagedserve::from_float;
 using pagedserve::round_to;
 using pagedserve::to_float;
 
-// Rows are independent: split them over torch's threads, a few rows per task.
+// Rows are independent: split them over `pool` (a decode stack's own threads) or, without one,
+// torch's, a few rows per task. The decode stack must pass its pool: an OpenMP region between two of
+// its matmuls left OpenMP's worker spinning on the core the pool's worker needed (48 % of the
+// samples of a 16-stream decode were libgomp's spin).
 template <typename F>
-void for_rows(int64_t rows, int64_t row_elems, F&& body) {
+void for_rows(pagedserve::WorkPool* pool, int64_t rows, int64_t row_elems, F&& body) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) body(r);
   });
 }
@@ -48,8 +51,8 @@ void for_rows(int64_t rows, int64_t row_elems, F&& body) {
 // replaced by residual + x (rounded, as `x + residual` in torch), and residual receives it.
 template <typename T>
 void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t h, int64_t x_stride,
-                   float eps) {
-  for_rows(rows, h, [&](int64_t r) {
+                   float eps, pagedserve::WorkPool* pool) {
+  for_rows(pool, rows, h, [&](int64_t r) {
     const T* __restrict xr = x + r * x_stride;
     T* __restrict res = residual ? residual + r * h : nullptr;
     if (res) {  // separate loops, each simple enough for the compiler to vectorize
@@ -70,9 +73,10 @@ void rms_norm_impl(T* out, const T* x, T* residual, const T* weight, int64_t row
 // the sum), so bf16 results are bit-identical to its rotary embedding.
 template <typename T>
 void rotary_impl(T* q, T* k, const int64_t* positions, const float* cos, const float* sin, int64_t tokens,
-                 int64_t q_heads, int64_t k_heads, int64_t hd, int64_t q_stride, int64_t k_stride) {
+                 int64_t q_heads, int64_t k_heads, int64_t hd, int64_t q_stride, int64_t k_stride,
+                 pagedserve::WorkPool* pool) {
   const int64_t half = hd / 2;
-  for_rows(tokens, (q_heads + k_heads) * hd, [&](int64_t t) {
+  for_rows(pool, tokens, (q_heads + k_heads) * hd, [&](int64_t t) {
     const float* c = cos + positions[t] * hd;
     const float* s = sin + positions[t] * hd;
     auto rotate = [&](T* x) {
@@ -92,8 +96,8 @@ void rotary_impl(T* q, T* k, const int64_t* positions, const float* cos, const f
 // out [T, I] = silu(x[:, :I]) * x[:, I:], with the gate rounded to the dtype before the product
 // (F.silu(gate) * up in torch).
 template <typename T>
-void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
-  for_rows(rows, inter, [&](int64_t r) {
+void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter, pagedserve::WorkPool* pool) {
+  for_rows(pool, rows, inter, [&](int64_t r) {
     const T* g = x + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
@@ -109,7 +113,7 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t inter) {
 namespace pagedserve::ops {
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-              const at::Tensor& weight, double eps) {
+              const at::Tensor& weight, double eps, WorkPool* pool) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, hidden] with contiguous rows");
   const int64_t rows = x.size(0), h = x.size(1);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes(), "rms_norm: out must be a contiguous [rows, hidden]");
@@ -124,12 +128,12 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tens
   dispatch_model_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     rms_norm_impl<T>(out.data_ptr<T>(), x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr,
-                     weight.data_ptr<T>(), rows, h, x.stride(0), static_cast<float>(eps));
+                     weight.data_ptr<T>(), rows, h, x.stride(0), static_cast<float>(eps), pool);
   });
 }
 
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin) {
+                      const at::Tensor& sin, WorkPool* pool) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "rotary_embedding: q and k must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
@@ -148,18 +152,18 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
   dispatch_model_dtype(q.scalar_type(), "rotary_embedding", [&](auto tag) {
     using T = decltype(tag);
     rotary_impl<T>(q.data_ptr<T>(), k.data_ptr<T>(), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0),
-                   q.size(1), k.size(1), hd, q.stride(0), k.stride(0));
+                   q.size(1), k.size(1), hd, q.stride(0), k.stride(0), pool);
   });
 }
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+void silu_and_mul(at::Tensor& out, const at::Tensor& x, WorkPool* pool) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_and_mul: x must be a contiguous [rows, 2I]");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
                   out.scalar_type() == x.scalar_type(),
               "silu_and_mul: out must be a contiguous [rows, I] of x's dtype");
   dispatch_model_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_impl<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), out.size(1));
+    silu_and_mul_impl<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), out.size(1), pool);
   });
 }
 
@@ -260,8 +264,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("rms_norm", &pagedserve::ops::rms_norm);
-  m.impl("rotary_embedding", &pagedserve::ops::rotary_embedding);
-  m.impl("silu_and_mul", &pagedserve::ops::silu_and_mul);
+  m.impl("rms_norm", [](at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                        const at::Tensor& weight, double eps) { pagedserve::ops::rms_norm(out, x, residual, weight, eps); });
+  m.impl("rotary_embedding", [](at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin) { pagedserve::ops::rotary_embedding(q, k, positions, cos, sin); });
+  m.impl("silu_and_mul", [](at::Tensor& out, const at::Tensor& x) { pagedserve::ops::silu_and_mul(out, x); });
   m.impl("row_argmax", &row_argmax);
 }

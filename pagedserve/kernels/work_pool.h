@@ -67,11 +67,14 @@ class WorkPool {
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // body(b, e) over [begin, end) in chunks of at least `grain` items; returns when all ran.
-  void run(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> body) {
+  // body(b, e) over [begin, end) in chunks of at least `grain` items, at most `max_chunks` of them
+  // (0: four per thread, enough to even out a descheduled worker for short kernels; a long one
+  // asks for more, so that its last chunk does not hold the others up for long); returns when all ran.
+  void run(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> body,
+           int64_t max_chunks = 0) {
     const int64_t n = end - begin;
     if (n <= 0) return;
-    const int64_t most = std::min<int64_t>(kMaxChunks, 4 * threads());
+    const int64_t most = std::min<int64_t>(kMaxChunks, max_chunks > 0 ? max_chunks : 4 * threads());
     const int64_t chunks = std::clamp<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 1, most);
     if (chunks == 1 || workers_.empty()) {
       body(begin, end);
@@ -185,11 +188,12 @@ class WorkPool {
   std::vector<std::thread> workers_;
 };
 
-// body(b, e) over [begin, end): on `pool` when given, else torch's at::parallel_for.
+// body(b, e) over [begin, end): on `pool` when given (in at most `max_chunks` chunks, 0: the
+// pool's default), else torch's at::parallel_for.
 template <typename F>
-void parallel_for(WorkPool* pool, int64_t begin, int64_t end, int64_t grain, const F& body) {
+void parallel_for(WorkPool* pool, int64_t begin, int64_t end, int64_t grain, const F& body, int64_t max_chunks = 0) {
   if (pool != nullptr) {
-    pool->run(begin, end, grain, body);
+    pool->run(begin, end, grain, body, max_chunks);
   } else {
     at::parallel_for(begin, end, grain, body);
   }

@@ -18,6 +18,7 @@ is alive (an orphaned core exits instead of holding memory forever).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -60,6 +61,11 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
     except Exception as exc:  # a bad model path, a budget that holds no block, ...: one line for the user
         ready.send(("error", errors.startup_error_line(exc)))
         raise SystemExit(2) from None
+    # The model, its tables and the tokenizer live until exit: moved out of the cyclic GC's reach
+    # (as vLLM's core does), the collections a decode step triggers walk only per-step objects (a
+    # profile of the default model's decode showed 2.5 % of its samples in gc_collect_main & co.).
+    gc.collect()
+    gc.freeze()
     ctx = zmq.Context(io_threads=1)
     commands, results = [], []
     for input_addr, output_addr in addrs:
