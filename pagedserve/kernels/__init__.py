@@ -32,11 +32,11 @@
   compile a scalar, an AVX2 and an AVX-512 path on every x86 machine and take the best the CPU runs
   (:func:`best_isa`); the tests run each path the CPU can (:func:`isa_paths`).
 
-The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on 2 cores) into
+The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~1.5 min on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the
 sources' content, the compiler and its flags (the build uses ``-march=native``, so the CPU's
-instruction-set flags too), the torch version *and install path*, and Python: two virtualenvs on
-one machine get two libraries and never rebuild or overwrite each other's. A process whose key
+instruction-set flags too), torch's build (version and commit) and Python; not where torch is
+installed (:func:`build_key`), so virtualenvs with the same torch share one library. A process whose key
 has a library loads it at once; otherwise it builds under a file lock (one build per key at a
 time; waiters then load the winner's library), in a scratch directory, and moves the finished
 ``.so`` into place with an atomic rename, so no process ever loads a half-written file. Every
@@ -110,11 +110,13 @@ def _compiler() -> str:
 
 
 def build_key() -> str:
-    """What the compiled library depends on: sources, compiler and flags, torch (version and
-    install path), Python, CPU features."""
+    """What the compiled library depends on: sources, compiler and flags, torch's build (version and
+    commit), Python, CPU features. Not torch's install path: the library names torch's libraries by
+    soname (no rpath) and resolves them to the copy already loaded, so every virtualenv with the same
+    torch build shares one library instead of compiling its own (each fresh clone's .venv did)."""
     h = hashlib.sha256()
     for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS + _LINK_FLAGS).encode(),
-                 _compiler().encode(), torch.__version__.encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode(),
+                 _compiler().encode(), torch.__version__.encode(), str(torch.version.git_version).encode(),
                  platform.python_version().encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part + b"\0")  # separated, so no two different part lists hash alike
     return h.hexdigest()[:16]
@@ -148,8 +150,10 @@ def _compile(work: Path) -> Path:
     src.mkdir()
     for path in _SOURCES + _HEADERS:
         shutil.copy2(path, src / path.name)
-    cpp_extension.load(name=LIBRARY, sources=[str(src / p.name) for p in _SOURCES], extra_cflags=_FLAGS,
-                       extra_ldflags=_LINK_FLAGS, build_directory=str(work), is_python_module=False, verbose=False)
+    # copies: load() appends torch's -L/-l flags to the ldflags list it is given, which would change
+    # build_key() (and so kernel_dir()) for the rest of the process that compiled
+    cpp_extension.load(name=LIBRARY, sources=[str(src / p.name) for p in _SOURCES], extra_cflags=list(_FLAGS),
+                       extra_ldflags=list(_LINK_FLAGS), build_directory=str(work), is_python_module=False, verbose=False)
     return work / f"{LIBRARY}.so"
 
 
@@ -178,7 +182,7 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
             load(library)
             log.info("native kernels loaded from %s (built by another process while this one waited)", build_dir)
             return False
-        log.info("compiling native kernels into %s (~30 s, once per source, compiler and torch install)", build_dir)
+        log.info("compiling native kernels into %s (~1.5 min on 2 cores, once per source, compiler and torch build)", build_dir)
         t0 = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix="build-", dir=build_dir))
         try:

@@ -154,7 +154,10 @@ class WorkPool {
   }
 
   void work() {
-    uint64_t seen = state_.load(std::memory_order_acquire) >> kGenShift;
+    // Generation 0, the one before any job, not the current one: a worker that starts after the
+    // first job was posted (a pool is made and used at once) takes its chunks instead of sleeping
+    // through it and leaving it to the caller alone.
+    uint64_t seen = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       uint64_t s = state_.load(std::memory_order_acquire);
       // Spin briefly (the next kernel of a step comes within microseconds), then yield the core to

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
 
 from pagedserve.kv.block_manager import BlockManager, KVBlock
 from pagedserve.kv.events import KVEventLog
@@ -85,17 +86,25 @@ class GroupedBlockManager:
     def _key(self, seq_id: int, group: int) -> int:
         return seq_id * len(self.groups) + group
 
-    # What the BlockManager answers for the whole pool: asked of the inner manager as it is.
-    _POOL_WIDE = frozenset({
-        "num_blocks", "enable_prefix_caching", "num_free_blocks", "num_used_blocks", "num_cached_free_blocks",
-        "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens", "blocks", "events", "cached_block_hashes",
-        "cached_blocks", "can_allocate", "record_prefix_lookup", "reset_prefix_cache", "take_pending_copies",
-        "check_invariants"})
-
-    def __getattr__(self, name: str):
-        if name in GroupedBlockManager._POOL_WIDE:
-            return getattr(self.inner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # What the BlockManager answers for the whole pool, asked of the inner manager as it is; named, not
+    # forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
+    num_blocks = property(attrgetter("inner.num_blocks"))
+    enable_prefix_caching = property(attrgetter("inner.enable_prefix_caching"))
+    events = property(attrgetter("inner.events"))
+    blocks = property(attrgetter("inner.blocks"))
+    num_free_blocks = property(attrgetter("inner.num_free_blocks"))
+    num_used_blocks = property(attrgetter("inner.num_used_blocks"))
+    num_cached_free_blocks = property(attrgetter("inner.num_cached_free_blocks"))
+    num_evictions = property(attrgetter("inner.num_evictions"))
+    prefix_queried_tokens = property(attrgetter("inner.prefix_queried_tokens"))
+    prefix_hit_tokens = property(attrgetter("inner.prefix_hit_tokens"))
+    cached_block_hashes = property(attrgetter("inner.cached_block_hashes"))
+    cached_blocks = property(attrgetter("inner.cached_blocks"))
+    can_allocate = property(attrgetter("inner.can_allocate"))
+    record_prefix_lookup = property(attrgetter("inner.record_prefix_lookup"))
+    reset_prefix_cache = property(attrgetter("inner.reset_prefix_cache"))
+    take_pending_copies = property(attrgetter("inner.take_pending_copies"))
+    check_invariants = property(attrgetter("inner.check_invariants"))
 
     @property
     def tables(self) -> dict[int, list[KVBlock]]:
