@@ -54,9 +54,11 @@ struct Rows {
   bool pairs = false;          // rows 2i and 2i + 1 are one row's two quantizations: out[i] gets their sum
 };
 
-// One weight row of `blocks` blocks against `rows` (1-4) activation rows → out[rows] (out[rows / 2]
-// with x.pairs).
-using RowKernel = void (*)(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* out);
+// Weight rows [n0, n1) (`row_bytes` apart from w, `blocks` blocks each) against `rows` (1-4)
+// activation rows: y[i ld + n] = activation row i's dot with weight row n + bias[n] (bias may be
+// null; i < rows, or rows / 2 with x.pairs). `end` bounds the weight bytes a kernel may prefetch.
+using RangeKernel = void (*)(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t n0, int64_t n1,
+                             const Rows& x, int rows, const float* bias, float* y, int64_t ld, const uint8_t* end);
 using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
 
 namespace scalar {
@@ -99,16 +101,26 @@ void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* 
     for (int r = 0; r < rows; r += 2) out[r / 2] = out[r] + out[r + 1];
 }
 
-RowKernel row_kernel(Format f) {
+template <Format F>
+void dot_range(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t n0, int64_t n1, const Rows& x, int rows,
+               const float* bias, float* y, int64_t ld, const uint8_t*) {
+  float dots[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_rows<F>(w + n * row_bytes, blocks, x, rows, dots);
+    for (int i = 0; i < (x.pairs ? rows / 2 : rows); ++i) y[i * ld + n] = dots[i] + (bias ? bias[n] : 0.f);
+  }
+}
+
+RangeKernel range_kernel(Format f) {
   switch (f) {
-    case Format::q4_0: return &dot_rows<Format::q4_0>;
-    case Format::q4_1: return &dot_rows<Format::q4_1>;
-    case Format::q5_0: return &dot_rows<Format::q5_0>;
-    case Format::q5_1: return &dot_rows<Format::q5_1>;
-    case Format::q8_0: return &dot_rows<Format::q8_0>;
-    case Format::q4_k: return &dot_rows<Format::q4_k>;
-    case Format::q5_k: return &dot_rows<Format::q5_k>;
-    case Format::q6_k: return &dot_rows<Format::q6_k>;
+    case Format::q4_0: return &dot_range<Format::q4_0>;
+    case Format::q4_1: return &dot_range<Format::q4_1>;
+    case Format::q5_0: return &dot_range<Format::q5_0>;
+    case Format::q5_1: return &dot_range<Format::q5_1>;
+    case Format::q8_0: return &dot_range<Format::q8_0>;
+    case Format::q4_k: return &dot_range<Format::q4_k>;
+    case Format::q5_k: return &dot_range<Format::q5_k>;
+    case Format::q6_k: return &dot_range<Format::q6_k>;
   }
   return nullptr;
 }
@@ -139,17 +151,17 @@ namespace avx512 {
 #endif
 
 struct Path {
-  RowKernel kernel;
+  RangeKernel kernel;
   QuantizeRow quantize;
   bool pairs = false;  // the kernel wants each pair of runs swizzled (pairs_swizzled)
 };
 
 Path path_for(Isa isa, Format f) {
 #if PS_X86
-  if (isa == Isa::avx512) return {avx512::row_kernel(f), &avx512::quantize_row, pairs_swizzled(f)};
-  if (isa == Isa::avx2) return {avx2::row_kernel(f), &avx2::quantize_row, pairs_swizzled(f)};
+  if (isa == Isa::avx512) return {avx512::range_kernel(f), &avx512::quantize_row, pairs_swizzled(f)};
+  if (isa == Isa::avx2) return {avx2::range_kernel(f), &avx2::quantize_row, pairs_swizzled(f)};
 #endif
-  return {scalar::row_kernel(f), &scalar::quantize_row};
+  return {scalar::range_kernel(f), &scalar::quantize_row};
 }
 
 // A quantized row's runs put in planar_pair's order: in every whole pair of 32-value runs, values
@@ -175,21 +187,8 @@ const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
   return out;
 }
 
-// Asks for the weight bytes kPrefetchBytes ahead of a row, one row's worth, up to `end`. A decode
-// step streams each row from memory once and a row takes ~0.1 us: the hardware prefetcher, which
-// starts afresh in every task, left the first load of each row waiting (13 % of a decode's samples
-// sat on the load of a row's scales).
-constexpr int64_t kPrefetchBytes = 2048;
-inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
-#if PS_X86
-  const uint8_t* from = row + kPrefetchBytes;
-  const uint8_t* to = std::min(from + row_bytes, end);
-  for (const uint8_t* p = from; p < to; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-#endif
-}
-
-constexpr int kTile = 4;        // activation rows sharing one unpacked weight run
-constexpr int64_t kPanel = 64;  // activation rows kept hot while a thread walks its weight rows
+constexpr int kTile = 4;          // activation rows sharing one unpacked weight run
+constexpr int64_t kRowSpan = 16;  // weight rows a batch's tiles take in turn, while they stay in L1
 
 // out [M, N] (float32; rows may be strided, a column slice of a wider output) = x [M, K] W^T (+ bias),
 // W [N, row bytes] the format's blocks.
@@ -251,23 +250,16 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   // quantized rows), 8 to 64 of them: a batch's matmul is then split finely enough that its last
   // task does not keep the other threads waiting (with the pool's default 8, the master thread of
   // a 16-stream decode spent 6 % of its time waiting at the end of each matmul).
-  const int64_t macs = N * K * std::min<int64_t>(Mq, kPanel);
+  const int64_t macs = N * K * std::min<int64_t>(Mq, 64);
   const int64_t tasks = std::clamp<int64_t>(macs / (1 << 18), 8, 64);
   pagedserve::parallel_for(pool, 0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
-    float dots[kTile];
-    for (int64_t p0 = 0; p0 < Mq; p0 += kPanel) {  // kTile and kPanel even: a row's pair stays together
-      const int64_t p1 = std::min(Mq, p0 + kPanel);
-      const uint8_t* task_end = wp + n1 * row_bytes;
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* wrow = wp + n * row_bytes;
-        const float b = bp ? bp[n] : 0.f;
-        prefetch_ahead(wrow, row_bytes, task_end);
-        for (int64_t m = p0; m < p1; m += kTile) {
-          const int rows = static_cast<int>(std::min<int64_t>(kTile, p1 - m));
-          const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, residual};
-          path.kernel(wrow, blocks, xr, rows, dots);
-          for (int i = 0; i < rows / per_row; ++i) y[(m / per_row + i) * ld + n] = dots[i] + b;
-        }
+    const uint8_t* task_end = wp + n1 * row_bytes;
+    for (int64_t a = n0; a < n1; a += kRowSpan) {
+      const int64_t b = std::min(n1, a + kRowSpan);
+      for (int64_t m = 0; m < Mq; m += kTile) {  // kTile even: a row's pair stays together
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, Mq - m));
+        const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, residual};
+        path.kernel(wp, row_bytes, blocks, a, b, xr, rows, bp, y + (m / per_row) * ld, ld, task_end);
       }
     }
   }, tasks);

@@ -108,16 +108,19 @@ def test_residual_activations_are_a_hundred_times_closer_to_the_float_matmul(fmt
     assert err16 < 1e-3 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q5_0", "Q4_K"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_a_rows_result_does_not_depend_on_its_batch(residual):
-    """Each row is quantized and summed on its own, in the same order whatever tile it lands in, so
-    a prompt's logits are the same bits alone, in a batch, or after a prefix-cache hit."""
-    w = random_gguf_rows("Q4_1", 50, 320, seed=4)
+def test_a_rows_result_does_not_depend_on_its_batch(residual, fmt):
+    """Each row is quantized and summed on its own, in the same order whatever tile it lands in and
+    however many weight rows a pass takes (two for decode batches), so a prompt's logits are the
+    same bits alone, in a batch, or after a prefix-cache hit."""
+    k = 512 if fmt == "Q4_K" else 320
+    w = random_gguf_rows(fmt, 51, k, seed=4)  # odd: the last weight row of a pass goes alone
     torch.manual_seed(4)
-    x = torch.randn(71, 320)
-    whole = _matmul(x, w, "Q4_1", residual=residual)
-    for lo, hi in ((0, 1), (5, 8), (13, 70), (70, 71)):
-        assert torch.equal(_matmul(x[lo:hi].contiguous(), w, "Q4_1", residual=residual), whole[lo:hi])
+    x = torch.randn(71, k)
+    whole = _matmul(x, w, fmt, residual=residual)
+    for lo, hi in ((0, 1), (5, 7), (5, 8), (13, 70), (70, 71)):
+        assert torch.equal(_matmul(x[lo:hi].contiguous(), w, fmt, residual=residual), whole[lo:hi])
 
 
 def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
