@@ -162,7 +162,7 @@ class EngineConfig:
     ``decode_weights``: on a CPU without native bf16, a float32 model's linear weights stored 16-bit
     for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
     ``gguf_activations``: how the GGUF kernels quantize a layer's activations, ``int16`` (int8 plus
-    the int8 residual: near-float logits) or ``int8`` (llama.cpp's, less integer work).
+    the int8 of its remainder: near-float logits) or ``int8`` (llama.cpp's, less integer work).
     ``native_decode``: on CPU, decode steps run every decoder layer in one native call where the
     model's layers and KV pools allow it (False: always the Python model, the reference).
     ``native_kernels``: on CPU, compile (once, on first use) and use the native kernels

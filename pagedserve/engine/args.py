@@ -43,7 +43,7 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "rounds a float32 checkpoint's weights. Ignored elsewhere (default auto)")
     g.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
                    help="how the native GGUF kernels quantize a layer's activations before the integer dot "
-                        "products: int16 (int8 plus the int8 of its residual: logits within ~0.001 of a float "
+                        "products: int16 (int8 plus the int8 of its remainder: logits within ~0.001 of a float "
                         "computation, so a prompt answers the same cold and after a prefix-cache hit) or int8 "
                         "(llama.cpp's: about half the integer work, logits off by up to ~0.1, enough to swap "
                         "near-tied tokens). An LM head always takes int16 (default int16)")

@@ -92,6 +92,10 @@ constexpr int quant_bytes(Format f) {
 // same integers.
 inline float activation_scale(float amax) { return amax / 127.f; }
 inline float activation_inverse(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+// Int16 activations: the int8 value's remainder (at most d / 2) in steps of d / 254, so it fits an
+// int8 without clamping; a value is (254 q + low) x d / 254 and a kernel joins the two integer
+// sums exactly in int32.
+constexpr int kLowSteps = 254;
 
 // One block's weights as floats, in row order.
 inline void dequantize_block(Format f, const uint8_t* b, float* y) {

@@ -45,13 +45,14 @@
 namespace pagedserve::gguf {
 
 // The activation rows a call works on, quantized per 32: q int8 [rows, K], d and s float [rows, K/32]
-// (d the scale, s = d x the sum of the 32 q: the run's sum, for the weights' offsets).
+// (d the scale, s = d x the sum of the 32 values: the run's sum, for the weights' offsets). Int16
+// activations add `low` [rows, K]: a value is then (kLowSteps q + low) d (quantize_row).
 struct Rows {
   const int8_t* q;
   const float* d;
   const float* s;
   int64_t q_stride, d_stride;  // between consecutive rows
-  bool pairs = false;          // rows 2i and 2i + 1 are one row's two quantizations: out[i] gets their sum
+  const int8_t* low = nullptr;
 };
 
 // Weight rows [n0, n1) (`row_bytes` apart from w, `blocks` blocks each) against `rows` (1-4)
@@ -59,24 +60,37 @@ struct Rows {
 // null; i < rows, or rows / 2 with x.pairs). `end` bounds the weight bytes a kernel may prefetch.
 using RangeKernel = void (*)(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t n0, int64_t n1,
                              const Rows& x, int rows, const float* bias, float* y, int64_t ld, const uint8_t* end);
-using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
+using QuantizeRow = void (*)(const float* x, int64_t K, int8_t* q, int8_t* low, float* d, float* s);
 
 namespace scalar {
 
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// x [K] → runs of 32 int8 (and with `low`, int16 activations as the high and low bytes): the
+// reference every SIMD quantize_row equals bit for bit (gguf_simd.inc says the arithmetic).
+void quantize_row(const float* x, int64_t K, int8_t* q, int8_t* low, float* d, float* s) {
   for (int64_t c = 0; c < K / 32; ++c) {
     const float* xc = x + 32 * c;
     float top = 0.f;
     for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(xc[i]));
-    const float scale = activation_scale(top), inv = activation_inverse(top);
-    int sum = 0;
+    const float scale = activation_scale(top), inv = activation_inverse(top), inv_low = kLowSteps * inv;
+    int sum = 0, sum_low = 0;
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::nearbyint(xc[i] * inv));
       q[32 * c + i] = static_cast<int8_t>(v);
       sum += v;
+      if (low != nullptr) {
+        const float left = std::fma(-scale, static_cast<float>(v), xc[i]);
+        const int l = std::clamp(static_cast<int>(std::nearbyint(left * inv_low)), -127, 127);
+        low[32 * c + i] = static_cast<int8_t>(l);
+        sum_low += l;
+      }
     }
-    d[c] = scale;
-    s[c] = scale * static_cast<float>(sum);
+    if (low == nullptr) {
+      d[c] = scale;
+      s[c] = scale * static_cast<float>(sum);
+    } else {
+      d[c] = scale / kLowSteps;
+      s[c] = d[c] * static_cast<float>(kLowSteps * sum + sum_low);
+    }
   }
 }
 
@@ -91,14 +105,16 @@ void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int rows, float* 
       for (int c = 0; c < fi.elems / 32; ++c) {
         const int64_t run = b * (fi.elems / 32) + c;
         const int8_t* xq = x.q + r * x.q_stride + 32 * run;
+        const int8_t* xl = x.low ? x.low + r * x.q_stride + 32 * run : nullptr;
         float dot = 0.f;
-        for (int i = 0; i < 32; ++i) dot += wf[32 * c + i] * static_cast<float>(xq[i]);
+        for (int i = 0; i < 32; ++i) {
+          const int v = xl ? kLowSteps * xq[i] + xl[i] : xq[i];
+          dot += wf[32 * c + i] * static_cast<float>(v);
+        }
         out[r] += dot * x.d[r * x.d_stride + run];
       }
     }
   }
-  if (x.pairs)
-    for (int r = 0; r < rows; r += 2) out[r / 2] = out[r] + out[r + 1];
 }
 
 template <Format F>
@@ -107,7 +123,7 @@ void dot_range(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t n0, 
   float dots[4];
   for (int64_t n = n0; n < n1; ++n) {
     dot_rows<F>(w + n * row_bytes, blocks, x, rows, dots);
-    for (int i = 0; i < (x.pairs ? rows / 2 : rows); ++i) y[i * ld + n] = dots[i] + (bias ? bias[n] : 0.f);
+    for (int i = 0; i < rows; ++i) y[i * ld + n] = dots[i] + (bias ? bias[n] : 0.f);
   }
 }
 
@@ -193,11 +209,11 @@ constexpr int64_t kRowSpan = 16;  // weight rows a batch's tiles take in turn, w
 // out [M, N] (float32; rows may be strided, a column slice of a wider output) = x [M, K] W^T (+ bias),
 // W [N, row bytes] the format's blocks.
 //
-// `residual`: each activation row is quantized twice, x ≈ d1 q1 + d2 q2 with q2 the int8 value of
-// what q1 left over, and both go through the integer kernel as two rows sharing each unpacked
-// weight run: about 16 bits of activation precision for twice the integer work and no more weight
-// bytes. An LM head takes it: int8 activations there moved SmolLM2's logits by up to ~0.05 and
-// flipped a near-tie ("The" / "L" before "Paris").
+// `residual`: int16 activations, x ≈ (254 q + low) d / 254 with low the int8 value of what q left
+// over: the integer kernel takes both bytes against each unpacked weight run and joins their sums
+// in int32, so ~16 bits of activation precision cost a second maddubs per run, not a second row.
+// An LM head takes it: int8 activations there moved SmolLM2's logits by up to ~0.05 and flipped a
+// near-tie ("The" / "L" before "Paris").
 void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                  const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul";
@@ -223,22 +239,16 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   std::vector<float> converted;
   const float* xf = float_rows(x, converted);
   const int64_t runs = K / 32;
-  const int per_row = residual ? 2 : 1;  // quantized rows per activation row
-  const int64_t Mq = M * per_row;
-  std::vector<int8_t> q(Mq * K);
-  std::vector<float> d(Mq * runs), s(Mq * runs);
+  std::vector<int8_t> q(M * K), low(residual ? M * K : 0);
+  std::vector<float> d(M * runs), s(M * runs);
+  int8_t* lp = residual ? low.data() : nullptr;
   pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
-    std::vector<float> left(residual ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
-      const int64_t r = m * per_row;
-      path.quantize(xf + m * K, K, q.data() + r * K, d.data() + r * runs, s.data() + r * runs);
-      if (residual) {
-        for (int64_t i = 0; i < K; ++i)  // what the int8 values leave over, quantized in the next row
-          left[i] = xf[m * K + i] - d[r * runs + i / 32] * static_cast<float>(q[r * K + i]);
-        path.quantize(left.data(), K, q.data() + (r + 1) * K, d.data() + (r + 1) * runs, s.data() + (r + 1) * runs);
+      path.quantize(xf + m * K, K, q.data() + m * K, lp ? lp + m * K : nullptr, d.data() + m * runs, s.data() + m * runs);
+      if (path.pairs) {
+        swizzle_pairs(q.data() + m * K, K);
+        if (lp) swizzle_pairs(lp + m * K, K);
       }
-      if (path.pairs)
-        for (int j = 0; j < per_row; ++j) swizzle_pairs(q.data() + (r + j) * K, K);
     }
   });
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -250,16 +260,16 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   // quantized rows), 8 to 64 of them: a batch's matmul is then split finely enough that its last
   // task does not keep the other threads waiting (with the pool's default 8, the master thread of
   // a 16-stream decode spent 6 % of its time waiting at the end of each matmul).
-  const int64_t macs = N * K * std::min<int64_t>(Mq, 64);
+  const int64_t macs = N * K * std::min<int64_t>(M * (residual ? 2 : 1), 64);
   const int64_t tasks = std::clamp<int64_t>(macs / (1 << 18), 8, 64);
   pagedserve::parallel_for(pool, 0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
     const uint8_t* task_end = wp + n1 * row_bytes;
     for (int64_t a = n0; a < n1; a += kRowSpan) {
       const int64_t b = std::min(n1, a + kRowSpan);
-      for (int64_t m = 0; m < Mq; m += kTile) {  // kTile even: a row's pair stays together
-        const int rows = static_cast<int>(std::min<int64_t>(kTile, Mq - m));
-        const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, residual};
-        path.kernel(wp, row_bytes, blocks, a, b, xr, rows, bp, y + (m / per_row) * ld, ld, task_end);
+      for (int64_t m = 0; m < M; m += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m));
+        const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, lp ? lp + m * K : nullptr};
+        path.kernel(wp, row_bytes, blocks, a, b, xr, rows, bp, y + m * ld, ld, task_end);
       }
     }
   }, tasks);
@@ -297,9 +307,10 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
   });
 }
 
-// The int8 activations every path computes with (tests: the paths agree on them).
+// The int8 activations every path computes with, and with `low` the int16 ones (tests: the paths
+// agree on them).
 void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, const at::Tensor& x,
-                               c10::string_view isa_name) {
+                               c10::string_view isa_name, const std::optional<at::Tensor>& low) {
   const char* op = "gguf_quantize_activations";
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, op,
@@ -309,9 +320,14 @@ void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, cons
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == M * K / 32 && s.sizes() == d.sizes() &&
                   s.scalar_type() == at::kFloat && s.is_contiguous(),
               op, ": d and s must be float32 [rows, K/32]");
+  if (low) {
+    TORCH_CHECK(low->scalar_type() == at::kChar && low->is_contiguous() && low->numel() == M * K, op,
+                ": low must be int8 [rows, K]");
+  }
   const QuantizeRow quantize = path_for(isa, Format::q8_0).quantize;
   for (int64_t m = 0; m < M; ++m)
-    quantize(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * K / 32,
+    quantize(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K,
+             low ? low->data_ptr<int8_t>() + m * K : nullptr, d.data_ptr<float>() + m * K / 32,
              s.data_ptr<float>() + m * K / 32);
 }
 
@@ -321,7 +337,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format) -> ()");
-  m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto') -> ()");
+  m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
+        "Tensor(d!)? low=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -7,8 +7,9 @@ two ways (``pagedserve/kernels/gguf_matmul.cpp``):
 
 * up to ``kernel_rows`` rows of activations (decode batches): ``gguf_matmul`` reads the blocks
   once and multiplies their integers with the activations quantized per 32 values to int8, as
-  llama.cpp does; float32 out. An LM head (``float_output``) quantizes its activations twice (int8
-  and the int8 residual): near-tied logits keep their order.
+  llama.cpp does; float32 out. An LM head (``float_output``) takes int16 activations (an int8 byte
+  and the int8 of its remainder, joined in the kernel's integer sums): near-tied logits keep their
+  order.
 * more rows (prefill chunks): the blocks are dequantized once per call into a float matrix of the
   activations' dtype and the GEMM of that dtype runs over it, reusing each weight across the rows.
 
@@ -77,7 +78,7 @@ class GGUFLinear(nn.Module):
         self.ops = ops
         self.kernel_rows = kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
-        # Activations quantized to ~16 bits (int8 plus the int8 residual) rather than 8: an LM head
+        # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
         # layers when the engine asks (EngineConfig.gguf_activations)
         self.residual = False

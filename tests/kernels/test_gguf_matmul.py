@@ -52,12 +52,14 @@ def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_path_matches_the_scalar_reference_and_the_float_matmul(fmt, isa, threads):
-    """Every row count a decode batch or a prefill chunk has (tiles of 4, panels of 64); bias; the
-    integer sums equal the scalar path's float ones to float rounding, and the float matmul over the
-    dequantized weight to the int8 activations' precision (~1/254 of each 32 values' maximum)."""
+def test_every_path_matches_the_scalar_reference_and_the_float_matmul(fmt, isa, threads, residual):
+    """Every row count a decode batch or a prefill chunk has (tiles of 4, two weight rows a pass);
+    bias; int8 and int16 activations: the integer sums equal the scalar path's float ones to float
+    rounding, and the float matmul over the dequantized weight to the activations' precision
+    (int8: ~1/254 of each 32 values' maximum)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -68,31 +70,40 @@ def test_every_path_matches_the_scalar_reference_and_the_float_matmul(fmt, isa, 
         torch.manual_seed(n)
         for m in (1, 2, 3, 5, 8, 67, 130):
             x = torch.randn(m, k)
-            got = _matmul(x, w, fmt, isa, bias)
+            got = _matmul(x, w, fmt, isa, bias, residual)
             scale = (x @ dense.T).abs().max().item()
-            assert torch.allclose(got, _matmul(x, w, fmt, "scalar", bias), atol=2e-5 * scale, rtol=0), (m, isa)
-            assert torch.allclose(got, F.linear(x, dense, bias), atol=0.02 * scale, rtol=0), m
+            assert torch.allclose(got, _matmul(x, w, fmt, "scalar", bias, residual), atol=2e-5 * scale, rtol=0), (m, isa)
+            assert torch.allclose(got, F.linear(x, dense, bias), atol=(2e-4 if residual else 0.02) * scale, rtol=0), m
     finally:
         torch.set_num_threads(before)
 
 
+def _quantized(x, isa, wide):
+    q, d, s = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0], x.shape[1] // 32), torch.empty(x.shape[0], x.shape[1] // 32)
+    low = torch.empty(x.shape, dtype=torch.int8) if wide else None
+    OPS.gguf_quantize_activations(q, d, s, x, isa, low)
+    return q, low, d, s
+
+
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("isa", PATHS)
-def test_every_path_quantizes_activations_to_the_same_integers(isa):
+def test_every_path_quantizes_activations_to_the_same_integers(isa, wide):
+    """int8 (llama.cpp's Q8 activations) and int16 (254 q + low, in units of d / 254: the remainder
+    fits a byte without clamping)."""
     torch.manual_seed(1)
     x = torch.randn(9, 256) * torch.logspace(-3, 3, 9).unsqueeze(1)
     x[3, :32] = 0.0  # an all-zero run: scale 0, values 0
-    got, want = [], []
-    for path, into in ((isa, got), ("scalar", want)):
-        q, d, s = torch.empty(9, 256, dtype=torch.int8), torch.empty(9, 8), torch.empty(9, 8)
-        OPS.gguf_quantize_activations(q, d, s, x, path)
-        into.extend([q, d, s])
+    got, want = _quantized(x, isa, wide), _quantized(x, "scalar", wide)
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    q, d, s = want
+        assert a is None and b is None or torch.equal(a, b)
+    q, low, d, s = want
     assert q.abs().max().item() == 127 and d[3, 0].item() == 0.0
-    dq = (q.float().view(9, 8, 32) * d.unsqueeze(-1)).view(9, 256)
+    value = q.float() if low is None else 254 * q.float() + low.float()
+    dq = (value.view(9, 8, 32) * d.unsqueeze(-1)).view(9, 256)
     assert ((dq - x).abs() <= d.repeat_interleave(32, dim=1) * 0.5001).all()  # rounded to nearest
-    assert torch.allclose(s, d * q.float().view(9, 8, 32).sum(-1))
+    assert torch.allclose(s, d * value.view(9, 8, 32).sum(-1))
+    if wide:
+        assert low.abs().max().item() <= 127 and low.abs().max().item() >= 120  # the remainder spans its byte
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
