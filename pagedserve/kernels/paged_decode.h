@@ -190,10 +190,11 @@ inline void apply_scales(float* rows, int64_t stride, const c10::Half* scales, i
 }
 
 // The G score rows (len each, one after another) exponentiated in place, max-shifted; inv_sum[g]
-// gets 1 / row g's sum (applied to the output once, not to every weight). exp over whole rows, so
-// it vectorizes.
+// gets 1 / row g's sum (applied to the output once, not to every weight), and, when asked for,
+// row_max[g] the max it was shifted by and row_sum[g] the sum. exp over whole rows, so it vectorizes.
 template <int G>
-inline void softmax_rows(float* scores, int64_t len, float* inv_sum) {
+inline void softmax_rows(float* scores, int64_t len, float* inv_sum, float* row_max = nullptr,
+                         float* row_sum = nullptr) {
   for (int g = 0; g < G; ++g) {
     float* row = scores + g * len;
     float m = row[0];  // len >= 1; no infinities, which -ffast-math assumes away
@@ -204,6 +205,8 @@ inline void softmax_rows(float* scores, int64_t len, float* inv_sum) {
       sum += row[t];
     }
     inv_sum[g] = 1.f / sum;
+    if (row_max != nullptr) row_max[g] = m;
+    if (row_sum != nullptr) row_sum[g] = sum;
   }
 }
 
@@ -224,20 +227,45 @@ struct Batch {
   WorkPool* pool = nullptr;  // null: torch's threads
 };
 
+// A context is read in spans of kSpanTokens (whole blocks): each (sequence, KV head, span) is one
+// task, so one long sequence's three KV heads do not leave one of two threads idle for a third of
+// the kernel, as they did when a task was a whole (sequence, KV head). A span's softmax is
+// shifted by its own max; the spans are then joined, in order, rescaled to the largest
+// (flash-decoding). The split depends on a sequence's length alone, never on the batch or the
+// threads, so a sequence's output is the same bits in any batch; a context within one span is
+// computed exactly as before the split.
+constexpr int64_t kSpanTokens = 128;
+
 template <typename E, int G, int HD>
 void decode_impl(const Batch<E>& b) {
   using M = BlockMath<E, G, HD>;
   using T = typename E::Model;
   const Shapes& sh = b.sh;
   const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
-  pagedserve::parallel_for(b.pool, 0, sh.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t span = std::max<int64_t>(1, kSpanTokens / bs) * bs;
+  struct Task {
+    int64_t s, h, c, spans;  // sequence, KV head, span, and how many spans (s, h) has
+  };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < sh.num_seqs; ++s) {
+    const int64_t spans = (b.lens[s] + span - 1) / span;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t c = 0; c < spans; ++c) tasks.push_back({s, h, c, spans});
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  // A split (s, h)'s spans leave their max, sum and unnormalized output here, indexed by task.
+  std::vector<float> span_max(n_tasks * G), span_sum(n_tasks * G), span_out;
+  const bool split = n_tasks > sh.num_seqs * kv_heads;
+  if (split) span_out.resize(n_tasks * G * hd);
+  pagedserve::parallel_for(b.pool, 0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t len = b.lens[s];
-      const int64_t* table = b.tables + s * sh.max_blocks;
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t s = task.s, h = task.h;
+      const int64_t t0 = task.c * span, len = std::min(span, b.lens[s] - t0);
+      const int64_t* table = b.tables + s * sh.max_blocks + t0 / bs;
       const T* qs = b.q + (s * heads + h * G) * hd;
-      for (int64_t i = 0; i < G * hd; ++i) qf[i] = to_float(qs[i]) * sh.scale;
+      for (int64_t j = 0; j < G * hd; ++j) qf[j] = to_float(qs[j]) * sh.scale;
       scores.resize(G * len);
       b.k.prefetch(h, table[0]);
       for (int64_t start = 0; start < len; start += bs) {
@@ -250,7 +278,7 @@ void decode_impl(const Batch<E>& b) {
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }
       float inv_sum[G];
-      softmax_rows<G>(scores.data(), len, inv_sum);
+      softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs];
@@ -259,9 +287,43 @@ void decode_impl(const Batch<E>& b) {
           apply_scales<E, G>(scores.data() + start, len, b.v.row_scales(h, blk), b.v.scale_row_stride, n);
         M::accumulate(scores.data() + start, len, b.v.rows(h, blk), b.v.row_stride, hd, n, acc.data());
       }
+      if (task.spans > 1) {
+        std::copy(acc.begin(), acc.end(), span_out.begin() + i * G * hd);
+        continue;
+      }
       T* os = b.out + (s * heads + h * G) * hd;
       for (int g = 0; g < G; ++g)
         for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
+    }
+  });
+  if (!split) return;
+  // Join each split (s, h)'s spans (consecutive tasks from its span 0), in span order, rescaled to
+  // their largest max.
+  pagedserve::parallel_for(b.pool, 0, n_tasks, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * hd);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      if (task.spans == 1 || task.c != 0) continue;
+      float top[G], sum[G] = {};
+      for (int g = 0; g < G; ++g) {
+        top[g] = span_max[i * G + g];
+        for (int64_t c = 1; c < task.spans; ++c) top[g] = std::max(top[g], span_max[(i + c) * G + g]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < task.spans; ++c) {
+        const int64_t j = i + c;
+        for (int g = 0; g < G; ++g) {
+          const float w = std::exp(span_max[j * G + g] - top[g]);
+          sum[g] += span_sum[j * G + g] * w;
+          const float* part = span_out.data() + (j * G + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += part[d] * w;
+        }
+      }
+      T* os = b.out + (task.s * heads + task.h * G) * hd;
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv);
+      }
     }
   });
 }

@@ -27,7 +27,7 @@ def test_native_kernel_builds_here():
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, atol):
-    ctx = [1, 5, 16, 17, 33, 100, 250]
+    ctx = [1, 5, 16, 17, 33, 100, 128, 129, 250, 700]  # one span of 128 tokens, two, six (a split is joined)
     q, k, v, meta = paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
     k_pool, v_pool = head_major(k), head_major(v)
     want = reference_attention(q, k, v, meta, hd ** -0.5)
@@ -38,6 +38,23 @@ def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, a
     paged_decode_kernel()(direct, q[:len(ctx)].contiguous(), k_pool.data, v_pool.data,
                           meta.decode_block_tables.contiguous(), meta.decode_context_lens, hd ** -0.5)
     assert torch.equal(direct, got[:len(ctx)])
+
+
+@needs_kernels
+def test_a_sequences_attention_does_not_depend_on_its_batch():
+    """Long contexts are split into spans by their length alone: a sequence's output is the same
+    bits alone or beside others."""
+    ctx = [700, 5, 129, 250]
+    q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=2, heads=6, hd=64)
+    k_pool, v_pool, scale = head_major(k).data, head_major(v).data, 64 ** -0.5
+    tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens
+    whole = torch.empty_like(q)
+    paged_decode_kernel()(whole, q.contiguous(), k_pool, v_pool, tables, lens, scale)
+    for i in range(len(ctx)):
+        alone = torch.empty_like(q[i:i + 1])
+        paged_decode_kernel()(alone, q[i:i + 1].contiguous(), k_pool, v_pool, tables[i:i + 1].contiguous(),
+                              lens[i:i + 1].contiguous(), scale)
+        assert torch.equal(alone, whole[i:i + 1]), ctx[i]
 
 
 @needs_kernels
