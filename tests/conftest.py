@@ -173,7 +173,9 @@ def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServ
 
 # The API key the SDK server demands (as Bearer or x-api-key) and how long it keeps a stored response.
 SDK_SERVER_KEY = "sk-sdk-test"
-SDK_SERVER_RESPONSE_TTL_S = 8  # long enough for a conversation's turns, short enough to watch one expire
+# A turn reads the previous response back a request or two later (tenths of a second each here); the
+# expiry test waits the whole TTL out, so each second of it is a second of the suite.
+SDK_SERVER_RESPONSE_TTL_S = 5
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from pagedserve.models.loader import resolve_model_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, weight_bytes
+from tests.helpers.references import reference_path
 from tests.models.gguf_files import hf_weights, reference_weight, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -236,19 +237,29 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf_dir(smollm2_gguf, tmp_path_factory):
+def smollm2_hf_dir(smollm2_gguf):
     """SmolLM2 dequantized by transformers' own GGUF loader, saved as an ordinary float32
-    Hugging Face checkpoint (safetensors), with the prepared tokenizer."""
+    Hugging Face checkpoint (safetensors), with the prepared tokenizer; and that model, as
+    transformers loads it. Built once per machine (tests/helpers/references.py): the dequantization
+    takes transformers ~15 s, reloading what it saved about one."""
+    import os
     import shutil
 
-    model = _transformers_from_gguf(smollm2_gguf)
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    model.save_pretrained(out, safe_serialization=True)
-    prepared = prepare_gguf_dir(smollm2_gguf)
-    for f in prepared.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
-            shutil.copy(f, out / f.name)
-    return out, model
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.models.standard import _build_lock
+
+    out = reference_path("smollm2-hf", smollm2_gguf, format=1)
+    with _build_lock(out):
+        if not out.exists():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _transformers_from_gguf(smollm2_gguf).save_pretrained(tmp, safe_serialization=True)
+            for f in prepare_gguf_dir(smollm2_gguf).iterdir():
+                if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+                    shutil.copy(f, tmp / f.name)
+            tmp.rename(out)
+    return out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 def _chat_prompts(tokenizer) -> list[str]:
