@@ -197,14 +197,24 @@ def model_name(server_url: str) -> str:
     return httpx.get(f"{server_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+@pytest.fixture(scope="session")
+def http() -> Iterator[httpx.Client]:
+    """One HTTP client for loopback requests. Each new httpx client builds an SSL context (reads the
+    CA bundle: ~30 ms, more on a busy machine), which hundreds of tests paid for their requests and
+    again for the leak check after them. It keeps no connection between requests, so no test meets
+    another's keep-alive connection or a server's idle timeout."""
+    with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        yield client
+
+
 @pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaked_kv_blocks(request: pytest.FixtureRequest, http: httpx.Client) -> Iterator[None]:
     """Every test that talked to the shared server or the SDK server, whether through an SDK or raw
     HTTP, must leave it with 0 KV blocks used (a leak fails the test that caused it, not a later one)."""
     yield
     for server in ("server_url", "sdk_server"):
         if server in request.fixturenames:
             url = request.getfixturevalue(server)
-            load = wait_for_idle(url, timeout=15)
+            load = wait_for_idle(url, timeout=15, http=http)
             assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {server} after {request.node.name}: {load}"
             assert load["running"] == 0 and load["waiting"] == 0, load
