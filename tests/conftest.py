@@ -197,13 +197,17 @@ def model_name(server_url: str) -> str:
     return httpx.get(f"{server_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+# For clients shared by many tests: no connection is kept between requests, so no test meets another's
+# keep-alive connection or a server closing it at its idle timeout (the SDK clients do not retry).
+NO_KEEP_ALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
 @pytest.fixture(scope="session")
 def http() -> Iterator[httpx.Client]:
-    """One HTTP client for loopback requests. Each new httpx client builds an SSL context (reads the
-    CA bundle: ~30 ms, more on a busy machine), which hundreds of tests paid for their requests and
-    again for the leak check after them. It keeps no connection between requests, so no test meets
-    another's keep-alive connection or a server's idle timeout."""
-    with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+    """One HTTP client for loopback requests. Each new httpx client (an SDK client's too) builds an
+    SSL context, reading the CA bundle: ~30-50 ms, which hundreds of tests paid for their requests
+    and again for the leak check after them."""
+    with httpx.Client(timeout=30, limits=NO_KEEP_ALIVE) as client:
         yield client
 
 
