@@ -35,6 +35,25 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ggufs(tiny_model_dir, tmp_path_factory):
+    """``tiny_ggufs(kind)`` → the standard tiny model written as a GGUF of that tensor type (each file
+    written once per session: quantizing in Python takes seconds, and preparing one with its
+    tokenizer has the full ``gguf`` reader parse the vocabulary, seconds more)."""
+    from tests.models.gguf_files import write_gguf
+
+    out = tmp_path_factory.mktemp("gguf")
+    made: dict[str, Path] = {}
+
+    def get(kind: str, source: Path = tiny_model_dir, tag: str = "tiny", tokenizer: bool = False) -> Path:
+        key = f"{tag}-{kind}-{tokenizer}"
+        if key not in made:
+            made[key] = write_gguf(source, out / f"{key}.gguf", kind, tokenizer=tokenizer)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """``checkpoint_dir(arch)`` → a float32 random-weight checkpoint of that architecture."""
     built: dict[str, Path] = {}
