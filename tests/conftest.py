@@ -35,6 +35,25 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ggufs(tiny_model_dir, tmp_path_factory):
+    """``tiny_ggufs(kind)`` → the standard tiny model written as a GGUF of that tensor type (each file
+    written once per session: quantizing in Python takes seconds, and preparing one with its
+    tokenizer has the full ``gguf`` reader parse the vocabulary, seconds more)."""
+    from tests.models.gguf_files import write_gguf
+
+    out = tmp_path_factory.mktemp("gguf")
+    made: dict[str, Path] = {}
+
+    def get(kind: str, source: Path = tiny_model_dir, tag: str = "tiny", tokenizer: bool = False) -> Path:
+        key = f"{tag}-{kind}-{tokenizer}"
+        if key not in made:
+            made[key] = write_gguf(source, out / f"{key}.gguf", kind, tokenizer=tokenizer)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """``checkpoint_dir(arch)`` → a float32 random-weight checkpoint of that architecture."""
     built: dict[str, Path] = {}
@@ -173,7 +192,9 @@ def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServ
 
 # The API key the SDK server demands (as Bearer or x-api-key) and how long it keeps a stored response.
 SDK_SERVER_KEY = "sk-sdk-test"
-SDK_SERVER_RESPONSE_TTL_S = 8  # long enough for a conversation's turns, short enough to watch one expire
+# A turn reads the previous response back a request or two later (tenths of a second each here); the
+# expiry test waits the whole TTL out, so each second of it is a second of the suite.
+SDK_SERVER_RESPONSE_TTL_S = 5
 
 
 @pytest.fixture(scope="session")
@@ -195,14 +216,28 @@ def model_name(server_url: str) -> str:
     return httpx.get(f"{server_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+# For clients shared by many tests: no connection is kept between requests, so no test meets another's
+# keep-alive connection or a server closing it at its idle timeout (the SDK clients do not retry).
+NO_KEEP_ALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
+@pytest.fixture(scope="session")
+def http() -> Iterator[httpx.Client]:
+    """One HTTP client for loopback requests. Each new httpx client (an SDK client's too) builds an
+    SSL context, reading the CA bundle: ~30-50 ms, which hundreds of tests paid for their requests
+    and again for the leak check after them."""
+    with httpx.Client(timeout=30, limits=NO_KEEP_ALIVE) as client:
+        yield client
+
+
 @pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaked_kv_blocks(request: pytest.FixtureRequest, http: httpx.Client) -> Iterator[None]:
     """Every test that talked to the shared server or the SDK server, whether through an SDK or raw
     HTTP, must leave it with 0 KV blocks used (a leak fails the test that caused it, not a later one)."""
     yield
     for server in ("server_url", "sdk_server"):
         if server in request.fixturenames:
             url = request.getfixturevalue(server)
-            load = wait_for_idle(url, timeout=15)
+            load = wait_for_idle(url, timeout=15, http=http)
             assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {server} after {request.node.name}: {load}"
             assert load["running"] == 0 and load["waiting"] == 0, load

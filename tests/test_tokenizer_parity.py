@@ -119,10 +119,9 @@ def _with_model_type(tmp: Path, source: Path, model_type: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def suite_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+def suite_dirs(tiny_model_dir, tiny_ggufs, tmp_path_factory) -> dict[str, Path]:  # type: ignore[no-untyped-def]
     from pagedserve.models.gguf import prepare_gguf_dir
     from pagedserve.models.standard import shared_tokenizer_dir
-    from tests.models.gguf_files import write_gguf
 
     tmp = tmp_path_factory.mktemp("tokenizers")
     dirs = {
@@ -130,7 +129,7 @@ def suite_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:  # type: ig
         # every STANDARD_MODELS entry (and every checkpoint tests/checkpoints.py builds) carries this tokenizer
         "standard": _with_model_type(tmp, shared_tokenizer_dir(), "llama"),
         "trained-toy": shared_tokenizer_dir(4096),
-        "tiny-gguf": prepare_gguf_dir(write_gguf(tiny_model_dir, tmp / "tiny.gguf", "F32", tokenizer=True)),
+        "tiny-gguf": prepare_gguf_dir(tiny_ggufs("Q8_0", tokenizer=True)),  # the file tests/models prepare too
     }
     for arch in ("mistral", "qwen3"):
         dirs[arch] = _with_model_type(tmp, tiny_model_dir, arch)

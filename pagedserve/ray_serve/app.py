@@ -42,6 +42,7 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig, 
         max_queued_requests=settings.max_queued_requests, request_router_config=router,
         # On shutdown Ray waits this long for the replica's lifespan, which drains the engine.
         graceful_shutdown_timeout_s=server_config.shutdown_timeout_s + 5,
+        graceful_shutdown_wait_loop_s=settings.drain_check_s,
         ray_actor_options={"num_cpus": settings.replica_num_cpus, "num_gpus": settings.replica_num_gpus},
         **scaling)
     replica_cap = settings.max_replicas if settings.autoscaling else settings.num_replicas
@@ -52,6 +53,7 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig, 
         # body) rather than waiting in Ray's proxy.
         max_ongoing_requests=2 * ((replica_cap or 1) * settings.max_ongoing_requests
                                   + max(0, settings.max_queued_requests)) + 16,
+        graceful_shutdown_wait_loop_s=settings.drain_check_s,
         ray_actor_options={"num_cpus": settings.front_num_cpus})
     return front.bind(engine.bind(engine_config, server_config), max_body_bytes=server_config.max_body_bytes,
                       retries=settings.retries)

@@ -72,6 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds between the load reports Ray collects from each replica (default 0.5)")
     r.add_argument("--retries", type=int, default=1,
                    help="times a request whose replica died before answering is sent again (default 1)")
+    r.add_argument("--drain-check", type=float, default=2.0, metavar="S",
+                   help="seconds a stopping replica waits before checking that its requests are done, and "
+                        "between checks (time for routers to stop sending it any; default 2, Ray's)")
     p.set_defaults(func=run)
     return p
 
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests, replica_num_cpus=args.replica_cpus,
             replica_num_gpus=args.replica_gpus, front_replicas=args.front_replicas,
             affinity_slack_s=args.affinity_slack, default_service_s=args.default_service_s,
-            routing_stats_period_s=args.routing_stats_period, retries=args.retries)
+            routing_stats_period_s=args.routing_stats_period, retries=args.retries, drain_check_s=args.drain_check)
         if not args.model:
             if args.default_model == "smollm2":
                 from pagedserve.models.default import ensure_default_model

@@ -39,6 +39,9 @@ class RaySettings:
     default_service_s: float = 2.0
     routing_stats_period_s: float = 0.5
     retries: int = 1  # a request whose replica died before answering is sent again this many times
+    # A stopping replica waits this long before it first checks that no request is left (time for the
+    # routers to stop sending it any), then again between checks: Ray's graceful_shutdown_wait_loop_s.
+    drain_check_s: float = 2.0
     app_name: str = "pagedserve"
 
     def __post_init__(self) -> None:
@@ -64,6 +67,7 @@ class RaySettings:
         number("affinity_slack_s", 0, 3600)
         number("default_service_s", 0, 3600, open_lo=True)
         number("routing_stats_period_s", 0.05, 3600)
+        number("drain_check_s", 0, 3600, open_lo=True)
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("give both min_replicas and max_replicas (autoscaling), or neither")
         if self.min_replicas is not None:

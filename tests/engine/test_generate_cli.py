@@ -6,6 +6,7 @@ context past the model's) is one ``cannot start:`` line and exit status 2, never
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -26,21 +27,30 @@ def gpt2_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("missing", "is neither a GGUF file nor a directory"),
-    ("gpt2", "unsupported model type 'gpt2'"),
-    ("tiny-kv", "holds no block"),
-    ("tiny-len", "exceeds the model's limit"),
-    ("spec-k", "num_speculative_tokens must be an integer in [1, 16], got 17"),
-])
-def test_startup_errors_are_one_line(case, expect, tiny_model_dir, gpt2_dir, tmp_path):
-    args = {"missing": ["--model", str(tmp_path / "nope")],
+CASES = {"missing": "is neither a GGUF file nor a directory", "gpt2": "unsupported model type 'gpt2'",
+         "tiny-kv": "holds no block", "tiny-len": "exceeds the model's limit",
+         "spec-k": "num_speculative_tokens must be an integer in [1, 16], got 17"}
+
+
+@pytest.fixture(scope="module")
+def startup_runs(tiny_model_dir, gpt2_dir, tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case's ``generate`` run, started together: each spends seconds importing torch before it
+    fails, and one after another they took the suite ~12 s."""
+    args = {"missing": ["--model", str(tmp_path_factory.mktemp("missing") / "nope")],
             "gpt2": ["--model", str(gpt2_dir)],
             "tiny-kv": ["--model", str(tiny_model_dir), "--kv-cache-memory", "1KiB"],
             "tiny-len": ["--model", str(tiny_model_dir), "--max-model-len", "100000000"],
-            "spec-k": ["--model", str(tiny_model_dir), "--speculative", "ngram", "--num-speculative-tokens", "17"]}[case]
-    # No native-kernel build in these short runs: the errors come before any kernel is used.
-    proc = _run("generate", *args, "--no-native-kernels", "--prompt", "hi", "--max-tokens", "2")
+            "spec-k": ["--model", str(tiny_model_dir), "--speculative", "ngram", "--num-speculative-tokens", "17"]}
+    with concurrent.futures.ThreadPoolExecutor(len(CASES)) as pool:
+        # No native-kernel build in these short runs: the errors come before any kernel is used.
+        runs = {case: pool.submit(_run, "generate", *args[case], "--no-native-kernels", "--prompt", "hi",
+                                  "--max-tokens", "2") for case in CASES}
+        return {case: run.result() for case, run in runs.items()}
+
+
+@pytest.mark.parametrize("case, expect", CASES.items())
+def test_startup_errors_are_one_line(case, expect, startup_runs):
+    proc = startup_runs[case]
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers.servers import free_port, run_engine_server, wait_for_idle
@@ -117,12 +118,12 @@ def engines(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaked_kv_blocks(request: pytest.FixtureRequest, http: httpx.Client) -> Iterator[None]:
     """Every test that sent requests through the engines leaves them with 0 KV blocks used (a leak
     fails the test that caused it, not a later one)."""
     yield
     if "engines" in request.fixturenames:
         for name, url in request.getfixturevalue("engines").items():
-            load = wait_for_idle(url, timeout=15.0)
+            load = wait_for_idle(url, timeout=15.0, http=http)
             assert load["kv_blocks_used"] == 0, f"KV blocks leaked on {name} after {request.node.name}: {load}"
             assert load["running"] == 0 and load["waiting"] == 0, (name, load)

@@ -31,12 +31,13 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
         yield url
 
 
-def wait_for_idle(url: str, timeout: float = 5.0) -> dict:
-    """Poll an engine's /load until nothing runs or waits and no KV block is used; the last report."""
+def wait_for_idle(url: str, timeout: float = 5.0, http: httpx.Client | None = None) -> dict:
+    """Poll an engine's /load until nothing runs or waits and no KV block is used; the last report.
+    ``http``: a client to ask with (conftest's ``http``; a new one costs an SSL context)."""
     deadline = time.monotonic() + timeout
     load: dict = {}
     while time.monotonic() < deadline:
-        load = httpx.get(f"{url}/load", timeout=5).json()
+        load = (http or httpx).get(f"{url}/load", timeout=5).json()
         if load["running"] == 0 and load["waiting"] == 0 and load["kv_blocks_used"] == 0:
             return load
         time.sleep(0.05)

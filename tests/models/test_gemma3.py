@@ -9,8 +9,6 @@ it is computed once per machine and kept in the project cache under a key of exa
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from pagedserve.models.gemma3 import DEFAULTS, Gemma3Architecture
 from pagedserve.models.gguf import prepare_gguf_dir
 from pagedserve.models.hf_config import read_hf_config
 from tests.conftest import assert_no_leaks
+from tests.helpers.references import reference_path
 
 LICENSE = Path(__file__).resolve().parents[2] / "LICENSE"
 # Prompt lengths on both sides of the 512-token window (the suite's budget: 2,000 tokens on a busy CPU
@@ -75,31 +74,16 @@ def _transformers_gemma3(gemma3_gguf: Path):
     return model, config
 
 
-def _reference_key(gemma3_gguf: Path, prompts: list[list[int]]) -> str:
-    """What transformers' outputs depend on: the file's bytes, the prompts, the steps, the versions."""
-    import transformers
-
-    file_hash = hashlib.sha256()
-    with open(gemma3_gguf, "rb") as f:
-        while chunk := f.read(1 << 24):
-            file_hash.update(chunk)
-    what = {"file": file_hash.hexdigest(), "prompts": prompts, "new_tokens": NEW_TOKENS,
-            "transformers": transformers.__version__, "torch": torch.__version__, "format": 1}
-    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def transformers_reference(gemma3_gguf, prompts) -> dict:
     """transformers' parse of the file (``config``: its config dict) and, per prompt, its greedy
     tokens and each step's log-probabilities (``refs``; sliding windows by its own masks): from the
-    cache when this machine computed them already for the same key (:func:`_reference_key`)."""
+    cache when this machine computed them already for the same key (tests/helpers/references.py)."""
     from transformers import Gemma3TextConfig
 
-    from pagedserve.config import cache_dir
     from pagedserve.models.standard import _build_lock
 
-    path = cache_dir() / "test-references" / f"gemma3-270m-{_reference_key(gemma3_gguf, prompts)}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = reference_path("gemma3-270m", gemma3_gguf, format=1, suffix=".pt", prompts=prompts, new_tokens=NEW_TOKENS)
     with _build_lock(path):
         if not path.exists():
             model, config = _transformers_gemma3(gemma3_gguf)

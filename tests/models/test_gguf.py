@@ -19,6 +19,7 @@ from pagedserve.models.loader import resolve_model_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, weight_bytes
+from tests.helpers.references import reference_path
 from tests.models.gguf_files import hf_weights, reference_weight, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -190,16 +191,34 @@ def _transformers_from_gguf(path: Path):
     return model
 
 
-def _assert_logprobs_match(out, theirs, prompt: list[int], atol: float) -> None:
-    """Our engine's greedy tokens and top-5 log-probabilities against transformers' generate."""
-    steps = len(out.outputs[0].logprobs)
-    with torch.no_grad():
-        ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-    assert out.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist()
-    for step, lp in enumerate(out.outputs[0].logprobs):
-        top_vals, top_ids = ref.logits[step][0].float().log_softmax(-1).topk(5)
-        assert [t for t, _ in lp.top][:1] == top_ids.tolist()[:1]
+def _transformers_greedy(path: Path, load_model, prompt: list[int], steps: int) -> dict:
+    """transformers' greedy tokens after ``prompt`` and each step's top-5 log-probabilities, from
+    ``load_model()`` (its model of the file at ``path``): computed once per machine for the file's
+    bytes, the prompt, the steps and the library versions (tests/helpers/references.py)."""
+    import os
+
+    from pagedserve.models.standard import _build_lock
+
+    ref = reference_path(f"{path.stem}-greedy", path, format=1, suffix=".pt", prompt=prompt, steps=steps)
+    with _build_lock(ref):
+        if not ref.exists():
+            with torch.no_grad():
+                out = load_model().generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                                            do_sample=False, output_logits=True, return_dict_in_generate=True)
+            top = [step[0].float().log_softmax(-1).topk(5) for step in out.logits]
+            tmp = ref.with_name(ref.name + f".tmp{os.getpid()}")
+            torch.save({"tokens": out.sequences[0, len(prompt):].tolist(), "top_ids": [t.indices.tolist() for t in top],
+                        "top_vals": [t.values for t in top]}, tmp)
+            tmp.rename(ref)
+    return torch.load(ref)
+
+
+def _assert_logprobs_match(out, ref: dict, atol: float) -> None:
+    """Our engine's greedy tokens and top-5 log-probabilities against transformers' (:func:`_transformers_greedy`)."""
+    assert out.outputs[0].token_ids == ref["tokens"]
+    assert len(out.outputs[0].logprobs) == len(ref["top_ids"])
+    for lp, top_ids, top_vals in zip(out.outputs[0].logprobs, ref["top_ids"], ref["top_vals"]):
+        assert [t for t, _ in lp.top][:1] == top_ids[:1]
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_vals, atol=atol)
 
 
@@ -220,7 +239,8 @@ def test_gguf_engine_matches_the_checkpoint_and_transformers(arch, checkpoint_di
     want = [o.outputs[0].token_ids for o in LLM(str(src), **kw).generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in outs] == want
     if arch == "llama":  # the Q/K un-permutation, checked against transformers' own (SmolLM2 checks it too)
-        _assert_logprobs_match(outs[0], _transformers_from_gguf(path), prompts[0], atol=1e-4)
+        ref = _transformers_greedy(path, lambda: _transformers_from_gguf(path), prompts[0], params.max_tokens)
+        _assert_logprobs_match(outs[0], ref, atol=1e-4)
 
 
 # ---- SmolLM2-135M-Instruct, the default model (Q4_1 GGUF) ------------------------------------
@@ -236,19 +256,26 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf_dir(smollm2_gguf, tmp_path_factory):
+def smollm2_hf_dir(smollm2_gguf):
     """SmolLM2 dequantized by transformers' own GGUF loader, saved as an ordinary float32
-    Hugging Face checkpoint (safetensors), with the prepared tokenizer."""
+    Hugging Face checkpoint (safetensors), with the prepared tokenizer. Built once per machine
+    (tests/helpers/references.py): the dequantization takes transformers ~15 s."""
+    import os
     import shutil
 
-    model = _transformers_from_gguf(smollm2_gguf)
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    model.save_pretrained(out, safe_serialization=True)
-    prepared = prepare_gguf_dir(smollm2_gguf)
-    for f in prepared.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
-            shutil.copy(f, out / f.name)
-    return out, model
+    from pagedserve.models.standard import _build_lock
+
+    out = reference_path("smollm2-hf", smollm2_gguf, format=1)
+    with _build_lock(out):
+        if not out.exists():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _transformers_from_gguf(smollm2_gguf).save_pretrained(tmp, safe_serialization=True)
+            for f in prepare_gguf_dir(smollm2_gguf).iterdir():
+                if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+                    shutil.copy(f, tmp / f.name)
+            tmp.rename(out)
+    return out
 
 
 def _chat_prompts(tokenizer) -> list[str]:
@@ -264,7 +291,9 @@ def test_smollm2_gguf_matches_the_dequantized_hf_checkpoint_and_transformers(smo
     from pagedserve.engine.frontend.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
-    hf_dir, theirs = smollm2_hf_dir
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = smollm2_hf_dir
     kw = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
     params = SamplingParams(max_tokens=12, temperature=0)
     gguf_llm = LLM(str(smollm2_gguf), **kw)
@@ -275,7 +304,9 @@ def test_smollm2_gguf_matches_the_dequantized_hf_checkpoint_and_transformers(smo
     del gguf_llm
     want = [o.outputs[0].token_ids for o in LLM(str(hf_dir), **kw).generate(prompts, params)]
     assert got == want
-    _assert_logprobs_match(out, theirs, ids, atol=2e-3)
+    ref = _transformers_greedy(smollm2_gguf, lambda: AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                               ids, steps=6)
+    _assert_logprobs_match(out, ref, atol=2e-3)
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from pagedserve.bench import corpus, quality, retrieval
-from tests.models.gguf_files import write_gguf
 
 RST = """\
 .. _tut-intro:
@@ -44,12 +43,11 @@ def tiny_corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_q41(tiny_model_dir, tmp_path_factory):
-    """The tiny model as a Q4_1 GGUF with its tokenizer, prepared into a model directory."""
+def tiny_q41(tiny_ggufs):
+    """The tiny model as a Q4_1 GGUF with its tokenizer (the session's file), prepared into a model directory."""
     from pagedserve.models.loader import resolve_model_dir
 
-    path = write_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-bench-Q4_1.gguf", "Q4_1")
-    return str(resolve_model_dir(str(path)))
+    return str(resolve_model_dir(str(tiny_ggufs("Q4_1", tokenizer=True))))
 
 
 def test_prose_paragraphs_keep_sentences_and_drop_markup():

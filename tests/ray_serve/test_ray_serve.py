@@ -35,7 +35,9 @@ SETTINGS = RaySettings(
     num_replicas=2, replica_num_cpus=0.5, max_ongoing_requests=4, max_queued_requests=2,
     # Affinity holds while the prefix's replica is as free as the best (an idle pair ties), and
     # gives way to any wait at all: the skew test does not depend on timings of this machine.
-    affinity_slack_s=0.0, default_service_s=2.0, routing_stats_period_s=0.2, retries=1)
+    affinity_slack_s=0.0, default_service_s=2.0, routing_stats_period_s=0.2, retries=1,
+    # Nothing routes here once a test stops Serve: its replicas need not wait Ray's 2 s before draining.
+    drain_check_s=0.2)
 # A system prompt longer than the 512 characters the prefix key covers (pagedserve.gateway.pools.prefix_key).
 SHARED = ("You are a helpful assistant for a weather service. Answer in one short sentence, be kind, never "
           "guess a forecast you were not given, and say so when you do not know. " * 4) + "Question: "

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.conftest import SDK_SERVER_KEY as KEY
+from tests.conftest import NO_KEEP_ALIVE, SDK_SERVER_KEY as KEY
 from tests.helpers.servers import wait_for_idle
 from tests.server.test_disconnect import aborted_total
 
@@ -22,9 +22,11 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(sdk_server: str) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=sdk_server, api_key=KEY, max_retries=0, timeout=60) as c:
+    """One per module: a new client builds an SSL context (the root conftest's ``http`` says why)."""
+    with anthropic.Anthropic(base_url=sdk_server, api_key=KEY, max_retries=0, timeout=60,
+                             http_client=anthropic.DefaultHttpxClient(limits=NO_KEEP_ALIVE)) as c:
         yield c
 
 

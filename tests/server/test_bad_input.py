@@ -282,56 +282,53 @@ ANTHROPIC_CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_request_gets_openai_error(server_url: str, case: Case) -> None:
-    with httpx.Client(base_url=server_url, timeout=30) as http:
-        r = http.post(case.path, content=case.body, headers={"Content-Type": "application/json"})
-        assert r.status_code == case.status, r.text
-        body = r.json()
-        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-        err = body["error"]
-        assert err["type"] == case.error_type, err
-        assert len(err["message"]) > 15, err  # says what to fix, not just "bad request"
-        if case.param is not None:
-            assert err["param"] == case.param, err
-        if case.code is not None:
-            assert err["code"] == case.code, err
-        # The server still answers the next valid request.
-        ok = http.post(CMPL, json={"prompt": "still alive?", "max_tokens": 2})
-        assert ok.status_code == 200, ok.text
-        assert ok.json()["usage"]["completion_tokens"] >= 1
+def test_bad_request_gets_openai_error(server_url: str, http: httpx.Client, case: Case) -> None:
+    r = http.post(server_url + case.path, content=case.body, headers={"Content-Type": "application/json"})
+    assert r.status_code == case.status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert err["type"] == case.error_type, err
+    assert len(err["message"]) > 15, err  # says what to fix, not just "bad request"
+    if case.param is not None:
+        assert err["param"] == case.param, err
+    if case.code is not None:
+        assert err["code"] == case.code, err
+    # The server still answers the next valid request.
+    ok = http.post(server_url + CMPL, json={"prompt": "still alive?", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
 
 
 @pytest.mark.parametrize("name, body, status, field", ANTHROPIC_CASES, ids=[c[0] for c in ANTHROPIC_CASES])
-def test_bad_messages_request_gets_anthropic_error(server_url: str, model_name: str, name: str, body: bytes,
-                                                   status: int, field: str) -> None:
+def test_bad_messages_request_gets_anthropic_error(server_url: str, http: httpx.Client, model_name: str, name: str,
+                                                   body: bytes, status: int, field: str) -> None:
     body = body.replace(b'"model": "m"', json.dumps({"model": model_name})[1:-1].encode())
-    with httpx.Client(base_url=server_url, timeout=30) as http:
-        r = http.post(MSG, content=body,
-                      headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
-        assert r.status_code == status, r.text
-        err = r.json()
-        assert set(err) == {"type", "error"} and err["type"] == "error", err
-        assert err["error"]["type"] == "invalid_request_error" and field in err["error"]["message"], err
-        ok = http.post(MSG, json={"model": model_name, "max_tokens": 2, "messages": USER})
-        assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] >= 1, ok.text
+    r = http.post(server_url + MSG, content=body,
+                  headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert set(err) == {"type", "error"} and err["type"] == "error", err
+    assert err["error"]["type"] == "invalid_request_error" and field in err["error"]["message"], err
+    ok = http.post(server_url + MSG, json={"model": model_name, "max_tokens": 2, "messages": USER})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] >= 1, ok.text
 
 
-def test_unknown_path_and_method_use_the_error_body(server_url: str) -> None:
-    r = httpx.get(f"{server_url}/v1/nothing-here", timeout=10)
+def test_unknown_path_and_method_use_the_error_body(server_url: str, http: httpx.Client) -> None:
+    r = http.get(f"{server_url}/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.get(f"{server_url}/v1/completions", timeout=10)
+    r = http.get(f"{server_url}/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
 
 
-def test_issue_13_top_k_probe_leaves_the_server_serving(server_url: str) -> None:
+def test_issue_13_top_k_probe_leaves_the_server_serving(server_url: str, http: httpx.Client) -> None:
     """The request that used to overflow in the sampler and kill the step loop for good."""
-    with httpx.Client(base_url=server_url, timeout=30) as http:
-        for _ in range(3):
-            r = http.post(CMPL, json={"prompt": "x", "max_tokens": 3, "top_k": 1180591620717411303424})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
-        assert http.get("/health").status_code == 200
-        ok = http.post(CMPL, json={"prompt": "x", "max_tokens": 3})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+    for _ in range(3):
+        r = http.post(server_url + CMPL, json={"prompt": "x", "max_tokens": 3, "top_k": 1180591620717411303424})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    assert http.get(f"{server_url}/health").status_code == 200
+    ok = http.post(server_url + CMPL, json={"prompt": "x", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
 
 
 @pytest.mark.parametrize("body", [
@@ -346,7 +343,7 @@ def test_issue_13_top_k_probe_leaves_the_server_serving(server_url: str) -> None
      "logit_bias": {str(i): 100.0 if i % 2 else -100.0 for i in range(300)}},
 ], ids=["top_k int32 max", "negative seed", "int64 max seed", "longest stops", "extreme floats", "64 prompts",
         "largest logit_bias, best_of, echo, prompt_logprobs"])
-def test_values_at_the_bounds_are_served(server_url: str, body: dict) -> None:
-    r = httpx.post(f"{server_url}{CMPL}", json=body, timeout=30)
+def test_values_at_the_bounds_are_served(server_url: str, http: httpx.Client, body: dict) -> None:
+    r = http.post(f"{server_url}{CMPL}", json=body)
     assert r.status_code == 200, r.text
     assert all(c["finish_reason"] for c in r.json()["choices"]), r.text

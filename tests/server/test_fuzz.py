@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -78,10 +79,8 @@ def test_no_5xx_for_generated_requests(server_url: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["/openapi.json", "/docs"])
-def test_openapi_document_served(server_url: str, path: str) -> None:
-    import httpx
-
-    assert httpx.get(f"{server_url}{path}", timeout=10).status_code == 200
+def test_openapi_document_served(server_url: str, http: httpx.Client, path: str) -> None:
+    assert http.get(f"{server_url}{path}", timeout=10).status_code == 200
 
 
 # Schema-like JSON: the keywords a JSON schema uses, with values of any JSON type, so most bodies
@@ -112,10 +111,8 @@ _CONSTRAINTS = st.one_of(
 )
 
 
-def test_no_5xx_for_generated_constraints(server_url: str) -> None:
+def test_no_5xx_for_generated_constraints(server_url: str, http: httpx.Client) -> None:
     """Structured-output and tool fields with generated specs: a 400 or an answer, never a 5xx."""
-    import httpx
-
     deadline = time.monotonic() + 12.0
     failures: list[str] = []
     statuses: set[int] = set()
@@ -130,7 +127,7 @@ def test_no_5xx_for_generated_constraints(server_url: str) -> None:
             chat = True
         path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat
                       else ("/v1/completions", {"prompt": "hi"}))
-        r = httpx.post(f"{server_url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=60)
+        r = http.post(f"{server_url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=60)
         statuses.add(r.status_code)
         if r.status_code >= 500:
             failures.append(f"{path} {extra!r} -> {r.status_code} {r.text[:300]}")

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import SDK_SERVER_KEY, SDK_SERVER_RESPONSE_TTL_S as TTL_S
+from tests.conftest import NO_KEEP_ALIVE, SDK_SERVER_KEY, SDK_SERVER_RESPONSE_TTL_S as TTL_S
 
 AUTH = {"authorization": f"Bearer {SDK_SERVER_KEY}"}  # raw HTTP sends the key the SDK client sends
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -21,9 +21,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                           "required": ["city"], "additionalProperties": False}}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(sdk_server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{sdk_server}/v1", api_key=SDK_SERVER_KEY, max_retries=0, timeout=60) as c:
+    """One per module: a new client builds an SSL context (the root conftest's ``http`` says why)."""
+    with openai.OpenAI(base_url=f"{sdk_server}/v1", api_key=SDK_SERVER_KEY, max_retries=0, timeout=60,
+                       http_client=openai.DefaultHttpxClient(limits=NO_KEEP_ALIVE)) as c:
         yield c
 
 

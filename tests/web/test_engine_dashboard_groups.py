@@ -23,8 +23,10 @@ ARGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "256
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gemma3_gguf: Path) -> Any:
-    with run_engine_server(tiny_gemma3_gguf, *ARGS, timeout=300) as url:
+def server(tiny_gemma3_gguf: Path, tiny_model_dir: Path) -> Any:
+    # The `tiny` model's tokenizer: the file's own (transformers' Gemma tokenizer, 262k tokens) took
+    # the front ~10 s to load twice, and the page shows blocks, which no text of this noise needs.
+    with run_engine_server(tiny_gemma3_gguf, *ARGS, "--tokenizer", str(tiny_model_dir), timeout=300) as url:
         yield url
 
 
