@@ -194,7 +194,7 @@ def interval_log_server(tiny_model_dir, tmp_path_factory) -> Iterator[LoggedServ
 SDK_SERVER_KEY = "sk-sdk-test"
 # A turn reads the previous response back a request or two later (tenths of a second each here); the
 # expiry test waits the whole TTL out, so each second of it is a second of the suite.
-SDK_SERVER_RESPONSE_TTL_S = 5
+SDK_SERVER_RESPONSE_TTL_S = 8  # long enough for a conversation's turns under CI load, short enough to watch one expire
 
 
 @pytest.fixture(scope="session")
