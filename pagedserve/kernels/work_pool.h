@@ -28,10 +28,12 @@
 #include <pthread.h>
 #include <sched.h>
 #endif
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -47,7 +49,7 @@ class WorkPool {
   explicit WorkPool(int threads) {
     const std::vector<Place> places = openmp_places(threads);
     for (int i = 1; i < threads; ++i) {
-      workers_.emplace_back([this, place = places[i]] {
+      workers_->emplace_back([this, place = places[i]] {
         place.apply();
 #if defined(__linux__)
         pthread_setname_np(pthread_self(), "pagedserve-pool");  // told apart from OpenMP's in /proc
@@ -58,14 +60,22 @@ class WorkPool {
   }
   WorkPool(const WorkPool&) = delete;
   WorkPool& operator=(const WorkPool&) = delete;
+  // In a forked child (a multiprocessing worker of a process that held a decode stack) the
+  // workers are the parent's threads, not its own: joining them crashed the child when its garbage
+  // collector dropped the copied stack. There the pool's threads are left alone (their handles
+  // leak with the child's exit), and run() works on the caller alone, since no worker claims.
   ~WorkPool() {
+    if (getpid() != owner_) {
+      (void)workers_.release();
+      return;
+    }
     stop_.store(true, std::memory_order_seq_cst);
     state_.fetch_add(kGenUnit, std::memory_order_seq_cst);  // a new "generation" wakes sleepers
     state_.notify_all();
-    for (auto& t : workers_) t.join();
+    for (auto& t : *workers_) t.join();
   }
 
-  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  int threads() const { return static_cast<int>(workers_->size()) + 1; }
 
   // body(b, e) over [begin, end) in chunks of at least `grain` items, at most `max_chunks` of them
   // (0: four per thread, enough to even out a descheduled worker for short kernels; a long one
@@ -76,7 +86,7 @@ class WorkPool {
     if (n <= 0) return;
     const int64_t most = std::min<int64_t>(kMaxChunks, max_chunks > 0 ? max_chunks : 4 * threads());
     const int64_t chunks = std::clamp<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 1, most);
-    if (chunks == 1 || workers_.empty()) {
+    if (chunks == 1 || workers_->empty()) {
       body(begin, end);
       return;
     }
@@ -188,7 +198,8 @@ class WorkPool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   Job jobs_[2];
-  std::vector<std::thread> workers_;
+  const pid_t owner_ = getpid();  // the process whose threads the workers are
+  std::unique_ptr<std::vector<std::thread>> workers_ = std::make_unique<std::vector<std::thread>>();
 };
 
 // body(b, e) over [begin, end): on `pool` when given (in at most `max_chunks` chunks, 0: the

@@ -162,6 +162,59 @@ def test_work_pool_runs_every_chunk_exactly_once(threads):
     assert OPS.work_pool_counts(threads, 0, 5)[0].sum() == 0  # no job, nothing run
 
 
+def _one_layer_stack(threads: int):
+    """A decode stack of one dense Llama layer (hidden 64, one head of 64, MLP 128) on its own pool,
+    and a decode step for it: (stack, step arguments)."""
+    torch.manual_seed(0)
+    hidden, inter = 64, 128
+    stack = torch.classes.pagedserve.DecodeStack(1, 1, hidden, inter, 1e-6, 0.125, torch.ones(8, hidden),
+                                                 torch.zeros(8, hidden), torch.rand(hidden) + 0.5, threads)
+    stack.add_layer(torch.rand(hidden) + 0.5, torch.rand(hidden) + 0.5, None, None,
+                    torch.zeros(1, 2, 16, hidden), torch.zeros(1, 2, 16, hidden))
+    for name, rows, cols in (("qkv", 3 * hidden, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+                             ("down", hidden, inter)):
+        stack.set_linear(0, name, "dense", [torch.randn(rows, cols) / cols ** 0.5], [], [], None, False)
+    one = torch.zeros(1, dtype=torch.long)
+    return stack, (torch.randn(1, hidden), one, one, torch.zeros(1, 1, dtype=torch.long), one + 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_uses_and_drops_a_decode_stack_it_inherited():
+    """A multiprocessing worker forked from a process holding a decode stack inherits its pool but
+    not the pool's threads: the child computes on its own thread and drops the stack without
+    joining threads it does not have. (A gateway test's worker once died in ~WorkPool there: the
+    child's C library had handed the parent's thread records to the child's own new threads.)"""
+    import gc
+    import threading
+    import time
+
+    stack, step = _one_layer_stack(threads=2)
+    want = stack.forward(step[0].clone(), *step[1:])  # the stack adds into x, the residual stream
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if it computed the same and dropped the stack
+        code = 1
+        try:
+            release = threading.Event()  # threads of the child's own, alive while the stack goes
+            helpers = [threading.Thread(target=release.wait, daemon=True) for _ in range(4)]
+            for t in helpers:
+                t.start()
+            got = stack.forward(step[0].clone(), *step[1:])
+            del stack
+            gc.collect()
+            release.set()
+            code = 0 if torch.equal(got, want) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung dropping the stack")
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0, done[1]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
                     reason="needs two usable cores and Linux thread affinity")
 def test_work_pool_workers_take_openmp_places_not_the_callers_core():
