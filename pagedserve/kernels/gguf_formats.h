@@ -73,19 +73,15 @@ inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
   }
 }
 
-// The kernels' layout of a row of a 32-weight format ("planes"): every block's 16 nibble bytes (Q8_0:
-// its 32 bytes) back to back, then (Q5) every block's 4 high-bit bytes, then every block's d, then
-// every block's m (Q4_1, Q5_1). The same bytes as GGUF's, regrouped so that a kernel converts eight
-// blocks' scales with one instruction instead of one at a time, and reads two neighbouring blocks'
-// nibbles with one load. K-quants keep GGUF's layout.
+// The kernels' layout of a row of a 32-weight format ("planes"): every block's integer bytes back
+// to back (Q5's 4 high-bit bytes, then its 16 nibble bytes), then every block's d, then every
+// block's m (Q4_1, Q5_1). The same bytes as GGUF's, regrouped so that a kernel converts eight blocks'
+// scales with one instruction instead of one at a time. K-quants keep GGUF's layout.
 constexpr bool planar(Format f) { return f != Format::q4_k && f != Format::q5_k && f != Format::q6_k; }
-// The SIMD paths read Q4_0, Q4_1, Q5_0 and Q5_1 two blocks at a time (gguf_simd.inc's planar_pair),
-// against activations whose runs are swizzled to match: in each pair of 32-value runs, values 16-31
-// of the first and 0-15 of the second trade places. The scalar path reads them in their own order.
-constexpr bool pairs_swizzled(Format f) {
-  return f == Format::q4_0 || f == Format::q4_1 || f == Format::q5_0 || f == Format::q5_1;
-}
-constexpr bool five_bit(Format f) { return f == Format::q5_0 || f == Format::q5_1; }
+// The SIMD paths read Q4_0 / Q4_1 two blocks at a time (gguf_simd.inc's planar_pair), against
+// activations whose runs are swizzled to match: in each pair of 32-value runs, values 16-31 of the
+// first and 0-15 of the second trade places. The scalar path reads them in their own order.
+constexpr bool pairs_swizzled(Format f) { return f == Format::q4_0 || f == Format::q4_1; }
 constexpr bool with_min(Format f) { return f == Format::q4_1 || f == Format::q5_1; }
 constexpr int quant_bytes(Format f) {
   return f == Format::q8_0 ? 32 : (f == Format::q5_0 || f == Format::q5_1) ? 20 : 16;
@@ -194,12 +190,7 @@ inline void dequantize_row_block(Format f, const uint8_t* row, int64_t blocks, i
   const int qb = quant_bytes(f), head = with_min(f) ? 4 : 2;
   std::memcpy(block, row + blocks * qb + 2 * b, 2);
   if (with_min(f)) std::memcpy(block + 2, row + blocks * qb + 2 * blocks + 2 * b, 2);
-  if (five_bit(f)) {  // GGUF's block: the 4 high-bit bytes, then the 16 nibble bytes
-    std::memcpy(block + head, row + 16 * blocks + 4 * b, 4);
-    std::memcpy(block + head + 4, row + 16 * b, 16);
-  } else {
-    std::memcpy(block + head, row + qb * b, qb);
-  }
+  std::memcpy(block + head, row + qb * b, qb);
   dequantize_block(f, block, y);
 }
 

@@ -35,20 +35,16 @@ KERNEL_ROWS = 32
 
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF rows of ``fmt`` blocks (uint8 ``[rows, row bytes]``) in the kernels' layout: for the
-    32-weight formats, every block's nibble bytes (Q8_0's bytes), then Q5's high bits, then every
-    d, then every m (Q4_1, Q5_1) — the same bytes regrouped, so the kernel converts eight blocks'
-    scales at once and reads two blocks' nibbles in one load (gguf_formats.h); K-quants as they are."""
+    32-weight formats, every block's integer bytes, then every d, then every m (Q4_1, Q5_1) — the
+    same bytes regrouped, so the kernel converts eight blocks' scales at once (gguf_formats.h);
+    K-quants as they are."""
     elems, size = BLOCKS[fmt]
     if elems != 32:
         return blocks.contiguous()
     rows = blocks.shape[0]
     b = blocks.reshape(rows, -1, size)
     head = 4 if fmt in ("Q4_1", "Q5_1") else 2  # d (and m), float16 each
-    if fmt in ("Q5_0", "Q5_1"):  # the nibbles first, so two blocks' sit side by side; then the high bits
-        integers = [b[..., head + 4:], b[..., head:head + 4]]
-    else:
-        integers = [b[..., head:]]
-    planes = integers + [b[..., 0:2]] + ([b[..., 2:4]] if head == 4 else [])
+    planes = [b[..., head:], b[..., 0:2]] + ([b[..., 2:4]] if head == 4 else [])
     return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
 
 
