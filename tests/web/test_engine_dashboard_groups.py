@@ -43,7 +43,9 @@ def _open(page: Any, url: str) -> None:
 def test_the_block_map_shows_each_kv_group(server: str, page: Any, tmp_path: Path) -> None:
     _open(page, server)
     assert page.locator("#kv-groups").is_hidden(), "no group is shown before a block belongs to one"
-    # Two requests of ~150-token prompts and 80 tokens each: far past the 32-token window.
+    # Two requests of ~150-token prompts and 240 tokens each: far past the 32-token window, and long
+    # enough that the polling below sees the page and /load agree while they run (with 80 tokens
+    # the tiny model finished them between a few polls on a loaded CI machine).
     results: list[Any] = []
     errors: list[BaseException] = []
 
@@ -51,7 +53,7 @@ def test_the_block_map_shows_each_kv_group(server: str, page: Any, tmp_path: Pat
         try:
             with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=180) as c:
                 results.append(c.completions.create(model="tiny-gemma3", prompt=f"request {i}: " + "words go by " * 50,
-                                                    max_tokens=80, extra_body={"ignore_eos": True}))
+                                                    max_tokens=240, extra_body={"ignore_eos": True}))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
