@@ -6,12 +6,12 @@ Serving it takes seconds; what it computes is noise, which is all a test of pagi
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
 
 from pagedserve.config import cache_dir
+from tests.helpers.references import build_once
 
 TINY = dict(hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, layers=6, pattern=3, window=32,
             context=1024)
@@ -21,20 +21,13 @@ _FORMAT = 1  # bump when what is written changes
 def tiny_gemma3_gguf(real_gguf: Path) -> Path:
     """The tiny file, written once per machine into the project cache (reading the 262k-token
     vocabulary out of ``real_gguf`` takes the ``gguf`` reader seconds)."""
-    from pagedserve.models.standard import _build_lock
-
     st = Path(real_gguf).stat()
     key = hashlib.sha256(f"{real_gguf}:{st.st_size}:{st.st_mtime_ns}:{TINY}:{_FORMAT}".encode()).hexdigest()[:12]
     out = cache_dir() / "test-models" / f"tiny-gemma3-{key}.gguf"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out):
-        if not out.exists():
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            _write(real_gguf, tmp)
-            tmp.rename(out)
-    return out
+    return build_once(out, lambda tmp: _write(real_gguf, tmp))
 
 
 def _write(real_gguf: Path, out: Path) -> None:

@@ -9,7 +9,6 @@ it is computed once per machine and kept in the project cache under a key of exa
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from pagedserve.models.gemma3 import DEFAULTS, Gemma3Architecture
 from pagedserve.models.gguf import prepare_gguf_dir
 from pagedserve.models.hf_config import read_hf_config
 from tests.conftest import assert_no_leaks
-from tests.helpers.references import reference_path
+from tests.helpers.references import build_once, reference_path
 
 LICENSE = Path(__file__).resolve().parents[2] / "LICENSE"
 # Prompt lengths on both sides of the 512-token window (the suite's budget: 2,000 tokens on a busy CPU
@@ -81,23 +80,19 @@ def transformers_reference(gemma3_gguf, prompts) -> dict:
     cache when this machine computed them already for the same key (tests/helpers/references.py)."""
     from transformers import Gemma3TextConfig
 
-    from pagedserve.models.standard import _build_lock
+    def write(tmp: Path) -> None:
+        model, config = _transformers_gemma3(gemma3_gguf)
+        refs = []
+        with torch.no_grad():
+            for p in prompts:
+                out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True)
+                refs.append((out.sequences[0, len(p):].tolist(),
+                             [step[0].float().log_softmax(-1) for step in out.logits]))
+        torch.save({"config": config.to_dict(), "refs": refs}, tmp)
 
     path = reference_path("gemma3-270m", gemma3_gguf, format=1, suffix=".pt", prompts=prompts, new_tokens=NEW_TOKENS)
-    with _build_lock(path):
-        if not path.exists():
-            model, config = _transformers_gemma3(gemma3_gguf)
-            refs = []
-            with torch.no_grad():
-                for p in prompts:
-                    out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                         do_sample=False, output_logits=True, return_dict_in_generate=True)
-                    refs.append((out.sequences[0, len(p):].tolist(),
-                                 [step[0].float().log_softmax(-1) for step in out.logits]))
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            torch.save({"config": config.to_dict(), "refs": refs}, tmp)
-            tmp.rename(path)
-    saved = torch.load(path)
+    saved = torch.load(build_once(path, write))
     return {"config": Gemma3TextConfig.from_dict(saved["config"]), "refs": saved["refs"]}
 
 

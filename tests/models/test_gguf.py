@@ -19,7 +19,7 @@ from pagedserve.models.loader import resolve_model_dir
 from pagedserve.kernels import native_ops
 from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.quant import Int4Linear, Int8GroupedLinear, QuantizedEmbedding, weight_bytes
-from tests.helpers.references import reference_path
+from tests.helpers.references import build_once, reference_path
 from tests.models.gguf_files import hf_weights, reference_weight, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -195,22 +195,16 @@ def _transformers_greedy(path: Path, load_model, prompt: list[int], steps: int) 
     """transformers' greedy tokens after ``prompt`` and each step's top-5 log-probabilities, from
     ``load_model()`` (its model of the file at ``path``): computed once per machine for the file's
     bytes, the prompt, the steps and the library versions (tests/helpers/references.py)."""
-    import os
-
-    from pagedserve.models.standard import _build_lock
+    def write(tmp: Path) -> None:
+        with torch.no_grad():
+            out = load_model().generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+        top = [step[0].float().log_softmax(-1).topk(5) for step in out.logits]
+        torch.save({"tokens": out.sequences[0, len(prompt):].tolist(), "top_ids": [t.indices.tolist() for t in top],
+                    "top_vals": [t.values for t in top]}, tmp)
 
     ref = reference_path(f"{path.stem}-greedy", path, format=1, suffix=".pt", prompt=prompt, steps=steps)
-    with _build_lock(ref):
-        if not ref.exists():
-            with torch.no_grad():
-                out = load_model().generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
-                                            do_sample=False, output_logits=True, return_dict_in_generate=True)
-            top = [step[0].float().log_softmax(-1).topk(5) for step in out.logits]
-            tmp = ref.with_name(ref.name + f".tmp{os.getpid()}")
-            torch.save({"tokens": out.sequences[0, len(prompt):].tolist(), "top_ids": [t.indices.tolist() for t in top],
-                        "top_vals": [t.values for t in top]}, tmp)
-            tmp.rename(ref)
-    return torch.load(ref)
+    return torch.load(build_once(ref, write))
 
 
 def _assert_logprobs_match(out, ref: dict, atol: float) -> None:
@@ -260,22 +254,15 @@ def smollm2_hf_dir(smollm2_gguf):
     """SmolLM2 dequantized by transformers' own GGUF loader, saved as an ordinary float32
     Hugging Face checkpoint (safetensors), with the prepared tokenizer. Built once per machine
     (tests/helpers/references.py): the dequantization takes transformers ~15 s."""
-    import os
     import shutil
 
-    from pagedserve.models.standard import _build_lock
+    def write(tmp: Path) -> None:
+        _transformers_from_gguf(smollm2_gguf).save_pretrained(tmp, safe_serialization=True)
+        for f in prepare_gguf_dir(smollm2_gguf).iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+                shutil.copy(f, tmp / f.name)
 
-    out = reference_path("smollm2-hf", smollm2_gguf, format=1)
-    with _build_lock(out):
-        if not out.exists():
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            _transformers_from_gguf(smollm2_gguf).save_pretrained(tmp, safe_serialization=True)
-            for f in prepare_gguf_dir(smollm2_gguf).iterdir():
-                if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
-                    shutil.copy(f, tmp / f.name)
-            tmp.rename(out)
-    return out
+    return build_once(reference_path("smollm2-hf", smollm2_gguf, format=1), write)
 
 
 def _chat_prompts(tokenizer) -> list[str]:
