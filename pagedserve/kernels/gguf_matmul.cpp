@@ -296,7 +296,10 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     T* o = out.data_ptr<T>();
-    at::parallel_for(0, N * blocks, std::max<int64_t>(1, 4096 / fi.elems), [&](int64_t b0, int64_t b1) {
+    // Split only above 32k values: a decode step's embedding lookups (up to 56 rows of 576) stay on
+    // the calling thread, outside OpenMP, whose worker would then spin on the core the decode
+    // stack's pool thread needs (work_pool.h); a prefill chunk's lookups and whole weights split.
+    at::parallel_for(0, N * blocks, std::max<int64_t>(1, 32768 / fi.elems), [&](int64_t b0, int64_t b1) {
       float buf[256];
       for (int64_t b = b0; b < b1; ++b) {
         dequantize_row_block(f, wp + b / blocks * blocks * fi.bytes, blocks, b % blocks, buf);

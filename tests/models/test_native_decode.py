@@ -5,6 +5,7 @@ Python path wherever it declines."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -153,3 +154,82 @@ def test_native_decode_takes_decode_steps_only(models):
     assert not native.runs(2, with_chunk, pools)  # a prompt chunk in the step: the Python model
     assert not native.runs(native.max_rows + 1, decode, pools)  # more rows than the GGUF kernels take
     assert not native.runs(2, decode, [tuple(pair) for pair in pools])  # pools it was not built over
+
+
+# Run in a process of its own: OpenMP's workers are told apart from the decode pool's by name and
+# from every other thread by there being no other (a test process holds servers' and clients').
+_OPENMP_PROBE = r"""
+import os, sys, threading
+import torch
+torch.set_num_threads(2)
+from pagedserve.config import EngineConfig
+from pagedserve.engine.frontend.engine import Engine
+from pagedserve.engine.sampling_params import SamplingParams
+from tests.conftest import assert_no_leaks
+from tests.helpers.waiting import wait_until
+
+def others():  # every thread but this one and the decode stack's pool: OpenMP's workers
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if int(tid) != threading.get_native_id() and f.read().strip() != "pagedserve-pool":
+                yield tid
+
+def state(tid):  # R running (an OpenMP worker spinning after a region), S sleeping
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+def asleep():
+    # A sleeping worker wakes only for the next region, and blocks again after it: each time one
+    # more voluntary context switch.
+    wait_until(lambda: all(state(t) in "SD" for t in others()), timeout=10, interval=0.02,
+               what="OpenMP's workers to sleep")
+    switches = {}
+    for tid in others():
+        with open(f"/proc/self/task/{tid}/status") as f:
+            switches[tid] = next(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+    return switches
+
+engine = Engine(EngineConfig(model=sys.argv[1], num_kv_blocks=400, block_size=8, max_model_len=256,
+                             enable_prefix_caching=False))
+probe = torch.ones(1 << 22)
+probe.add_(1)  # 4M values: split across OpenMP's threads, so its team exists
+idle = asleep()
+probe.add_(1)
+woken = asleep()
+assert any(woken[t] > idle[t] for t in idle), f"no thread but this one ran an OpenMP region: {idle} {woken}"
+params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+for i in range(16):  # a 16-stream batch: the logits' rows were an OpenMP region of their own
+    engine.add_request(str(i), [5 + i, 17, 33, 9, 41 + i, 2], params)
+started = set()
+while len(started) < 16:  # the prompts (in chunks): torch's ops, on OpenMP's threads
+    started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+settled = asleep()
+steps = 0
+while engine.has_unfinished_requests():
+    engine.step()
+    steps += 1
+after = asleep()
+assert steps >= 10, steps
+assert after == settled, f"decode steps woke OpenMP's workers (voluntary switches): {settled} -> {after}"
+assert_no_leaks(engine)
+print("ok", steps)
+"""
+
+
+def test_decode_steps_open_no_openmp_region(smollm2_gguf):
+    """A decode step's work outside the native stack (the runner's inputs, the embedding lookup,
+    the logits' rows) stays off OpenMP: a region wakes OpenMP's worker, which then spins on the core
+    the stack's pool thread computes on. On the default model's file, 16 streams: the runner's
+    torch.repeat_interleave, the embedding rows' dequantization and the index picking the rows to
+    sample each opened one, every step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("OpenMP runs no worker thread on one CPU")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _OPENMP_PROBE, str(smollm2_gguf)], capture_output=True, text=True,
+                         timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")

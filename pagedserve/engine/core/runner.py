@@ -27,7 +27,8 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata | list[AttentionMetadata]  # a list: one per KV group (kv/groups.py)
-    sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    # Rows of the flat batch whose logits are sampled; None: every row, in order (a decode step's).
+    sample_indices: torch.Tensor | None
     sampled_seqs: list[Sequence]  # in the order of sample_indices (1 + k rows for one verifying k drafts)
     # Prompt logprobs (only requests that ask for them): (sequence, first prompt position, count)
     # per span, and the flat-batch rows of those positions, in span order.
@@ -112,7 +113,9 @@ class ModelRunner:
         starts = torch.tensor([p for _, p, _ in rows], dtype=torch.long)
         lens = torch.tensor([n for _, _, n in rows], dtype=torch.long)
         total = len(input_ids)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        # Built in Python, not by torch.repeat_interleave: that op always opens an OpenMP region, whose
+        # worker then spins on the core the decode stack's pool thread needs (kernels/work_pool.h).
+        seq_of_token = torch.tensor([i for i, (_, _, n) in enumerate(rows) for _ in range(n)], dtype=torch.long)
         query_starts = torch.cumsum(lens, 0) - lens
         positions = starts[seq_of_token] + torch.arange(total) - query_starts[seq_of_token]
         context_lens = starts + lens
@@ -128,12 +131,14 @@ class ModelRunner:
 
         # Rows that sample: the one that reaches a sequence's last token; every row verifying drafts.
         sampled = [i for i, (s, p, n) in enumerate(rows) if s.draft_token_ids or p + n == s.num_tokens]
-        sample_indices = (query_starts + lens - 1)[sampled]
+        # Every row samples in a decode step: no index then, since torch's opens an OpenMP region even
+        # for 16 rows of 576 values (its worker then spins on the decode stack's pool core).
+        sample_indices = None if len(sampled) == total else (query_starts + lens - 1)[sampled].to(self.device)
         sampled_seqs = [seqs[i] for i in sampled if not (i and seqs[i - 1] is seqs[i])]  # 1 + k rows: once
         spans, prompt_rows = _prompt_logprob_rows(scheduled, query_starts)
         dev = self.device
         return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
-                          sample_indices.to(dev), sampled_seqs, spans or None,
+                          sample_indices, sampled_seqs, spans or None,
                           torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
 
     def _metadata(self, tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor,
@@ -182,7 +187,8 @@ class ModelRunner:
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
         if model_input.prompt_rows is not None:
             model_input.prompt_hidden = hidden[model_input.prompt_rows]
-        return self.model.compute_logits(hidden[model_input.sample_indices])
+        rows = model_input.sample_indices
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     @torch.inference_mode()
     def prompt_logits(self, model_input: ModelInput, start: int, count: int) -> torch.Tensor:
