@@ -46,13 +46,15 @@ namespace pagedserve::gguf {
 
 // The activation rows a call works on, quantized per 32: q int8 [rows, K], d and s float [rows, K/32]
 // (d the scale, s = d x the sum of the 32 values: the run's sum, for the weights' offsets). Int16
-// activations add `low` [rows, K]: a value is then (kLowSteps q + low) d (quantize_row).
+// activations add `low` [rows, K]: a value is then (kLowSteps q + low) d (quantize_row); the SIMD
+// paths take them whole against the planar formats, kLowSteps q + low in `whole` [rows, K].
 struct Rows {
   const int8_t* q;
   const float* d;
   const float* s;
-  int64_t q_stride, d_stride;  // between consecutive rows
+  int64_t q_stride, d_stride;  // between consecutive rows (of q, low and whole; of d and s)
   const int8_t* low = nullptr;
+  const int16_t* whole = nullptr;
 };
 
 // Weight rows [n0, n1) (`row_bytes` apart from w, `blocks` blocks each) against `rows` (1-4)
@@ -169,13 +171,14 @@ namespace avx512 {
 struct Path {
   RangeKernel kernel;
   QuantizeRow quantize;
-  bool pairs = false;  // the kernel wants each pair of runs swizzled (pairs_swizzled)
+  bool pairs = false;  // int8 activations: the kernel wants each pair of runs swizzled (pairs_swizzled)
+  bool whole = false;  // int16 activations: the kernel takes them whole (Rows::whole)
 };
 
 Path path_for(Isa isa, Format f) {
 #if PS_X86
-  if (isa == Isa::avx512) return {avx512::range_kernel(f), &avx512::quantize_row, pairs_swizzled(f)};
-  if (isa == Isa::avx2) return {avx2::range_kernel(f), &avx2::quantize_row, pairs_swizzled(f)};
+  if (isa == Isa::avx512) return {avx512::range_kernel(f), &avx512::quantize_row, pairs_swizzled(f), whole_int16(f)};
+  if (isa == Isa::avx2) return {avx2::range_kernel(f), &avx2::quantize_row, pairs_swizzled(f), whole_int16(f)};
 #endif
   return {scalar::range_kernel(f), &scalar::quantize_row};
 }
@@ -242,12 +245,16 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   std::vector<int8_t> q(M * K), low(residual ? M * K : 0);
   std::vector<float> d(M * runs), s(M * runs);
   int8_t* lp = residual ? low.data() : nullptr;
+  const bool whole = residual && path.whole;  // int16 values whole (Rows::whole), in their own order
+  std::vector<int16_t> values(whole ? M * K : 0);
   pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      path.quantize(xf + m * K, K, q.data() + m * K, lp ? lp + m * K : nullptr, d.data() + m * runs, s.data() + m * runs);
-      if (path.pairs) {
-        swizzle_pairs(q.data() + m * K, K);
-        if (lp) swizzle_pairs(lp + m * K, K);
+      int8_t* qm = q.data() + m * K;
+      path.quantize(xf + m * K, K, qm, lp ? lp + m * K : nullptr, d.data() + m * runs, s.data() + m * runs);
+      if (whole) {
+        for (int64_t i = 0; i < K; ++i) values[m * K + i] = static_cast<int16_t>(kLowSteps * qm[i] + lp[m * K + i]);
+      } else if (path.pairs) {  // int8 activations (int16 ones go whole where a path pairs)
+        swizzle_pairs(qm, K);
       }
     }
   });
@@ -268,7 +275,8 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
       const int64_t b = std::min(n1, a + kRowSpan);
       for (int64_t m = 0; m < M; m += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m));
-        const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, lp ? lp + m * K : nullptr};
+        const Rows xr{q.data() + m * K, d.data() + m * runs, s.data() + m * runs, K, runs, lp ? lp + m * K : nullptr,
+                      whole ? values.data() + m * K : nullptr};
         path.kernel(wp, row_bytes, blocks, a, b, xr, rows, bp, y + m * ld, ld, task_end);
       }
     }
