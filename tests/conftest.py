@@ -26,19 +26,6 @@ from tests.checkpoints import build_checkpoint  # noqa: E402  (after TRITON_INTE
 from tests.helpers.servers import run_engine_server, wait_for_idle  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread for this process's models: on a 2-core machine whose other core is busy (a
-    server this suite started, another job), each op of a two-thread pool waits for its descheduled
-    worker: the Gemma 3, parity and speculative-decoding files took 101-153 s at two threads and
-    57-59 s at one, back to back. The tests that mean to split work over threads set them themselves
-    (tests/kernels ``threads``), and the servers' engine processes keep torch's default."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The standard `tiny` random-weight model (bf16, BPE tokenizer, chat template), built once."""

@@ -25,6 +25,14 @@ from tests.models.gguf_files import hf_weights, reference_weight, write_gguf
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _load(path: Path, keep: bool, dtype=torch.float32, packed=False, native=True):
     """The model of a GGUF file (weights and metadata only: no tokenizer needed); ``native`` False
     loads it as a machine without the native kernels would."""

@@ -21,8 +21,11 @@ SPEC = TrainSpec(name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("trained")
-    report = train_model(SPEC, out, progress=False)  # at the suite's one torch thread (tests/conftest.py)
+    report = train_model(SPEC, out, progress=False)
+    torch.set_num_threads(before)
     return out, report
 
 
