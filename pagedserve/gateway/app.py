@@ -127,7 +127,8 @@ def _lifespan(config: GatewayConfig,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         lim = limiter or make_limiter(config, metrics)
-        poller = LoadPoller(pools, client, config.load_poll_interval_s, on_poll=dispatcher.pump)
+        poller = LoadPoller(pools, client, config.load_poll_interval_s, on_poll=dispatcher.pump,
+                            timeouts_before_down=config.poll_timeouts_before_down)
         await poller.poll_once()  # route from real figures from the first request on
         poller.start()
         app.state.gateway = Gateway(config, KeyRing(config.keys), lim, Admission(lim, config.redis_breaker_reset_s),

@@ -80,6 +80,7 @@ GATEWAY_BOUNDS = {
     "redis_timeout_s": Bound(0, 60, above=True, unit="seconds per Redis call"),
     "redis_breaker_reset_s": Bound(0, 3600, above=True, unit="seconds"),
     "load_poll_interval_s": Bound(0.01, 3600, unit="seconds; shorter would busy-poll the replicas"),
+    "poll_timeouts_before_down": Bound(1, 1000, integer=True, unit="unanswered polls in a row"),
     "request_timeout_s": Bound(0, 86400, above=True, unit="seconds"),
     "connect_timeout_s": Bound(0, 600, above=True, unit="seconds"),
     "affinity_slack_s": Bound(0, 3600, unit="seconds"),
@@ -194,6 +195,9 @@ class GatewayConfig:
     redis_timeout_s: float = 0.25
     redis_breaker_reset_s: float = 1.0
     load_poll_interval_s: float = 0.25
+    # A poll unanswered in time (max(0.5 s, 4 intervals)) may be load: the replica leaves routing after
+    # this many in a row. A refused connection or an error status takes it out at once.
+    poll_timeouts_before_down: int = 3
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     token_count: str = "tokenize"

@@ -113,6 +113,7 @@ class Replica:
     hold_s: float | None = None  # moving average of seconds a request holds its seat (sent → end)
     first_byte_s: float | None = None  # moving average of sent → first response byte
     last_error: str = ""
+    poll_timeouts: int = 0  # consecutive polls that got no answer in time
 
     @property
     def inflight_total(self) -> int:
@@ -290,10 +291,11 @@ class LoadPoller:
     """Polls every replica's load in the background (``/load``, vLLM's ``/metrics`` or ``/health``)."""
 
     def __init__(self, pools: dict[str, Pool], client: httpx.AsyncClient, interval_s: float,
-                 on_poll: Callable[[], None] | None = None):
+                 on_poll: Callable[[], None] | None = None, timeouts_before_down: int = 3):
         self.pools = pools
         self.client = client
         self.interval_s = interval_s
+        self.timeouts_before_down = timeouts_before_down
         self.on_poll = on_poll  # called after every round: seats may have freed up
         self._task: asyncio.Task[None] | None = None
         self.polls = 0
@@ -351,8 +353,16 @@ class LoadPoller:
             r.inflight_at_poll = at_poll
             if not r.healthy:
                 log.info("replica %s is up: back in routing", r.url)
-            r.healthy, r.last_error = True, ""
+            r.healthy, r.last_error, r.poll_timeouts = True, "", 0
+        except httpx.TimeoutException as e:
+            # No answer in time is load as often as death (a replica busy on every core, or this
+            # gateway's own loop late): one missed poll taking every replica out of routing turned a
+            # busy moment into 503s for all. A refused connection or a 503 is certain, and acts at once.
+            r.poll_timeouts += 1
+            if r.poll_timeouts >= self.timeouts_before_down:
+                self.mark_down(r, f"{r.poll_timeouts} polls in a row unanswered ({type(e).__name__})")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            r.poll_timeouts = 0
             self.mark_down(r, f"{type(e).__name__}: {e}")
 
     @staticmethod

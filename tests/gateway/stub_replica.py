@@ -34,7 +34,8 @@ class StubReplica(AppThread):
     * ``plain_crash``: a non-streamed completion's body breaks off halfway (the connection drops).
     * ``tokenize_delay_s``: None serves no ``/tokenize`` (404); else it answers the word count after
       that delay.
-    * ``health_status`` / ``load_status``: what ``/health`` and ``/load`` answer (503: the engine died).
+    * ``health_status`` / ``load_status``: what ``/health`` and ``/load`` answer (503: the engine died);
+      ``load_delay_s``: how long ``/load`` takes to answer (a replica too busy to answer in time).
     * ``vllm=True`` serves vLLM's gauges on /metrics and 404 on /load.
     * ``/detokenize`` answers ``w<id>`` per id (ids below 100, else 400); ``/version`` ``stub-1``.
     * ``last_body``: the last completions body it received.
@@ -52,6 +53,7 @@ class StubReplica(AppThread):
         self.plain_crash = False
         self.error_code: str | None = None  # the code of its error answers
         self.health_status = self.load_status = 200
+        self.load_delay_s = 0.0
         self.completions = 0
         self.tokenize_calls = 0
         self.last_body: dict | None = None
@@ -67,6 +69,7 @@ class StubReplica(AppThread):
         async def load() -> JSONResponse:
             if self.vllm:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
+            await asyncio.sleep(self.load_delay_s)
             if self.load_status != 200:
                 return _error(self.load_status, "the engine is not running", "engine_unavailable")
             return JSONResponse({"running": self.running, "waiting": self.waiting, "max_num_seqs": 4})

@@ -234,6 +234,29 @@ def test_a_replica_whose_engine_died_gets_no_traffic(endpoint: str, load_source:
         _wait_until(lambda: replica.healthy, "the replica is back in routing")
 
 
+def test_a_replica_too_busy_to_answer_one_poll_stays_in_routing() -> None:
+    """A /load unanswered within the poll's timeout (0.5 s here) is load as often as death: the replica
+    keeps its traffic until three polls in a row went unanswered, and is back at the next answer;
+    a 503 after that takes it out at once."""
+    with StubReplica(status=200) as stub, GatewayThread(_config(stub.url, poll_s=0.05)) as gw:
+        replica = gw.gateway.pools["p"].replicas[0]
+        _wait_until(lambda: replica.healthy, "the replica is in routing")
+        stub.load_delay_s = 5.0
+        stalled = time.monotonic()
+        _wait_until(lambda: replica.poll_timeouts >= 1, "a poll timed out")
+        assert replica.healthy
+        r, _ = _post_timed(gw, {"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200 and stub.completions == 1
+        _wait_until(lambda: not replica.healthy, "three unanswered polls take the replica out")
+        assert time.monotonic() - stalled > 1.0  # two whole 0.5 s timeouts at least, after the stall began
+        assert replica.last_error.startswith("3 polls in a row unanswered"), replica.last_error
+        stub.load_delay_s = 0.0
+        _wait_until(lambda: replica.healthy and replica.poll_timeouts == 0, "the replica is back in routing")
+        stub.load_status = 503
+        _wait_until(lambda: not replica.healthy, "a 503 takes it out", timeout=2.0)
+        assert "503" in replica.last_error
+
+
 def test_a_replica_dead_from_the_start_is_never_routed() -> None:
     with StubReplica(status=200) as dead:
         dead.load_status = 503
