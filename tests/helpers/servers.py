@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 
 from pagedserve.bench.processes import engine_server, free_port
+from pagedserve.kernels import native_ops
 
 __all__ = ["AppThread", "free_port", "run_engine_server", "wait_for_idle"]
 
@@ -27,6 +28,10 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
     The server's output goes to ``log`` (a temporary file when not given), quoted in the error if
     it fails to start. ``port``: listen there instead of on a free port (to restart a server in place).
     """
+    if "--no-native-kernels" not in extra_args:
+        # The kernels compile once per machine (over 2 min on a fresh 2-core one with AVX-512), which
+        # no server's start timeout covers: built here first, under the build's lock, without one.
+        native_ops()
     with engine_server("--model", str(model_dir), *extra_args, log=log, timeout_s=timeout, port=port) as url:
         yield url
 
