@@ -45,12 +45,14 @@ serve: $(VENV)/.runtime default-model
 
 # Debian packages the tests need: redis-server (the limiter tests start their own on a loopback
 # port), g++ (the native kernels compile on first use; a test checks that they build here) and
-# chromium (the dashboard tests drive it with playwright; no browser is ever downloaded).
+# chromium (the dashboard tests drive it with playwright; no browser is ever downloaded) and
+# python3-doc (the tutorial's text is the held-out corpus of the quality tests, pagedserve.bench.corpus).
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	ls -d /usr/share/doc/python3*/html/_sources/tutorial >/dev/null 2>&1 || missing="$$missing python3-doc"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing:$$missing (sudo apt-get install$$missing)" >&2; exit 1; fi; fi
