@@ -117,7 +117,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // as compute_logits in models/llama.py: the head's output, then .float().
   at::Tensor logits(at::Tensor x) const {
     TORCH_CHECK(head_.has_value(), "DecodeStack: no LM head was set");
-    return apply(*head_, x).to(at::kFloat);
+    return converted(apply(*head_, x), at::kFloat);
   }
 
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
@@ -181,7 +181,10 @@ class DecodeStack : public torch::CustomClassHolder {
             offset += l.widths[i];
           }
         }
-        return l.float_output || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+        // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's
+        // team (16 rows of a fused gate_up in bf16, on a CPU with native bf16), whose worker then
+        // spins on the core the pool computes on.
+        return l.float_output ? y : converted(y, x.scalar_type());
       }
       case Kind::half: {
         const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
