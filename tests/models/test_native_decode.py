@@ -14,6 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import native_ops
 from pagedserve.kv.cache import HeadMajorKVCache
 from pagedserve.models.attention import AttentionMetadata
+from pagedserve.models.half_linear import HalfWeightLinear, store_linears_16bit
 from pagedserve.models.native_decode import NativeDecode
 from tests.conftest import assert_no_leaks
 
@@ -27,8 +28,9 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
         "llama-onednn": lambda: (checkpoint_dir("llama"), {"dtype": "float32"}),
         "qwen2-bias": lambda: (checkpoint_dir("qwen2"), {"dtype": "float32"}),
         "qwen3-qk-norm": lambda: (checkpoint_dir("qwen3"), {"dtype": "float32"}),
-        "tiny-bf16-dense": lambda: (tiny_model_dir, {"dtype": "bfloat16"}),
-        "tiny-half-weights": lambda: (tiny_model_dir, {"dtype": "float32"}),  # bf16 checkpoint: 16-bit decode weights
+        # Unpacked: where the CPU has native bf16 the loader would prepack bf16 for oneDNN.
+        "tiny-bf16-dense": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "none"}),
+        "tiny-half-weights": lambda: (tiny_model_dir, {"dtype": "float32", "pack_weights": "none"}),  # bf16 checkpoint
         "gguf-q4_1": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {}),
         "gguf-q8_0-int8": lambda: (tiny_ggufs("Q8_0", tokenizer=True), {"gguf_activations": "int8"}),
     }
@@ -38,11 +40,25 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
         key = f"{case}-{native}"
         if key not in built:
             path, options = sources[case]()
-            built[key] = LLM(str(path), num_kv_blocks=96, block_size=8, max_model_len=256, native_decode=native,
-                             **options)
+            built[key] = llm = LLM(str(path), num_kv_blocks=96, block_size=8, max_model_len=256,
+                                   native_decode=native, **options)
+            if case == "tiny-half-weights":
+                _store_16bit_decode_weights(llm, native)
         return built[key]
 
     return get
+
+
+def _store_16bit_decode_weights(llm: LLM, native: bool) -> None:
+    """The loader stores the bf16 checkpoint's weights as 16-bit for decode only on a CPU without
+    native bf16 (elsewhere bf16 compute is the fast path); done here by hand where it did not, so the
+    "half" layers' native decode is tested on every CPU."""
+    runner = llm.engine.core.runner
+    if any(isinstance(m, HalfWeightLinear) for m in runner.model.modules()):
+        return
+    store_linears_16bit(runner.model, torch.bfloat16, native_ops())
+    if native:
+        runner.model.enable_native_decode(runner.kv_caches, native_ops())
 
 
 CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "gguf-q4_1",
