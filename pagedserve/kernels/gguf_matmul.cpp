@@ -150,6 +150,7 @@ RangeKernel range_kernel(Format f) {
 // The SIMD helpers are small and called per 32 weights: forced inline, since a call would move the
 // accumulators through memory (GCC left some of them out of line on its own budget).
 #define PS_INLINE inline __attribute__((always_inline))
+#define PS_INLINE_LAMBDA __attribute__((always_inline))
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -178,8 +179,8 @@ struct Path {
 
 Path path_for(Isa isa, Format f) {
 #if PS_X86
-  if (isa == Isa::avx512) return {avx512::range_kernel(f), &avx512::quantize_row, pairs_swizzled(f), whole_int16(f)};
-  if (isa == Isa::avx2) return {avx2::range_kernel(f), &avx2::quantize_row, pairs_swizzled(f), whole_int16(f)};
+  if (isa == Isa::avx512) return {avx512::range_kernel(f), &avx512::quantize_row, pairs_swizzled(f), avx512::takes_whole(f)};
+  if (isa == Isa::avx2) return {avx2::range_kernel(f), &avx2::quantize_row, pairs_swizzled(f), avx2::takes_whole(f)};
 #endif
   return {scalar::range_kernel(f), &scalar::quantize_row};
 }
