@@ -82,13 +82,6 @@ constexpr bool planar(Format f) { return f != Format::q4_k && f != Format::q5_k 
 // activations whose runs are swizzled to match: in each pair of 32-value runs, values 16-31 of the
 // first and 0-15 of the second trade places. The scalar path reads them in their own order.
 constexpr bool pairs_swizzled(Format f) { return f == Format::q4_0 || f == Format::q4_1; }
-// With int16 activations the SIMD paths take these formats' values whole (Rows::whole), each block's
-// weights widened to int16 (gguf_simd.inc's planar_block); the rest take the values' high and low
-// bytes in turn. On AVX2 Q5_0 / Q5_1 measured slower whole (the fifth bits' unpacking, then the
-// widening, all on the shuffle ports: 157 -> 227 us for one row of 3,072 x 576, one thread); the
-// VNNI path takes them whole as well, its masks setting the fifth bits, and Q4_K (gguf_simd.inc's
-// takes_whole).
-constexpr bool whole_int16(Format f) { return f == Format::q4_0 || f == Format::q4_1 || f == Format::q8_0; }
 constexpr bool with_min(Format f) { return f == Format::q4_1 || f == Format::q5_1; }
 constexpr int quant_bytes(Format f) {
   return f == Format::q8_0 ? 32 : (f == Format::q5_0 || f == Format::q5_1) ? 20 : 16;

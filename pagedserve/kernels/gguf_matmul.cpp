@@ -47,8 +47,8 @@ namespace pagedserve::gguf {
 
 // The activation rows a call works on, quantized per 32: q int8 [rows, K], d and s float [rows, K/32]
 // (d the scale, s = d x the sum of the 32 values: the run's sum, for the weights' offsets). Int16
-// activations add `low` [rows, K]: a value is then (kLowSteps q + low) d (quantize_row); against
-// Q4_0, Q4_1 and Q8_0 the SIMD paths take them whole, kLowSteps q + low in `whole` [rows, K].
+// activations add `low` [rows, K]: a value is then (kLowSteps q + low) d (quantize_row); where the
+// path takes them whole (Path::whole, gguf_simd.inc's takes_whole), kLowSteps q + low in `whole`.
 struct Rows {
   const int8_t* q;
   const float* d;
