@@ -26,6 +26,18 @@ from tests.checkpoints import build_checkpoint  # noqa: E402  (after TRITON_INTE
 from tests.helpers.servers import run_engine_server, wait_for_idle  # noqa: E402
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a test (tests/quant, test_gguf: tiny ops, where on a shared 2-core
+    machine two threads were measured ~25x slower per engine step, each op waiting for a descheduled
+    worker); torch's own count again after it. Not for the whole suite: on the quiet machine CI runs
+    on, the Gemma 3 and parity files were faster at two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The standard `tiny` random-weight model (bf16, BPE tokenizer, chat template), built once."""

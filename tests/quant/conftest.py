@@ -1,15 +1,10 @@
-"""One torch thread for this directory's tests: their ops are tiny, and on a shared 2-core machine
-two threads were measured ~25x slower per engine step (each op waits for a descheduled worker)."""
+"""One torch thread for this directory's tests (tests/conftest.py's ``one_torch_thread``)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread_here(one_torch_thread: None) -> None:
+    """Every test here takes the shared fixture."""
