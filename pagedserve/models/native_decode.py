@@ -69,9 +69,9 @@ class NativeDecode:
         """The native decode path over ``model`` (a ``LlamaForCausalLM``) and ``kv_caches``, or
         ``None``; and why, for the engine's log. ``threads``: the step's threads in the stack's own
         pool; 0 runs its kernels on torch's OpenMP threads. By default torch's thread count, or 0
-        where a linear is oneDNN's: its matmuls run on OpenMP's team anyway, and a pool beside that
-        team spun on the cores OpenMP's threads wanted (``small`` in bf16 on a Zen 4, W2: 90 decode
-        tokens/s with both, 105-109 on OpenMP alone)."""
+        where torch computes a layer's linears (oneDNN-packed or plain): their matmuls run on
+        OpenMP's team anyway, and a pool beside that team spun on the cores OpenMP's threads wanted
+        (``small`` in bf16 on a Zen 4, W2: 90 decode tokens/s with both, 105-109 on OpenMP alone)."""
         if ops is None:
             return None, "the native kernels are unavailable"
         arch = model.arch
@@ -97,7 +97,7 @@ class NativeDecode:
             specs.append(layer_specs)
         kinds = sorted({spec[0] for layer_specs in specs for spec in layer_specs.values()})
         if threads is None:
-            threads = 0 if "onednn" in kinds else torch.get_num_threads()
+            threads = 0 if {"onednn", "dense"} & set(kinds) else torch.get_num_threads()
         rotary = model.layers[0].self_attn.rotary
         stack = torch.classes.pagedserve.DecodeStack(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, model.norm.eps,

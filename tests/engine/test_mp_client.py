@@ -237,13 +237,15 @@ def test_bind_step_threads_pins_only_one_thread_per_core(no_openmp_placement):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
-def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tiny_model_dir, no_openmp_placement):
+def test_a_pinned_core_has_one_step_thread_per_core_and_unpinned_zmq_threads(tiny_ggufs, no_openmp_placement):
     from pagedserve.engine.process_placement import usable_cores
 
     if usable_cores() < 2:
         pytest.skip("one core: nothing to pin")
     everywhere = frozenset(os.sched_getaffinity(0))
-    core = start_core_process(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+    # A GGUF model: its decode stack has a pool of its own on every CPU (a stack whose linears torch
+    # computes runs on OpenMP's threads instead, models/native_decode.py)
+    core = start_core_process(EngineConfig(model=str(tiny_ggufs("Q4_1", tokenizer=True)), num_kv_blocks=64,
                                            max_model_len=256, max_num_seqs=4, bind_step_threads=True))
     assert core.facts.threads_pinned and core.facts.num_threads == usable_cores()
 

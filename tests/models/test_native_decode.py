@@ -101,8 +101,8 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
     native = model.native_decode
     assert native is not None, "the native path declined a model it takes"
     assert KINDS[case] in native.what
-    # oneDNN's matmuls run on OpenMP's team: the stack's other kernels join it rather than a pool beside it
-    assert ("on OpenMP's threads" in native.what) == (KINDS[case] == "onednn"), native.what
+    # torch's matmuls run on OpenMP's team: the stack's other kernels join it rather than a pool beside it
+    assert ("on OpenMP's threads" in native.what) == (KINDS[case] in ("onednn", "dense")), native.what
     assert native.head_rows > 0 and "the LM head too" in native.what
     for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2)):
         pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)
