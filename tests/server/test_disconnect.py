@@ -19,8 +19,10 @@ def aborted_total(url: str) -> float:
 
 
 async def _hang_up_mid_stream(url: str, i: int) -> int:
-    """Open a long stream, read two events, then close the connection. Returns events read."""
-    body = {"prompt": f"client {i} says", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    """Open a long stream, read two events, then close the connection. Returns events read.
+    16 sequences of 200 tokens per client, 320 in all: seconds of work at any speed, where 20 single
+    ones finished on a fast CPU before their hang-ups were seen (once in a clean-clone CI run)."""
+    body = {"prompt": f"client {i} says", "max_tokens": 200, "n": 16, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -42,7 +44,7 @@ def test_twenty_clients_hang_up_mid_stream(server_url: str) -> None:
     assert asyncio.run(main()) == [2] * N_CLIENTS
     load = wait_for_idle(server_url, timeout=10)
     assert load["kv_blocks_used"] == 0 and load["running"] == 0, load
-    # They were aborted, not run to completion (200 tokens each would take far longer).
+    # They were aborted, not run to completion (16 x 200 tokens each would take far longer).
     assert aborted_total(server_url) - before == N_CLIENTS
     r = httpx.post(f"{server_url}/v1/completions", json={"prompt": "after", "max_tokens": 4, "ignore_eos": True},
                    timeout=30)
