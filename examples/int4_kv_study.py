@@ -14,13 +14,22 @@ Formats (`--formats`, all by default):
 * ``kivi``           KIVI: keys per channel over each 16-token block (scale and zero point per
                      channel), values per token (scale and zero point per vector)
 * ``kchan-vrot``     keys per channel over each block (absmax scale, symmetric), values rotated per token
-                     (with the tail: ``--kv-cache-dtype int4`` since 2026-12-04, kv/int4.py)
+                     (with the tail: ``--kv-cache-dtype int4`` 2026-12-04 to 12-05)
+* ``kzero-vrot``     keys per channel over each block, asymmetric: a float8 step and an int8 zero point
+                     per channel (two bytes, as kchan's scale), values rotated per token (with the tail:
+                     ``--kv-cache-dtype int4`` since 2026-12-05, kv/int4.py)
+* ``kasym8-vrot``    the same with the channel's minimum as float8 instead of an int8 zero point, both
+                     relative to a float16 unit per block and head
+* ``kexact-vrot``, ``kchan-vexact``  one side left exact: which of K and V costs the recall
 * ``...+tail``       any of the above with the sequence's last, unfilled block kept in full precision:
                      a query sees its own block's keys and values exact, earlier blocks quantized (a
                      per-channel key scale needs the block's 16 tokens, so the block waits in float
                      until it fills)
 
-Run: ``python examples/int4_kv_study.py --windows 8 --window-len 512`` (2 threads: minutes).
+Run: ``python examples/int4_kv_study.py --windows 8 --window-len 512`` (2 threads: minutes), or with
+``--needles 100`` needle recall instead of perplexity, on the haystacks ``bench retrieval`` builds
+(the same seed): each haystack's shared document prefilled once, each question answered greedily
+through the format, every format paired against float32 needle by needle.
 """
 
 from __future__ import annotations
@@ -74,6 +83,59 @@ def per_channel_blocks(x: torch.Tensor, asym: bool) -> torch.Tensor:
     return q.view(b, h, -1, d)[:, :, :t]
 
 
+def fp8_step(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """x rounded to float8 e4m3 towards -inf (down) or +inf, as float32."""
+    y = x.to(torch.float8_e4m3fn)
+    bits = y.view(torch.uint8).to(torch.int16)
+    wrong = (y.float() > x) if down else (y.float() < x)
+    neg = bits >= 128
+    mag = bits & 0x7F
+    # one step away from the wrong side: towards -inf shrinks a positive magnitude, grows a negative one
+    grow = wrong & (neg if down else ~neg)
+    shrink = wrong & ~(neg if down else ~neg)
+    mag = torch.where(grow, mag + 1, torch.where(shrink & (mag > 0), mag - 1, mag))
+    # crossing zero: the smallest magnitude of the other sign
+    cross = shrink & ((bits & 0x7F) == 0)
+    sign = torch.where(cross, 128 - (bits & 0x80), bits & 0x80)
+    mag = torch.where(cross, torch.ones_like(mag), mag)
+    return (sign | mag).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def block_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [b, heads, T, d] padded into 16-token blocks [b, heads, T/16, 16, d], with each channel's
+    minimum and maximum over each block's valid rows [b, heads, T/16, 1, d]."""
+    t = x.shape[2]
+    xp = torch.nn.functional.pad(x, (0, 0, 0, (-t) % BLOCK)).unflatten(2, (-1, BLOCK))
+    valid = (torch.arange(xp.shape[2] * BLOCK).view(-1, BLOCK) < t).view(1, 1, -1, BLOCK, 1)
+    big = torch.finfo(x.dtype).max
+    return xp, torch.where(valid, xp, big).amin(3, keepdim=True), torch.where(valid, xp, -big).amax(3, keepdim=True)
+
+
+def per_channel_blocks_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Asymmetric int4 per channel over each 16-token block, its minimum and step stored as float8
+    e4m3 relative to a power-of-two unit per block and head: the bytes of a float16 absmax scale."""
+    xp, lo, hi = block_ranges(x)
+    peak = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True).clamp_min(1e-6)
+    unit = torch.exp2(torch.ceil(torch.log2(peak / 256)))
+    lo8 = fp8_step(lo / unit, down=True)
+    step8 = fp8_step(((hi / unit - lo8) / LEVELS4).clamp_min(2.0 ** -9), down=False)
+    q = ((xp / unit - lo8) / step8).round().clamp(0, LEVELS4) * step8 + lo8
+    return (q * unit).flatten(2, 3)[:, :, :x.shape[2]]
+
+
+def per_channel_blocks_zero(x: torch.Tensor) -> torch.Tensor:
+    """Asymmetric int4 per channel over each 16-token block as ``step_c · (q + z_c)``, q in 0..15:
+    each channel's step as float8 e4m3 (rounded up) and its zero point z_c as int8 — two bytes a
+    channel, as a float16 absmax scale (``--kv-cache-dtype int4`` since 2026-12-05)."""
+    xp, lo, hi = block_ranges(x)
+    # the step covers the range, |lo| / step within int8; a rounded zero point clips at most half a step
+    step = torch.maximum((hi - lo) / LEVELS4, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
+    step8 = fp8_step(step, down=False)
+    z = torch.round(lo / step8).clamp(-128, 127)
+    q = (xp / step8 - z).round().clamp(0, LEVELS4)
+    return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
+
+
 def rotated(fn, x: torch.Tensor) -> torch.Tensor:
     hm = hadamard(x.shape[-1]).to(x.dtype)
     return fn(x @ hm) @ hm
@@ -84,6 +146,10 @@ FORMATS = {
     "token-rot": (lambda k: rotated(per_vector_sym, k), lambda v: rotated(per_vector_sym, v)),
     "kivi": (lambda k: per_channel_blocks(k, asym=True), per_vector_asym),
     "kchan-vrot": (lambda k: per_channel_blocks(k, asym=False), lambda v: rotated(per_vector_sym, v)),
+    "kasym8-vrot": (per_channel_blocks_fp8, lambda v: rotated(per_vector_sym, v)),
+    "kzero-vrot": (per_channel_blocks_zero, lambda v: rotated(per_vector_sym, v)),
+    "kexact-vrot": (lambda k: k, lambda v: rotated(per_vector_sym, v)),
+    "kchan-vexact": (lambda k: per_channel_blocks(k, asym=False), lambda v: v),
 }
 
 
@@ -94,7 +160,10 @@ def bits_per_value(name: str, head_dim: int) -> float:
     per_channel = {"sym": 4 + 16 / BLOCK, "asym": 4 + 32 / BLOCK}
     k, v = {"token": (per_token["sym"], per_token["sym"]), "token-rot": (per_token["sym"], per_token["sym"]),
             "kivi": (per_channel["asym"], per_token["asym"]),
-            "kchan-vrot": (per_channel["sym"], per_token["sym"])}[base]
+            "kchan-vrot": (per_channel["sym"], per_token["sym"]),
+            "kzero-vrot": (per_channel["sym"], per_token["sym"]),  # a float8 step and an int8 zero: 2 bytes
+            "kasym8-vrot": (per_channel["sym"] + 16 / (BLOCK * head_dim), per_token["sym"]),  # + a unit per head
+            "kexact-vrot": (16.0, per_token["sym"]), "kchan-vexact": (per_channel["sym"], 16.0)}[base]
     return (k + v) / 2
 
 
@@ -132,6 +201,62 @@ def make_attention(state: dict):
     return attend
 
 
+def answer_needles(model, tokenizer, ctx, max_tokens: int = 16) -> list[str]:
+    """Greedy answers to one haystack's questions: the shared document is prefilled once and its
+    (exact) cache copied for each question; the attention function rounds what it reads, so every
+    question sees the document through the format as the engine's prefix cache would serve it."""
+    import copy
+
+    from transformers import DynamicCache
+
+    prompts = ctx.prompts
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    answers = []
+    with torch.no_grad():
+        base = DynamicCache()
+        if shared:
+            model(torch.tensor([prompts[0][:shared]]), past_key_values=base, use_cache=True)
+        for p in prompts:
+            cache = copy.deepcopy(base)
+            logits = model(torch.tensor([p[shared:]]), past_key_values=cache, use_cache=True).logits
+            out = []
+            for _ in range(max_tokens):
+                tok = int(logits[0, -1].argmax())
+                if tok == tokenizer.eos_token_id:
+                    break
+                out.append(tok)
+                logits = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits
+            answers.append(tokenizer.decode(out))
+    return answers
+
+
+def needle_study(model, tokenizer, state: dict, args) -> None:
+    """Recall per format on the contexts ``bench retrieval`` builds with the same settings, each
+    format paired against float32 needle by needle."""
+    from pagedserve.bench.corpus import load_prose
+    from pagedserve.bench.paired_stats import compare_paired
+    from pagedserve.bench.retrieval import make_contexts, recalled
+
+    paragraphs, _ = load_prose()
+    contexts = make_contexts(tokenizer, paragraphs, args.all_lengths, args.needles, args.needles_per_context,
+                             [0.1, 0.3, 0.5, 0.7, 0.9], 0)
+    contexts = [c for c in contexts if c.length in args.lengths]
+    found: dict[str, list[bool]] = {}
+    for name in ["float32"] + [f for f in args.formats if f != "float32"]:
+        state["format"] = name
+        start = time.perf_counter()
+        hits = []
+        for c in contexts:
+            hits += [recalled(a, n.code) for a, n in zip(answer_needles(model, tokenizer, c), c.needles)]
+        found[name] = hits
+        line = f"{name}: {sum(hits)}/{len(hits)} ({time.perf_counter() - start:.0f} s)"
+        if name != "float32":
+            line += "; vs float32 " + compare_paired(found["float32"], hits).describe()
+        print(line, flush=True)
+
+
 def main() -> None:
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -146,6 +271,13 @@ def main() -> None:
     p.add_argument("--window-len", type=int, default=512, help="tokens per window")
     p.add_argument("--formats", nargs="+", default=[f + s for f in FORMATS for s in ("", "+tail")])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--needles", type=int, default=0,
+                   help="instead of perplexity: needle recall over this many needles per length, the haystacks "
+                        "`bench retrieval --needles N --needles-per-context K` builds (seed 0)")
+    p.add_argument("--needles-per-context", type=int, default=10)
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024], help="lengths asked (needle mode)")
+    p.add_argument("--all-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 7168],
+                   help="the retrieval run's --lengths, which decide the seeded haystacks")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -162,6 +294,9 @@ def main() -> None:
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(prepared)
+    if args.needles:
+        needle_study(model, tokenizer, state, args)
+        return
     paragraphs, _ = load_prose()
     tokens = torch.tensor(tokenizer.encode("\n\n".join(paragraphs), add_special_tokens=False))
     windows = heldout_windows(tokens, args.windows, args.window_len)

@@ -5,12 +5,14 @@
 // stored values, and each value row once, folded into its softmax weight: the inner loops only
 // widen the stored values to float, and a block is read at half of bf16's bytes.
 //
-// And paged_decode_attention_int4 over kv/int4.py's layout: keys per channel within each block,
-// values per token (rotated: the caller rotates the output back), a sequence's open block in a
-// float16 tail; with the instruction-set paths of cpu_isa.h (scalar, avx2, avx512), the scalar one
-// the reference the others are tested against.
+// And paged_decode_attention_int4 over kv/int4.py's layout: keys per channel within each block
+// (asymmetric: step * (code + zero point), the step float8 e4m3), values per token (rotated: the
+// caller rotates the output back), a sequence's open block in a float16 tail; with the
+// instruction-set paths of cpu_isa.h (scalar, avx2, avx512), the scalar one the reference the
+// others are tested against.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "cpu_isa.h"
@@ -20,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include <array>
 #include <cstdint>
 #include <string_view>
 
@@ -141,9 +144,23 @@ struct HalfRows {
 #endif
 };
 
+// float8 e4m3 → float for every bit pattern, built once: a block's 64 key steps are 64 loads
+// instead of 64 software conversions.
+const float* e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 struct Int4Pools {
   const uint8_t *k, *v;  // [blocks, bs, kvh, hd / 2]
-  const c10::Half *k_scales, *v_scales;  // [blocks, kvh, hd] (per channel), [blocks, bs, kvh] (per token)
+  const uint8_t* k_steps;  // [blocks, kvh, hd]: per channel, float8 e4m3 bits
+  const int8_t* k_zeros;  // [blocks, kvh, hd]: per channel, in steps
+  const c10::Half* v_scales;  // [blocks, bs, kvh] (per token)
   const c10::Half *k_tail, *v_tail;  // [slots, bs, kvh, hd]
   const int64_t* tail_of;  // [blocks]: the block's tail slot, or -1 once it is quantized
 };
@@ -162,17 +179,20 @@ struct Int4Layout {
 
 // One (sequence, KV head) at a time, as decode_impl, block by block: a block with a tail slot is
 // read from the float16 tail (Mt); a quantized one through its grid values (Mq), its per-channel
-// key scales folded into the query (one product per channel and block instead of one per key
-// value) and its per-token value scales into the softmax weights. Mq and Mt are the path's block
+// key steps folded into the query (one product per channel and block instead of one per key
+// value), its zero points into one bias per query head and block (a key is step * (grid + 8 +
+// zero point) per channel, so q.k = (q * step).grid + sum q * step * (8 + zero point)), and its
+// per-token value scales into the softmax weights. Mq and Mt are the path's block
 // math (BlockMath's interface): the plain loops (scalar), AVX2 or AVX-512.
 template <typename Mq, typename Mt, int G>
 void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* tables, const int64_t* lens,
                  const Shapes& sh) {
   const int64_t kvh = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kvh * G;
   const Int4Layout lay{kvh, bs, hd, kvh * hd / 2, kvh * hd};
+  const float* e4m3 = e4m3_values();
   const int n_hd = static_cast<int>(hd);
   pagedserve::parallel_for(nullptr, 0, sh.num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), scores;
+    std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), step(hd), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kvh, h = item % kvh, len = lens[s];
       const int64_t* table = tables + s * sh.max_blocks;
@@ -191,10 +211,19 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
           continue;
         }
         lay.prefetch(lay.v_rows(p, blk, h));
-        const c10::Half* ks = p.k_scales + (blk * kvh + h) * hd;
-        for (int g = 0; g < G; ++g)
-          for (int64_t d = 0; d < hd; ++d) qs[g * hd + d] = qf[g * hd + d] * static_cast<float>(ks[d]);
+        const int64_t at = (blk * kvh + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) step[d] = e4m3[p.k_steps[at + d]];
+        float bias[G];
+        for (int g = 0; g < G; ++g) {
+          bias[g] = 0.f;
+          for (int64_t d = 0; d < hd; ++d) {
+            qs[g * hd + d] = qf[g * hd + d] * step[d];
+            bias[g] += qs[g * hd + d] * static_cast<float>(8 + p.k_zeros[at + d]);
+          }
+        }
         Mq::scores(qs.data(), lay.k_rows(p, blk, h), lay.qrow, n_hd, n, scores.data() + start, len);
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < n; ++i) scores[g * len + start + i] += bias[g];
       }
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum);
@@ -365,26 +394,30 @@ void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, c
 }
 
 // out, q [seqs, heads, head_dim] (any model dtype, computed in float32); k_data, v_data [blocks, bs,
-// kvh, head_dim / 2] uint8; k_scales [blocks, kvh, head_dim], v_scales [blocks, bs, kvh] float16;
-// k_tail, v_tail [slots, bs, kvh, head_dim] float16; tail_of [blocks] int64.
+// kvh, head_dim / 2] uint8; k_steps [blocks, kvh, head_dim] float8 e4m3, k_zeros the same int8;
+// v_scales [blocks, bs, kvh] float16; k_tail, v_tail [slots, bs, kvh, head_dim] float16; tail_of
+// [blocks] int64.
 void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
-                                 const at::Tensor& v_data, const at::Tensor& k_scales, const at::Tensor& v_scales,
-                                 const at::Tensor& k_tail, const at::Tensor& v_tail, const at::Tensor& tail_of,
-                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                 const at::Tensor& v_data, const at::Tensor& k_steps, const at::Tensor& k_zeros,
+                                 const at::Tensor& v_scales, const at::Tensor& k_tail, const at::Tensor& v_tail,
+                                 const at::Tensor& tail_of, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, double scale,
                                  std::string_view isa_name) {
   const Isa isa = parse_isa(isa_name, "paged_decode_attention_int4");
   TORCH_CHECK(k_data.dim() == 4 && k_data.sizes() == v_data.sizes() && k_data.scalar_type() == at::kByte &&
                   v_data.scalar_type() == at::kByte, "int4 pools must be uint8 [blocks, bs, kvh, head_dim / 2]");
   const int64_t nb = k_data.size(0), bs = k_data.size(1), kvh = k_data.size(2), hd = 2 * k_data.size(3);
-  TORCH_CHECK(k_scales.sizes() == at::IntArrayRef({nb, kvh, hd}) && v_scales.sizes() == k_data.sizes().slice(0, 3) &&
-                  k_scales.scalar_type() == at::kHalf && v_scales.scalar_type() == at::kHalf,
-              "scales must be float16 [blocks, kvh, head_dim] (K) and [blocks, bs, kvh] (V)");
+  TORCH_CHECK(k_steps.sizes() == at::IntArrayRef({nb, kvh, hd}) && k_zeros.sizes() == k_steps.sizes() &&
+                  k_steps.scalar_type() == at::kFloat8_e4m3fn && k_zeros.scalar_type() == at::kChar,
+              "key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
+  TORCH_CHECK(v_scales.sizes() == k_data.sizes().slice(0, 3) && v_scales.scalar_type() == at::kHalf,
+              "value scales must be float16 [blocks, bs, kvh]");
   TORCH_CHECK(k_tail.dim() == 4 && k_tail.sizes() == v_tail.sizes() && k_tail.size(1) == bs && k_tail.size(2) == kvh &&
                   k_tail.size(3) == hd && k_tail.scalar_type() == at::kHalf && v_tail.scalar_type() == at::kHalf,
               "tails must be float16 [slots, bs, kvh, head_dim]");
   TORCH_CHECK(tail_of.scalar_type() == at::kLong && tail_of.dim() == 1 && tail_of.size(0) == nb,
               "tail_of must be int64 [blocks]");
-  for (const at::Tensor* t : {&k_data, &v_data, &k_scales, &v_scales, &k_tail, &v_tail, &tail_of})
+  for (const at::Tensor* t : {&k_data, &v_data, &k_steps, &k_zeros, &v_scales, &k_tail, &v_tail, &tail_of})
     TORCH_CHECK(t->is_contiguous(), "tensors must be contiguous");
   const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
   TORCH_CHECK(sh.hd == hd, "q's head_dim ", sh.hd, " is not the pools' ", hd);
@@ -392,8 +425,14 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   for (int64_t b = 0; b < nb; ++b) TORCH_CHECK(slots[b] < k_tail.size(0), "tail slot ", slots[b], " out of range");
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor of = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  const Int4Pools p{k_data.data_ptr<uint8_t>(), v_data.data_ptr<uint8_t>(), k_scales.data_ptr<c10::Half>(),
-                    v_scales.data_ptr<c10::Half>(), k_tail.data_ptr<c10::Half>(), v_tail.data_ptr<c10::Half>(), slots};
+  const Int4Pools p{k_data.data_ptr<uint8_t>(),
+                    v_data.data_ptr<uint8_t>(),
+                    static_cast<const uint8_t*>(k_steps.data_ptr()),  // float8 bits, read through e4m3_values()
+                    k_zeros.data_ptr<int8_t>(),
+                    v_scales.data_ptr<c10::Half>(),
+                    k_tail.data_ptr<c10::Half>(),
+                    v_tail.data_ptr<c10::Half>(),
+                    slots};
   const int64_t* t = block_tables.data_ptr<int64_t>();
   const int64_t* l = context_lens.data_ptr<int64_t>();
   float* o = of.data_ptr<float>();
@@ -417,9 +456,9 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention_quantized(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scales, "
         "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, str kind) -> ()");
-  m.def("paged_decode_attention_int4(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scales, "
-        "Tensor v_scales, Tensor k_tail, Tensor v_tail, Tensor tail_of, Tensor block_tables, Tensor context_lens, "
-        "float scale, str isa='auto') -> ()");
+  m.def("paged_decode_attention_int4(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_steps, "
+        "Tensor k_zeros, Tensor v_scales, Tensor k_tail, Tensor v_tail, Tensor tail_of, Tensor block_tables, "
+        "Tensor context_lens, float scale, str isa='auto') -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -1,16 +1,24 @@
-"""int4 KV: keys per channel within each block, values rotated per token, and each sequence's open
-block kept in a float16 *tail* until it fills — the layout ``examples/int4_kv_study.py`` chose
-(docs/QUANTIZATION.md: +1.2 % perplexity on SmolLM2 at 0.289× bf16's bytes).
+"""int4 KV: keys per channel within each block with a zero point, values rotated per token, and
+each sequence's open block kept in a float16 *tail* until it fills — the layout
+``examples/int4_kv_study.py`` chose (docs/QUANTIZATION.md: +0.4 to +1.2 % perplexity on SmolLM2 at
+0.289× bf16's bytes, needle recall within 0–7 points of float32's).
 
 One layer's K (or V) pool::
 
-    data   [num_blocks, block_size, kv_heads, head_dim // 2]  uint8, two int4 values a byte
-    scales [num_blocks, kv_heads, head_dim]   float16  (K: one per block, head and channel)
-           [num_blocks, block_size, kv_heads] float16  (V: one per token and head)
-    tail   [tail_slots, block_size, kv_heads, head_dim] float16
+    data        [num_blocks, block_size, kv_heads, head_dim // 2]  uint8, two int4 codes a byte
+    scales      [num_blocks, kv_heads, head_dim]   float8 e4m3 (K: one step per block, head and channel)
+                [num_blocks, block_size, kv_heads] float16      (V: one scale per token and head)
+    zero_points [num_blocks, kv_heads, head_dim]   int8         (K only)
+    tail        [tail_slots, block_size, kv_heads, head_dim] float16
 
 Post-RoPE keys of Llama-family models keep a few channels far larger than the rest: a scale per
 channel over the block's 16 keys gives each channel its own range, which a per-vector scale cannot.
+Many of those channels also sit off zero (a slow RoPE pair barely turns in 16 positions), so each
+channel is quantized *asymmetrically*, key = step · (code + zero_point) with codes 0..15: a
+symmetric scale spent half its levels on a side the channel never visits, and that cost SmolLM2 a
+third of its needle recall (docs/QUANTIZATION.md). The step is stored as float8 e4m3 (rounded up:
+2^-9 .. 448, three mantissa bits from 2^-6) and the zero point as int8 in steps, so a channel
+costs two bytes, as the symmetric float16 scale did, and a token's bytes stay whole.
 Values have no such channels; they are stored as before, per vector, rotated by the normalised
 Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
 back (``models.attention.in_stored_basis``).
@@ -42,8 +50,9 @@ from pagedserve.kv.quant import SCALE_DTYPE, dequantize_kv, hadamard_matrix, qua
 from pagedserve.kv.zeros import zeros
 
 TAIL_DTYPE = torch.float16
-_QMAX = 7.0
-_MIN_SCALE = 1e-6
+KEY_STEP_DTYPE = torch.float8_e4m3fn
+_LEVELS = 15  # int4 codes 0..15
+_E4M3_MIN, _E4M3_MAX = 2.0 ** -9, 448.0  # e4m3's smallest subnormal and largest finite value
 
 
 @dataclass(frozen=True)
@@ -195,10 +204,42 @@ class TailMap:
                          filled_slots=filled_slots, decode_slots=decode_slots)
 
 
-def _pack(y: torch.Tensor) -> torch.Tensor:
-    """Values on int4's grid ``[..., head_dim]`` (rounded and clamped here) → bytes ``[..., head_dim // 2]``."""
-    nib = (y.round().clamp(-_QMAX, _QMAX) + 8).to(torch.uint8)
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes ``[..., head_dim]`` (rounded and clamped to 0..15 here) → bytes ``[..., head_dim // 2]``,
+    the even element in the low nibble."""
+    nib = codes.round().clamp(0, _LEVELS).to(torch.uint8)
     return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def _unpack(data: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[..., head_dim // 2]`` → codes 0..15 ``[..., head_dim]`` as float32."""
+    return torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2).float()
+
+
+def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:
+    """``x >= 0`` as float8 e4m3, rounded up (a step rounded down would clip its channel's range; a
+    zero one is the smallest, 2^-9)."""
+    x = x.clamp(_E4M3_MIN, _E4M3_MAX)
+    y = x.to(KEY_STEP_DTYPE)
+    return torch.where(y.float() < x, (y.view(torch.uint8) + 1).view(KEY_STEP_DTYPE), y)
+
+
+def quantize_key_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole key blocks ``[n, block_size, kv_heads, head_dim]`` (float32) → (bytes, steps, zero
+    points): per block, head and channel, ``key ≈ step · (code + zero_point)``."""
+    lo, hi = x.amin(dim=1), x.amax(dim=1)  # [n, kv_heads, head_dim]
+    # The step spans the channel's range in 15 levels, and is large enough that |lo| / step fits int8;
+    # a zero point rounded to the nearest step then clips at most half a step at either end.
+    step = torch.maximum((hi - lo) / _LEVELS, torch.maximum(lo.abs(), hi.abs()) / 127)
+    steps = _e4m3_at_least(step)
+    real = steps.float()  # what dequantizing multiplies by
+    zero_points = (lo / real).round().clamp(-128, 127).to(torch.int8)
+    return _pack(x / real.unsqueeze(1) - zero_points.float().unsqueeze(1)), steps, zero_points
+
+
+def key_block_values(data: torch.Tensor, steps: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_key_blocks`' output back as float32 keys ``[n, block_size, kv_heads, head_dim]``."""
+    return (_unpack(data) + zero_points.float().unsqueeze(-3)) * steps.float().unsqueeze(-3)
 
 
 @dataclass
@@ -213,6 +254,7 @@ class Int4KVCache:
     per_channel: bool
     out_dtype: torch.dtype
     rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
+    zero_points: torch.Tensor | None = None  # K: [blocks, kv_heads, head_dim] int8
     slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
@@ -226,8 +268,10 @@ class Int4KVCache:
             raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
         data = (num_blocks, block_size, num_kv_heads, head_dim // 2)
         tail = (tails.num_slots, block_size, num_kv_heads, head_dim)
-        k = cls(zeros(data, torch.uint8, device), zeros((num_blocks, num_kv_heads, head_dim), SCALE_DTYPE, device),
-                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype)
+        per_channel = (num_blocks, num_kv_heads, head_dim)
+        k = cls(zeros(data, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
+                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
+                zero_points=zeros(per_channel, torch.int8, device))
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
                 tails, False, out_dtype, hadamard_matrix(head_dim, device=device))
         return k, v
@@ -239,22 +283,22 @@ class Int4KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: blocks, scales and tail slots."""
-        return self.data.nbytes + self.scales.nbytes + self.tail.nbytes
+        """Bytes held: blocks, scales (K: steps and zero points) and tail slots."""
+        extra = 0 if self.zero_points is None else self.zero_points.nbytes
+        return self.data.nbytes + self.scales.nbytes + self.tail.nbytes + extra
 
-    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks ``[n, block_size, kv_heads, head_dim]`` (float32, as stored) → (bytes, scales)."""
-        if not self.per_channel:
-            return quantize_kv(x, "int4")
-        scales = (x.abs().amax(dim=1) / _QMAX).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
-        return _pack(x / scales.float().unsqueeze(1)), scales  # divided by what dequantizing multiplies by
+    def _store(self, ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize whole blocks ``x [n, block_size, kv_heads, head_dim]`` (float32, as stored) into ``ids``."""
+        if self.per_channel:
+            self.data[ids], self.scales[ids], self.zero_points[ids] = quantize_key_blocks(x)
+        else:
+            self.data[ids], self.scales[ids] = quantize_kv(x, "int4")
 
-    def _values(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Quantized blocks as float32 values, as stored (V still rotated)."""
+    def _values(self, ids: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Quantized blocks ``ids`` of this pool or selection as float32 values, as stored (V still rotated)."""
         if not self.per_channel:
-            return dequantize_kv(data, scales, "int4", torch.float32)
-        grid = torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2).float() - 8
-        return grid * scales.float().unsqueeze(-3)
+            return dequantize_kv(self.data[ids], self.scales[ids], "int4", torch.float32)
+        return key_block_values(self.data[ids], self.scales[ids], self.zero_points[ids])
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
@@ -268,15 +312,13 @@ class Int4KVCache:
         if p.full_blocks.numel():
             rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
             rows[p.full_from_tail] = self.tail[p.full_tail_slots].float()
-            pool_ids = p.full_blocks[p.full_from_pool]
-            rows[p.full_from_pool] = self._values(self.data[pool_ids], self.scales[pool_ids])
+            rows[p.full_from_pool] = self._values(p.full_blocks[p.full_from_pool])
             rows.view(-1, kvh, hd)[p.full_rows] = x[p.full_tokens]
-            self.data[p.full_blocks], self.scales[p.full_blocks] = self._quantize(rows)
+            self._store(p.full_blocks, rows)
             # whole in its slot too, for this step's decodes (WritePlan.decode_slots)
             self.tail[p.full_tail_slots] = rows[p.full_from_tail].to(TAIL_DTYPE)
         if p.reopen_blocks.numel():
-            ids = p.reopen_blocks
-            self.tail[p.reopen_slots] = self._values(self.data[ids], self.scales[ids]).to(TAIL_DTYPE)
+            self.tail[p.reopen_slots] = self._values(p.reopen_blocks).to(TAIL_DTYPE)
         self.tail.view(-1, kvh, hd)[p.tail_rows] = x[p.tail_tokens].to(TAIL_DTYPE)
 
     def own_block_rows(self, start: int, count: int, lead: int, block: int) -> torch.Tensor:
@@ -289,14 +331,15 @@ class Int4KVCache:
         if lead:
             slot = self.plan.filled_slots.get(block, self.tails._slot_of[block])
             before = (self.tail[slot, :lead].float() if slot >= 0  # else reopened and filled at once: as quantized
-                      else self._values(self.data[block], self.scales[block])[:lead])
+                      else self._values(torch.tensor([block]))[0, :lead])
             rows = torch.cat([before, rows])
         return rows if self.rotation is None else rows @ self.rotation
 
     def __getitem__(self, block_ids) -> Int4KVCache:
         """The selected blocks (``cache[block_table]``), still quantized, with their tail slots."""
+        pick = {} if self.zero_points is None else {"zero_points": self.zero_points[block_ids]}
         return replace(self, data=self.data[block_ids], scales=self.scales[block_ids],
-                       slots=self.tail_slots()[block_ids])
+                       slots=self.tail_slots()[block_ids], **pick)
 
     def tail_slots(self) -> torch.Tensor:
         """``[num_blocks]``: each block's tail slot as this view reads it (-1: quantized)."""
@@ -311,6 +354,8 @@ class Int4KVCache:
     def __setitem__(self, block_ids, blocks: Int4KVCache) -> None:
         """Copy-on-write: ``block_ids`` become copies of ``blocks``, open ones in tail slots of their own."""
         self.data[block_ids], self.scales[block_ids] = blocks.data, blocks.scales
+        if self.zero_points is not None:
+            self.zero_points[block_ids] = blocks.zero_points
         dst = torch.as_tensor(block_ids).reshape(-1)
         open_src = blocks.slots.reshape(-1) >= 0
         if open_src.any():
@@ -319,7 +364,7 @@ class Int4KVCache:
 
     def dequantize(self) -> torch.Tensor:
         """A selection's values in ``out_dtype``, open blocks from their tail, V rotated back."""
-        values = self._values(self.data, self.scales)
+        values = self._values()
         if self.slots is not None:
             open_ = self.slots >= 0
             values[open_] = self.tail[self.slots[open_]].float()

@@ -9,9 +9,10 @@ from __future__ import annotations
 # Bytes per stored element for each KV precision (int4 packs two values in a byte).
 KV_ELEMENT_BYTES = {"float32": 4.0, "fp32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0,
                     "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-# A quantized cache stores float16 scales: one per K and per V vector (int8, fp8; int4's V), and for
-# int4's K one per block, head and channel (kv/int4.py).
+# A quantized cache stores float16 scales: one per K and per V vector (int8, fp8; int4's V). int4's
+# K stores per block, head and channel a float8 step and an int8 zero point (kv/int4.py).
 SCALE_BYTES = 2
+INT4_KEY_CHANNEL_BYTES = 2
 QUANTIZED_KV = frozenset({"fp8", "int8", "int4"})
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 
@@ -45,10 +46,11 @@ def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, p
 
     The elements (:func:`kv_bytes_per_token`), plus, for a quantized precision (fp8, int8,
     int4), one float16 scale per K and per V vector (:func:`kv_scale_bytes_per_token`): int8 KV
-    is not half of bf16 but half plus ``4 / head_dim`` of it. int4's keys instead take one scale
-    per channel per ``block_size`` tokens (``2 × head_dim / block_size`` bytes a token and head:
-    8 at head_dim 64 in blocks of 16, so 40 + 34 bytes against bf16's 256, ×0.289), rounded up to
-    whole bytes. int4 also holds :func:`kv_tail_bytes_per_sequence` per running sequence.
+    is not half of bf16 but half plus ``4 / head_dim`` of it. int4's keys instead take a float8
+    step and an int8 zero point per channel per ``block_size`` tokens (``2 × head_dim / block_size``
+    bytes a token and head: 8 at head_dim 64 in blocks of 16, so 40 + 34 bytes against bf16's 256,
+    ×0.289), rounded up to whole bytes. int4 also holds :func:`kv_tail_bytes_per_sequence` per
+    running sequence.
     """
     name = precision.lower()
     elements = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_element_bytes(name))
@@ -58,7 +60,7 @@ def kv_pool_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, p
         return int(elements) + kv_scale_bytes_per_token(num_layers, num_kv_heads)
     if head_dim % 2:
         raise SizingError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
-    key_scales = -(-num_layers * num_kv_heads * head_dim * SCALE_BYTES // block_size)
+    key_scales = -(-num_layers * num_kv_heads * head_dim * INT4_KEY_CHANNEL_BYTES // block_size)
     return int(elements) + int(key_scales) + num_layers * num_kv_heads * SCALE_BYTES
 
 

@@ -116,9 +116,9 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     # the decodes really went through the kernel (computing in float32, the output rotated back as
     # in_stored_basis does), and match the float32 reference over the same bits
     direct = torch.empty(d, heads, hd)
-    paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, v_pool.scales,
-                               k_pool.tail, v_pool.tail, read, meta.decode_block_tables,
-                               meta.decode_context_lens, hd ** -0.5)
+    paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
+                               v_pool.scales, k_pool.tail, v_pool.tail, read,
+                               meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5)
     assert torch.equal((direct @ v_pool.rotation).to(dtype), got[:d])
     k_pool.out_dtype = v_pool.out_dtype = torch.float32
     exact = reference_attention(q.float(), k_pool, v_pool, meta, hd ** -0.5)
@@ -141,9 +141,9 @@ def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, h
 
     def run(path):
         out = torch.empty(d, heads, hd)
-        paged_decode_int4_kernel()(out, q, k_pool.data, v_pool.data, k_pool.scales, v_pool.scales, k_pool.tail,
-                                   v_pool.tail, read, meta.decode_block_tables, meta.decode_context_lens,
-                                   hd ** -0.5, path)
+        paged_decode_int4_kernel()(out, q, k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
+                                   v_pool.scales, k_pool.tail, v_pool.tail, read,
+                                   meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5, path)
         return out @ v_pool.rotation
 
     got = run(isa)
@@ -160,11 +160,13 @@ def test_int4_kernel_refuses_a_tail_slot_outside_the_tails():
     bad = kp.tails.slot_of.clone()
     bad[0] = kp.tail.shape[0]
     with pytest.raises(RuntimeError, match="tail slot"):
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, vp.scales, kp.tail,
-                                   vp.tail, bad, meta.decode_block_tables, meta.decode_context_lens, 0.1)
-    with pytest.raises(RuntimeError, match="scales"):  # K's per-channel scales are not V's per-token ones
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, vp.scales, kp.tail,
-                                   vp.tail, kp.tails.slot_of, meta.decode_block_tables, meta.decode_context_lens, 0.1)
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points,
+                                   vp.scales, kp.tail, vp.tail, bad, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.1)
+    with pytest.raises(RuntimeError, match="key steps"):  # K's per-channel steps are not V's per-token scales
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, kp.zero_points,
+                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.1)
 
 
 @needs_kernels
