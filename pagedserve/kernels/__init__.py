@@ -7,8 +7,7 @@
   pools (int8, fp8), dequantizing each K and V vector with its scale as it reads, and over the int4
   layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail,
   with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``). ``paged_attention.cpp`` also holds the
-  prompt chunks' softmax passes: causal (``causal_softmax_``) and under an explicit mask
-  (``masked_softmax_``, int4's own-block-exact chunks).
+  prompt chunks' causal softmax pass (``causal_softmax_``).
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels

@@ -138,79 +138,15 @@ void causal_softmax_(at::Tensor& scores, int64_t q_len) {
   });
 }
 
-// The same under an explicit mask [q_len, keys] (bool, shared by the leading dims): int4's prompt
-// chunks, whose queries see the earlier blocks quantized and their own block's exact rows
-// (models/attention.py's own_block_exact), a pattern no causal offset describes. One pass per row
-// instead of masked_fill + softmax.
-// Every row must see at least one key.
-template <typename T>
-void masked_softmax_impl(T* scores, const bool* mask, int64_t rows, int64_t q_len, int64_t keys) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / keys), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(keys);
-    std::vector<std::pair<int64_t, int64_t>> runs;  // [from, to) of the keys seen
-    for (int64_t r = begin; r < end; ++r) {
-      T* x = scores + r * keys;
-      const bool* seen = mask + (r % q_len) * keys;
-      // Exp over the keys seen only, run by run (own_block_exact gives each query two): plain
-      // loops over contiguous runs vectorize. Measured: an exp over every key with the hidden
-      // ones selected away, or one conditional exp per key, each took longer than torch's
-      // masked_fill + softmax.
-      runs.clear();
-      for (int64_t j = 0; j < keys;) {
-        if (!seen[j]) { ++j; continue; }
-        int64_t e = j;
-        while (e < keys && seen[e]) ++e;
-        runs.emplace_back(j, e);
-        j = e;
-      }
-      float m = to_float(x[runs[0].first]);
-      for (auto [a, b] : runs)
-        for (int64_t j = a; j < b; ++j) {
-          row[j] = to_float(x[j]);
-          m = std::max(m, row[j]);
-        }
-      float sum = 0.f;
-      for (auto [a, b] : runs)
-        for (int64_t j = a; j < b; ++j) {
-          row[j] = std::exp(row[j] - m);
-          sum += row[j];
-        }
-      const float inv = 1.f / sum;
-      std::fill(x, x + keys, from_float<T>(0.f));
-      for (auto [a, b] : runs)
-        for (int64_t j = a; j < b; ++j) x[j] = from_float<T>(row[j] * inv);
-    }
-  });
-}
-
-void masked_softmax_(at::Tensor& scores, const at::Tensor& mask) {
-  TORCH_CHECK(scores.is_contiguous() && scores.dim() >= 2,
-              "masked_softmax_: scores must be contiguous [..., q_len, keys]");
-  const int64_t q_len = scores.size(-2), keys = scores.size(-1);
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == q_len &&
-                  mask.size(1) == keys, "masked_softmax_: mask must be a contiguous bool [q_len, keys]");
-  const bool* seen = mask.data_ptr<bool>();
-  for (int64_t i = 0; i < q_len; ++i)
-    TORCH_CHECK(std::find(seen + i * keys, seen + (i + 1) * keys, true) != seen + (i + 1) * keys,
-                "masked_softmax_: query ", i, " sees no key");
-  const int64_t rows = scores.numel() / keys;
-  dispatch_model_dtype(scores.scalar_type(), "masked_softmax_", [&](auto tag) {
-    using T = decltype(tag);
-    masked_softmax_impl<T>(scores.data_ptr<T>(), seen, rows, q_len, keys);
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> ()");
   m.def("causal_softmax_(Tensor(a!) scores, int q_len) -> ()");
-  m.def("masked_softmax_(Tensor(a!) scores, Tensor mask) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_decode_attention", &pagedserve::ops::paged_decode_attention_op);
   m.impl("causal_softmax_", &causal_softmax_);
-  m.impl("masked_softmax_", &masked_softmax_);
 }

@@ -114,28 +114,6 @@ def test_native_causal_softmax_matches_masked_softmax(dtype, atol, q_len, ctx):
     assert torch.all(got[..., future] == 0)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("q_len,ctx,window", [(1, 1, None), (7, 7, None), (5, 30, None), (20, 40, None), (33, 70, 9)])
-def test_native_masked_softmax_matches_masked_fill_and_softmax(dtype, atol, q_len, ctx, window):
-    """int4's prompt-chunk mask (own_block_exact: earlier blocks quantized, the own block's exact
-    rows after them), with and without a window, and a random mask: the same probabilities as
-    masked_fill + softmax, exactly zero where masked."""
-    from pagedserve.models.attention import own_block_exact
-
-    g = torch.Generator().manual_seed(q_len * ctx)
-    for mask in (own_block_exact(q_len, ctx, 16, window, torch.device("cpu")),
-                 torch.rand(q_len, ctx, generator=g) < 0.3):
-        mask[:, -1] = mask[:, -1] | ~mask.any(-1)  # every query sees a key
-        scores = torch.randn(3, 2, q_len, mask.shape[1], generator=g).to(dtype)
-        want = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        got = scores.clone()
-        OPS.masked_softmax_(got, mask)
-        assert torch.allclose(got.float(), want.float(), atol=atol)
-        assert torch.all(got[..., ~mask] == 0)
-    with pytest.raises(RuntimeError, match="sees no key"):
-        OPS.masked_softmax_(torch.randn(1, 2, 3), torch.tensor([[True, False, False], [False, False, False]]))
-
-
 def test_kernels_run_on_every_torch_thread():
     """The kernels' at::parallel_for spreads over torch's threads (it ran on one thread alone while
     the library was built without OpenMP: the decode kernel took as long on two threads as on one)."""
