@@ -63,24 +63,27 @@ def per_vector_asym(x: torch.Tensor) -> torch.Tensor:
     return ((x - lo) / scale).round().clamp(0, LEVELS4) * scale.half().float() + lo.half().float()
 
 
+def block_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [b, heads, T, d] padded into 16-token blocks [b, heads, T/16, 16, d], with each channel's
+    minimum and maximum over each block's valid rows [b, heads, T/16, 1, d]."""
+    t = x.shape[2]
+    xp = torch.nn.functional.pad(x, (0, 0, 0, (-t) % BLOCK)).unflatten(2, (-1, BLOCK))
+    valid = (torch.arange(xp.shape[2] * BLOCK).view(-1, BLOCK) < t).view(1, 1, -1, BLOCK, 1)
+    big = torch.finfo(x.dtype).max
+    return xp, torch.where(valid, xp, big).amin(3, keepdim=True), torch.where(valid, xp, -big).amax(3, keepdim=True)
+
+
 def per_channel_blocks(x: torch.Tensor, asym: bool) -> torch.Tensor:
-    """x [b, heads, T, d]: each channel over each 16-token block (positions 16k..16k+15) shares a scale."""
-    b, h, t, d = x.shape
-    pad = (-t) % BLOCK
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(b, h, -1, BLOCK, d)
-    # a partial last block: its padding must not widen the range
-    valid = torch.arange(xp.shape[2] * BLOCK).view(-1, BLOCK) < t
-    valid = valid.view(1, 1, -1, BLOCK, 1)
+    """x [b, heads, T, d]: each channel over each 16-token block (positions 16k..16k+15) shares a scale
+    (a partial last block's padding does not widen the range)."""
+    xp, lo, hi = block_ranges(x)
     if asym:
-        big = torch.finfo(x.dtype).max
-        lo = torch.where(valid, xp, big).amin(3, keepdim=True)
-        hi = torch.where(valid, xp, -big).amax(3, keepdim=True)
         scale = ((hi - lo) / LEVELS4).clamp_min(1e-6)
         q = ((xp - lo) / scale).round().clamp(0, LEVELS4) * scale.half().float() + lo.half().float()
     else:
-        scale = torch.where(valid, xp.abs(), 0).amax(3, keepdim=True).clamp_min(1e-6) / QMAX4
+        scale = torch.maximum(lo.abs(), hi.abs()).clamp_min(1e-6) / QMAX4
         q = (xp / scale).round().clamp(-QMAX4, QMAX4) * scale.half().float()
-    return q.view(b, h, -1, d)[:, :, :t]
+    return q.flatten(2, 3)[:, :, :x.shape[2]]
 
 
 def fp8_step(x: torch.Tensor, down: bool) -> torch.Tensor:
@@ -99,16 +102,6 @@ def fp8_step(x: torch.Tensor, down: bool) -> torch.Tensor:
     sign = torch.where(cross, 128 - (bits & 0x80), bits & 0x80)
     mag = torch.where(cross, torch.ones_like(mag), mag)
     return (sign | mag).to(torch.uint8).view(torch.float8_e4m3fn).float()
-
-
-def block_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [b, heads, T, d] padded into 16-token blocks [b, heads, T/16, 16, d], with each channel's
-    minimum and maximum over each block's valid rows [b, heads, T/16, 1, d]."""
-    t = x.shape[2]
-    xp = torch.nn.functional.pad(x, (0, 0, 0, (-t) % BLOCK)).unflatten(2, (-1, BLOCK))
-    valid = (torch.arange(xp.shape[2] * BLOCK).view(-1, BLOCK) < t).view(1, 1, -1, BLOCK, 1)
-    big = torch.finfo(x.dtype).max
-    return xp, torch.where(valid, xp, big).amin(3, keepdim=True), torch.where(valid, xp, -big).amax(3, keepdim=True)
 
 
 def per_channel_blocks_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -331,7 +331,7 @@ class Int4KVCache:
         if lead:
             slot = self.plan.filled_slots.get(block, self.tails._slot_of[block])
             before = (self.tail[slot, :lead].float() if slot >= 0  # else reopened and filled at once: as quantized
-                      else self._values(torch.tensor([block]))[0, :lead])
+                      else self._values(slice(block, block + 1))[0, :lead])
             rows = torch.cat([before, rows])
         return rows if self.rotation is None else rows @ self.rotation
 

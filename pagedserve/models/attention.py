@@ -18,15 +18,16 @@ backends compute the same thing:
 The K and V caches are the engine's :class:`~pagedserve.kv.cache.HeadMajorKVCache` pools, plain
 ``[blocks, block_size, kv_heads, head_dim]`` tensors (tests), or :class:`~pagedserve.kv.quant.QuantizedKVCache` pools
 (int8 / fp8 with per-token, per-head scales) or :class:`~pagedserve.kv.int4.Int4KVCache` pools (int4:
-keys per channel within a block, values rotated per token, each sequence's open block in a float16
-tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
+keys per channel within a block with zero points, values rotated per token, each sequence's open
+block in a float16 tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
 one copy, quantized pools dequantizing only the blocks gathered), except the fused decode kernel,
 which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
 stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
 then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
 gathered value back. Over int4 pools every query reads its own block exact: a decode from the
 tail (the block it fills this step included), a prompt chunk's queries from the step's rows at
-the tail's precision (:func:`own_block_exact`). ``fused`` decodes go through
+the tail's precision (``matmul`` and ``fused``: :func:`_prefill_own_exact`'s diagonal tiles;
+``sdpa`` and ``reference``: :func:`own_block_exact`'s mask). ``fused`` decodes go through
 the ``matmul`` path where the kernel cannot: plain-tensor pools, more than
 ``FUSED_DECODE_MAX_GROUP`` query heads per KV head, or no native build.
 
