@@ -8,6 +8,9 @@
   layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail,
   with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``). ``paged_attention.cpp`` also holds the
   prompt chunks' causal softmax pass (``causal_softmax_``).
+* ``int4_kv_write.cpp`` — a step's K or V rows into an int4 pool in one call, as
+  :meth:`~pagedserve.kv.int4.Int4KVCache.write` plans them (rows into tail slots, the blocks the
+  step fills quantized), with the torch path's bits.
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
@@ -69,7 +72,7 @@ log = logging.getLogger("pagedserve.kernels")
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
-                         "decode_stack.cpp")]
+                         "decode_stack.cpp", "int4_kv_write.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
                          "kernel_ops.h", "work_pool.h")]

@@ -422,7 +422,12 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
   TORCH_CHECK(sh.hd == hd, "q's head_dim ", sh.hd, " is not the pools' ", hd);
   const int64_t* slots = tail_of.data_ptr<int64_t>();
-  for (int64_t b = 0; b < nb; ++b) TORCH_CHECK(slots[b] < k_tail.size(0), "tail slot ", slots[b], " out of range");
+  const int64_t* t = block_tables.data_ptr<int64_t>();
+  const int64_t* l = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < sh.num_seqs; ++s)  // the blocks read (check_batch: in range), not the whole pool's
+    for (int64_t j = 0; j < (l[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(slots[t[s * sh.max_blocks + j]] < k_tail.size(0), "tail slot ", slots[t[s * sh.max_blocks + j]],
+                  " out of range");
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor of = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   const Int4Pools p{k_data.data_ptr<uint8_t>(),
@@ -433,8 +438,6 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
                     k_tail.data_ptr<c10::Half>(),
                     v_tail.data_ptr<c10::Half>(),
                     slots};
-  const int64_t* t = block_tables.data_ptr<int64_t>();
-  const int64_t* l = context_lens.data_ptr<int64_t>();
   float* o = of.data_ptr<float>();
   const float* qp = qf.data_ptr<float>();
   switch (q.size(1) / kvh) {

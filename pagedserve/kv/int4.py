@@ -41,7 +41,7 @@ is given back after the step (sooner only when no other is free).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,6 +62,7 @@ class WritePlan:
     dequantized where a rolled-back block is reopened), the others' rows go to tail slots."""
 
     full_blocks: torch.Tensor  # [F] blocks quantized this step
+    full_slots: torch.Tensor  # [F] the tail slot holding each one's earlier rows (-1: none, or reopened)
     full_from_tail: torch.Tensor  # [Ft] indices into full_blocks whose earlier rows are in a tail slot ...
     full_tail_slots: torch.Tensor  # [Ft] ... this one
     full_from_pool: torch.Tensor  # [Fp] indices into full_blocks whose earlier rows are quantized (reopened)
@@ -77,6 +78,7 @@ class WritePlan:
     # from there too (decode_slots: block -> slot as this step's decodes read them).
     filled_slots: dict[int, int]
     decode_slots: torch.Tensor
+    reads_pool: bool  # a rolled-back block is reopened or refilled: its rows come from the quantized pool
 
 
 class TailMap:
@@ -163,11 +165,12 @@ class TailMap:
         full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
         full_set = set(full)
         lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__
-                                       if name not in ("filled_slots", "decode_slots")}
+                                       if name not in ("filled_slots", "decode_slots", "reads_pool")}
         changes: dict[int, int] = {}
         filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
         released = list(filled_slots.values())  # free after this step, or in it if no other slot is
         for j, b in enumerate(full):
+            lists["full_slots"].append(self._slot_of[b])
             if self._slot_of[b] >= 0:
                 lists["full_from_tail"].append(j)
                 lists["full_tail_slots"].append(self._slot_of[b])
@@ -201,7 +204,8 @@ class TailMap:
                 torch.tensor(list(filled_slots.values())).to(decode_slots.device)
         dev = self.slot_of.device
         return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()},
-                         filled_slots=filled_slots, decode_slots=decode_slots)
+                         filled_slots=filled_slots, decode_slots=decode_slots,
+                         reads_pool=bool(lists["full_from_pool"] or lists["reopen_blocks"]))
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -257,12 +261,16 @@ class Int4KVCache:
     zero_points: torch.Tensor | None = None  # K: [blocks, kv_heads, head_dim] int8
     slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
-    fresh: torch.Tensor | None = None  # the last write's rows, float32, as stored
+    fresh: torch.Tensor | None = None  # the last write's rows, float16, as stored
     plan: WritePlan | None = None  # and its plan
+    # The native kernel that does write()'s work in one call (kernels/int4_kv_write.cpp, the same
+    # bits); None: the torch ops below (no native kernels, or another device).
+    native_write: Callable[..., None] | None = None
 
     @classmethod
     def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
-                      device: torch.device, tails: TailMap) -> tuple[Int4KVCache, Int4KVCache]:
+                      device: torch.device, tails: TailMap,
+                      native_write: Callable[..., None] | None = None) -> tuple[Int4KVCache, Int4KVCache]:
         """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``."""
         if head_dim % 2:
             raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
@@ -271,9 +279,9 @@ class Int4KVCache:
         per_channel = (num_blocks, num_kv_heads, head_dim)
         k = cls(zeros(data, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
                 zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
-                zero_points=zeros(per_channel, torch.int8, device))
+                zero_points=zeros(per_channel, torch.int8, device), native_write=native_write)
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
-                tails, False, out_dtype, hadamard_matrix(head_dim, device=device))
+                tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native_write=native_write)
         return k, v
 
     @property
@@ -302,12 +310,16 @@ class Int4KVCache:
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
-        p = self.tails.plan(slot_mapping)
-        x = x.float() if self.rotation is None else x.float() @ self.rotation
+        p = self.plan = self.tails.plan(slot_mapping)
         # At the tail's precision from the start: a block's bits, and what a query reads of its own
         # block, are then the same however its rows arrived (one chunk, several, or decodes).
-        x = self.fresh = x.to(TAIL_DTYPE).float()
-        self.plan = p
+        x16 = self.fresh = (x if self.rotation is None else x.float() @ self.rotation).to(TAIL_DTYPE)
+        if self.native_write is not None and not p.reads_pool:
+            zero_points = self.zero_points if self.per_channel else self.data.new_empty(0, dtype=torch.int8)
+            self.native_write(x16.contiguous(), self.tail, self.data, self.scales, zero_points, p.full_blocks,
+                              p.full_slots, p.full_rows, p.full_tokens, p.tail_rows, p.tail_tokens)
+            return
+        x = x16.float()
         bs, kvh, hd = self.shape[1:]
         if p.full_blocks.numel():
             rows = torch.zeros(p.full_blocks.numel(), bs, kvh, hd, device=x.device)
@@ -327,7 +339,7 @@ class Int4KVCache:
         even if the chunk filled the block), then rows ``start .. start + count`` of the last
         write. In the model's basis for a pool read rotated back (:meth:`dequantize`), as stored
         for a :meth:`stored_basis` view."""
-        rows = self.fresh[start:start + count]
+        rows = self.fresh[start:start + count].float()
         if lead:
             slot = self.plan.filled_slots.get(block, self.tails._slot_of[block])
             before = (self.tail[slot, :lead].float() if slot >= 0  # else reopened and filled at once: as quantized

@@ -158,7 +158,7 @@ def test_int4_kernel_refuses_a_tail_slot_outside_the_tails():
     q, k, v, meta = paged_batch([20], [], block_size=16, kvh=2, heads=4, hd=64)
     kp, vp, meta = int4_pools(k, v, meta)
     bad = kp.tails.slot_of.clone()
-    bad[0] = kp.tail.shape[0]
+    bad[meta.decode_block_tables[0, 1]] = kp.tail.shape[0]  # a block the sequence reads (the slots of others are not read)
     with pytest.raises(RuntimeError, match="tail slot"):
         paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points,
                                    vp.scales, kp.tail, vp.tail, bad, meta.decode_block_tables,

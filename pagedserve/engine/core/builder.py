@@ -177,9 +177,10 @@ def build_core(config: EngineConfig) -> CoreParts:
     size = weight_bytes(model)
     use_graphs = device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
     config, kv = _size_kv_pool(config, model, arch, dtype, kv_model_dtype, device, size, use_graphs)
+    ops = native_ops() if device.type == "cpu" and config.native_kernels else None
     kv_caches = allocate_kv_caches(kv.pool_layers, kv.num_blocks, config.block_size, arch.num_kv_heads,
                                    arch.head_dim, kv.pool_dtype, device, config.kv_cache_dtype, kv.tail_slots,
-                                   len(kv.groups) if kv.groups else 1)
+                                   len(kv.groups) if kv.groups else 1, ops)
     if kv.groups:  # each layer reads the pool slot of its position in its group
         kv_caches = [kv_caches[slot] for _, slot in layer_slots(kv.groups)]
     block_manager, event_log = _block_manager(config, kv)
@@ -196,7 +197,6 @@ def build_core(config: EngineConfig) -> CoreParts:
                                          config.block_size, device)
         decode_graphs.capture()
     runner = ModelRunner(model, kv_caches, block_manager, device, decode_graphs)
-    ops = native_ops() if device.type == "cpu" and config.native_kernels else None
     decode_path = (model.enable_native_decode(kv_caches, ops) if config.native_decode
                    else "python (--no-native-decode)")
     logger.info("decode step: %s", decode_path)

@@ -1,0 +1,192 @@
+// One step's K or V rows into kv/int4.py's int4 pool in one call: the rows of blocks the step
+// fills quantized into their blocks (keys per channel with a float8 step and an int8 zero point,
+// values per token), those blocks' new rows also kept in their tail slots for this step's reads,
+// and every other row into its block's float16 tail slot. The torch path (Int4KVCache's own
+// write) spends ~30 small ops a layer on the same work; this is the engine's path on CPU.
+//
+// The bits match the torch path's exactly (tests/kernels/test_int4_kv_write.py compares them).
+#include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float kLevels = 15.0f;                         // key codes 0..15
+constexpr float kStepMin = 1.0f / 512, kStepMax = 448;   // e4m3's smallest subnormal and largest finite
+constexpr float kValueMax = 7.0f, kScaleMin = 1e-6f;     // value codes -7..7 (+8); kv/quant.py's floor
+
+// Every division goes through these two, compiled as IEEE divisions, as torch divides: the build's
+// -ffast-math would multiply by a reciprocal instead, one ulp off at times, which moves a value
+// that sits on a rounding tie to the other code. (The attribute stays on these leaves: a function
+// built with other math options than the headers' inline helpers would call them out of line.)
+#define PAGEDSERVE_IEEE_MATH __attribute__((optimize("O3", "no-fast-math"), noinline))
+PAGEDSERVE_IEEE_MATH void divide(float* q, const float* x, const float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) q[i] = x[i] / d[i];
+}
+
+PAGEDSERVE_IEEE_MATH void divide_by(float* q, const float* x, float d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) q[i] = x[i] / d;
+}
+#undef PAGEDSERVE_IEEE_MATH
+
+struct Pool {
+  uint8_t* data;  // [blocks, bs, kvh, hd / 2]
+  void* scales;   // K: [blocks, kvh, hd] float8 e4m3; V: [blocks, bs, kvh] float16
+  int8_t* zeros;  // K: [blocks, kvh, hd]; V: null
+  int64_t bs, kvh, hd;
+};
+
+// The smallest e4m3 at least x (x clamped to e4m3's positive range first): a step rounded down
+// would clip its channel's range.
+uint8_t e4m3_at_least(float x) {
+  x = std::min(std::max(x, kStepMin), kStepMax);
+  const c10::Float8_e4m3fn y(x);
+  return static_cast<float>(y) < x ? static_cast<uint8_t>(y.x + 1) : y.x;
+}
+
+void pack_row(uint8_t* out, const float* codes, int64_t n) {
+  for (int64_t i = 0; i < n / 2; ++i)
+    out[i] = static_cast<uint8_t>(codes[2 * i]) | static_cast<uint8_t>(static_cast<uint8_t>(codes[2 * i + 1]) << 4);
+}
+
+// rows [bs, kvh, hd] float → block b's key codes, steps and zero points (kv/int4.py: quantize_key_blocks).
+void store_key_block(const Pool& p, int64_t b, const float* rows) {
+  const int64_t bs = p.bs, row = p.kvh * p.hd;  // a channel c: head * hd + dimension
+  auto* steps = static_cast<uint8_t*>(p.scales) + b * row;
+  int8_t* zeros = p.zeros + b * row;
+  std::vector<float> lo(rows, rows + row), hi(lo), span(row), step(row), zero(row), codes(bs * row);
+  for (int64_t o = 1; o < bs; ++o)
+    for (int64_t c = 0; c < row; ++c) {
+      lo[c] = std::min(lo[c], rows[o * row + c]);
+      hi[c] = std::max(hi[c], rows[o * row + c]);
+    }
+  // The step spans the channel's range in 15 levels and is at least max|x| / 127 (its zero point fits int8).
+  for (int64_t c = 0; c < row; ++c) span[c] = hi[c] - lo[c];
+  divide_by(span.data(), span.data(), kLevels, row);
+  for (int64_t c = 0; c < row; ++c) hi[c] = std::max(std::fabs(lo[c]), std::fabs(hi[c]));
+  divide_by(hi.data(), hi.data(), 127.0f, row);
+  for (int64_t c = 0; c < row; ++c) {
+    steps[c] = e4m3_at_least(std::max(span[c], hi[c]));
+    step[c] = static_cast<float>(c10::Float8_e4m3fn(steps[c], c10::Float8_e4m3fn::from_bits()));
+  }
+  divide(zero.data(), lo.data(), step.data(), row);
+  for (int64_t c = 0; c < row; ++c) {
+    zero[c] = std::min(std::max(std::nearbyint(zero[c]), -128.0f), 127.0f);
+    zeros[c] = static_cast<int8_t>(zero[c]);
+  }
+  for (int64_t o = 0; o < bs; ++o) {
+    float* q = codes.data() + o * row;
+    divide(q, rows + o * row, step.data(), row);
+    for (int64_t c = 0; c < row; ++c) q[c] = std::min(std::max(std::nearbyint(q[c] - zero[c]), 0.0f), kLevels);
+  }
+  for (int64_t o = 0; o < bs * p.kvh; ++o)
+    pack_row(p.data + (b * bs * p.kvh + o) * (p.hd / 2), codes.data() + o * p.hd, p.hd);
+}
+
+// rows [bs, kvh, hd] float → block b's value codes and float16 scales, one per token and head
+// (kv/quant.py: quantize_kv's int4).
+void store_value_block(const Pool& p, int64_t b, const float* rows) {
+  const int64_t hd = p.hd, n = p.bs * p.kvh;  // a vector v: token * kvh + head
+  auto* scales = static_cast<c10::Half*>(p.scales) + b * n;
+  std::vector<float> amax(n, 0.0f), codes(hd);
+  for (int64_t v = 0; v < n; ++v)
+    for (int64_t d = 0; d < hd; ++d) amax[v] = std::max(amax[v], std::fabs(rows[v * hd + d]));
+  divide_by(amax.data(), amax.data(), kValueMax, n);
+  for (int64_t v = 0; v < n; ++v) {
+    const c10::Half scale(std::max(amax[v], kScaleMin));
+    scales[v] = scale;
+    divide_by(codes.data(), rows + v * hd, static_cast<float>(scale), hd);
+    for (int64_t d = 0; d < hd; ++d)
+      codes[d] = std::min(std::max(std::nearbyint(codes[d]), -kValueMax), kValueMax) + 8.0f;
+    pack_row(p.data + (b * n + v) * (hd / 2), codes.data(), hd);
+  }
+}
+
+const int64_t* longs(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name, " must be contiguous int64 [n]");
+  return t.data_ptr<int64_t>();
+}
+
+// x [T, kvh, hd] float16: the step's rows as stored (V already rotated). tail [slots, bs, kvh, hd]
+// float16. data, scales, zero_points: the pool (zero_points empty for V). full_blocks [F] the blocks
+// this step fills, full_slots [F] their tail slots (-1: every row is in x), full_rows / full_tokens
+// [R] row (index into full_blocks * bs + offset) and token of the step's rows in them; tail_rows /
+// tail_tokens [Tr] flat tail row (slot * bs + offset) and token of the rest. Every index is the
+// host's plan (kv/int4.py: WritePlan); ranges are checked here.
+void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::Tensor& scales,
+                   at::Tensor& zero_points, const at::Tensor& full_blocks, const at::Tensor& full_slots,
+                   const at::Tensor& full_rows, const at::Tensor& full_tokens, const at::Tensor& tail_rows,
+                   const at::Tensor& tail_tokens) {
+  TORCH_CHECK(data.dim() == 4 && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "int4_kv_write: data must be contiguous uint8 [blocks, bs, kvh, head_dim / 2]");
+  const int64_t nb = data.size(0), bs = data.size(1), kvh = data.size(2), hd = 2 * data.size(3);
+  const bool keys = zero_points.numel() > 0;
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == kvh && x.size(2) == hd && x.scalar_type() == at::kHalf && x.is_contiguous(),
+              "int4_kv_write: x must be contiguous float16 [tokens, kvh, head_dim]");
+  TORCH_CHECK(tail.dim() == 4 && tail.size(1) == bs && tail.size(2) == kvh && tail.size(3) == hd &&
+                  tail.scalar_type() == at::kHalf && tail.is_contiguous(),
+              "int4_kv_write: tail must be contiguous float16 [slots, bs, kvh, head_dim]");
+  if (keys) {
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, kvh, hd}) && scales.scalar_type() == at::kFloat8_e4m3fn &&
+                    zero_points.sizes() == scales.sizes() && zero_points.scalar_type() == at::kChar &&
+                    scales.is_contiguous() && zero_points.is_contiguous(),
+                "int4_kv_write: key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
+  } else {
+    TORCH_CHECK(scales.sizes() == data.sizes().slice(0, 3) && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous(),
+                "int4_kv_write: value scales must be float16 [blocks, bs, kvh]");
+  }
+  const int64_t n_tokens = x.size(0), n_slots = tail.size(0), row = kvh * hd, nf = full_blocks.numel();
+  const int64_t *blocks = longs(full_blocks, "full_blocks"), *slots = longs(full_slots, "full_slots");
+  const int64_t *rows = longs(full_rows, "full_rows"), *rtok = longs(full_tokens, "full_tokens");
+  const int64_t *trows = longs(tail_rows, "tail_rows"), *ttok = longs(tail_tokens, "tail_tokens");
+  TORCH_CHECK(full_slots.numel() == nf && full_tokens.numel() == full_rows.numel() &&
+                  tail_tokens.numel() == tail_rows.numel(), "int4_kv_write: plan lists of unequal lengths");
+  for (int64_t j = 0; j < nf; ++j)
+    TORCH_CHECK(blocks[j] >= 0 && blocks[j] < nb && slots[j] >= -1 && slots[j] < n_slots,
+                "int4_kv_write: full block ", blocks[j], " or slot ", slots[j], " out of range");
+  for (int64_t r = 0; r < full_rows.numel(); ++r)
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < nf * bs && rtok[r] >= 0 && rtok[r] < n_tokens,
+                "int4_kv_write: full row ", rows[r], " or token ", rtok[r], " out of range");
+  for (int64_t r = 0; r < tail_rows.numel(); ++r)
+    TORCH_CHECK(trows[r] >= 0 && trows[r] < n_slots * bs && ttok[r] >= 0 && ttok[r] < n_tokens,
+                "int4_kv_write: tail row ", trows[r], " or token ", ttok[r], " out of range");
+
+  const auto* xs = x.data_ptr<c10::Half>();
+  auto* ts = tail.data_ptr<c10::Half>();
+  const Pool pool{data.data_ptr<uint8_t>(), scales.data_ptr(), keys ? zero_points.data_ptr<int8_t>() : nullptr,
+                  bs, kvh, hd};
+  // Filled blocks first: a slot one of them leaves may be handed to another block in this plan,
+  // whose rows then land in it below (kv/int4.py: TailMap._make_plan).
+  std::vector<float> filled(nf * bs * row, 0.0f);
+  for (int64_t j = 0; j < nf; ++j)
+    if (slots[j] >= 0)
+      for (int64_t i = 0; i < bs * row; ++i) filled[j * bs * row + i] = static_cast<float>(ts[slots[j] * bs * row + i]);
+  for (int64_t r = 0; r < full_rows.numel(); ++r) {
+    const int64_t j = rows[r] / bs, o = rows[r] % bs;
+    for (int64_t i = 0; i < row; ++i) filled[rows[r] * row + i] = static_cast<float>(xs[rtok[r] * row + i]);
+    if (slots[j] >= 0)  // whole in its slot too, for this step's decodes
+      std::memcpy(ts + (slots[j] * bs + o) * row, xs + rtok[r] * row, row * sizeof(c10::Half));
+  }
+  for (int64_t j = 0; j < nf; ++j)
+    (keys ? store_key_block : store_value_block)(pool, blocks[j], filled.data() + j * bs * row);
+  for (int64_t r = 0; r < tail_rows.numel(); ++r)
+    std::memcpy(ts + trows[r] * row, xs + ttok[r] * row, row * sizeof(c10::Half));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("int4_kv_write(Tensor x, Tensor(a!) tail, Tensor(b!) data, Tensor(c!) scales, Tensor(d!) zero_points, "
+        "Tensor full_blocks, Tensor full_slots, Tensor full_rows, Tensor full_tokens, Tensor tail_rows, "
+        "Tensor tail_tokens) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("int4_kv_write", &int4_kv_write); }

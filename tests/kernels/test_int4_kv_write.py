@@ -1,0 +1,129 @@
+"""The native int4 KV write (kernels/int4_kv_write.cpp) against the torch path of
+:meth:`~pagedserve.kv.int4.Int4KVCache.write`: the same bits in the blocks, steps, zero points,
+scales and tail slots, write after write, and on rounding ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import kernel_error, native_ops
+from pagedserve.kv.block_manager import BlockManager
+from pagedserve.kv.cache import allocate_kv_caches
+from pagedserve.kv.int4 import quantize_key_blocks
+from pagedserve.kv.quant import quantize_kv
+from pagedserve.models.attention import write_kv
+
+needs_kernels = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
+CPU = torch.device("cpu")
+NO_ROWS = torch.zeros(0, dtype=torch.long)
+
+
+def _pairs(num_blocks=24, block_size=16, kvh=2, hd=32, tail_slots=3):
+    """Two K/V pool pairs of the same shape: one writing through torch, one through the kernel."""
+    def pools(ops):
+        return allocate_kv_caches(1, num_blocks, block_size, kvh, hd, torch.float32, CPU, "int4", tail_slots,
+                                  native_ops=ops)[0]
+    return pools(None), pools(native_ops())
+
+
+def _same_storage(a, b) -> None:
+    for name in ("data", "scales", "tail", "zero_points"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x is not None:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    assert torch.equal(a.tails.slot_of, b.tails.slot_of)
+
+
+@needs_kernels
+def test_the_native_write_stores_the_torch_writes_bits_step_after_step():
+    """Three sequences through prompt chunks of every size, mixed decode steps with padding, a
+    chunk that fills blocks whole, freed blocks' slots taken again, and a rollback (its reopened
+    block goes through torch on both sides): every pool byte equal after every write."""
+    g = torch.Generator().manual_seed(7)
+    (tk, tv), (nk, nv) = _pairs()
+    assert tk.native_write is None and nk.native_write is not None
+    bm = BlockManager(24, 16)
+    bm.on_release = lambda ids: (tk.tails.release(ids), nk.tails.release(ids))
+    pos = {1: 0, 2: 0, 3: 0}
+
+    def step(lens: dict[int, int], pad: int = 0) -> None:
+        slots = []
+        for seq, n in lens.items():
+            assert bm.allocate(seq, pos[seq] + n)
+            table = torch.tensor(bm.block_ids(seq))
+            p = torch.arange(pos[seq], pos[seq] + n)
+            slots.append(table[p // 16] * 16 + p % 16)
+            pos[seq] += n
+        mapping = torch.cat([*slots, torch.full((pad,), -1)])
+        x = torch.randn(len(mapping), 2, 32, generator=g) * torch.linspace(0.1, 8, 32) + torch.linspace(-3, 5, 32)
+        write_kv(tk, tv, x, x * 0.5, mapping)
+        write_kv(nk, nv, x, x * 0.5, mapping)
+        _same_storage(tk, nk)
+        _same_storage(tv, nv)
+
+    step({1: 5})
+    step({1: 40, 2: 3})  # finishes 1's first block, fills two more whole, opens one; 2 takes the freed slot
+    for _ in range(20):
+        step({1: 1, 2: 1}, pad=2)  # decodes fill blocks from their tail slots
+    step({3: 33})
+    bm.free(2)
+    for _ in range(12):
+        step({1: 1, 3: 1})
+    step({1: 3, 3: 1})  # 1 at 80: its fifth block quantized
+    bm.truncate(1, 75)  # a rollback into that block: written again from row 11, it is reopened
+    pos[1] = 75
+    step({1: 2})
+    step({1: 4, 3: 1})
+    bm.free(1)
+    bm.free(3)
+    assert tk.tails.num_open == nk.tails.num_open == 0
+
+
+@needs_kernels
+def test_the_kernel_rounds_ties_to_even_as_torch_does():
+    """Keys and values that sit exactly between two codes, with a step and a scale of 7/64: a
+    multiply by its reciprocal lands off 10 of those ties (checked below), a division on them, so
+    the kernel has to divide as torch does to give torch's codes."""
+    ops = native_ops()
+    step = 0.109375
+    ties = (torch.arange(16, dtype=torch.float32) + 0.5) * step
+    assert (ties * (1 / step) != ties / step).sum() >= 8
+    keys = torch.stack([ties, ties - 8 * step, ties.flip(0), ties * 2], -1).repeat(1, 1, 8).view(16, 1, 32)
+    keys[:, 0, -1] = torch.linspace(-128, 127, 16) * 0.5  # an off-zero channel at the int8 zero point's edge
+    row = torch.cat([ties[:14] - 7 * step, torch.tensor([7.0, -7.0]) * step])  # scale 7 step / 7
+    values = row.repeat(16, 2).view(16, 1, 32)
+    for x, per_channel in [(keys, True), (values, False)]:
+        x16 = x.to(torch.float16)
+        data = torch.zeros(2, 16, 1, 16, dtype=torch.uint8)
+        if per_channel:
+            scales = torch.zeros(2, 1, 32, dtype=torch.float8_e4m3fn)
+            zero_points = torch.zeros(2, 1, 32, dtype=torch.int8)
+            want = quantize_key_blocks(x16.float().unsqueeze(0))
+        else:
+            scales, zero_points = torch.zeros(2, 16, 1, dtype=torch.float16), torch.zeros(0, dtype=torch.int8)
+            want = quantize_kv(x16.float().unsqueeze(0), "int4")
+        tail = torch.zeros(1, 16, 1, 32, dtype=torch.float16)
+        ops.int4_kv_write(x16, tail, data, scales, zero_points, torch.tensor([1]), torch.tensor([-1]),
+                          torch.arange(16), torch.arange(16), NO_ROWS, NO_ROWS)
+        assert torch.equal(data[1], want[0][0])
+        assert torch.equal(scales[1].view(torch.uint8), want[1][0].view(torch.uint8))
+        if per_channel:
+            assert torch.equal(zero_points[1], want[2][0])
+        assert not data[0].any() and not tail.any()  # nothing else written
+
+
+@needs_kernels
+def test_the_kernel_refuses_a_plan_out_of_range():
+    ops = native_ops()
+    (_, _), (k, _) = _pairs(num_blocks=4, tail_slots=2)
+    x = torch.zeros(2, 2, 32, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="tail row"):
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
+                          torch.tensor([2 * 16]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="full block"):
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, torch.tensor([4]), torch.tensor([-1]),
+                          torch.tensor([0]), torch.tensor([0]), NO_ROWS, NO_ROWS)
+    with pytest.raises(RuntimeError, match="token"):
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
+                          torch.tensor([0]), torch.tensor([2]))
