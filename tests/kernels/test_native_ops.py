@@ -161,7 +161,10 @@ def test_a_forked_child_uses_and_drops_a_decode_stack_it_inherited():
     """A multiprocessing worker forked from a process holding a decode stack inherits its pool but
     not the pool's threads: the child computes on its own thread and drops the stack without
     joining threads it does not have. (A gateway test's worker once died in ~WorkPool there: the
-    child's C library had handed the parent's thread records to the child's own new threads.)"""
+    child's C library had handed the parent's thread records to the child's own new threads.)
+    The child first sets torch to one thread, as torch's own forked DataLoader workers do: the
+    stack's dense linears are torch's matmuls, and on an Intel CPU MKL runs even this one-row
+    product on OpenMP's team, which libgomp cannot rebuild in a forked child (it hung there)."""
     import gc
     import threading
     import time
@@ -172,6 +175,7 @@ def test_a_forked_child_uses_and_drops_a_decode_stack_it_inherited():
     if pid == 0:  # the child: exit status 0 only if it computed the same and dropped the stack
         code = 1
         try:
+            torch.set_num_threads(1)
             release = threading.Event()  # threads of the child's own, alive while the stack goes
             helpers = [threading.Thread(target=release.wait, daemon=True) for _ in range(4)]
             for t in helpers:
