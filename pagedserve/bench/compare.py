@@ -251,9 +251,24 @@ def parse_output(engine: str, row: str, stdout: str) -> float:
     return parse_json_line(stdout)
 
 
+class KilledBySignal(RuntimeError):
+    """A round whose process died on a signal (a crash, not an error it reported)."""
+
+
+def without_repack(cmd: list[str]) -> list[str] | None:
+    """The same llama.cpp command with its weight repacking off, or None where it is off already.
+    Repacking is what puts llama.cpp's weights into its extra buffer types, its AMX one among
+    them: on an AMX Xeon (llama-cpp-python 0.3.36's llama.cpp) ggml_backend_amx_mul_mat crashed
+    with SIGSEGV on every batch of more than one token, while --repack 0 ran."""
+    flag = ["--no-repack"] if Path(cmd[0]).name == "llama-batched-bench" else ["--repack", "0"]
+    return None if flag[0] in cmd else cmd + flag
+
+
 def run_command(engine: str, row: str, cmd: list[str]) -> float:
     """One round: run ``cmd`` to its end and read its tokens/s."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode < 0:
+        raise KilledBySignal(f"{engine} ({row} row) was killed by signal {-proc.returncode}: {shlex.join(cmd)}")
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} ({row} row) exited with status {proc.returncode}: {shlex.join(cmd)}\n"
                            f"{(proc.stderr or proc.stdout)[-2000:]}")
@@ -273,10 +288,21 @@ def schedule(plan: dict[str, dict[str, list[str]]], rounds: int) -> list[tuple[s
 
 
 def measure(plan: dict[str, dict[str, list[str]]], rounds: int, run=run_command, log=print) -> dict[str, dict]:
-    """Every round of ``plan`` (row → engine → command); tokens/s by row and engine, a list per round."""
+    """Every round of ``plan`` (row → engine → command); tokens/s by row and engine, a list per round.
+    Where llama.cpp crashes with its weights repacked, the round runs again with repacking off, and
+    so does every later round of that row (``plan`` keeps the command run, for the report)."""
     results: dict[str, dict[str, list[float]]] = {row: {e: [] for e in engines} for row, engines in plan.items()}
     for row, k, engine in schedule(plan, rounds):
-        rate = run(engine, row, plan[row][engine])
+        try:
+            rate = run(engine, row, plan[row][engine])
+        except KilledBySignal as crash:
+            if engine != LLAMA_CPP or (fallback := without_repack(plan[row][engine])) is None:
+                raise
+            log(f"  {row:8} {crash}; its rounds of this row run with repacking off "
+                f"({shlex.join(fallback[len(plan[row][engine]):])}), which keeps its weights out of the AMX "
+                f"and repacked paths")
+            plan[row][engine] = fallback
+            rate = run(engine, row, fallback)
         results[row][engine].append(rate)
         log(f"  {row:8} round {k}/{rounds}  {engine:11} {rate:10.1f} tok/s")
     return results

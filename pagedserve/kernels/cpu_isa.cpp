@@ -11,7 +11,7 @@ namespace {
 
 std::vector<std::string> isa_paths() {
   std::vector<std::string> out;
-  for (auto isa : {pagedserve::Isa::scalar, pagedserve::Isa::avx2, pagedserve::Isa::avx512})
+  for (auto isa : pagedserve::kIsas)
     if (pagedserve::cpu_runs(isa)) out.emplace_back(pagedserve::isa_name(isa));
   return out;
 }

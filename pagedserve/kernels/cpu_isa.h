@@ -5,29 +5,65 @@
 //   scalar  portable C++, the reference the others are tested against
 //   avx2    AVX2 + FMA + F16C (Haswell, Zen 1 and later)
 //   avx512  AVX-512 F/BW/VL + VNNI (Ice Lake, Sapphire Rapids, Zen 4/5)
+//   amx     avx512 plus AMX-INT8's tiles (Sapphire Rapids and later), where Linux grants this
+//           process the tile state; only the GGUF matmul has tile code (gguf_amx.inc), every
+//           other kernel runs its avx512 form there (vector_isa)
 // Entry points take the path's name: "auto" is the best this CPU runs; naming one it cannot run is
 // an error, so a test never silently measures another path.
 #pragma once
 
 #include <c10/util/Exception.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <string_view>
 
 namespace pagedserve {
 
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, amx = 3 };
+constexpr Isa kIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx};
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::amx: return "amx";
     default: return "scalar";
   }
 }
 
+// The vector path of a kernel without tile code: amx runs the avx512 one.
+inline Isa vector_isa(Isa isa) { return isa == Isa::amx ? Isa::avx512 : isa; }
+
+#if defined(__x86_64__)
+// AMX-TILE and AMX-INT8 in CPUID (leaf 7: EDX bits 24, 25), and Linux's leave to use the tile
+// state: its 8 KB are not in a thread's signal frame until the process asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that is SIGILL. Asked
+// once per process (the grant is process-wide and permanent); oneDNN asks the same for its own.
+inline bool amx_int8_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return usable;
+}
+#endif
+
 inline bool cpu_runs(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   switch (isa) {
+    case Isa::amx:
+#if defined(__x86_64__)
+      return cpu_runs(Isa::avx512) && amx_int8_usable();
+#else
+      return false;
+#endif
     case Isa::scalar: return true;
     case Isa::avx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -42,20 +78,23 @@ inline bool cpu_runs(Isa isa) {
 }
 
 inline Isa best_isa() {
-  static const Isa best = cpu_runs(Isa::avx512) ? Isa::avx512 : cpu_runs(Isa::avx2) ? Isa::avx2 : Isa::scalar;
+  static const Isa best = cpu_runs(Isa::amx)      ? Isa::amx
+                          : cpu_runs(Isa::avx512) ? Isa::avx512
+                          : cpu_runs(Isa::avx2)   ? Isa::avx2
+                                                  : Isa::scalar;
   return best;
 }
 
 // "auto" → best_isa(); otherwise the named path, which this CPU must be able to run.
 inline Isa parse_isa(std::string_view name, const char* op) {
   if (name == "auto") return best_isa();
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+  for (Isa isa : kIsas) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(cpu_runs(isa), op, ": this CPU cannot run the ", name, " path");
       return isa;
     }
   }
-  TORCH_CHECK(false, op, ": unknown instruction-set path '", name, "' (auto, scalar, avx2 or avx512)");
+  TORCH_CHECK(false, op, ": unknown instruction-set path '", name, "' (auto, scalar, avx2, avx512 or amx)");
 }
 
 }  // namespace pagedserve

@@ -284,6 +284,50 @@ def test_a_failed_round_is_an_error_line_not_a_traceback(tmp_path, capsys, monke
     assert "Traceback" not in err
 
 
+def test_a_llama_cpp_crash_with_repacked_weights_reruns_the_row_with_repacking_off(tmp_path, capsys, monkeypatch):
+    """llama.cpp's AMX path crashed on an AMX Xeon (SIGSEGV in ggml_backend_amx_mul_mat) for
+    every batch of more than one token; with --repack 0 / --no-repack it ran. The stand-ins here
+    kill themselves with SIGSEGV unless repacking is off: the crashed round runs again without it,
+    later rounds of that row start without it, the report's commands say so; a row that did not
+    crash keeps llama.cpp's defaults."""
+    bin_dir = _fake_llama_cpp(tmp_path / "bin", log := tmp_path / "calls.log")
+    for name, off in (("llama-bench", "--repack 0"), ("llama-batched-bench", "--no-repack")):
+        path = bin_dir / name
+        shebang, note, body = path.read_text().split("\n", 2)  # each call noted before it may crash
+        path.write_text(f'{shebang}\n{note}\ncase "$*" in *"{off}"*) ;; *"-p 0 "*) ;; *) kill -SEGV $$ ;; esac\n{body}')
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    measure = compare.measure
+
+    def llama_only(plan, rounds):  # no pagedserve worker: this file is no model
+        for engines in plan.values():
+            engines.pop("pagedserve")  # in place: the report's commands are the plan's
+        return measure(plan, rounds)
+
+    monkeypatch.setattr(compare, "measure", llama_only)
+    out = tmp_path / "compare.json"
+    args = parse("--llama-cpp", str(bin_dir), "--model", str(model), "--rows", "decode,prefill,batch",
+                 "--rounds", "2", "--json", str(out))
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("was killed by signal 11") == 2 and "repacking off (--repack 0)" in printed
+    calls = log.read_text().splitlines()
+    assert [("-p 512" in c, "--repack 0" in c) for c in calls if "-p 512" in c] == [(True, False), (True, True), (True, True)]
+    assert [c.endswith("--no-repack") for c in calls if "batched" in c and "--help" not in c] == [False, True, True]
+    assert not any("repack" in c for c in calls if "-p 0 " in c)  # decode ran with llama.cpp's defaults
+    commands = json.loads(out.read_text())["files"][0]["commands"]
+    assert commands["prefill"]["llama.cpp"].endswith("--repack 0") and "repack" not in commands["decode"]["llama.cpp"]
+
+
+def test_a_pagedserve_crash_is_not_retried():
+    def crash(engine, row, cmd):
+        raise compare.KilledBySignal(f"{engine} ({row} row) was killed by signal 9")
+
+    with pytest.raises(compare.KilledBySignal, match="pagedserve"):
+        compare.measure({"decode": {"pagedserve": ["a"], "llama.cpp": ["b"]}}, 1, run=crash, log=lambda line: None)
+    assert compare.without_repack(["x/llama-bench", "--repack", "0"]) is None
+
+
 def test_optional_peers_run_only_with_their_venv_and_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     assert compare.optional_peers(str(tmp_path)) == ([], [])  # no venv: nothing to say

@@ -53,13 +53,15 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @needs_kernels
 def test_this_cpu_runs_the_scalar_path_and_names_the_others():
-    assert PATHS[0] == "scalar" and set(PATHS) <= {"scalar", "avx2", "avx512"}
+    assert PATHS[0] == "scalar" and set(PATHS) <= {"scalar", "avx2", "avx512", "amx"}
     if "avx2" in kernels._cpu_flags().split() and "f16c" in kernels._cpu_flags().split():
         assert "avx2" in PATHS
+    if "amx" in PATHS:  # AVX-512 plus tiles, where Linux granted them (cpu_isa.h)
+        assert "avx512" in PATHS and {"amx_tile", "amx_int8"} <= set(kernels._cpu_flags().split())
     w, x, b = _operands(8, 16, 1, torch.float16, False)
     with pytest.raises(RuntimeError, match="half_linear: unknown instruction-set path 'sse'"):
         _run(x, w, b, "sse")
-    for isa in {"avx2", "avx512"} - set(PATHS):
+    for isa in {"avx2", "avx512", "amx"} - set(PATHS):
         with pytest.raises(RuntimeError, match=f"half_linear: this CPU cannot run the {isa} path"):
             _run(x, w, b, isa)
 
