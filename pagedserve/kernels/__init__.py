@@ -23,16 +23,18 @@
   GGUF files no longer come here: their blocks go to ``gguf_matmul``.
 * ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
-  with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``), each
-  32's sum scaled once; and the blocks dequantized for prefill GEMMs and lookups
+  with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``; AMX-INT8
+  tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once; and the blocks dequantized for prefill GEMMs and lookups
   (:mod:`pagedserve.models.gguf_linear`).
 * ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
   (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools, which runs
   the kernels above back to back through their C++ entry points (``kernel_ops.h``), as the Python
   model would call them one by one (:mod:`pagedserve.models.native_decode`).
 * ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
-  compile a scalar, an AVX2 and an AVX-512 path on every x86 machine and take the best the CPU runs
-  (:func:`best_isa`); the tests run each path the CPU can (:func:`isa_paths`).
+  compile a scalar, an AVX2 and an AVX-512 path on every x86 machine (the GGUF matmul an AMX one
+  too, taken where CPUID shows AMX-INT8 and Linux grants the tile state) and take the best the CPU
+  runs (:func:`best_isa`, logged through :func:`isa_summary`); the tests run each path the CPU can
+  (:func:`isa_paths`).
 
 The sources are compiled with ``torch.utils.cpp_extension`` (g++ and ninja, ~1.5 min on 2 cores) into
 ``$PAGEDSERVE_CACHE/kernels/<key>/``. The key covers everything the library depends on: the
@@ -239,7 +241,7 @@ def paged_decode_int4_kernel() -> Callable[..., None] | None:
 
 
 def isa_paths() -> list[str]:
-    """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``), for
+    """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``, ``amx``), for
     the kernels that dispatch at run time (``cpu_isa.h``); ``[]`` without the native kernels."""
     ops = native_ops()
     return [] if ops is None else list(ops.isa_paths())
@@ -249,6 +251,17 @@ def best_isa() -> str | None:
     """The path ``auto`` takes on this CPU, or ``None`` without the native kernels."""
     ops = native_ops()
     return None if ops is None else str(ops.best_isa())
+
+
+_ISA_WORDS = {"scalar": "the scalar reference (no AVX2 here)", "avx2": "AVX2 maddubs/madd",
+              "avx512": "AVX-512 VNNI",
+              "amx": "AMX-INT8 tiles for batches of more than 4 rows, AVX-512 VNNI for fewer"}
+
+
+def isa_summary() -> str:
+    """The integer kernels' path on this CPU in words, for the start-up log (``auto``: cpu_isa.h)."""
+    isa = best_isa()
+    return "unavailable" if isa is None else f"{isa} ({_ISA_WORDS.get(isa, isa)})"
 
 
 def kernel_error() -> str | None:

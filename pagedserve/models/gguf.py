@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import cache_dir
-from pagedserve.kernels import native_ops
+from pagedserve.kernels import isa_summary, native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
 from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
@@ -592,5 +592,7 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    logger.info("loaded %s: %s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())))
+    kernels = f"; GGUF kernels: {isa_summary()}" if b.ops is not None else ""
+    logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
+                kernels)
     return model.eval().requires_grad_(False)

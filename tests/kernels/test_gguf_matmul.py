@@ -142,6 +142,14 @@ def test_a_rows_result_does_not_depend_on_its_batch(residual, fmt):
         assert torch.equal(_matmul(x[lo:hi].contiguous(), w, fmt, residual=residual), want), (lo, hi)
 
 
+def test_the_start_up_log_names_the_path_auto_takes():
+    from pagedserve.kernels import best_isa, isa_summary
+
+    assert isa_summary().startswith(f"{best_isa()} (") and PATHS[-1] == best_isa()
+    if best_isa() == "amx":
+        assert "tiles for batches of more than 4 rows" in isa_summary()
+
+
 def test_output_may_be_a_column_slice_and_activations_any_model_dtype():
     w = random_gguf_rows("Q5_0", 24, 96, seed=5)
     x = torch.randn(4, 96)
