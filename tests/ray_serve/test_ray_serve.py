@@ -127,22 +127,31 @@ def test_shared_prefix_sticks_to_one_replica(app: Cluster) -> None:
 def test_skewed_load_overrides_affinity(app: Cluster) -> None:
     prefix = SHARED + "Long answers please. "
     long_body = {"prompt": prefix + "tell a story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=app.url, timeout=60) as c, contextlib.ExitStack() as stack:
-        # Both seats of the prefix's replica taken by streams of the same prefix (affinity, no wait yet).
-        homes, readers = [], []
-        for _ in range(SEATS):
-            r = stack.enter_context(c.stream("POST", "/v1/completions", json={"model": MODEL, **long_body}))
-            assert r.status_code == 200
-            # Keep the reader: a dropped line iterator closes its connection (the client left).
-            readers.append(r.iter_lines())
-            next(readers[-1])  # running: the first event came
-            homes.append(r.headers[REPLICA_HEADER])
-        assert len(set(homes)) == 1, homes
-        app.seen.update(homes)
-        # The same prefix again would queue there: it goes to the other replica.
-        r = app.post({"prompt": prefix + "a short one", "max_tokens": 2})
-        assert r.status_code == 200 and r.headers[REPLICA_HEADER] != homes[0], (homes, r.headers, app.seen)
-    # Leaving the block closed both streams: their engine requests are aborted (checked by `app`).
+    # Both seats of the prefix's replica taken by streams of the same prefix (affinity, no wait yet).
+    # Affinity puts them on one replica unless it answered Ray's room probe late (then Ray tries the
+    # next: once in a clean-clone CI run): that is the setup missing, not the behaviour under test,
+    # so it is tried again, at most three times, from idle replicas.
+    placed: list[list[str]] = []
+    for _ in range(3):
+        with httpx.Client(base_url=app.url, timeout=60) as c, contextlib.ExitStack() as stack:
+            homes, readers = [], []
+            for _ in range(SEATS):
+                r = stack.enter_context(c.stream("POST", "/v1/completions", json={"model": MODEL, **long_body}))
+                assert r.status_code == 200
+                # Keep the reader: a dropped line iterator closes its connection (the client left).
+                readers.append(r.iter_lines())
+                next(readers[-1])  # running: the first event came
+                homes.append(r.headers[REPLICA_HEADER])
+            app.seen.update(homes)
+            placed.append(homes)
+            if len(set(homes)) == 1:
+                # The same prefix again would queue there: it goes to the other replica.
+                r = app.post({"prompt": prefix + "a short one", "max_tokens": 2})
+                assert r.status_code == 200 and r.headers[REPLICA_HEADER] != homes[0], (homes, r.headers, app.seen)
+                break
+        # Leaving the block closed the streams: their engine requests are aborted (checked by `app`).
+        app.wait_idle()
+    assert len(set(placed[-1])) == 1, placed
 
 
 def test_overfull_queue_is_503_with_openai_body(app: Cluster) -> None:
