@@ -23,9 +23,9 @@
   GGUF files no longer come here: their blocks go to ``gguf_matmul``.
 * ``gguf_matmul.cpp`` — ``y = x Wᵀ`` straight from GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
-  with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``; AMX-INT8
-  tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once; and the blocks dequantized for prefill GEMMs and lookups
-  (:mod:`pagedserve.models.gguf_linear`).
+  with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``;
+  AMX-INT8 tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once;
+  and the blocks dequantized for prefill GEMMs and lookups (:mod:`pagedserve.models.gguf_linear`).
 * ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
   (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools, which runs
   the kernels above back to back through their C++ entry points (``kernel_ops.h``), as the Python
@@ -76,8 +76,8 @@ _SOURCES = [Path(__file__).with_name(name)
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
                          "decode_stack.cpp", "int4_kv_write.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_amx.inc",
-                         "kernel_ops.h", "work_pool.h")]
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
+                         "gguf_amx.inc", "kernel_ops.h", "work_pool.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by
@@ -241,8 +241,9 @@ def paged_decode_int4_kernel() -> Callable[..., None] | None:
 
 
 def isa_paths() -> list[str]:
-    """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``, ``amx``), for
-    the kernels that dispatch at run time (``cpu_isa.h``); ``[]`` without the native kernels."""
+    """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``,
+    ``amx``), for the kernels that dispatch at run time (``cpu_isa.h``); ``[]`` without the native
+    kernels."""
     ops = native_ops()
     return [] if ops is None else list(ops.isa_paths())
 

@@ -10,8 +10,8 @@
 //
 // Paths (cpu_isa.h): the scalar reference (dequantize a block to float, dot with the dequantized
 // activations: the same numbers up to float summation order), AVX2, AVX-512 VNNI and AMX tiles
-// (gguf_amx.inc), compiled on every x86 machine and chosen at run time; `isa` names one to force it (the tests run each path
-// the CPU can execute).
+// (gguf_amx.inc), compiled on every x86 machine and chosen at run time; `isa` names one to force
+// it (the tests run each path the CPU can execute).
 // Float sums in exactly the order written (the build's -ffast-math lets GCC reassociate them, and it
 // did so differently per tile size): a row's result must not depend on the rows beside it.
 #pragma GCC optimize("no-fast-math")
@@ -249,11 +249,11 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
                 ": bias must be a contiguous float32 [out_features]");
   }
   if (M == 0 || N == 0) return;
-  // On an AMX CPU, batches of more than kVectorRows rows go to the tiles; decode rows keep the
-  // AVX-512 path, which reads a row of weights faster than the tiles' vector tail does (one row,
-  // SmolLM2's default file, 2 threads: 110-114 tok/s through gguf_amx.inc against 168-183).
+  // On an AMX CPU, batches of more than kMaxVectorRows rows go to the tiles; decode rows keep the
+  // AVX-512 path (one row, SmolLM2's default file, 2 threads: 110-114 tok/s through the tiles'
+  // unpacking and a vector form of their sums, since removed, against 168-183).
 #if PS_X86
-  const bool tiles = isa == Isa::amx && M > amx::kVectorRows;
+  const bool tiles = isa == Isa::amx && M > amx::kMaxVectorRows;
 #else
   const bool tiles = false;
 #endif

@@ -312,7 +312,7 @@ def test_a_llama_cpp_crash_with_repacked_weights_reruns_the_row_with_repacking_o
     printed = capsys.readouterr().out
     assert printed.count("was killed by signal 11") == 2 and "repacking off (--repack 0)" in printed
     calls = log.read_text().splitlines()
-    assert [("-p 512" in c, "--repack 0" in c) for c in calls if "-p 512" in c] == [(True, False), (True, True), (True, True)]
+    assert ["--repack 0" in c for c in calls if "-p 512" in c] == [False, True, True]
     assert [c.endswith("--no-repack") for c in calls if "batched" in c and "--help" not in c] == [False, True, True]
     assert not any("repack" in c for c in calls if "-p 0 " in c)  # decode ran with llama.cpp's defaults
     commands = json.loads(out.read_text())["files"][0]["commands"]

@@ -134,8 +134,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(residual, fmt):
     for lo, hi in ((0, 1), (5, 7), (5, 8), (3, 21), (13, 70), (70, 71)):
         # On an AMX CPU, batches of up to 4 rows take the AVX-512 path and larger ones the tiles
         # (gguf_amx.inc): a small batch then matches its rows computed one by one, which the
-        # AVX-512 path's own check is; (3, 21) ends in a 2-row tail that a tiled call computes
-        # with vectors, to the tiles' bits.
+        # AVX-512 path's own check is; (3, 21) ends in a 2-row tile of a tiled call, whose
+        # missing rows are zeros.
         want = whole[lo:hi]
         if "amx" in PATHS and hi - lo <= 4:
             want = torch.cat([_matmul(x[i:i + 1].contiguous(), w, fmt, residual=residual) for i in range(lo, hi)])
