@@ -79,7 +79,7 @@ def quality_floor_alternative(quantization: str, kv_cache_dtype: str) -> tuple[s
     return "none", "auto"
 
 
-# How a float32 model's linear weights are stored on a CPU without native bf16 (models/half_linear.py):
+# How a float32 model's linear weights are stored on CPU (models/half_linear.py):
 # auto = 16-bit where lossless (a bf16 or f16 checkpoint), else float32; float16 / bfloat16 round a
 # float32 checkpoint's weights, so they are asked for by name.
 DECODE_WEIGHTS = ("auto", "float32", "float16", "bfloat16")
@@ -160,8 +160,8 @@ class EngineConfig:
     tokens up front, the naive server kept for side-by-side comparison.
     ``kv_cache_dtype`` (``auto`` | ``fp8`` | ``int8`` | ``int4``) and ``quantization`` (``none`` |
     ``int8`` | ``int4``) are the KV and weight precision dials, set separately (docs/QUANTIZATION.md).
-    ``decode_weights``: on a CPU without native bf16, a float32 model's linear weights stored 16-bit
-    for decode (``auto``: only where lossless, a bf16 or f16 checkpoint).
+    ``decode_weights``: a float32 model's linear weights stored 16-bit for decode on CPU (``auto``:
+    only where lossless, a bf16 or f16 checkpoint).
     ``gguf_activations``: how the GGUF kernels quantize a layer's activations, ``int16`` (int8 plus
     the int8 of its remainder: near-float logits) or ``int8`` (llama.cpp's, less integer work).
     ``native_decode``: on CPU, decode steps run every decoder layer in one native call where the
@@ -190,7 +190,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
-    decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU without native bf16, float32 model)
+    decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU, float32 model)
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
     native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     native_kernels: bool = True  # CPU: build and use the native kernels (False: pure torch, nothing compiled)

@@ -36,8 +36,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads. A weight x KV "
                         "combination under the quality floor (int4 here, docs/QUANTIZATION.md) warns at start-up")
     g.add_argument("--decode-weights", default="auto", choices=list(DECODE_WEIGHTS),
-                   help="on a CPU without native bf16 (no AVX512_BF16, no AMX), with a float32 model: how linear "
-                        "weights are stored. float16 / bfloat16 keep them 16-bit and widen them in registers, so "
+                   help="with a model computed in float32 (the default on a CPU without native bf16; --dtype "
+                        "float32 elsewhere): how linear weights are stored. float16 / bfloat16 keep them 16-bit and "
+                        "widen them in registers, so "
                         "decode reads half float32's bytes (prompt chunks still run float32 GEMMs); auto does so "
                         "only where lossless, for a bf16 or f16 checkpoint (a float32 one stays float32); float16 "
                         "rounds a float32 checkpoint's weights. Ignored elsewhere (default auto)")

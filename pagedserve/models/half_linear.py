@@ -1,8 +1,8 @@
 """Linear layers that keep their weights 16-bit (float16 or bfloat16) for a float32 model.
 
-On a CPU without native bf16 (no AVX512_BF16, no AMX) the fast matmuls are float32 ones, and a
-float32 model reads 4 bytes per weight every decode step: single-stream decode is bound by those
-bytes. :class:`HalfWeightLinear` holds the weight 16-bit and computes in float32:
+A model computed in float32 (the default on a CPU without native bf16, no AVX512_BF16 and no AMX;
+anywhere with ``--dtype float32``) reads 4 bytes per weight every decode step: single-stream decode
+is bound by those bytes. :class:`HalfWeightLinear` holds the weight 16-bit and computes in float32:
 
 * up to :data:`KERNEL_MAX_ROWS` rows (a decode step, the LM head's sampled rows), the native
   ``half_linear`` kernel (``kernels/half_matmul.cpp``) reads the 16-bit weight once and widens it
@@ -15,6 +15,13 @@ bytes. :class:`HalfWeightLinear` holds the weight 16-bit and computes in float32
 
 A bf16 or f16 checkpoint stored this way is lossless; a float32 checkpoint stored 16-bit is
 rounded, so that takes ``--decode-weights`` (:func:`choose_decode_weights`).
+
+On a CPU with native bf16 the default compute dtype is bfloat16 and none of this applies; asked
+for float32 there, a bf16 checkpoint decodes through this kernel too. It is the fastest one-stream
+path measured on such a CPU: ``small`` (bf16 checkpoint), one stream, 2 threads of a Sapphire
+Rapids-class Xeon, 150 tok/s against 104 computed in bfloat16 through oneDNN's prepacked matmuls
+(docs/BENCHMARKS.md) — the gain is the decode stack's own thread pool (a float32 model's 16-bit
+linears run on it, oneDNN's on OpenMP's team), the kernel itself matches oneDNN's one-row speed.
 """
 
 from __future__ import annotations
@@ -107,8 +114,7 @@ def store_linears_16bit(model: nn.Module, dtype: torch.dtype, ops) -> int:
 
 
 def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, compute_dtype: torch.dtype,
-                          device: torch.device, quantization: str, native_bf16: bool,
-                          kernel: bool) -> tuple[torch.dtype | None, str]:
+                          device: torch.device, quantization: str, kernel: bool) -> tuple[torch.dtype | None, str]:
     """How a model's linear weights are stored for decode: ``(dtype, why)``, dtype ``None`` when
     they stay in the compute dtype. ``requested`` is ``--decode-weights`` (``auto`` | ``float32`` |
     ``float16`` | ``bfloat16``); ``checkpoint_dtype`` the dtype the checkpoint stores its weights in
@@ -117,8 +123,6 @@ def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, 
         return None, "16-bit decode weights are a CPU path"
     if compute_dtype != torch.float32:
         return None, f"the model computes in {str(compute_dtype).removeprefix('torch.')}"
-    if native_bf16:
-        return None, "this CPU multiplies bf16 natively (AVX512_BF16 or AMX): its bf16 paths are the fast ones"
     if quantization not in (None, "none"):
         return None, f"the weights are quantized ({quantization})"
     if not kernel:
@@ -129,7 +133,7 @@ def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, 
         if checkpoint_dtype in DECODE_WEIGHT_DTYPES.values():
             name = str(checkpoint_dtype).removeprefix("torch.")
             return checkpoint_dtype, (f"the checkpoint's own {name}, lossless; decode reads 2 bytes per weight "
-                                      "instead of float32's 4 on this CPU without native bf16")
+                                      "instead of float32's 4")
         return None, ("--decode-weights auto keeps a float32 checkpoint's weights float32; float16 would halve the "
                       "bytes decode reads, rounding them")
     dtype = DECODE_WEIGHT_DTYPES[requested]

@@ -169,7 +169,6 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
     half, why = choose_decode_weights(decode_weights, checkpoint_dtype, dtype, device, weight_format,
-                                      device.type == "cpu" and cpu_has_native_bf16(),
                                       ops is not None and hasattr(ops, "half_linear"))
     logger.info("decode weights: %s (%s)", str(half if half is not None else dtype).removeprefix("torch."), why)
     if half is not None:  # before prepacking, which then finds no plain float32 linear left

@@ -14,7 +14,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import native_ops
 from pagedserve.kv.cache import HeadMajorKVCache
 from pagedserve.models.attention import AttentionMetadata
-from pagedserve.models.half_linear import HalfWeightLinear, store_linears_16bit
 from pagedserve.models.native_decode import NativeDecode
 from tests.conftest import assert_no_leaks
 
@@ -40,25 +39,11 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
         key = f"{case}-{native}"
         if key not in built:
             path, options = sources[case]()
-            built[key] = llm = LLM(str(path), num_kv_blocks=96, block_size=8, max_model_len=256,
-                                   native_decode=native, **options)
-            if case == "tiny-half-weights":
-                _store_16bit_decode_weights(llm, native)
+            built[key] = LLM(str(path), num_kv_blocks=96, block_size=8, max_model_len=256, native_decode=native,
+                             **options)
         return built[key]
 
     return get
-
-
-def _store_16bit_decode_weights(llm: LLM, native: bool) -> None:
-    """The loader stores the bf16 checkpoint's weights as 16-bit for decode only on a CPU without
-    native bf16 (elsewhere bf16 compute is the fast path); done here by hand where it did not, so the
-    "half" layers' native decode is tested on every CPU."""
-    runner = llm.engine.core.runner
-    if any(isinstance(m, HalfWeightLinear) for m in runner.model.modules()):
-        return
-    store_linears_16bit(runner.model, torch.bfloat16, native_ops())
-    if native:
-        runner.model.enable_native_decode(runner.kv_caches, native_ops())
 
 
 CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "gguf-q4_1",
