@@ -25,6 +25,8 @@ Formats (`--formats`, all by default):
                      a query sees its own block's keys and values exact, earlier blocks quantized (a
                      per-channel key scale needs the block's 16 tokens, so the block waits in float
                      until it fills)
+* ``...+sink``       (after ``+tail`` or alone) the sequence's first block kept exact too: the first
+                     tokens draw much of every query's attention (the attention sink)
 
 Run: ``python examples/int4_kv_study.py --windows 8 --window-len 512`` (2 threads: minutes), or with
 ``--needles 100`` needle recall instead of perplexity, on the haystacks ``bench retrieval`` builds
@@ -147,8 +149,9 @@ FORMATS = {
 
 
 def bits_per_value(name: str, head_dim: int) -> float:
-    """Stored bits per K or V value, averaged over K and V, scales (float16) included."""
-    base = name.removesuffix("+tail")
+    """Stored bits per K or V value, averaged over K and V, scales (float16) included (a tail or
+    sink block is a per-sequence constant, not a per-token cost)."""
+    base = name.split("+")[0]
     per_token = {"sym": 4 + 16 / head_dim, "asym": 4 + 32 / head_dim}
     per_channel = {"sym": 4 + 16 / BLOCK, "asym": 4 + 32 / BLOCK}
     k, v = {"token": (per_token["sym"], per_token["sym"]), "token-rot": (per_token["sym"], per_token["sym"]),
@@ -172,12 +175,17 @@ def make_attention(state: dict):
         if name == "float32":
             kq, vq, tail = key, value, None
         else:
-            kfn, vfn = FORMATS[name.removesuffix("+tail")]
+            base, *extras = name.split("+")
+            kfn, vfn = FORMATS[base]
             kq, vq = kfn(key), vfn(value)
             tail = None
-            if name.endswith("+tail"):  # a query's own block stays exact
+            pos_k = torch.arange(key.shape[2])[None, :]
+            if "tail" in extras:  # a query's own block stays exact
                 pos_q = torch.arange(key.shape[2] - t, key.shape[2])
-                tail = (pos_q[:, None] // BLOCK) == (torch.arange(key.shape[2])[None, :] // BLOCK)
+                tail = (pos_q[:, None] // BLOCK) == (pos_k // BLOCK)
+            if "sink" in extras:  # the sequence's first block stays exact (the attention sink's keys)
+                sink = (pos_k < BLOCK).expand(t, -1)
+                tail = sink if tail is None else tail | sink
         kq, vq = kq.repeat_interleave(groups, 1), vq.repeat_interleave(groups, 1)
         scores = query @ kq.transpose(-1, -2) * scaling
         if tail is not None:

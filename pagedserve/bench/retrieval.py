@@ -41,6 +41,7 @@ from pagedserve.bench.common import machine_summary, write_result
 from pagedserve.bench.paired_stats import PairedComparison, compare_paired, wilson_interval
 from pagedserve.bench.retrieval_journal import Journal, prompts_digest, settings_digest
 from pagedserve.config import KV_CACHE_DTYPES, cache_dir
+from pagedserve.kv.int4 import LAYOUT as INT4_LAYOUT
 
 NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ingrid", "Jonas", "Kemal",
          "Leila", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Stefan", "Tomoko"]
@@ -349,13 +350,21 @@ def depth_table(answers: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _journal_for(args: argparse.Namespace, model_dir: Path, contexts: list[Context]) -> Journal:
-    """The run's journal: its settings are everything that decides the questions and the answers."""
+def run_settings(args: argparse.Namespace, model_dir: Path, contexts: list[Context]) -> dict:
+    """Everything that decides a run's questions and answers: its journal holds for these alone."""
     model_file = model_dir / "gguf_source.json"
     settings = {"model": args.model, "model_source": model_file.read_text() if model_file.exists() else str(model_dir),
                 "dtype": args.dtype, "quantization": args.quantization, "lengths": args.lengths,
                 "needles": args.needles, "needles_per_context": args.needles_per_context, "depths": args.depths,
                 "seed": args.seed, "prompts": prompts_digest([p for c in contexts for p in c.prompts])}
+    if "int4" in args.kv:  # answers of another int4 layout (kv/int4.py) are not this one's
+        settings["int4_layout"] = INT4_LAYOUT
+    return settings
+
+
+def _journal_for(args: argparse.Namespace, model_dir: Path, contexts: list[Context]) -> Journal:
+    """The run's journal, keyed by its :func:`run_settings`."""
+    settings = run_settings(args, model_dir, contexts)
     if args.journal == "none":
         return Journal(None, settings)
     path = (cache_dir() / "bench" / f"retrieval-{settings_digest(settings)}.jsonl" if args.journal == "auto"

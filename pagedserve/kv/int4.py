@@ -49,6 +49,9 @@ import torch
 from pagedserve.kv.quant import SCALE_DTYPE, dequantize_kv, hadamard_matrix, quantize_kv
 from pagedserve.kv.zeros import zeros
 
+# The layout's name in examples/int4_kv_study.py's terms: a benchmark's journal of int4 answers
+# (bench/retrieval.py) holds for this layout only.
+LAYOUT = "kzero-vrot+tail"
 TAIL_DTYPE = torch.float16
 KEY_STEP_DTYPE = torch.float8_e4m3fn
 _LEVELS = 15  # int4 codes 0..15

@@ -68,3 +68,19 @@ def test_journal_resumes_complete_units_and_drops_one_cut_short(tmp_path):
     memory = Journal(None, settings)
     memory.add("auto", 0, [{"recalled": True}])
     assert memory.done("auto", 0) and not path.with_name("none").exists()
+
+
+def test_an_int4_runs_journal_names_the_int4_layout(tmp_path):
+    """A journal of int4 answers is keyed by the int4 layout too: answers of another layout (an
+    earlier one, or a candidate measured before it was chosen) are never resumed as this one's."""
+    import argparse
+
+    from pagedserve.bench.retrieval import run_settings
+    from pagedserve.kv.int4 import LAYOUT
+
+    args = argparse.Namespace(model="m", dtype="float32", quantization="none", lengths=[1024], needles=10,
+                              needles_per_context=10, depths=[0.5], seed=0, kv=["auto", "int4"])
+    with_int4 = run_settings(args, tmp_path, [])
+    assert with_int4["int4_layout"] == LAYOUT == "kzero-vrot+tail"
+    args.kv = ["auto", "int8"]
+    assert "int4_layout" not in run_settings(args, tmp_path, [])
