@@ -18,6 +18,8 @@ Formats (`--formats`, all by default):
 * ``kzero-vrot``     keys per channel over each block, asymmetric: a float8 step and an int8 zero point
                      per channel (two bytes, as kchan's scale), values rotated per token (with the tail:
                      ``--kv-cache-dtype int4`` since 2026-12-05, kv/int4.py)
+* ``k5zero-v3rot``   kzero-vrot with a bit moved from V to K: 5-bit key codes, 3-bit value codes, the
+                     same bytes
 * ``kasym8-vrot``    the same with the channel's minimum as float8 instead of an int8 zero point, both
                      relative to a float16 unit per block and head
 * ``kexact-vrot``, ``kchan-vexact``  one side left exact: which of K and V costs the recall
@@ -118,17 +120,24 @@ def per_channel_blocks_fp8(x: torch.Tensor) -> torch.Tensor:
     return (q * unit).flatten(2, 3)[:, :, :x.shape[2]]
 
 
-def per_channel_blocks_zero(x: torch.Tensor) -> torch.Tensor:
+def per_channel_blocks_zero(x: torch.Tensor, levels: float = LEVELS4) -> torch.Tensor:
     """Asymmetric int4 per channel over each 16-token block as ``step_c · (q + z_c)``, q in 0..15:
     each channel's step as float8 e4m3 (rounded up) and its zero point z_c as int8 — two bytes a
-    channel, as a float16 absmax scale (``--kv-cache-dtype int4`` since 2026-12-05)."""
+    channel, as a float16 absmax scale (``--kv-cache-dtype int4`` since 2026-12-05). ``levels`` 31:
+    the same with 5-bit codes."""
     xp, lo, hi = block_ranges(x)
     # the step covers the range, |lo| / step within int8; a rounded zero point clips at most half a step
-    step = torch.maximum((hi - lo) / LEVELS4, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
+    step = torch.maximum((hi - lo) / levels, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
     step8 = fp8_step(step, down=False)
     z = torch.round(lo / step8).clamp(-128, 127)
-    q = (xp / step8 - z).round().clamp(0, LEVELS4)
+    q = (xp / step8 - z).round().clamp(0, levels)
     return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
+
+
+def per_vector_sym3(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric 3-bit codes (-3..3) over the last dimension, one float16 scale per vector."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-6) / 3.0
+    return (x / scale).round().clamp(-3, 3) * scale.half().float()
 
 
 def rotated(fn, x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +152,7 @@ FORMATS = {
     "kchan-vrot": (lambda k: per_channel_blocks(k, asym=False), lambda v: rotated(per_vector_sym, v)),
     "kasym8-vrot": (per_channel_blocks_fp8, lambda v: rotated(per_vector_sym, v)),
     "kzero-vrot": (per_channel_blocks_zero, lambda v: rotated(per_vector_sym, v)),
+    "k5zero-v3rot": (lambda k: per_channel_blocks_zero(k, 31.0), lambda v: rotated(per_vector_sym3, v)),
     "kexact-vrot": (lambda k: k, lambda v: rotated(per_vector_sym, v)),
     "kchan-vexact": (lambda k: per_channel_blocks(k, asym=False), lambda v: v),
 }
@@ -158,6 +168,7 @@ def bits_per_value(name: str, head_dim: int) -> float:
             "kivi": (per_channel["asym"], per_token["asym"]),
             "kchan-vrot": (per_channel["sym"], per_token["sym"]),
             "kzero-vrot": (per_channel["sym"], per_token["sym"]),  # a float8 step and an int8 zero: 2 bytes
+            "k5zero-v3rot": (per_channel["sym"] + 1, per_token["sym"] - 1),  # the same bytes, a bit moved to K
             "kasym8-vrot": (per_channel["sym"] + 16 / (BLOCK * head_dim), per_token["sym"]),  # + a unit per head
             "kexact-vrot": (16.0, per_token["sym"]), "kchan-vexact": (per_channel["sym"], 16.0)}[base]
     return (k + v) / 2
