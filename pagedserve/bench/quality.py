@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.common import machine_summary, resolve_model, run_engine, write_result
 from pagedserve.bench.workloads import BenchRequest
-from pagedserve.config import KV_CACHE_DTYPES, QUALITY_FLOOR, QUANTIZATIONS
+from pagedserve.config import GGUF_ACTIVATIONS, KV_CACHE_DTYPES, QUALITY_FLOOR, QUANTIZATIONS
 from pagedserve.planner.sizing import seats_at_max_len
 
 FULL = ("none", "auto")  # the reference combination: weights and KV in the model dtype
@@ -68,6 +68,13 @@ def add_parser(bench) -> None:
                    help="KV cache precisions to compare (auto = the model dtype)")
     p.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity and KL")
     p.add_argument("--window-len", type=int, default=256, help="tokens per perplexity window")
+    p.add_argument("--chunk", type=_chunk, default=0, metavar="N",
+                   help="score each window in prompt chunks of N tokens (1-32): the rows of a decode step, so the "
+                        "decode kernels' precision (GGUF's integer kernels and their activations, 16-bit weights) is "
+                        "what perplexity and KL measure; default 0: the whole window as one prefill, whose GEMM "
+                        "dequantizes the weights")
+    p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
+                   help="the engine's --gguf-activations for GGUF weights kept quantized (default int16)")
     p.add_argument("--prompts", type=int, default=16, help="N: held-out prompts for greedy agreement")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per greedy prompt")
     p.add_argument("--gen-tokens", type=int, default=64, help="M: greedy tokens generated per prompt")
@@ -94,6 +101,13 @@ def add_parser(bench) -> None:
     d.set_defaults(func=run_quant_decode)
 
 
+def _chunk(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 32:
+        raise argparse.ArgumentTypeError("--chunk is 0 (whole windows) or 1-32 tokens")
+    return value
+
+
 def _add_threads_and_json(p: argparse.ArgumentParser) -> None:
     """The two options both quality commands share."""
     p.add_argument("--threads", type=int, default=None,
@@ -103,8 +117,12 @@ def _add_threads_and_json(p: argparse.ArgumentParser) -> None:
 
 # ---- measurements -------------------------------------------------------------------------------
 @torch.inference_mode()
-def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
-    """Next-token log-probabilities ``[len, vocab]`` for one window, run as one prefill through the paged cache.
+def window_logprobs(engine, token_ids: list[int], chunk: int = 0) -> torch.Tensor:
+    """Next-token log-probabilities ``[len, vocab]`` for one window, run as one prefill through the
+    paged cache, or as prompt chunks of ``chunk`` tokens (each reading the earlier ones from the
+    cache): up to 32 rows a step takes the kernels of decode steps (GGUF's integer kernels, 16-bit
+    weights' kernel), so their precision is what is scored, where a whole window's prefill
+    dequantizes the weights for a GEMM.
 
     The window's K/V are written into blocks 0.. and attention reads them back from there, so a
     quantized KV cache costs what it costs in serving. The engine must be idle with prefix caching off
@@ -119,17 +137,22 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
     num_blocks = -(-n // bs)
     if num_blocks > engine.core.num_kv_blocks:
         raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.core.num_kv_blocks}")
-    positions = torch.arange(n, device=dev)
-    meta = AttentionMetadata(
-        slot_mapping=positions,  # blocks 0, 1, ... in order: slot = position
-        num_decodes=0, decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=dev),
-        decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_mask=None,
-        prefills=[(0, n, n, torch.arange(num_blocks, device=dev))])
-    hidden = runner.model(torch.tensor(token_ids, device=dev), positions, runner.kv_caches, meta)
+    step = chunk if chunk > 0 else n
+    logprobs = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        positions = torch.arange(start, end, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=positions,  # blocks 0, 1, ... in order: slot = position
+            num_decodes=0, decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=dev),
+            decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_mask=None,
+            prefills=[(0, end - start, end, torch.arange(-(-end // bs), device=dev))])
+        hidden = runner.model(torch.tensor(token_ids[start:end], device=dev), positions, runner.kv_caches, meta)
+        logprobs.append(runner.model.compute_logits(hidden).log_softmax(dim=-1).cpu())
     tails = getattr(runner.kv_caches[0][0], "tails", None)
     if tails is not None:  # int4: the window's open last block is no one's, its tail slot free again
         tails.release(range(num_blocks))
-    return runner.model.compute_logits(hidden).log_softmax(dim=-1).cpu()
+    return torch.cat(logprobs)
 
 
 def heldout_windows(tokens: torch.Tensor, count: int, length: int) -> list[list[int]]:
@@ -142,11 +165,12 @@ def heldout_windows(tokens: torch.Tensor, count: int, length: int) -> list[list[
     return [tokens[s:s + span].tolist() for s in starts]
 
 
-def score_windows(engine, windows: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
-    """(perplexity, per-window log-probability tensors) over the windows' next-token targets."""
+def score_windows(engine, windows: list[list[int]], chunk: int = 0) -> tuple[float, list[torch.Tensor]]:
+    """(perplexity, per-window log-probability tensors) over the windows' next-token targets
+    (``chunk``: :func:`window_logprobs`)."""
     nll, count, logprobs = 0.0, 0, []
     for w in windows:
-        lp = window_logprobs(engine, w[:-1])
+        lp = window_logprobs(engine, w[:-1], chunk)
         targets = torch.tensor(w[1:])
         nll -= float(lp.gather(1, targets.unsqueeze(1)).sum())
         count += len(targets)
@@ -243,7 +267,8 @@ def engine_config(model_dir: str, weights: str, kv: str, dtype: str | None, args
         model, quantization, want = gguf_compute_view(model_dir, dtype), "none", "auto"
     return EngineConfig(model=model, dtype=want, quantization=quantization, kv_cache_dtype=kv,
                         kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len, enable_prefix_caching=False,
-                        group_kernels=getattr(args, "group_kernels", False))
+                        group_kernels=getattr(args, "group_kernels", False),
+                        gguf_activations=args.gguf_activations)
 
 
 def gguf_compute_view(model_dir: str, dtype: str | None) -> str:
@@ -325,7 +350,7 @@ def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -
     ref_lp = ref_greedy = ref_ppl = None
     for w, k in tqdm(combos, desc="weight x KV combinations", unit="combo"):
         engine = Engine(engine_config(model_dir, w, k, dtype, args))
-        ppl, lp = score_windows(engine, windows)
+        ppl, lp = score_windows(engine, windows, args.chunk)
         greedy = greedy_tokens(engine, prompts, args.gen_tokens)
         if ref_lp is None:
             ref_lp, ref_greedy, ref_ppl = lp, greedy, ppl
@@ -396,7 +421,8 @@ def run_quality(args: argparse.Namespace) -> int:
         ("the Python tutorial's prose" if args.corpus is None else args.corpus)
     print(f"\nquantization quality on {args.model} ({machine_summary()}; full precision = {rows[0].model_dtype}"
           f"{', dequantized from the GGUF' if is_gguf else ''}): {args.windows} {text} windows x "
-          f"{args.window_len} tokens; greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
+          f"{args.window_len} tokens{f' in chunks of {args.chunk}' if args.chunk else ''}"
+          f"{f', GGUF activations {args.gguf_activations}' if is_gguf else ''}; greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
           f"{args.kv_budget} KV and max_model_len {args.max_model_len}; decode: median of {args.repeats}, "
           f"{args.decode_tokens} tokens")
     print(format_table(rows))

@@ -66,6 +66,35 @@ def test_window_scoring_matches_transformers_and_identical_runs_agree(trained_di
         quality.window_logprobs(engine, windows[0])  # not idle: its blocks are someone's
 
 
+def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tiny_ggufs):
+    """Chunks read the earlier ones from the cache: on a float model the log-probabilities are the
+    whole window's (to summation order). On a GGUF kept quantized a whole window's prefill
+    dequantizes the weights, so the activations' precision cannot show; chunks of 16 rows take the
+    integer kernels, where int8 activations move the log-probabilities and int16 hardly do."""
+    out, _ = trained_dir
+    engine = Engine(EngineConfig(model=str(out), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False,
+                                 max_model_len=256))
+    window = quality.heldout_windows(load_heldout_tokens(out), 1, 48)[0][:-1]
+    whole = quality.window_logprobs(engine, window)
+    assert torch.allclose(quality.window_logprobs(engine, window, chunk=16), whole, atol=1e-4)
+    assert quality.window_logprobs(engine, window, chunk=5).shape == whole.shape  # a short last chunk
+
+    from pagedserve.models.loader import resolve_model_dir
+
+    # Kept quantized and computed in float32, as `bench quality` scores a GGUF: bf16 rounding would hide it.
+    gguf = quality.gguf_compute_view(str(resolve_model_dir(str(tiny_ggufs("Q4_1", tokenizer=True)))), "float32")
+    lps = {}
+    for act in ("int16", "int8"):
+        e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,
+                                max_model_len=256))
+        ids = list(range(5, 53))
+        lps[act] = quality.window_logprobs(e, ids), quality.window_logprobs(e, ids, chunk=16)
+    assert torch.equal(lps["int16"][0], lps["int8"][0])  # one prefill: the same GEMM either way
+    int16_moved = (lps["int16"][1] - lps["int16"][0]).abs().max().item()
+    int8_moved = (lps["int8"][1] - lps["int8"][0]).abs().max().item()
+    assert int8_moved > 10 * int16_moved and int8_moved > 1e-3, (int16_moved, int8_moved)
+
+
 def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
     out, _ = trained_dir
     # bfloat16 on every CPU: the byte arithmetic below is bf16's (auto computes in float32 on a CPU
@@ -73,7 +102,7 @@ def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
     args = argparse.Namespace(model=str(out), weights=["none", "int8"], kv=["auto", "int8"], dtype="bfloat16",
                               corpus=None,
                               windows=2,
-                              window_len=32, prompts=2, prompt_len=16, gen_tokens=6, kv_budget="1MiB", threads=None,
+                              window_len=32, chunk=0, gguf_activations="int16", prompts=2, prompt_len=16, gen_tokens=6, kv_budget="1MiB", threads=None,
                               max_model_len=256, decode_tokens=4, repeats=1, json_out=str(tmp_path / "q.json"))
     assert quality.run_quality(args) == 0
     text = capsys.readouterr().out
