@@ -422,7 +422,8 @@ def run_quality(args: argparse.Namespace) -> int:
     print(f"\nquantization quality on {args.model} ({machine_summary()}; full precision = {rows[0].model_dtype}"
           f"{', dequantized from the GGUF' if is_gguf else ''}): {args.windows} {text} windows x "
           f"{args.window_len} tokens{f' in chunks of {args.chunk}' if args.chunk else ''}"
-          f"{f', GGUF activations {args.gguf_activations}' if is_gguf else ''}; greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
+          f"{f', GGUF activations {args.gguf_activations}' if is_gguf else ''}; "
+          f"greedy {args.prompts} prompts x {args.gen_tokens} tokens; seats at "
           f"{args.kv_budget} KV and max_model_len {args.max_model_len}; decode: median of {args.repeats}, "
           f"{args.decode_tokens} tokens")
     print(format_table(rows))

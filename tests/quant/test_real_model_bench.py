@@ -68,7 +68,8 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
 def test_quality_on_a_gguf_keeps_its_quantized_tensors_beside_the_dequantized_reference(tiny_q41, tiny_corpus,
                                                                                         tmp_path, capsys):
     args = argparse.Namespace(model=tiny_q41, weights=["none", "gguf"], kv=["auto", "int8"], dtype=None,
-                              corpus=str(tiny_corpus), windows=2, window_len=32, chunk=0, gguf_activations="int16", prompts=2, prompt_len=8,
+                              corpus=str(tiny_corpus), windows=2, window_len=32, chunk=0,
+                              gguf_activations="int16", prompts=2, prompt_len=8,
                               gen_tokens=4, kv_budget="1MiB", threads=None, max_model_len=128, decode_tokens=4,
                               repeats=1, json_out=str(tmp_path / "q.json"))
     assert quality.run_quality(args) == 0

@@ -102,7 +102,8 @@ def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
     args = argparse.Namespace(model=str(out), weights=["none", "int8"], kv=["auto", "int8"], dtype="bfloat16",
                               corpus=None,
                               windows=2,
-                              window_len=32, chunk=0, gguf_activations="int16", prompts=2, prompt_len=16, gen_tokens=6, kv_budget="1MiB", threads=None,
+                              window_len=32, chunk=0, gguf_activations="int16", prompts=2, prompt_len=16,
+                              gen_tokens=6, kv_budget="1MiB", threads=None,
                               max_model_len=256, decode_tokens=4, repeats=1, json_out=str(tmp_path / "q.json"))
     assert quality.run_quality(args) == 0
     text = capsys.readouterr().out
