@@ -42,6 +42,8 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "av
              "amx_tile", "amx_int8", "amx_bf16")
 LLAMA_BINARIES = ("llama-bench", "llama-batched-bench")
 PAGEDSERVE, LLAMA_CPP, VLLM, OPENVINO = "pagedserve", "llama.cpp", "vllm", "openvino"
+# pagedserve on the --hf-checkpoint, beside the peers that run it: their ratios are taken against it.
+PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
 OPTIONAL_PEERS = {VLLM: ("venv-vllm", "vllm_decode.py"), OPENVINO: ("venv-openvino", "openvino_decode.py")}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -109,7 +111,8 @@ def add_parser(bench) -> None:
                     "(cold 512-token prompt, time to first token), batch (16 streams x 128 tokens, 64-token "
                     "prompts, generation rate). llama.cpp comes from scripts/setup_peers.sh llamacpp. Optional "
                     "decode-row columns: vLLM-CPU and OpenVINO GenAI (scripts/setup_peers.sh vllm / openvino), "
-                    "only with --hf-checkpoint, since neither runs GGUF files reliably.")
+                    "only with --hf-checkpoint, since neither runs GGUF files reliably; pagedserve then runs "
+                    "that checkpoint too (a pagedserve-hf column, the peers' ratios taken against it).")
     p.add_argument("--model", default=None,
                    help="GGUF file both engines load (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="pagedserve's --dtype (default auto)")
@@ -133,6 +136,10 @@ def add_parser(bench) -> None:
     p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                    help="the same model as a Hugging Face directory: adds vLLM-CPU and OpenVINO GenAI decode columns "
                         "where their venvs exist under the peers directory (they do not run GGUF files reliably)")
+    p.add_argument("--hf-dtype", default="auto", choices=DTYPES,
+                   help="pagedserve's --dtype on the --hf-checkpoint (default auto; float32 decodes a bf16 "
+                        "checkpoint from its 16-bit weights on the decode stack's own threads, the fastest one "
+                        "stream measured on a CPU with native bf16, docs/BENCHMARKS.md)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
 
@@ -237,12 +244,16 @@ def parse_batched_bench(output: str) -> float:
 
 
 def parse_json_line(stdout: str) -> float:
-    """``tok_s`` of the last line a pagedserve worker or a peer driver printed."""
-    lines = stdout.strip().splitlines()
-    try:
-        return float(json.loads(lines[-1])["tok_s"])
-    except (IndexError, ValueError, KeyError, TypeError):
-        raise ValueError(f"expected a JSON line with tok_s, got {stdout[-300:]!r}") from None
+    """``tok_s`` of the last JSON line a pagedserve worker or a peer driver printed (vLLM logs its
+    shutdown to stdout after the driver's line)."""
+    for line in reversed(stdout.strip().splitlines()):
+        if not line.startswith("{"):
+            continue
+        try:
+            return float(json.loads(line)["tok_s"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    raise ValueError(f"expected a JSON line with tok_s, got {stdout[-300:]!r}")
 
 
 def parse_output(engine: str, row: str, stdout: str) -> float:
@@ -304,19 +315,24 @@ def measure(plan: dict[str, dict[str, list[str]]], rounds: int, run=run_command,
             plan[row][engine] = fallback
             rate = run(engine, row, fallback)
         results[row][engine].append(rate)
-        log(f"  {row:8} round {k}/{rounds}  {engine:11} {rate:10.1f} tok/s")
+        log(f"  {row:8} round {k}/{rounds}  {engine:13} {rate:10.1f} tok/s")
     return results
 
 
 def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
-    """Medians per row and engine, and pagedserve's median over each other engine's."""
+    """Medians per row and engine, and pagedserve's median over each other engine's: llama.cpp's
+    against pagedserve on the GGUF file, the optional peers' against pagedserve on their checkpoint
+    (``PAGEDSERVE_CHECKPOINT``) where it ran, else on the file."""
     summary = {}
     for row, engines in results.items():
         medians = {e: statistics.median(r) for e, r in engines.items() if r}
-        ours = medians.get(PAGEDSERVE)
+        ratios = {}
+        for e, m in medians.items():
+            ours = PAGEDSERVE_CHECKPOINT if e in OPTIONAL_PEERS and PAGEDSERVE_CHECKPOINT in medians else PAGEDSERVE
+            if e not in (PAGEDSERVE, PAGEDSERVE_CHECKPOINT) and ours in medians and m > 0:
+                ratios[f"{ours}/{e}"] = medians[ours] / m
         summary[row] = {"engines": {e: {"rounds": r, "median": medians[e]} for e, r in engines.items() if r},
-                        "ratios": {f"{PAGEDSERVE}/{e}": ours / m for e, m in medians.items()
-                                   if e != PAGEDSERVE and ours is not None and m > 0}}
+                        "ratios": ratios}
     return summary
 
 
@@ -389,7 +405,8 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
             shape = shapes(args.decode_tokens)[row]
             engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations),
                        LLAMA_CPP: llama_cpp_command(bin_dir, row, shape, file, threads, jsonl)}
-            if row == "decode" and file == files[0]:  # the optional peers run the checkpoint, not a GGUF file
+            if row == "decode" and file == files[0] and peers:  # the optional peers run the checkpoint, not a GGUF
+                engines[PAGEDSERVE_CHECKPOINT] = worker_command(row, shape, args.hf_checkpoint, args.hf_dtype, threads)
                 engines |= {p: peer_command(p, shape, args.hf_checkpoint, threads) for p in peers}
             rows[row] = engines
         plan[str(file)] = rows
@@ -440,7 +457,7 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         prepared.append(shlex.join(cmd))
     jsonl = "batch" in args.rows and batched_bench_supports_jsonl(bin_dir)
     plan = build_plan(files, args, bin_dir, threads, jsonl, peers)
-    report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype,
+    report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "hf_dtype": args.hf_dtype,
               "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
     start = time.perf_counter()
@@ -452,7 +469,7 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         print("commands:")
         for row, engines in rows.items():
             for engine, cmd in engines.items():
-                print(f"  {row:8} {engine:11} {shlex.join(cmd)}")
+                print(f"  {row:8} {engine:13} {shlex.join(cmd)}")
         report["files"].append({"model": file, "rows": summary,
                                 "commands": {row: {e: shlex.join(c) for e, c in engines.items()}
                                              for row, engines in rows.items()}})

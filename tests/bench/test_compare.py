@@ -113,6 +113,17 @@ def test_batched_bench_gives_the_generation_rate_from_the_table_or_jsonl():
             compare.parse_batched_bench(bad)
 
 
+def test_a_workers_or_drivers_json_line_is_found_before_trailing_logs():
+    """vLLM logs its shutdown to stdout after the driver's result line; the line is still found."""
+    vllm = ('INFO loading\n{"engine": "vllm", "tok_s": 74.8}\n'
+            "(MainProcess pid=1) INFO [core_client.py:774] [shutdown] MPClient: engine manager stopped\n")
+    assert compare.parse_json_line(vllm) == pytest.approx(74.8)
+    assert compare.parse_json_line('{"row": "decode", "tok_s": 196.0}') == pytest.approx(196.0)
+    for bad in ("", "INFO only logs\n", '{"row": "decode"}\n', "{not json\n"):
+        with pytest.raises(ValueError, match="tok_s"):
+            compare.parse_json_line(bad)
+
+
 def test_llama_cpp_commands_are_the_issues():
     bin_dir, model = Path("/b"), Path("/m.gguf")
     shapes = compare.shapes()
@@ -161,6 +172,11 @@ def test_medians_ratios_and_the_table():
     assert lines[1].split() == ["decode", "100.0", "(90.0,", "100.0,", "130.0)", "200.0", "(210.0,", "200.0,",
                                 "190.0)", "50.0", "(50.0,", "40.0,", "60.0)", "0.50x", "2.00x"]
     assert lines[2].split() == ["prefill", "1000.0", "(1000.0)", "500.0", "(500.0)", "-", "2.00x", "-"]
+    # With pagedserve on the peers' checkpoint, their ratios are taken against it, llama.cpp's against the file.
+    both = compare.summarize({"decode": {"pagedserve": [100.0], "llama.cpp": [200.0], "pagedserve-hf": [150.0],
+                                         "vllm": [75.0], "openvino": [125.0]}})["decode"]["ratios"]
+    assert both == {"pagedserve/llama.cpp": pytest.approx(0.5), "pagedserve-hf/vllm": pytest.approx(2.0),
+                    "pagedserve-hf/openvino": pytest.approx(1.2)}
 
 
 def test_cpu_summary_names_the_model_and_the_isa_flags_present():
@@ -340,7 +356,13 @@ def test_optional_peers_run_only_with_their_venv_and_a_checkpoint(tmp_path, monk
     args = parse("--rows", "decode,prefill", "--decode-tokens", "8", "--hf-checkpoint", str(tmp_path / "ckpt"))
     files = [Path("/m.gguf"), Path("/m.Q8_0.gguf")]
     plan = compare.build_plan(files, args, Path("/b"), 2, False, ["vllm", "openvino"])
-    assert list(plan["/m.gguf"]["decode"]) == ["pagedserve", "llama.cpp", "vllm", "openvino"]
+    assert list(plan["/m.gguf"]["decode"]) == ["pagedserve", "llama.cpp", "pagedserve-hf", "vllm", "openvino"]
+    hf = plan["/m.gguf"]["decode"]["pagedserve-hf"]  # pagedserve on the peers' checkpoint, in --hf-dtype
+    assert hf[hf.index("--model") + 1] == str(tmp_path / "ckpt") and hf[hf.index("--dtype") + 1] == "auto"
+    f32 = compare.build_plan(files, parse("--rows", "decode", "--hf-checkpoint", "/c", "--hf-dtype", "float32"),
+                             Path("/b"), 2, False, ["vllm"])["/m.gguf"]["decode"]
+    assert f32["pagedserve-hf"][f32["pagedserve-hf"].index("--dtype") + 1] == "float32"
+    assert f32["pagedserve"][f32["pagedserve"].index("--dtype") + 1] == "auto"  # the GGUF column keeps --dtype
     assert plan["/m.gguf"]["decode"]["pagedserve"][-2:] == ["--gguf-activations", "int16"]
     int8 = compare.build_plan(files, parse("--rows", "decode", "--gguf-activations", "int8"), Path("/b"), 2, False, [])
     assert int8["/m.gguf"]["decode"]["pagedserve"][-2:] == ["--gguf-activations", "int8"]
