@@ -85,13 +85,15 @@ inline Isa best_isa() {
   return best;
 }
 
-// "auto" → best_isa(); otherwise the named path, which this CPU must be able to run.
-inline Isa parse_isa(std::string_view name, const char* op) {
-  if (name == "auto") return best_isa();
+// "auto" → best_isa(); otherwise the named path, which this CPU must be able to run. A kernel
+// without tile code (`tiles` false, all but the GGUF matmul) gets amx as avx512 (vector_isa), so
+// none of them has to map it itself and a new one cannot fall through to its scalar path there.
+inline Isa parse_isa(std::string_view name, const char* op, bool tiles = false) {
+  if (name == "auto") return tiles ? best_isa() : vector_isa(best_isa());
   for (Isa isa : kIsas) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(cpu_runs(isa), op, ": this CPU cannot run the ", name, " path");
-      return isa;
+      return tiles ? isa : vector_isa(isa);
     }
   }
   TORCH_CHECK(false, op, ": unknown instruction-set path '", name, "' (auto, scalar, avx2, avx512 or amx)");

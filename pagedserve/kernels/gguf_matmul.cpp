@@ -232,7 +232,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
                  const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul";
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
-  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
   const FormatInfo fi = info(f);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);

@@ -230,7 +230,6 @@ namespace {
 
 // The path's block function and its tile width (threads get whole tiles of output features).
 std::pair<Block, int64_t> choose(Isa isa, bool bf16) {
-  isa = pagedserve::vector_isa(isa);
 #ifdef PAGEDSERVE_HALF_X86
   if (isa == Isa::avx512) return {bf16 ? &Avx512<true>::block : &Avx512<false>::block, Avx512<true>::kNR};
   if (isa == Isa::avx2) return {bf16 ? &Avx2<true>::block : &Avx2<false>::block, Avx2<true>::kNR};

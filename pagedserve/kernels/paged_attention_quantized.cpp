@@ -372,7 +372,6 @@ struct Avx2Math {
 template <int G>
 void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, const int64_t* t, const int64_t* l,
                       const Shapes& sh) {
-  isa = pagedserve::vector_isa(isa);
 #ifdef PAGEDSERVE_INT4_X86
   if (isa == Isa::avx2 && sh.hd % 16 == 0) {
     switch (sh.hd) {
