@@ -1,4 +1,4 @@
-"""``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 activations × the blocks' integers)
+"""``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 or int16 activations × the blocks' integers)
 against dequantizing the blocks and running torch's float32 GEMM, and against a float32 ``F.linear``
 over weights already dequantized (what a float32 model pays), at the row counts of a decode batch
 and of a prefill chunk, alternating round by round. The crossover row count is where
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.bench.common import machine_summary, median_call_us, write_result
+from pagedserve.config import GGUF_ACTIVATIONS
 
 # (format, out_features, in_features): SmolLM2-135M's fused QKV, gate/up, down and its Q8_0 LM head;
 # a Q4_K_M file's K-quants on a 1024-wide model.
@@ -71,7 +72,7 @@ def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> to
     return torch.from_numpy(raw.reshape(rows, nb * size))
 
 
-def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes]:
+def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False) -> list[ShapeTimes]:
     from pagedserve.kernels import native_ops
     from pagedserve.models.gguf_linear import kernel_layout
 
@@ -88,7 +89,7 @@ def measure(shapes, rows: list[int], rounds: int, calls: int) -> list[ShapeTimes
             y = torch.empty(m, n)
 
             def kernel():
-                ops.gguf_matmul(y, x, w, fmt, None)
+                ops.gguf_matmul(y, x, w, fmt, None, int16)
 
             def dequant_gemm():
                 full = torch.empty(n, k)
@@ -114,6 +115,10 @@ def add_parser(bench) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds (median reported; >= 1)")
     p.add_argument("--calls", type=int, default=20, help="calls per way per round (median taken; >= 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--gguf-activations", default="int8", choices=list(GGUF_ACTIVATIONS),
+                   help="the kernel's activation precision: int8 (this bench's default since it was written, so "
+                        "earlier tables' commands measure the same) or int16 (the engine's default, "
+                        "--gguf-activations)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the rows as JSON here")
     p.set_defaults(func=run)
 
@@ -131,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from pagedserve.kernels import best_isa
 
-    results = measure(SHAPES, rows, args.rounds, args.calls)
-    print(f"GGUF kernels ({best_isa()} path; {machine_summary()}), medians of {args.rounds} alternated rounds")
+    results = measure(SHAPES, rows, args.rounds, args.calls, args.gguf_activations == "int16")
+    print(f"GGUF kernels ({best_isa()} path, {args.gguf_activations} activations; {machine_summary()}), medians "
+          f"of {args.rounds} alternated rounds")
     print(f"{'format':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
           f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}")
     for r in results:

@@ -29,7 +29,12 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["rows"]) for r in rows] == [("Q4_1", 1), ("Q4_1", 5), ("Q6_K", 1), ("Q6_K", 5)]
     assert all(r["kernel_us"] > 0 and r["dequant_gemm_us"] > 0 and r["float_us"] > 0 for r in rows)
-    assert "GEMM/kernel" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "GEMM/kernel" in text and "int8 activations" in text
+    args = parse("--rows", "1", "--rounds", "1", "--calls", "1", "--gguf-activations", "int16")
+    assert args.func(args) == 0 and "int16 activations" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parse("--gguf-activations", "int4")
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
