@@ -198,7 +198,7 @@ class EngineConfig:
     group_kernels: bool = False  # int4 / grouped-int8 layers through the native group kernels (opt-in)
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # default: 1024 on CPU, 8192 on GPU
+    max_num_batched_tokens: int | None = None  # default: 2048 on CPU, 8192 on GPU
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
     # Sliding-window layers (Gemma 3) in KV groups that give back blocks outside their window

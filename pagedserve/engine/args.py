@@ -93,7 +93,7 @@ def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step, shared by decodes and prompt chunks (default 1024 on CPU, 8192 on GPU)")
+                   help="token budget per step, shared by decodes and prompt chunks (default 2048 on CPU, 8192 on GPU)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue length beyond which new requests are refused (default: unbounded)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")

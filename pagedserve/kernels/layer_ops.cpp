@@ -182,36 +182,55 @@ int64_t parallel_threads(int64_t items) {
 // The index of each row's largest value, as torch.argmax (the first of equal maxima; a NaN counts
 // as the largest, the first NaN wins), on the calling thread alone: a decode step's greedy pick is
 // one pass over a few vocabulary-wide rows, and torch's own reduction forks its OpenMP team, whose
-// join waits out a scheduler time slice whenever another process holds a core. Two passes per row,
-// each simple enough to vectorize: the maximum (and whether a NaN is there), then its first index.
+// join waits out a scheduler time slice whenever another process holds a core. Two passes per row:
+// the maximum, then its first index. The first keeps 16 lanes of float maxima and of absolute bit
+// patterns (a NaN's is above infinity's), so it vectorizes: written as one loop with a bool for
+// the NaN, GCC kept it scalar (2.4 ms for 64 rows of 32,000 on a Sapphire Rapids core; 0.7 now).
+int64_t row_argmax_one(const float* v, int64_t n) {
+  constexpr int kLanes = 16;
+  constexpr uint32_t kAbs = 0x7fffffffu, kInf = 0x7f800000u;
+  const auto abs_bits = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return bits & kAbs;
+  };
+  float top[kLanes];
+  uint32_t widest[kLanes];
+  std::fill_n(top, kLanes, v[0]);
+  std::fill_n(widest, kLanes, 0u);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      top[l] = v[i + l] > top[l] ? v[i + l] : top[l];
+      widest[l] = std::max(widest[l], abs_bits(v[i + l]));
+    }
+  }
+  for (; i < n; ++i) {
+    top[0] = v[i] > top[0] ? v[i] : top[0];
+    widest[0] = std::max(widest[0], abs_bits(v[i]));
+  }
+  float best = top[0];
+  uint32_t bits = widest[0];
+  for (int l = 1; l < kLanes; ++l) {
+    best = top[l] > best ? top[l] : best;
+    bits = std::max(bits, widest[l]);
+  }
+  int64_t j = 0;
+  if (bits > kInf) {  // NaN found from the bits: the build's -ffast-math lets the compiler assume x == x
+    while (abs_bits(v[j]) <= kInf) ++j;
+  } else {
+    while (v[j] != best) ++j;
+  }
+  return j;
+}
+
 at::Tensor row_argmax(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
               "row_argmax: x must be a float32 [rows, n > 0] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* v = x.data_ptr<float>() + r * x.stride(0);
-    // NaN found from the bits: the build's -ffast-math lets the compiler assume x == x.
-    const auto is_nan = [](float f) {
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      return (bits & 0x7fffffffu) > 0x7f800000u;
-    };
-    float top = v[0];
-    bool nan = false;
-    for (int64_t i = 0; i < n; ++i) {
-      top = v[i] > top ? v[i] : top;
-      nan |= is_nan(v[i]);
-    }
-    int64_t i = 0;
-    if (nan) {
-      while (!is_nan(v[i])) ++i;
-    } else {
-      while (v[i] != top) ++i;
-    }
-    o[r] = i;
-  }
+  for (int64_t r = 0; r < rows; ++r) o[r] = row_argmax_one(x.data_ptr<float>() + r * x.stride(0), n);
   return out;
 }
 

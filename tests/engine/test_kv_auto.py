@@ -63,7 +63,7 @@ def test_budget_is_capped_and_never_negative():
 def test_auto_sizes_the_engine_pool_from_memavailable(tiny_model_dir, monkeypatch, caplog, no_psutil):
     config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="auto", max_model_len=256, max_num_seqs=64,
                           kv_cache_memory_fraction=0.5)
-    reserve = memory.activation_reserve(64, 4, 2, 16, 128, 32000, 1024, 64, 256)  # tiny's shape, CPU defaults
+    reserve = memory.activation_reserve(64, 4, 2, 16, 128, 32000, 2048, 64, 256)  # tiny's shape, CPU defaults
     # MemAvailable chosen so that 0.5 × it − reserve is exactly 600 KiB: below the cap (64 × 256 tokens).
     monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 2 * (reserve + 600 * 1024),
                                                      "MemTotal": 8 * GIB})

@@ -145,7 +145,12 @@ def test_row_argmax_matches_torch_with_ties_infinities_and_nans(vocab, argmax):
     nan_tail[-1] = float("nan")
     nan_body = torch.randn(vocab, generator=gen)
     nan_body[vocab // 2] = nan_body[-1] = float("nan")
-    x = torch.stack(rows + [tail_max, tied_tail, nan_tail, nan_body])
+    inf_body = torch.randn(vocab, generator=gen)
+    inf_body[vocab // 2] = inf_body[-1] = float("inf")              # the first infinity wins
+    signed_zeros = -torch.rand(vocab, generator=gen)
+    signed_zeros[vocab // 3] = -0.0
+    signed_zeros[-1] = 0.0                                          # -0.0 == 0.0: the first of them
+    x = torch.stack(rows + [tail_max, tied_tail, nan_tail, nan_body, inf_body, signed_zeros])
     assert argmax(x).tolist() == x.argmax(dim=-1).tolist()
     assert argmax(x[:0]).shape == (0,)
     if argmax is row_argmax:

@@ -19,6 +19,7 @@ import torch
 from pagedserve.config import (MEASURED_PPL_COST, QUALITY_FLOOR, QUALITY_FLOOR_MODEL, EngineConfig,
                                quality_floor_alternative, under_quality_floor)
 from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
+from pagedserve.engine.core.heap import keep_step_memory
 from pagedserve.engine.core.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
                                       kv_budget_cap, profiled_kv_budget)
 from pagedserve.engine.core.profile_run import measure_peak_activation, profile_step
@@ -90,7 +91,10 @@ def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, dev
         max_model_len = limit
     elif max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
-    batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 1024)
+    # CPU: vLLM's API-server default there. Chunks of 1,024 (the earlier default) fell where oneDNN's
+    # bf16 GEMM ran a 768-wide linear on one of two threads (1.2-1.3 against 2.3-2.6 TFLOP/s at
+    # 1,536-2,048 rows, Sapphire Rapids): W1 on `small` 839 -> 893 output tok/s (docs/BENCHMARKS.md).
+    batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
                                attention_backend=_resolve_attention_backend(config.attention_backend, device,
                                                                             config.kv_cache_dtype,
@@ -156,6 +160,8 @@ def build_core(config: EngineConfig) -> CoreParts:
         # Before the weights are prepacked and the kernels run: all of the step uses this count.
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        keep_step_memory()
     model_dir = resolve_model_dir(config.model, config.revision)
     hf_config = read_hf_config(model_dir)  # without transformers
     arch = architecture_from_hf_config(hf_config)
