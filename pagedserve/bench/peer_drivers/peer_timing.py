@@ -17,7 +17,26 @@ def arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--output", type=int, default=256, help="output tokens (at least 2)")
+    p.add_argument("--requests", default=None,
+                   help="W1 instead of one stream: a JSON list of {prompt: token ids, output: tokens}")
     return p
+
+
+def read_requests(path: str) -> tuple[list[list[int]], list[int]]:
+    """The prompts and output lengths of a requests file (``pagedserve bench compare``'s W1)."""
+    with open(path) as f:
+        requests = json.load(f)
+    return [r["prompt"] for r in requests], [r["output"] for r in requests]
+
+
+def batch_rate(generate_all: Callable[[list[list[int]], list[int]], object], prompts: list[list[int]],
+               outputs: list[int]) -> float:
+    """Output tokens/s of every request submitted at once, ``generate_all(prompts, max_tokens)``
+    running them all to their ends, after a warm-up of the first eight for a few tokens."""
+    generate_all(prompts[:8], [min(n, 4) for n in outputs[:8]])
+    start = time.perf_counter()
+    generate_all(prompts, outputs)
+    return sum(outputs) / (time.perf_counter() - start)
 
 
 def prompt_ids(encode: Callable[[str], list[int]], length: int) -> list[int]:
