@@ -44,6 +44,27 @@ def test_every_backend_masks_by_the_window(backend, window):
     assert view.decode_block_tables.shape[1] <= -(-window // BLOCK) + 1
 
 
+@pytest.mark.parametrize("backend", ["matmul", "fused"])
+@pytest.mark.parametrize("window", [None, 13])
+def test_a_chunk_too_large_for_one_score_matrix_is_taken_in_query_blocks(backend, window, monkeypatch):
+    """With the score-matrix cap lowered, chunks of 20 and 40 queries (after a context of 6, and from
+    the start) go through the blocked path: 16 queries a block, each against the keys its last one
+    sees, windowed or not; the same output as the dense mask (formerly they went through SDPA)."""
+    import pagedserve.models.attention as attention
+
+    q, k, v, meta = paged_batch([3], [(20, 26), (40, 40)], block_size=BLOCK)
+    calls = []
+    gemms = attention._prefill_gemms
+    monkeypatch.setattr(attention, "_MATMUL_PREFILL_MAX_SCORES", q.shape[1] * 16 * 16)
+    monkeypatch.setattr(attention, "_prefill_sdpa", lambda *a, **k: pytest.fail("SDPA taken"))
+    monkeypatch.setattr(attention, "_prefill_gemms", lambda qs, *a: calls.append(qs.shape[1]) or gemms(qs, *a))
+    want = _dense_windowed(q, k, v, meta, 0.3, window if window is not None else 10**6)
+    view = meta if window is None else window_view(meta, window, BLOCK)
+    got = ATTENTION_BACKENDS[backend](q, head_major(k), head_major(v), view, 0.3)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert 16 in calls  # blocks of 16 queries ran
+
+
 def test_a_window_wider_than_every_context_changes_nothing():
     q, k, v, meta = paged_batch([3, 9], [(6, 10)], block_size=BLOCK)
     plain = ATTENTION_BACKENDS["reference"](q, k, v, meta, 0.3)
