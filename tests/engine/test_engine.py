@@ -23,6 +23,19 @@ def test_pool_is_sized_from_the_memory_budget(tiny_model_dir):
     assert e.core.num_kv_blocks == 2**20 // (16 * 256)
 
 
+def test_the_cpu_token_budget_defaults_to_2048_and_is_logged(tiny_model_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB"))
+    assert engine.core.config.max_num_batched_tokens == 2048  # vLLM's API-server default on CPU
+    loaded = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    assert loaded.endswith("steps of up to 64 sequences and 2048 tokens")
+    explicit = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB",
+                                   max_num_batched_tokens=512))
+    assert explicit.core.config.max_num_batched_tokens == 512
+
+
 def test_parse_bytes():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("1.5GB") == 1_500_000_000

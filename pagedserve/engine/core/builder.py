@@ -311,12 +311,13 @@ def _log_loaded(p: CoreParts, seconds: float) -> None:
     logger.info(
         "loaded %s (%s, %s, %d layers, weights %s %.1f MiB) on %s (%d threads) in %.1fs; KV pool (%s): "
         "%d blocks × %d tokens = %d tokens (%.1f MiB at %d B/token), seats %d requests at max_model_len %d "
-        "(%s reservation)",
+        "(%s reservation); steps of up to %d sequences and %d tokens",
         config.model, arch.model_type, str(p.dtype).removeprefix("torch."), arch.num_layers,
         config.quantization if config.quantization != "none" else "as stored", p.weight_bytes / 2**20,
         p.device, torch.get_num_threads(), seconds, kv.dtype, kv.num_blocks, config.block_size, kv.tokens,
         kv.num_blocks * config.block_size * kv.bytes_per_token / 2**20, kv.bytes_per_token,
-        kv.tokens // config.max_model_len, config.max_model_len, config.kv_reservation)
+        kv.tokens // config.max_model_len, config.max_model_len, config.kv_reservation, config.max_num_seqs,
+        config.max_num_batched_tokens)
     if kv.groups:
         logger.info("KV groups (kv/groups.py): %s, %d layers each (the B/token above is one group's); a "
                     "sequence of max_model_len %d holds at most %d blocks, %d without window give-backs",
