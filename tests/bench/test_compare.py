@@ -266,11 +266,13 @@ def test_the_w1_row_runs_on_the_checkpoint_only(tmp_path, capsys, monkeypatch):
     args = parse("--rows", "decode,w1", "--hf-checkpoint", "/ckpt", "--hf-dtype", "float32")
     plan = compare.build_plan(files, args, Path("/b"), 2, False, ["vllm", "openvino"], tmp_path / "w1.json")
     w1 = plan["/m.gguf"]["w1"]
-    assert list(w1) == ["pagedserve-hf", "vllm"]  # no llama.cpp, no GGUF file, OpenVINO has no W1 driver
+    assert list(w1) == ["pagedserve-hf", "vllm", "openvino"]  # no llama.cpp, no GGUF file
     ours = w1["pagedserve-hf"]
     assert ours[ours.index("--worker") + 1] == "w1" and ours[ours.index("--requests") + 1] == str(tmp_path / "w1.json")
     assert ours[ours.index("--model") + 1] == "/ckpt" and ours[ours.index("--dtype") + 1] == "float32"
-    assert "--prompt" not in ours and "--requests" in w1["vllm"] and "--prompt" not in w1["vllm"]
+    for peer in ("vllm", "openvino"):
+        assert "--requests" in w1[peer] and "--prompt" not in w1[peer]
+    assert "--prompt" not in ours and w1["openvino"][-2] == "--ir"
     assert "w1" not in plan["/m.Q8_0.gguf"]
     assert compare.summarize({"w1": {"pagedserve-hf": [900.0], "vllm": [750.0]}})["w1"]["ratios"] == {
         "pagedserve-hf/vllm": pytest.approx(1.2)}

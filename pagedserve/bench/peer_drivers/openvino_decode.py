@@ -1,6 +1,8 @@
 """OpenVINO GenAI's decode tokens/s on a Hugging Face checkpoint: one greedy request through
-``LLMPipeline.generate`` on the CPU (run with the venv-openvino Python by ``pagedserve bench
-compare``; prints one JSON line). The checkpoint is exported to OpenVINO IR once, into ``--ir``."""
+``LLMPipeline.generate`` on the CPU, or with ``--requests`` W1's output tokens/s through its
+``ContinuousBatchingPipeline``, every request submitted at once (run with the venv-openvino Python
+by ``pagedserve bench compare``; prints one JSON line). The checkpoint is exported to OpenVINO IR
+once, into ``--ir``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peer_timing import arguments, decode_rate, prompt_ids, report
+from peer_timing import arguments, batch_rate, decode_rate, prompt_ids, read_requests, report
 
 
 def export_once(model: str, ir: Path) -> None:
@@ -35,14 +37,29 @@ def main() -> None:
     import openvino as ov
     import openvino_genai as ov_genai
 
+    def greedy(max_tokens: int):
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = max_tokens, True, False
+        return config
+
+    if args.requests:  # W1: 64 seats and a 2,048-token budget, as pagedserve's on CPU; 4 GiB of KV
+        prompts, outputs = read_requests(args.requests)
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.cache_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens = 4, 64, 2048
+        scheduler.dynamic_split_fuse = True
+        batch = ov_genai.ContinuousBatchingPipeline(args.ir, scheduler, "CPU", {"INFERENCE_NUM_THREADS": args.threads})
+
+        def generate_all(ids: list[list[int]], max_tokens: list[int]) -> None:
+            batch.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in ids], [greedy(n) for n in max_tokens])
+
+        report(batch_rate(generate_all, prompts, outputs))
+        return
     pipe = ov_genai.LLMPipeline(args.ir, "CPU", INFERENCE_NUM_THREADS=args.threads)
     tokenizer = pipe.get_tokenizer()
     ids = prompt_ids(lambda text: tokenizer.encode(text).input_ids.data[0].tolist(), args.prompt)
 
     def generate(prompt: list[int], max_tokens: int) -> None:
-        config = ov_genai.GenerationConfig()
-        config.max_new_tokens, config.ignore_eos, config.do_sample = max_tokens, True, False
-        pipe.generate(ov.Tensor(np.array([prompt], dtype=np.int64)), config)
+        pipe.generate(ov.Tensor(np.array([prompt], dtype=np.int64)), greedy(max_tokens))
 
     report(decode_rate(generate, ids, args.output))
 
