@@ -118,6 +118,34 @@ def test_prompt_chunks_read_their_own_block_exact_however_the_prompt_is_chunked(
         assert torch.allclose(whole[name], whole["reference"], atol=1e-5), name
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_chunk_too_large_for_one_score_matrix_reads_its_own_blocks_exact_in_query_blocks(block_size, monkeypatch):
+    """A 37-token prompt whole and in chunks of 5 and 32, with the score-matrix cap lowered so that
+    the chunks go through the blocked path (16 queries a block; with 32-token blocks a query block
+    starts mid-block, its exact rows from its own block's start): the reference's outputs, no SDPA."""
+    import pagedserve.models.attention as attention
+
+    g = torch.Generator().manual_seed(2)
+    q, xk, xv = (torch.randn(37, n, 16, generator=g) for n in (4, 2, 2))
+    table = [4, 0, 6]
+    monkeypatch.setattr(attention, "_MATMUL_PREFILL_MAX_SCORES", 4 * 16 * 16)
+    monkeypatch.setattr(attention, "_prefill_sdpa", lambda *a, **k: pytest.fail("SDPA taken"))
+
+    def step(k, v, lo, hi):
+        slots = _slots(table, lo, hi, block_size)
+        write_kv(k, v, xk[lo:hi], xv[lo:hi], slots)
+        meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                 None, [(0, hi - lo, hi, torch.tensor(table[:-(-hi // block_size)]))])
+        return {name: ATTENTION_BACKENDS[name](q[lo:hi], k, v, meta, 0.25) for name in ("reference", "matmul", "fused")}
+
+    whole = step(*_pools(block_size=block_size), 0, 37)
+    k, v = _pools(block_size=block_size)
+    parts = [step(k, v, 0, 5), step(k, v, 5, 37)]
+    for name in whole:
+        assert torch.allclose(whole[name], whole["reference"], atol=1e-5), name
+        assert torch.allclose(torch.cat([p[name] for p in parts]), whole["reference"], atol=1e-5), name
+
+
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "matmul", "fused"])
 def test_a_decode_reads_its_own_block_exact_even_the_one_it_fills(backend):
     """Tokens 0..30 as one prompt chunk, then token 31 (the 16th of block 1) and 32 as decodes: each
