@@ -504,7 +504,8 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
     start = time.perf_counter()
     for file, rows in plan.items():
         rounds = f"{args.rounds} round{'s' if args.rounds > 1 else ''}"
-        print(f"\n{Path(file).name} ({os.path.getsize(file) / 2**20:.1f} MiB), {rounds} per engine, alternating:")
+        on = f"; the w1 row on {args.hf_checkpoint}" if W1_ROW in rows else ""
+        print(f"\n{Path(file).name} ({os.path.getsize(file) / 2**20:.1f} MiB){on}, {rounds} per engine, alternating:")
         summary = summarize(measure(rows, args.rounds))
         print("\n" + format_table(summary))
         print("commands:")
