@@ -43,10 +43,9 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "av
              "amx_tile", "amx_int8", "amx_bf16")
 LLAMA_BINARIES = ("llama-bench", "llama-batched-bench")
 PAGEDSERVE, LLAMA_CPP, VLLM, OPENVINO = "pagedserve", "llama.cpp", "vllm", "openvino"
-# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only: pagedserve there and the peers with a
-# continuous-batching offline API (llama.cpp's tools batch equal lengths only).
+# W1 (docs/WORKLOADS.md) runs on the --hf-checkpoint only, pagedserve there and the optional peers
+# (continuous-batching offline APIs; llama.cpp's tools batch equal lengths only).
 W1_ROW = "w1"
-W1_PEERS = (VLLM, OPENVINO)
 # pagedserve on the --hf-checkpoint, beside the peers that run it: their ratios are taken against it.
 PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
@@ -436,8 +435,7 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
                 if file == files[0] and args.hf_checkpoint is not None and w1_requests is not None:
                     rows[row] = {PAGEDSERVE_CHECKPOINT: worker_command(row, None, args.hf_checkpoint, args.hf_dtype,
                                                                        threads, requests=w1_requests)}
-                    rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests)
-                                  for p in peers if p in W1_PEERS}
+                    rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests) for p in peers}
                 continue
             shape = shapes(args.decode_tokens)[row]
             engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations),
@@ -529,13 +527,15 @@ class Timing:
     gen_tokens: int  # tokens generated after that
 
 
-def timed_run(engine, prompts: list[list[int]], max_tokens: int) -> Timing:
+def timed_run(engine, prompts: list[list[int]], max_tokens: int | list[int]) -> Timing:
+    """Every prompt submitted at once (greedy, ``max_tokens`` each, or one count per prompt) and
+    run to its end."""
     from pagedserve.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    counts_asked = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+    for i, (prompt, n) in enumerate(zip(prompts, counts_asked, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     counts: dict[str, int] = {}
     first_at, first_tokens = None, 0
     while engine.has_unfinished_requests():
@@ -572,20 +572,11 @@ def worker_rate(engine, row: str, shape: Shape, seed: int = 0) -> float:
 
 def w1_rate(engine, requests: list[dict]) -> float:
     """Output tokens/s of W1's ``requests`` (``prompt`` ids, ``output`` length each) submitted at once
-    and run to the end, after a warm-up of the first eight for a few tokens (bench throughput's way)."""
-    from pagedserve.engine.sampling_params import SamplingParams
-
-    def run(batch: list[dict], cap: int | None) -> float:
-        start = time.perf_counter()
-        for i, r in enumerate(batch):
-            n = r["output"] if cap is None else min(r["output"], cap)
-            engine.add_request(f"w1-{i}", r["prompt"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        return time.perf_counter() - start
-
-    run(requests[:8], 4)
-    return sum(r["output"] for r in requests) / run(requests, None)
+    and run to the end, after a warm-up of the first eight for a few tokens (as the peers' drivers)."""
+    prompts, outputs = [r["prompt"] for r in requests], [r["output"] for r in requests]
+    timed_run(engine, prompts[:8], [min(n, 4) for n in outputs[:8]])
+    t = timed_run(engine, prompts, outputs)
+    return sum(outputs) / (t.first_s + t.gen_s)
 
 
 def worker(argv: list[str]) -> int:

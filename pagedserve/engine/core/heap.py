@@ -44,8 +44,9 @@ def keep_step_memory() -> int | None:
     except (OSError, AttributeError):
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mmap_threshold = MMAP_THRESHOLD if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 else MMAP_THRESHOLD_OLD_GLIBC
-    if mmap_threshold == MMAP_THRESHOLD_OLD_GLIBC and mallopt(_M_MMAP_THRESHOLD, mmap_threshold) != 1:
+    mmap_threshold = next((t for t in (MMAP_THRESHOLD, MMAP_THRESHOLD_OLD_GLIBC) if mallopt(_M_MMAP_THRESHOLD, t) == 1),
+                          None)
+    if mmap_threshold is None:
         logger.warning("glibc refused a higher mmap threshold: each step's large temporaries are fresh pages")
         return None
     if mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
