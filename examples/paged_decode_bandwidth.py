@@ -1,0 +1,62 @@
+"""KV bytes per second the fused paged decode kernel reads, for a W1-like decode step of `small`
+(12 layers, 4 KV heads of 64, 3 query heads each, bf16 pools): 64 sequences of 400 tokens, their
+blocks in the pool in order or scattered at random, per block size and thread count. What it shows:
+whether the kernel is bound by its instructions (the same rate from cache as from memory) or by
+how many cache lines a core can have in flight (in-order blocks faster than scattered ones).
+docs/BENCHMARKS.md ("Decode attention on the Sapphire Rapids-class Xeon: bound by lines in flight").
+
+    python examples/paged_decode_bandwidth.py                 # block sizes 16 and 128, 1 and 2 threads
+    python examples/paged_decode_bandwidth.py --block-sizes 16 --threads 2 --layers 1   # from cache
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedserve.kernels import kernel_error, paged_decode_kernel
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128], help="tokens per KV block")
+parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads for the kernel")
+parser.add_argument("--layers", type=int, default=12, help="layers' pools read per step (12: ~315 MB, past cache)")
+parser.add_argument("--seqs", type=int, default=64, help="sequences in the step")
+parser.add_argument("--context", type=int, default=400, help="tokens each sequence attends to")
+parser.add_argument("--repeats", type=int, default=15, help="timed steps; the median is printed")
+args = parser.parse_args()
+
+kernel = paged_decode_kernel()
+if kernel is None:
+    raise SystemExit(f"the native kernels are unavailable: {kernel_error()}")
+KV_HEADS, GROUP, HEAD_DIM = 4, 3, 64
+torch.manual_seed(0)
+with torch.inference_mode():
+    for bs in args.block_sizes:
+        per_seq = (args.context + bs - 1) // bs
+        blocks = args.seqs * per_seq
+        pools = [(torch.randn(KV_HEADS, blocks, bs, HEAD_DIM, dtype=torch.bfloat16),
+                  torch.randn(KV_HEADS, blocks, bs, HEAD_DIM, dtype=torch.bfloat16)) for _ in range(args.layers)]
+        q = torch.randn(args.seqs, KV_HEADS * GROUP, HEAD_DIM, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        lens = torch.full((args.seqs,), args.context, dtype=torch.long)
+        kv_bytes = args.layers * args.seqs * args.context * KV_HEADS * HEAD_DIM * 2 * 2
+        for order in ("in order", "scattered"):
+            ids = torch.arange(blocks) if order == "in order" else torch.randperm(blocks)
+            tables = ids.view(args.seqs, per_seq).contiguous()
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+
+                def step():
+                    for k, v in pools:
+                        kernel(out, q, k, v, tables, lens, HEAD_DIM ** -0.5)
+
+                for _ in range(3):
+                    step()
+                times = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - start)
+                seconds = statistics.median(times)
+                print(f"block size {bs:4d}, blocks {order:9s}, {threads} thread(s): {seconds * 1e3:7.2f} ms a step, "
+                      f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV ({kv_bytes / 1e6:.0f} MB)")
