@@ -87,7 +87,7 @@ GGUF_ACTIVATIONS = ("int16", "int8")
 # How a CPU model's float linear weights are prepacked at load (models/packed.py): onednn = for
 # oneDNN's matmuls; panel = float32 weights in 16-column panels for the native kernel (faster for
 # decode batches of up to ~8 rows, slower for large ones); none = left as loaded.
-PACK_WEIGHTS = ("onednn", "panel", "none")
+PACK_WEIGHTS = ("auto", "onednn", "panel", "none")
 
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -168,8 +168,9 @@ class EngineConfig:
     model's layers and KV pools allow it (False: always the Python model, the reference).
     ``native_kernels``: on CPU, compile (once, on first use) and use the native kernels
     (pagedserve/kernels); False keeps to the pure-torch paths and compiles nothing.
-    ``pack_weights`` (``onednn`` | ``panel`` | ``none``): how float linear weights are prepacked at
-    load on CPU. ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
+    ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are
+    prepacked at load on CPU (``auto``: bf16 into AMX-BF16 tiles for the native kernel where the CPU
+    has them, the rest for oneDNN). ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
     (opt-in: faster on some CPUs, batch-size-dependent rounding; docs/QUANTIZATION.md).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
@@ -194,7 +195,7 @@ class EngineConfig:
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
     native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     native_kernels: bool = True  # CPU: build and use the native kernels (False: pure torch, nothing compiled)
-    pack_weights: str = "onednn"  # onednn | panel | none: CPU prepacking of float linear weights at load
+    pack_weights: str = "auto"  # auto | onednn | panel | none: CPU prepacking of float linear weights at load
     group_kernels: bool = False  # int4 / grouped-int8 layers through the native group kernels (opt-in)
     max_model_len: int | None = None
     max_num_seqs: int = 64

@@ -74,7 +74,7 @@ log = logging.getLogger("pagedserve.kernels")
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
-                         "decode_stack.cpp", "int4_kv_write.cpp")]
+                         "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
                          "gguf_amx.inc", "kernel_ops.h", "work_pool.h")]

@@ -6,8 +6,9 @@
 //   avx2    AVX2 + FMA + F16C (Haswell, Zen 1 and later)
 //   avx512  AVX-512 F/BW/VL + VNNI (Ice Lake, Sapphire Rapids, Zen 4/5)
 //   amx     avx512 plus AMX-INT8's tiles (Sapphire Rapids and later), where Linux grants this
-//           process the tile state; only the GGUF matmul has tile code (gguf_amx.inc), every
-//           other kernel runs its avx512 form there (vector_isa)
+//           process the tile state; the GGUF matmul (gguf_amx.inc) and, with AMX-BF16, the bf16
+//           linear (tile_matmul.cpp) have tile code, every other kernel runs its avx512 form there
+//           (vector_isa)
 // Entry points take the path's name: "auto" is the best this CPU runs; naming one it cannot run is
 // an error, so a test never silently measures another path.
 #pragma once
@@ -20,6 +21,7 @@
 #include <unistd.h>
 #endif
 
+#include <cstdint>
 #include <string_view>
 
 namespace pagedserve {
@@ -53,7 +55,32 @@ inline bool amx_int8_usable() {
   }();
   return usable;
 }
+
+// AMX-BF16 (leaf 7 EDX bit 22) and AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5) besides the tiles: bf16
+// tile products and the conversions around them (tile_matmul.cpp). Asked once: CPUID traps to the
+// hypervisor in a VM (measured: 11 % of a one-row linear's time when asked per call).
+inline bool amx_bf16_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!amx_int8_usable() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;
+  }();
+  return usable;
+}
+#else
+inline bool amx_bf16_usable() { return false; }
 #endif
+
+// The tile shapes, as LDTILECFG reads them (palette 1): rows and bytes per row of each register.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Call before LDTILECFG reads `config`: GCC's _tile_loadconfig names only 8 bytes of its operand as
+// read, and dropped the stores of the rest (seen: a fault on a half-written configuration).
+inline void publish(const TileConfig& config) { asm volatile("" : : "r"(&config) : "memory"); }
 
 inline bool cpu_runs(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)

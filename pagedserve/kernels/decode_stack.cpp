@@ -29,14 +29,15 @@
 namespace pagedserve::decode_stack {
 
 // How a linear layer holds its weight (models/native_decode.py maps each layer class to one).
-enum class Kind { gguf, half, onednn, dense };
+enum class Kind { gguf, half, tile, onednn, dense };
 
 Kind parse_kind(const std::string& name) {
   if (name == "gguf") return Kind::gguf;
   if (name == "half") return Kind::half;
+  if (name == "tile") return Kind::tile;
   if (name == "onednn") return Kind::onednn;
   if (name == "dense") return Kind::dense;
-  TORCH_CHECK(false, "DecodeStack: unknown linear kind '", name, "' (gguf, half, onednn, dense)");
+  TORCH_CHECK(false, "DecodeStack: unknown linear kind '", name, "' (gguf, half, tile, onednn, dense)");
 }
 
 struct Linear {
@@ -93,8 +94,9 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int64_t w : l.widths) l.out_features += w;
     } else {
       TORCH_CHECK(l.weights.size() == 1, "DecodeStack: only GGUF linears have segments");
-      l.out_features = l.kind == Kind::onednn ? (l.widths.empty() ? -1 : l.widths[0]) : l.weights[0].size(0);
-      TORCH_CHECK(l.out_features > 0, "DecodeStack: a oneDNN linear's width must be given (its weight is opaque)");
+      const bool packed = l.kind == Kind::onednn || l.kind == Kind::tile;
+      l.out_features = packed ? (l.widths.empty() ? -1 : l.widths[0]) : l.weights[0].size(0);
+      TORCH_CHECK(l.out_features > 0, "DecodeStack: a packed linear's width must be given (its weight's shape is not)");
     }
     if (l.kind == Kind::onednn && !onednn_linear_) {
       onednn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -190,6 +192,12 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
         at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
         ops::half_linear(y, rows, l.weights[0], l.bias, "auto", pool_.get());
+        return y;
+      }
+      case Kind::tile: {
+        const at::Tensor rows = x.stride(-1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+        at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options());
+        ops::tile_linear(y, rows, l.weights[0], l.bias, "auto", pool_.get());
         return y;
       }
       case Kind::onednn: {

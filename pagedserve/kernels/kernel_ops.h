@@ -28,6 +28,10 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, WorkPool* workers);
 
+// tile_matmul.cpp
+void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 c10::string_view isa_name, WorkPool* pool);
+
 // half_matmul.cpp
 void half_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                  const std::string& isa_name, WorkPool* pool);

@@ -126,7 +126,7 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                attention_backend: str, quantization: str = "none", decode_weights: str = "auto",
-               gguf_activations: str = "int16", native_kernels: bool = True, pack_weights: str = "onednn",
+               gguf_activations: str = "int16", native_kernels: bool = True, pack_weights: str = "auto",
                group_kernels: bool = False) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint (its safetensors, or
     the GGUF file behind a prepared directory). The other arguments are the engine flags of the same
@@ -174,9 +174,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if half is not None:  # before prepacking, which then finds no plain float32 linear left
         store_linears_16bit(model, half, ops)
     if quantization in (None, "none") and pack_weights != "none":
-        # CPU: prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
+        # CPU: bf16 into AMX-BF16 tiles where the CPU has them (W2 1.26x oneDNN's, W1 level), the rest
+        # prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
         # decode batches, 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.
-        pack_linears(model, ops, onednn_only=pack_weights != "panel")
+        pack_linears(model, ops, layout=pack_weights)
     if device.type == "cpu":
         model.use_native_ops(ops)
     return model

@@ -1,7 +1,12 @@
 """Linear layers with their weights prepacked once at load, for faster CPU matmuls.
 
-Two packings. float32 weights, where the native kernels build, go into column panels for
-``panel_linear`` (:mod:`pagedserve.kernels`, ``panel_gemm.cpp``): on an AVX2-only CPU it beats
+Three packings. bfloat16 weights on a CPU with AMX-BF16 (Sapphire Rapids and later), where the
+native kernels build, go into the tiles' own layout for ``tile_linear`` (``tile_matmul.cpp``;
+``--pack-weights auto``, the default): against oneDNN's prepacked linears on ``small``'s shapes, 2
+threads, a step's linears ran 1.27-1.47x as fast from 1 to 1,024 rows and 0.89x at 2,048; one
+stream decoded 1.26x as fast and W1 measured level (docs/BENCHMARKS.md). With ``--pack-weights
+panel``, float32 weights, where the native kernels build, go into column panels for ``panel_linear``
+(:mod:`pagedserve.kernels`, ``panel_gemm.cpp``): on an AVX2-only CPU it beats
 oneDNN's float32 path at every row count a step has (measured on ``small``'s shapes, one thread,
 AMD EPYC under load: 1.3-2.3x for one row, 0.8-1.35x for 8 rows — faster on the large matrices, which
 dominate — and 1.1-1.3x for 295-row prompt chunks). Everything else (bfloat16, or no native build)
@@ -14,8 +19,8 @@ weight packed at load skips that. The gain is largest where a step is small, whi
 torch's own compiler (inductor with freezing) applies to CPU linears; here it is done without
 compiling anything.
 
-Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU with oneDNN are packed. A tied LM
-head is not (:mod:`~pagedserve.models.replace`: SmolLM2 dequantized to bf16 held 54 MiB more).
+Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU are packed. A tied LM head is not
+(:mod:`~pagedserve.models.replace`: SmolLM2 dequantized to bf16 held 54 MiB more).
 """
 
 from __future__ import annotations
@@ -89,29 +94,67 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class TileLinear(nn.Module):
+    """``y = x Wᵀ + b`` in bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles), ``W``
+    held as ``[out / 16, in / 32, 16, 32]``, each 32 inputs of 16 outputs one tile in the
+    instruction's pair order."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_nbytes = weight.nbytes  # the same elements, in another order
+        self.ops = ops
+        # Not a persistent buffer: a state dict keeps the checkpoint's layout, not the kernel's.
+        self.register_buffer("tiles", ops.tile_pack(weight.detach()), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1 or rows.stride(0) < self.in_features:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        self.ops.tile_linear(y, rows, self.tiles, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _use_tiles(ops, linear: nn.Linear) -> bool:
+    weight, bias = linear.weight, linear.bias
+    return (ops is not None and hasattr(ops, "tile_linear") and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and (bias is None or bias.dtype == torch.bfloat16) and bool(ops.tile_linear_usable()))
+
+
 def _use_panels(ops, linear: nn.Linear) -> bool:
     return (ops is not None and hasattr(ops, "panel_linear") and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu")
 
 
-def pack_linears(model: nn.Module, ops=None, onednn_only: bool = False) -> int:
-    """Replace every float ``nn.Linear`` of ``model`` by a :class:`PanelLinear` (float32, with the
-    native kernels ``ops``) or a :class:`PackedLinear` (oneDNN), in place, where this machine can;
-    returns how many were packed (0 where it can't). ``onednn_only`` keeps float32 on oneDNN too,
-    as the loader does unless ``--pack-weights panel``."""
-    panel_ops = None if onednn_only else ops
+def pack_linears(model: nn.Module, ops=None, layout: str = "auto") -> int:
+    """Replace every float ``nn.Linear`` of ``model`` in place, where this machine can, by a
+    :class:`TileLinear` (bfloat16 on AMX-BF16, with the native kernels ``ops``; ``layout`` ``auto``),
+    a :class:`PanelLinear` (float32, with ``ops``; ``layout`` ``panel``) or a :class:`PackedLinear`
+    (oneDNN: everything else, and everything with ``layout`` ``onednn``); returns how many."""
+    tile_ops = ops if layout == "auto" else None
+    panel_ops = ops if layout == "panel" else None
 
     def make(linear: nn.Linear) -> nn.Module:
+        if _use_tiles(tile_ops, linear):
+            return TileLinear(linear.weight, linear.bias, tile_ops)
         if _use_panels(panel_ops, linear):
             return PanelLinear(linear.weight, linear.bias, panel_ops)
         return PackedLinear.from_linear(linear)
 
     def accept(linear: nn.Linear) -> bool:
-        return _use_panels(panel_ops, linear) or can_pack(linear.weight.dtype, linear.weight.device)
+        return (_use_tiles(tile_ops, linear) or _use_panels(panel_ops, linear)
+                or can_pack(linear.weight.dtype, linear.weight.device))
 
     packed = replace_linears(model, make, accept, tied_head=False)
     if packed:
+        tiles = sum(isinstance(m, TileLinear) for m in model.modules())
         panels = sum(isinstance(m, PanelLinear) for m in model.modules())
-        logger.info("prepacked %d linear layers (%d as float32 panels for the native kernel, %d for oneDNN)",
-                    packed, panels, packed - panels)
+        logger.info("prepacked %d linear layers (%d as AMX-BF16 tiles and %d as float32 panels for the native "
+                    "kernels, %d for oneDNN)", packed, tiles, panels, packed - tiles - panels)
     return packed

@@ -15,7 +15,7 @@ from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels import native_ops
-from pagedserve.models.packed import PackedLinear, PanelLinear, can_pack
+from pagedserve.models.packed import PackedLinear, PanelLinear, TileLinear, can_pack
 from pagedserve.models.quant import Int4Linear
 from tests.conftest import assert_no_leaks, run_all
 
@@ -36,12 +36,12 @@ def _layers(core: EngineCore, kind: type) -> list[nn.Module]:
 
 def test_flags_reach_the_config_with_the_old_defaults(tiny_model_dir):
     default = _config(tiny_model_dir)
-    assert (default.native_kernels, default.pack_weights, default.group_kernels) == (True, "onednn", False)
+    assert (default.native_kernels, default.pack_weights, default.group_kernels) == (True, "auto", False)
     given = _config(tiny_model_dir, "--no-native-kernels", "--pack-weights", "panel", "--group-kernels")
     assert (given.native_kernels, given.pack_weights, given.group_kernels) == (False, "panel", True)
     with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
         _config(tiny_model_dir, "--pack-weights", "fast")
-    with pytest.raises(ValueError, match="pack_weights must be one of onednn, panel, none"):
+    with pytest.raises(ValueError, match="pack_weights must be one of auto, onednn, panel, none"):
         EngineConfig(model="m", pack_weights="fast")
     with pytest.raises(ValueError, match="native_kernels must be true or false"):
         EngineConfig(model="m", native_kernels="no")  # type: ignore[arg-type]
@@ -64,15 +64,21 @@ def test_without_native_kernels_the_engine_runs_on_torch_alone(tiny_model_dir):
 
 
 def test_pack_weights_chooses_the_linear_layout(tiny_model_dir):
-    for choice in ("none", "onednn", "panel"):
+    for choice in ("none", "auto", "onednn", "panel"):
         core = EngineCore(_small(tiny_model_dir, dtype="float32", decode_weights="float32", pack_weights=choice))
         packed, panels = _layers(core, PackedLinear), _layers(core, PanelLinear)
         if choice == "none":
             assert not packed and not panels
-        elif choice == "onednn":
+        elif choice in ("auto", "onednn"):  # float32: oneDNN either way
             assert not panels and bool(packed) == can_pack(core.dtype, core.device)
         elif native_ops() is not None:
             assert panels  # float32 linears go to the native panel kernel
+        core.close()
+    for choice in ("onednn", "auto"):  # bf16: tiles where the CPU has AMX-BF16, else oneDNN
+        core = EngineCore(_small(tiny_model_dir, dtype="bfloat16", pack_weights=choice))
+        tiles = _layers(core, TileLinear)
+        ops = native_ops()
+        assert bool(tiles) == (choice == "auto" and ops is not None and bool(ops.tile_linear_usable()))
         core.close()
 
 

@@ -40,16 +40,16 @@ def test_panel_linear_reads_strided_rows_and_refuses_a_mismatch():
         OPS.panel_linear(torch.empty(9, 40), torch.randn(9, 31), OPS.panel_pack(w), None)
 
 
-def test_pack_linears_puts_float32_into_panels_and_onednn_only_keeps_onednn():
+def test_pack_linears_puts_float32_into_panels_and_the_onednn_layout_keeps_onednn():
     torch.manual_seed(0)
     make = lambda: nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 64, bias=False)).eval()
     model = make()
     x = torch.randn(5, 64)
     want = model(x)
-    assert pack_linears(model, OPS) == 2
+    assert pack_linears(model, OPS, layout="panel") == 2
     assert all(isinstance(m, PanelLinear) for m in model)
     assert torch.allclose(model(x), want, atol=1e-5)
     if can_pack(torch.float32, torch.device("cpu")):
         other = make()
-        pack_linears(other, OPS, onednn_only=True)
+        pack_linears(other, OPS, layout="onednn")
         assert all(isinstance(m, PackedLinear) for m in other)

@@ -30,6 +30,8 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
         # Unpacked: where the CPU has native bf16 the loader would prepack bf16 for oneDNN.
         "tiny-bf16-dense": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "none"}),
         "tiny-half-weights": lambda: (tiny_model_dir, {"dtype": "float32", "pack_weights": "none"}),  # bf16 checkpoint
+        # AMX-BF16 tiles where the CPU has them (elsewhere oneDNN's packing, the llama case's path)
+        "tiny-bf16-tiles": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "auto"}),
         "gguf-q4_1": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {}),
         "gguf-q8_0-int8": lambda: (tiny_ggufs("Q8_0", tokenizer=True), {"gguf_activations": "int8"}),
     }
@@ -46,10 +48,11 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
     return get
 
 
-CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "gguf-q4_1",
-         "gguf-q8_0-int8"]
+CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "tiny-bf16-tiles",
+         "gguf-q4_1", "gguf-q8_0-int8"]
 KINDS = {"llama-onednn": "onednn", "qwen2-bias": "onednn", "qwen3-qk-norm": "onednn", "tiny-bf16-dense": "dense",
-         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf"}
+         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf",
+         "tiny-bf16-tiles": "tile" if native_ops() is not None and native_ops().tile_linear_usable() else "onednn"}
 
 
 def _decode_batch(model, rows: int, block_size: int, seed: int):
@@ -86,8 +89,9 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
     native = model.native_decode
     assert native is not None, "the native path declined a model it takes"
     assert KINDS[case] in native.what
-    # torch's matmuls run on OpenMP's team: the stack's other kernels join it rather than a pool beside it
-    assert ("on OpenMP's threads" in native.what) == (KINDS[case] in ("onednn", "dense")), native.what
+    # torch's matmuls run on OpenMP's team, and so do the prompt chunks' tile linears: the stack's
+    # other kernels join it rather than a pool beside it
+    assert ("on OpenMP's threads" in native.what) == (KINDS[case] in ("onednn", "dense", "tile")), native.what
     assert native.head_rows > 0 and "the LM head too" in native.what
     for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2)):
         pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pagedserve.models.packed import PackedLinear, PanelLinear, can_pack
+from pagedserve.models.packed import PackedLinear, PanelLinear, TileLinear, can_pack
 
 
 def _checkpoint_bytes(model_dir, element_size: int | None = None) -> int:
@@ -47,7 +47,7 @@ def test_tied_embedding_is_held_and_counted_once(checkpoint_dir, caplog, dtype, 
     packed = sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
     assert sum(resident.values()) + packed == stored
     if can_pack(getattr(torch, dtype), torch.device("cpu")):  # the other linears are still prepacked
-        assert sum(isinstance(m, (PackedLinear, PanelLinear)) for m in model.modules()) == 2 * 4  # qkv, o, gate_up, down
+        assert sum(isinstance(m, (PackedLinear, PanelLinear, TileLinear)) for m in model.modules()) == 2 * 4  # qkv, o, gate_up, down
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
     logged = float(re.search(r"weights as stored ([\d.]+) MiB", line).group(1))
     assert logged == round(stored / 2**20, 1)

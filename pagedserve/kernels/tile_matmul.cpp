@@ -1,0 +1,371 @@
+// y = x W^T (+ bias) in bfloat16 on AMX-BF16 tiles, for every row count a step has, over weights
+// packed once at load into the layout the tile instruction reads.
+//
+// Why: oneDNN's prepacked bf16 linears (models/packed.py) run a decode step's rows on OpenMP's team
+// and, between 16 and ~1,300 rows, well under the tiles' rate (docs/BENCHMARKS.md: 64 rows of
+// `small`'s gate_up at 1.5 TFLOP/s; 512-1,280 rows on one thread's rate). A kernel of the project's
+// own runs on the decode stack's pool as well as on torch's threads, and streams a decode step's
+// weights once.
+//
+// Layout: W [N, K] becomes [N/16][K/32][16][32]: for each 16 output features and 32 inputs, one
+// 1 KB B tile in the instruction's pair order (row r holds inputs 2r, 2r + 1 of each of the 16
+// features), so the weights stream front to back. x's rows are tile A as they lie (16 rows x 32
+// inputs, any row stride); C (16 rows x 16 features, float32) goes out through one conversion.
+// N must be a multiple of 16 and K of 32 (models/packed.py keeps other shapes on oneDNN).
+//
+// Blocking: up to 64 rows, each 16 features' B tile is loaded once per 32 inputs and meets the
+// rows' four A tiles (a step reads every weight once); above that, two B tiles meet two A tiles
+// (a 32 x 32 block of C), over 256-row blocks of x so that a block stays in L2 while the weights
+// stream past it. Every C element sums the same tile products in the same order in both, so a row's
+// result does not depend on the rows beside it.
+//
+// Paths (cpu_isa.h): scalar (the reference: the same packed bytes, float32 sums) and amx (AMX-BF16,
+// where the CPU and Linux allow tiles); the tests run both where they can.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "convert.h"
+#include "cpu_isa.h"
+#include "kernel_ops.h"
+#include "work_pool.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kFeatures = 16;   // output features per B tile
+constexpr int64_t kInputs = 32;     // inputs per tile (16 pairs of bf16)
+constexpr int64_t kTileBytes = 1024;
+constexpr int64_t kRows = 16;       // rows of x per A tile
+constexpr int64_t kDecodeRows = 64; // up to here one B tile meets every row's A tile
+constexpr int64_t kRowBlock = 256;  // rows of x per pass over the weights above that
+
+struct Problem {
+  const uint16_t* x;   // [M, K] bf16 bits, rows ldx apart
+  int64_t ldx;
+  const uint16_t* w;   // packed
+  const uint16_t* bias;  // [N] bf16 bits or null
+  uint16_t* y;         // [M, N], rows ldy apart
+  int64_t ldy, M, N, K;
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, 4);
+  return f;
+}
+
+// ---- scalar: the reference -------------------------------------------------------------------
+
+void linear_scalar(const Problem& p, int64_t t0, int64_t t1) {
+  const int64_t chunks = p.K / kInputs;
+  std::vector<float> acc(kFeatures);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const uint16_t* xm = p.x + m * p.ldx;
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* tile = p.w + (t * chunks + c) * (kTileBytes / 2);
+        for (int64_t r = 0; r < kInputs / 2; ++r)
+          for (int64_t n = 0; n < kFeatures; ++n)
+            for (int e = 0; e < 2; ++e)
+              acc[n] += bf16_to_float(xm[c * kInputs + 2 * r + e]) * bf16_to_float(tile[(r * kFeatures + n) * 2 + e]);
+      }
+      for (int64_t n = 0; n < kFeatures; ++n) {
+        const int64_t f = t * kFeatures + n;
+        const float v = acc[n] + (p.bias ? bf16_to_float(p.bias[f]) : 0.f);
+        p.y[m * p.ldy + f] = c10::BFloat16(v).x;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace amx {
+
+// Tile registers (the intrinsics need literals): two A, two B, four C.
+#define PS_TA0 0
+#define PS_TA1 1
+#define PS_TB0 2
+#define PS_TB1 3
+#define PS_TC0 4
+#define PS_TC1 5
+#define PS_TC2 6
+#define PS_TC3 7
+
+void configure() {
+  pagedserve::TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kRows, c.colsb[t] = 64;
+  pagedserve::publish(c);
+  _tile_loadconfig(&c);
+}
+
+// Where A tile i (rows 16i..16i + 15 of x) lies: x itself, or for a last partial tile the zero-padded
+// copy in `tail`.
+struct RowTiles {
+  const uint16_t* x;
+  int64_t ldx, full;       // full tiles in x
+  const uint16_t* tail;    // [16, K] or null
+  int64_t K;
+  const uint16_t* at(int64_t i, int64_t chunk, int64_t& stride) const {
+    if (i < full) {
+      stride = ldx * 2;
+      return x + i * kRows * ldx + chunk * kInputs;
+    }
+    stride = K * 2;
+    return tail + chunk * kInputs;
+  }
+};
+
+// C (16 rows x 16 features, float32, just stored from its tile) as bf16 into y, rows [m0, m0 + rows),
+// features [f0, f0 + 16).
+void store(const Problem& p, const float (*c)[kFeatures], int64_t m0, int64_t rows, int64_t f0) {
+  const __m512 bias = p.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + f0))), 16))
+                             : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), bias));
+    std::memcpy(p.y + (m0 + r) * p.ldy + f0, &v, 32);
+  }
+}
+// Tile T out through `cbuf` (a 64-byte aligned float[16][16] in scope).
+#define PS_STORE(T, m0, rows, f0)   \
+  do {                              \
+    _tile_stored(T, cbuf, 64);      \
+    store(p, cbuf, m0, rows, f0);   \
+  } while (0)
+
+// Up to 64 rows: B tile (t, chunk) loaded once, against every row tile.
+void decode_rows(const Problem& p, const RowTiles& a, int64_t t0, int64_t t1) {
+  alignas(64) float cbuf[kRows][kFeatures];
+  const int64_t chunks = p.K / kInputs, tiles = (p.M + kRows - 1) / kRows;
+  int64_t s0, s1, s2, s3;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint16_t* b = p.w + t * chunks * (kTileBytes / 2);
+    _tile_zero(PS_TC0);
+    _tile_zero(PS_TC1);
+    _tile_zero(PS_TC2);
+    _tile_zero(PS_TC3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(PS_TB0, b + c * (kTileBytes / 2), 64);
+      const uint16_t* a0 = a.at(0, c, s0);
+      _tile_loadd(PS_TA0, a0, s0);
+      _tile_dpbf16ps(PS_TC0, PS_TA0, PS_TB0);
+      if (tiles > 1) {
+        const uint16_t* a1 = a.at(1, c, s1);
+        _tile_loadd(PS_TA1, a1, s1);
+        _tile_dpbf16ps(PS_TC1, PS_TA1, PS_TB0);
+      }
+      if (tiles > 2) {
+        const uint16_t* a2 = a.at(2, c, s2);
+        _tile_loadd(PS_TA0, a2, s2);
+        _tile_dpbf16ps(PS_TC2, PS_TA0, PS_TB0);
+      }
+      if (tiles > 3) {
+        const uint16_t* a3 = a.at(3, c, s3);
+        _tile_loadd(PS_TA1, a3, s3);
+        _tile_dpbf16ps(PS_TC3, PS_TA1, PS_TB0);
+      }
+    }
+    const int64_t f0 = t * kFeatures;
+    PS_STORE(PS_TC0, 0, std::min(kRows, p.M), f0);
+    if (tiles > 1) PS_STORE(PS_TC1, kRows, std::min(kRows, p.M - kRows), f0);
+    if (tiles > 2) PS_STORE(PS_TC2, 2 * kRows, std::min(kRows, p.M - 2 * kRows), f0);
+    if (tiles > 3) PS_STORE(PS_TC3, 3 * kRows, std::min(kRows, p.M - 3 * kRows), f0);
+  }
+}
+
+// Above 64 rows: row tiles [i0, i1) of one 256-row block (at most 16), feature tiles [t0, t1) two at
+// a time, 32 x 32 of C per pass, K in runs of kKBlock inputs: a pair's B tiles for one run (16 KB)
+// stay in L1 while every row pair of the block passes them, the row pairs' partial sums parked in
+// `parked` between runs (without the runs every tile came from L2, 4 KB per 4 tile products).
+constexpr int64_t kKBlock = 256;
+
+void batch_rows(const Problem& p, const RowTiles& a, int64_t i0, int64_t i1, int64_t t0, int64_t t1) {
+  alignas(64) float cbuf[kRows][kFeatures];
+  alignas(64) float parked[kRowBlock / kRows / 2][4][kRows][kFeatures];
+  const int64_t chunks = p.K / kInputs, run = kKBlock / kInputs;
+  int64_t s0, s1;
+  for (int64_t t = t0; t < t1; t += 2) {
+    const bool two_t = t + 1 < t1;
+    const uint16_t* b0 = p.w + t * chunks * (kTileBytes / 2);
+    const uint16_t* b1 = b0 + chunks * (kTileBytes / 2);
+    for (int64_t c0 = 0; c0 < chunks; c0 += run) {
+      const int64_t c1 = std::min(chunks, c0 + run);
+      const bool first = c0 == 0, last = c1 == chunks;
+      for (int64_t i = i0; i < i1; i += 2) {
+        const bool two_i = i + 1 < i1;
+        float (*park)[kRows][kFeatures] = parked[(i - i0) / 2];
+        if (first) {
+          _tile_zero(PS_TC0);
+          _tile_zero(PS_TC1);
+          _tile_zero(PS_TC2);
+          _tile_zero(PS_TC3);
+        } else {
+          _tile_loadd(PS_TC0, park[0], 64);
+          _tile_loadd(PS_TC1, park[1], 64);
+          _tile_loadd(PS_TC2, park[2], 64);
+          _tile_loadd(PS_TC3, park[3], 64);
+        }
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint16_t* a0 = a.at(i, c, s0);
+          _tile_loadd(PS_TA0, a0, s0);
+          _tile_loadd(PS_TB0, b0 + c * (kTileBytes / 2), 64);
+          _tile_dpbf16ps(PS_TC0, PS_TA0, PS_TB0);
+          if (two_t) {
+            _tile_loadd(PS_TB1, b1 + c * (kTileBytes / 2), 64);
+            _tile_dpbf16ps(PS_TC1, PS_TA0, PS_TB1);
+          }
+          if (two_i) {
+            const uint16_t* a1 = a.at(i + 1, c, s1);
+            _tile_loadd(PS_TA1, a1, s1);
+            _tile_dpbf16ps(PS_TC2, PS_TA1, PS_TB0);
+            if (two_t) _tile_dpbf16ps(PS_TC3, PS_TA1, PS_TB1);
+          }
+        }
+        if (!last) {
+          _tile_stored(PS_TC0, park[0], 64);
+          _tile_stored(PS_TC1, park[1], 64);
+          _tile_stored(PS_TC2, park[2], 64);
+          _tile_stored(PS_TC3, park[3], 64);
+          continue;
+        }
+        const int64_t m0 = i * kRows, m1 = (i + 1) * kRows, f0 = t * kFeatures;
+        PS_STORE(PS_TC0, m0, std::min(kRows, p.M - m0), f0);
+        if (two_t) PS_STORE(PS_TC1, m0, std::min(kRows, p.M - m0), f0 + kFeatures);
+        if (two_i) PS_STORE(PS_TC2, m1, std::min(kRows, p.M - m1), f0);
+        if (two_i && two_t) PS_STORE(PS_TC3, m1, std::min(kRows, p.M - m1), f0 + kFeatures);
+      }
+    }
+  }
+}
+
+void linear(const Problem& p, pagedserve::WorkPool* pool) {
+  const int64_t tiles = p.N / kFeatures, full = p.M / kRows;
+  std::vector<uint16_t> tail;
+  if (p.M % kRows) {  // the last rows, zero-padded to a whole tile
+    tail.assign(kRows * p.K, 0);
+    for (int64_t r = 0; r < p.M % kRows; ++r)
+      std::memcpy(tail.data() + r * p.K, p.x + (full * kRows + r) * p.ldx, p.K * 2);
+  }
+  const RowTiles a{p.x, p.ldx, full, tail.empty() ? nullptr : tail.data(), p.K};
+  if (p.M <= kDecodeRows) {
+    pagedserve::parallel_for(pool, 0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      configure();
+      decode_rows(p, a, t0, t1);
+      _tile_release();
+    });
+    return;
+  }
+  const int64_t row_tiles = (p.M + kRows - 1) / kRows, block = kRowBlock / kRows, pairs = (tiles + 1) / 2;
+  for (int64_t i0 = 0; i0 < row_tiles; i0 += block) {
+    const int64_t i1 = std::min(row_tiles, i0 + block);
+    pagedserve::parallel_for(pool, 0, pairs, 1, [&](int64_t q0, int64_t q1) {
+      configure();
+      batch_rows(p, a, i0, i1, 2 * q0, std::min(tiles, 2 * q1));
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+#endif
+
+namespace pagedserve::ops {
+
+// [N, K] bf16 → the packed [N/16, K/32, 16, 32] (bf16) tile_linear reads.
+at::Tensor tile_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "tile_pack: weight must be a bfloat16 [out, in]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kFeatures == 0 && K % kInputs == 0, "tile_pack: out_features must be a multiple of 16 and "
+              "in_features of 32, got ", N, " x ", K);
+  const at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty({N / kFeatures, K / kInputs, kInputs / 2, 2 * kFeatures}, w.options());
+  const auto* s = static_cast<const uint16_t*>(src.data_ptr());
+  auto* d = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, N / kFeatures, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < K / kInputs; ++c)
+        for (int64_t r = 0; r < kInputs / 2; ++r)
+          for (int64_t n = 0; n < kFeatures; ++n)
+            for (int e = 0; e < 2; ++e)
+              d[(((t * (K / kInputs) + c) * (kInputs / 2) + r) * kFeatures + n) * 2 + e] =
+                  s[(t * kFeatures + n) * K + c * kInputs + 2 * r + e];
+  });
+  return out;
+}
+
+// out [M, N] bf16 (rows may be strided) = x [M, K] bf16 (rows with unit stride) . W^T + bias, W
+// packed by tile_pack, bias bf16 [N].
+void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 c10::string_view isa_name, WorkPool* pool) {
+  constexpr const char* op = "tile_linear";
+  // "auto": the tiles where the CPU has AMX-BF16, else the reference (models/packed.py packs for
+  // this kernel only where it has them).
+  const Isa isa = isa_name == "auto" ? (amx_bf16_usable() ? Isa::amx : Isa::scalar) : parse_isa(isa_name, op, true);
+  TORCH_CHECK(isa == Isa::scalar || (isa == Isa::amx && amx_bf16_usable()), op,
+              ": the paths are scalar and amx (AMX-BF16), got ", isa_name);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) >= x.size(1), op,
+              ": x must be bfloat16 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == kInputs / 2 &&
+                  w.size(3) == 2 * kFeatures && w.size(1) * kInputs == x.size(1),
+              op, ": weight must be tile_pack's [out / 16, in / 32, 16, 32] matching x");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kFeatures;
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == M &&
+                  out.size(1) == N && out.stride(0) >= N,
+              op, ": out must be bfloat16 [rows, out_features] with contiguous rows");
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16, op,
+                ": bias must be a contiguous bfloat16 [out_features]");
+  }
+  if (M == 0) return;
+  const Problem p{static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(w.data_ptr()),
+                  bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                  static_cast<uint16_t*>(out.data_ptr()), out.stride(0), M, N, K};
+#if defined(__x86_64__)
+  if (isa == Isa::amx) return amx::linear(p, pool);
+#endif
+  pagedserve::parallel_for(pool, 0, N / kFeatures, 1, [&](int64_t t0, int64_t t1) { linear_scalar(p, t0, t1); });
+}
+
+// The registered op: torch's threads.
+void tile_linear_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                    c10::string_view isa) {
+  tile_linear(out, x, w, bias, isa, nullptr);
+}
+
+}  // namespace pagedserve::ops
+
+namespace {
+
+// Whether tile_linear's amx path runs here (models/packed.py packs for it only then).
+bool tile_linear_usable() { return pagedserve::amx_bf16_usable(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("tile_pack(Tensor w) -> Tensor");
+  m.def("tile_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, str isa='auto') -> ()");
+  m.def("tile_linear_usable() -> bool", &tile_linear_usable);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("tile_pack", &pagedserve::ops::tile_pack);
+  m.impl("tile_linear", &pagedserve::ops::tile_linear_op);
+}
