@@ -150,11 +150,19 @@ void store(const Problem& p, const float (*c)[kFeatures], int64_t m0, int64_t ro
     store(p, cbuf, m0, rows, f0);   \
   } while (0)
 
+// Row tile i of chunk c (in scope) through A register TA, times the B tile in PS_TB0, into C register TC.
+#define PS_ROW_TILE(TA, TC, i)                        \
+  do {                                                \
+    int64_t stride;                                   \
+    const uint16_t* row_tile = a.at(i, c, stride);    \
+    _tile_loadd(TA, row_tile, stride);                \
+    _tile_dpbf16ps(TC, TA, PS_TB0);                   \
+  } while (0)
+
 // Up to 64 rows: B tile (t, chunk) loaded once, against every row tile.
 void decode_rows(const Problem& p, const RowTiles& a, int64_t t0, int64_t t1) {
   alignas(64) float cbuf[kRows][kFeatures];
   const int64_t chunks = p.K / kInputs, tiles = (p.M + kRows - 1) / kRows;
-  int64_t s0, s1, s2, s3;
   for (int64_t t = t0; t < t1; ++t) {
     const uint16_t* b = p.w + t * chunks * (kTileBytes / 2);
     _tile_zero(PS_TC0);
@@ -163,24 +171,10 @@ void decode_rows(const Problem& p, const RowTiles& a, int64_t t0, int64_t t1) {
     _tile_zero(PS_TC3);
     for (int64_t c = 0; c < chunks; ++c) {
       _tile_loadd(PS_TB0, b + c * (kTileBytes / 2), 64);
-      const uint16_t* a0 = a.at(0, c, s0);
-      _tile_loadd(PS_TA0, a0, s0);
-      _tile_dpbf16ps(PS_TC0, PS_TA0, PS_TB0);
-      if (tiles > 1) {
-        const uint16_t* a1 = a.at(1, c, s1);
-        _tile_loadd(PS_TA1, a1, s1);
-        _tile_dpbf16ps(PS_TC1, PS_TA1, PS_TB0);
-      }
-      if (tiles > 2) {
-        const uint16_t* a2 = a.at(2, c, s2);
-        _tile_loadd(PS_TA0, a2, s2);
-        _tile_dpbf16ps(PS_TC2, PS_TA0, PS_TB0);
-      }
-      if (tiles > 3) {
-        const uint16_t* a3 = a.at(3, c, s3);
-        _tile_loadd(PS_TA1, a3, s3);
-        _tile_dpbf16ps(PS_TC3, PS_TA1, PS_TB0);
-      }
+      PS_ROW_TILE(PS_TA0, PS_TC0, 0);
+      if (tiles > 1) PS_ROW_TILE(PS_TA1, PS_TC1, 1);
+      if (tiles > 2) PS_ROW_TILE(PS_TA0, PS_TC2, 2);
+      if (tiles > 3) PS_ROW_TILE(PS_TA1, PS_TC3, 3);
     }
     const int64_t f0 = t * kFeatures;
     PS_STORE(PS_TC0, 0, std::min(kRows, p.M), f0);

@@ -69,7 +69,30 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PanelLinear(nn.Module):
+class NativeLinear(nn.Module):
+    """A linear layer whose native kernel writes ``y [rows, out]`` from ``rows [rows, in]`` (unit-stride
+    rows): :meth:`compute`, given by each packing."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1 or rows.stride(0) < self.in_features:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        self.compute(y, rows)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PanelLinear(NativeLinear):
     """``y = x Wᵀ + b`` in float32 through the native ``panel_linear`` kernel, ``W`` held as
     ``[ceil(N / 16), K, 16]`` column panels (zero-padded past ``N``)."""
 
@@ -82,19 +105,11 @@ class PanelLinear(nn.Module):
         self.register_buffer("panels", ops.panel_pack(weight.detach()), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
         self.ops.panel_linear(y, rows, self.panels, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class TileLinear(nn.Module):
+class TileLinear(NativeLinear):
     """``y = x Wᵀ + b`` in bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles), ``W``
     held as ``[out / 16, in / 32, 16, 32]``, each 32 inputs of 16 outputs one tile in the
     instruction's pair order."""
@@ -108,16 +123,8 @@ class TileLinear(nn.Module):
         self.register_buffer("tiles", ops.tile_pack(weight.detach()), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1 or rows.stride(0) < self.in_features:
-            rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
         self.ops.tile_linear(y, rows, self.tiles, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def _use_tiles(ops, linear: nn.Linear) -> bool:
