@@ -26,13 +26,17 @@
   with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``;
   AMX-INT8 tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once;
   and the blocks dequantized for prefill GEMMs and lookups (:mod:`pagedserve.models.gguf_linear`).
+* ``tile_matmul.cpp`` — bf16 linear layers on AMX-BF16 tiles over weights packed once into the tile
+  instruction's pair order (:class:`~pagedserve.models.packed.TileLinear`, ``--pack-weights auto``
+  where the CPU has AMX-BF16), for every row count a step has, with a scalar reference path.
 * ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
   (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools, which runs
   the kernels above back to back through their C++ entry points (``kernel_ops.h``), as the Python
   model would call them one by one (:mod:`pagedserve.models.native_decode`).
 * ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
   compile a scalar, an AVX2 and an AVX-512 path on every x86 machine (the GGUF matmul an AMX one
-  too, taken where CPUID shows AMX-INT8 and Linux grants the tile state) and take the best the CPU
+  too, taken where CPUID shows AMX-INT8 and Linux grants the tile state; the bf16 tile linear where
+  it also shows AMX-BF16) and take the best the CPU
   runs (:func:`best_isa`, logged through :func:`isa_summary`); the tests run each path the CPU can
   (:func:`isa_paths`).
 

@@ -51,20 +51,13 @@ constexpr int64_t kDecodeRows = 64; // up to here one B tile meets every row's A
 constexpr int64_t kRowBlock = 256;  // rows of x per pass over the weights above that
 
 struct Problem {
-  const uint16_t* x;   // [M, K] bf16 bits, rows ldx apart
+  const c10::BFloat16* x;   // [M, K], rows ldx apart
   int64_t ldx;
-  const uint16_t* w;   // packed
-  const uint16_t* bias;  // [N] bf16 bits or null
-  uint16_t* y;         // [M, N], rows ldy apart
+  const c10::BFloat16* w;   // packed
+  const c10::BFloat16* bias;  // [N] or null
+  c10::BFloat16* y;         // [M, N], rows ldy apart
   int64_t ldy, M, N, K;
 };
-
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, 4);
-  return f;
-}
 
 // ---- scalar: the reference -------------------------------------------------------------------
 
@@ -72,20 +65,20 @@ void linear_scalar(const Problem& p, int64_t t0, int64_t t1) {
   const int64_t chunks = p.K / kInputs;
   std::vector<float> acc(kFeatures);
   for (int64_t m = 0; m < p.M; ++m) {
-    const uint16_t* xm = p.x + m * p.ldx;
+    const c10::BFloat16* xm = p.x + m * p.ldx;
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0; c < chunks; ++c) {
-        const uint16_t* tile = p.w + (t * chunks + c) * (kTileBytes / 2);
+        const c10::BFloat16* tile = p.w + (t * chunks + c) * (kTileBytes / 2);
         for (int64_t r = 0; r < kInputs / 2; ++r)
           for (int64_t n = 0; n < kFeatures; ++n)
             for (int e = 0; e < 2; ++e)
-              acc[n] += bf16_to_float(xm[c * kInputs + 2 * r + e]) * bf16_to_float(tile[(r * kFeatures + n) * 2 + e]);
+              acc[n] += pagedserve::to_float(xm[c * kInputs + 2 * r + e]) * pagedserve::to_float(tile[(r * kFeatures + n) * 2 + e]);
       }
       for (int64_t n = 0; n < kFeatures; ++n) {
         const int64_t f = t * kFeatures + n;
-        const float v = acc[n] + (p.bias ? bf16_to_float(p.bias[f]) : 0.f);
-        p.y[m * p.ldy + f] = c10::BFloat16(v).x;
+        const float v = acc[n] + (p.bias ? pagedserve::to_float(p.bias[f]) : 0.f);
+        p.y[m * p.ldy + f] = pagedserve::from_float<c10::BFloat16>(v);
       }
     }
   }
@@ -118,11 +111,11 @@ void configure() {
 // Where A tile i (rows 16i..16i + 15 of x) lies: x itself, or for a last partial tile the zero-padded
 // copy in `tail`.
 struct RowTiles {
-  const uint16_t* x;
+  const c10::BFloat16* x;
   int64_t ldx, full;       // full tiles in x
-  const uint16_t* tail;    // [16, K] or null
+  const c10::BFloat16* tail;    // [16, K] or null
   int64_t K;
-  const uint16_t* at(int64_t i, int64_t chunk, int64_t& stride) const {
+  const c10::BFloat16* at(int64_t i, int64_t chunk, int64_t& stride) const {
     if (i < full) {
       stride = ldx * 2;
       return x + i * kRows * ldx + chunk * kInputs;
@@ -154,7 +147,7 @@ void store(const Problem& p, const float (*c)[kFeatures], int64_t m0, int64_t ro
 #define PS_ROW_TILE(TA, TC, i)                        \
   do {                                                \
     int64_t stride;                                   \
-    const uint16_t* row_tile = a.at(i, c, stride);    \
+    const c10::BFloat16* row_tile = a.at(i, c, stride);    \
     _tile_loadd(TA, row_tile, stride);                \
     _tile_dpbf16ps(TC, TA, PS_TB0);                   \
   } while (0)
@@ -164,7 +157,7 @@ void decode_rows(const Problem& p, const RowTiles& a, int64_t t0, int64_t t1) {
   alignas(64) float cbuf[kRows][kFeatures];
   const int64_t chunks = p.K / kInputs, tiles = (p.M + kRows - 1) / kRows;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint16_t* b = p.w + t * chunks * (kTileBytes / 2);
+    const c10::BFloat16* b = p.w + t * chunks * (kTileBytes / 2);
     _tile_zero(PS_TC0);
     _tile_zero(PS_TC1);
     _tile_zero(PS_TC2);
@@ -197,8 +190,8 @@ void batch_rows(const Problem& p, const RowTiles& a, int64_t i0, int64_t i1, int
   int64_t s0, s1;
   for (int64_t t = t0; t < t1; t += 2) {
     const bool two_t = t + 1 < t1;
-    const uint16_t* b0 = p.w + t * chunks * (kTileBytes / 2);
-    const uint16_t* b1 = b0 + chunks * (kTileBytes / 2);
+    const c10::BFloat16* b0 = p.w + t * chunks * (kTileBytes / 2);
+    const c10::BFloat16* b1 = b0 + chunks * (kTileBytes / 2);
     for (int64_t c0 = 0; c0 < chunks; c0 += run) {
       const int64_t c1 = std::min(chunks, c0 + run);
       const bool first = c0 == 0, last = c1 == chunks;
@@ -217,7 +210,7 @@ void batch_rows(const Problem& p, const RowTiles& a, int64_t i0, int64_t i1, int
           _tile_loadd(PS_TC3, park[3], 64);
         }
         for (int64_t c = c0; c < c1; ++c) {
-          const uint16_t* a0 = a.at(i, c, s0);
+          const c10::BFloat16* a0 = a.at(i, c, s0);
           _tile_loadd(PS_TA0, a0, s0);
           _tile_loadd(PS_TB0, b0 + c * (kTileBytes / 2), 64);
           _tile_dpbf16ps(PS_TC0, PS_TA0, PS_TB0);
@@ -226,7 +219,7 @@ void batch_rows(const Problem& p, const RowTiles& a, int64_t i0, int64_t i1, int
             _tile_dpbf16ps(PS_TC1, PS_TA0, PS_TB1);
           }
           if (two_i) {
-            const uint16_t* a1 = a.at(i + 1, c, s1);
+            const c10::BFloat16* a1 = a.at(i + 1, c, s1);
             _tile_loadd(PS_TA1, a1, s1);
             _tile_dpbf16ps(PS_TC2, PS_TA1, PS_TB0);
             if (two_t) _tile_dpbf16ps(PS_TC3, PS_TA1, PS_TB1);
@@ -251,9 +244,9 @@ void batch_rows(const Problem& p, const RowTiles& a, int64_t i0, int64_t i1, int
 
 void linear(const Problem& p, pagedserve::WorkPool* pool) {
   const int64_t tiles = p.N / kFeatures, full = p.M / kRows;
-  std::vector<uint16_t> tail;
+  std::vector<c10::BFloat16> tail;
   if (p.M % kRows) {  // the last rows, zero-padded to a whole tile
-    tail.assign(kRows * p.K, 0);
+    tail.assign(kRows * p.K, c10::BFloat16(0.f));
     for (int64_t r = 0; r < p.M % kRows; ++r)
       std::memcpy(tail.data() + r * p.K, p.x + (full * kRows + r) * p.ldx, p.K * 2);
   }
@@ -291,8 +284,8 @@ at::Tensor tile_pack(const at::Tensor& w) {
               "in_features of 32, got ", N, " x ", K);
   const at::Tensor src = w.contiguous();
   at::Tensor out = at::empty({N / kFeatures, K / kInputs, kInputs / 2, 2 * kFeatures}, w.options());
-  const auto* s = static_cast<const uint16_t*>(src.data_ptr());
-  auto* d = static_cast<uint16_t*>(out.data_ptr());
+  const auto* s = src.data_ptr<c10::BFloat16>();
+  auto* d = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, N / kFeatures, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < K / kInputs; ++c)
@@ -329,9 +322,8 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, cons
                 ": bias must be a contiguous bfloat16 [out_features]");
   }
   if (M == 0) return;
-  const Problem p{static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint16_t*>(w.data_ptr()),
-                  bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
-                  static_cast<uint16_t*>(out.data_ptr()), out.stride(0), M, N, K};
+  const Problem p{x.data_ptr<c10::BFloat16>(), x.stride(0), w.data_ptr<c10::BFloat16>(),
+                  bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), out.stride(0), M, N, K};
 #if defined(__x86_64__)
   if (isa == Isa::amx) return amx::linear(p, pool);
 #endif

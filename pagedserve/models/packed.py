@@ -3,7 +3,7 @@
 Three packings. bfloat16 weights on a CPU with AMX-BF16 (Sapphire Rapids and later), where the
 native kernels build, go into the tiles' own layout for ``tile_linear`` (``tile_matmul.cpp``;
 ``--pack-weights auto``, the default): against oneDNN's prepacked linears on ``small``'s shapes, 2
-threads, a step's linears ran 1.27-1.47x as fast from 1 to 1,024 rows and 0.89x at 2,048; one
+threads, a step's linears ran 1.14-1.33x as fast from 1 to 1,024 rows and 0.87x at 2,048; one
 stream decoded 1.26x as fast and W1 measured level (docs/BENCHMARKS.md). With ``--pack-weights
 panel``, float32 weights, where the native kernels build, go into column panels for ``panel_linear``
 (:mod:`pagedserve.kernels`, ``panel_gemm.cpp``): on an AVX2-only CPU it beats
@@ -25,6 +25,7 @@ Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU are packed. A ti
 
 from __future__ import annotations
 
+import abc
 import logging
 
 import torch
@@ -69,7 +70,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class NativeLinear(nn.Module):
+class NativeLinear(nn.Module, abc.ABC):
     """A linear layer whose native kernel writes ``y [rows, out]`` from ``rows [rows, in]`` (unit-stride
     rows): :meth:`compute`, given by each packing."""
 
@@ -77,8 +78,9 @@ class NativeLinear(nn.Module):
     out_features: int
     bias: nn.Parameter | None
 
+    @abc.abstractmethod
     def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
-        raise NotImplementedError
+        """``y = rows Wᵀ + b`` through the packing's kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
