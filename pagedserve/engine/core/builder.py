@@ -20,6 +20,7 @@ from pagedserve.config import (MEASURED_PPL_COST, QUALITY_FLOOR, QUALITY_FLOOR_M
                                quality_floor_alternative, under_quality_floor)
 from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
 from pagedserve.engine.core.heap import keep_step_memory
+from pagedserve.engine.core.huge_pages import move_model_to_huge_pages
 from pagedserve.engine.core.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
                                       kv_budget_cap, profiled_kv_budget)
 from pagedserve.engine.core.profile_run import measure_peak_activation, profile_step
@@ -181,6 +182,8 @@ def build_core(config: EngineConfig) -> CoreParts:
                        config.attention_backend, config.quantization, config.decode_weights,
                        config.gguf_activations, config.native_kernels, config.pack_weights, config.group_kernels)
     size = weight_bytes(model)
+    if device.type == "cpu":
+        move_model_to_huge_pages(model)  # before the decode stack takes the tensors (its pointers)
     use_graphs = device.type == "cuda" and config.attention_backend == "triton" and config.cuda_graphs
     config, kv = _size_kv_pool(config, model, arch, dtype, kv_model_dtype, device, size, use_graphs)
     ops = native_ops() if device.type == "cpu" and config.native_kernels else None
