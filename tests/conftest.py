@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,30 @@ if not torch.cuda.is_available():
 
 from tests.checkpoints import build_checkpoint  # noqa: E402  (after TRITON_INTERPRET)
 from tests.helpers.servers import run_engine_server, wait_for_idle  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forget_prepared_test_ggufs(tmp_path_factory) -> Iterator[None]:
+    """Loading a GGUF file prepares a directory for it in the user's cache, keyed by the file's path
+    (models/gguf.py's prepare_gguf_dir); the suite's files live in this session's temporary
+    directory, so each run left new ones behind (677 MB over a few weeks of sessions). At the
+    session's end, those of files under its temporary directory go, with their locks and
+    `bench quality` copies."""
+    yield
+    from pagedserve.config import cache_dir
+    from pagedserve.models.gguf import gguf_source
+
+    base = tmp_path_factory.getbasetemp().resolve()
+    prepared = cache_dir() / "gguf"
+    for entry in prepared.glob("*") if prepared.is_dir() else ():
+        try:
+            source = gguf_source(entry) if entry.is_dir() else None
+        except (OSError, ValueError, KeyError):
+            continue
+        if source is not None and source.resolve().is_relative_to(base):
+            for path in [entry, *prepared.glob(f"{entry.name}-compute-*")]:
+                shutil.rmtree(path, ignore_errors=True)
+            entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -91,13 +91,17 @@ def shared_tokenizer_dir(vocab_size: int = 32000) -> Path:
 def build_once(out: Path, marker: str, build: Callable[[Path], object]) -> Path:
     """``out``, built on first use by ``build(tmp)`` into a sibling directory that is then renamed
     into place, so a reader never sees half of it; once across processes (a file lock). ``marker``:
-    the file whose presence means ``out`` is complete."""
+    the file whose presence means ``out`` is complete. A build that fails leaves nothing behind."""
     if not (out / marker).exists():
         with _build_lock(out):
             if not (out / marker).exists():
                 tmp = out.with_name(out.name + f".tmp{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)
-                build(tmp)
+                try:
+                    build(tmp)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)  # e.g. an unsupported GGUF: no half-built directory kept
+                    raise
                 shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no marker)
                 tmp.rename(out)
     return out

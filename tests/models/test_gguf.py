@@ -4,6 +4,7 @@ with transformers' own GGUF loader, quantized weights kept quantized, and SmolLM
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.config import cache_dir
 from pagedserve.models.gguf import (GGUFError, find_gguf_file, gguf_source, hf_config_from_gguf, load_gguf_model,
                                     open_gguf, prepare_gguf_dir)
 from pagedserve.models.gguf_index import GGUFTensorIndex
@@ -154,6 +156,8 @@ def test_unsupported_architecture_and_type_are_one_line_errors(tiny_model_dir, t
     bad_arch = write_gguf(tiny_model_dir, tmp_path / "phi.gguf", "F16", arch="phi3", tokenizer=False)
     with pytest.raises(GGUFError, match="unsupported GGUF architecture 'phi3'"):
         resolve_model_dir(str(bad_arch))
+    # the failed preparation left no half-built directory in the cache (one was left per run before)
+    assert not list((cache_dir() / "gguf").glob(f"phi-*.tmp{os.getpid()}"))
     # A tensor of a type nothing here can read (Q8_1), in an otherwise loadable file.
     src = gguf.GGUFReader(write_gguf(tiny_model_dir, tmp_path / "ok.gguf", "F32", tokenizer=False))
     w = gguf.GGUFWriter(str(tmp_path / "q81.gguf"), "llama")
