@@ -56,3 +56,17 @@ def keep_step_memory() -> int | None:
                 "temporaries are reused, not re-mapped and faulted in each step)", mmap_threshold >> 20,
                 TRIM_THRESHOLD >> 20)
     return mmap_threshold
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``, which releases
+    whole free pages anywhere in the heap, not only at its top); False where the C library is not
+    glibc. For memory freed for good, such as weights moved elsewhere (engine/core/huge_pages.py),
+    which the raised thresholds would otherwise keep resident."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.core.heap import release_free_heap
+
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 64 << 10  # smaller tensors (norms, biases) stay where they are: few bytes, read from cache
 _ALIGN = 64  # each storage starts on a cache line (and on any element size)
 HUGE_PAGE = 2 << 20
+TRIM_EVERY = 256 << 20  # old storages' bytes freed between two hand-backs of the heap's free pages
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -115,11 +118,21 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> Moved:
     buffer = huge_page_buffer(total)
     new = buffer.untyped_storage()
     base = buffer.data_ptr() - new.data_ptr()  # the buffer's byte offset in its mapping
+    released = 0
     for ptr, group in by_storage.items():
-        start, size = offsets[ptr], longest[ptr].nbytes()
-        buffer[start:start + size].copy_(torch.empty(0, dtype=torch.uint8).set_(longest[ptr], 0, (size,), (1,)))
+        storage = longest.pop(ptr)
+        start, size = offsets[ptr], storage.nbytes()
+        buffer[start:start + size].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,)))
         for t in group:
             t.set_(new, (base + start) // t.element_size() + t.storage_offset(), t.size(), t.stride())
+        del storage  # the last reference to the old storage here: freed unless someone else holds it
+        # The heap keeps freed memory resident (heap.py raised its thresholds): handed back as the
+        # copy grows, so the move needs the weights plus TRIM_EVERY, not twice the weights.
+        released += size
+        if released >= TRIM_EVERY:
+            release_free_heap()
+            released = 0
+    release_free_heap()
     on_huge = huge_page_bytes(buffer.data_ptr())  # the mapping's count: its unused tail too
     return Moved(total, None if on_huge is None else min(on_huge, total))
 
