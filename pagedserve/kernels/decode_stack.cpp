@@ -171,17 +171,20 @@ class DecodeStack : public torch::CustomClassHolder {
       case Kind::gguf: {
         const at::Tensor rows = x.contiguous();
         at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
-        if (l.weights.size() == 1) {
-          gguf::gguf_matmul(y, rows, l.weights[0], l.formats[0], l.bias, l.residual, "auto", pool_.get());
-        } else {
-          int64_t offset = 0;
-          for (size_t i = 0; i < l.weights.size(); ++i) {
-            at::Tensor part = y.narrow(1, offset, l.widths[i]);
-            const std::optional<at::Tensor> bias =
-                l.bias ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : std::nullopt;
-            gguf::gguf_matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
-            offset += l.widths[i];
+        int64_t offset = 0;
+        for (size_t i = 0; i < l.weights.size(); ++i) {
+          at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
+          const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
+              ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
+          // "Q4_1:rows16": a segment in the rows16 layout (models/gguf_linear.py)
+          const std::string& name = l.formats[i];
+          const size_t colon = name.find(':');
+          if (colon != std::string::npos && name.compare(colon + 1, std::string::npos, "rows16") == 0) {
+            gguf::gguf_matmul16(part, rows, l.weights[i], name.substr(0, colon), bias, l.residual, "auto", pool_.get());
+          } else {
+            gguf::gguf_matmul(part, rows, l.weights[i], name, bias, l.residual, "auto", pool_.get());
           }
+          offset += l.widths[i];
         }
         // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's
         // team (16 rows of a fused gate_up in bf16, on a CPU with native bf16), whose worker then

@@ -217,6 +217,43 @@ const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
   return out;
 }
 
+// The activation rows x [M, K] quantized per 32 for `path` (int16 with `residual`: each value's int8
+// and the int8 of its remainder, or where the path takes them whole kLowSteps q + low as int16;
+// int8 pair-swizzled where it wants that), and the Rows view of row m onwards.
+struct QuantizedRows {
+  int64_t K, runs;
+  bool whole;
+  // Every element is written before it is read: allocated, not zeroed (a 16-row step's zeroing of
+  // these showed as 0.6 % of its samples in memset).
+  std::unique_ptr<int8_t[]> q, low;
+  std::unique_ptr<float[]> d, s;
+  std::unique_ptr<int16_t[]> values;
+
+  QuantizedRows(const float* xf, int64_t M, int64_t K_, const Path& path, bool residual, WorkPool* pool)
+      : K(K_), runs(K_ / 32), whole(residual && path.whole),
+        q(std::make_unique_for_overwrite<int8_t[]>(M * K_)),
+        low(residual ? std::make_unique_for_overwrite<int8_t[]>(M * K_) : nullptr),
+        d(std::make_unique_for_overwrite<float[]>(M * runs)), s(std::make_unique_for_overwrite<float[]>(M * runs)),
+        values(whole ? std::make_unique_for_overwrite<int16_t[]>(M * K_) : nullptr) {
+    pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int8_t* qm = q.get() + m * K;
+        int8_t* lm = low ? low.get() + m * K : nullptr;
+        path.quantize(xf + m * K, K, qm, lm, d.get() + m * runs, s.get() + m * runs);
+        if (whole) {
+          for (int64_t i = 0; i < K; ++i) values[m * K + i] = static_cast<int16_t>(kLowSteps * qm[i] + lm[i]);
+        } else if (path.pairs) {  // int8 activations (int16 ones go whole where a path pairs)
+          swizzle_pairs(qm, K);
+        }
+      }
+    });
+  }
+  Rows at(int64_t m) const {
+    return Rows{q.get() + m * K, d.get() + m * runs, s.get() + m * runs, K, runs, low ? low.get() + m * K : nullptr,
+                whole ? values.get() + m * K : nullptr};
+  }
+};
+
 constexpr int kTile = 4;          // activation rows sharing one unpacked weight run
 constexpr int64_t kRowSpan = 16;  // weight rows a batch's tiles take in turn, while they stay in L1
 
@@ -259,36 +296,13 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
 #endif
   const Path path = path_for(tiles ? Isa::amx : vector_isa(isa), f);
   std::vector<float> converted;
-  const float* xf = float_rows(x, converted);
-  const int64_t runs = K / 32;
-  // Every element is written below before it is read: allocated, not zeroed (a 16-row step's
-  // zeroing of these showed as 0.6 % of its samples in memset).
-  const auto q = std::make_unique_for_overwrite<int8_t[]>(M * K);
-  const auto low = std::make_unique_for_overwrite<int8_t[]>(residual ? M * K : 0);
-  const auto d = std::make_unique_for_overwrite<float[]>(M * runs), s = std::make_unique_for_overwrite<float[]>(M * runs);
-  int8_t* lp = residual ? low.get() : nullptr;
-  const bool whole = residual && path.whole;  // int16 values whole (Rows::whole), in their own order
-  const auto values = std::make_unique_for_overwrite<int16_t[]>(whole ? M * K : 0);
-  pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      int8_t* qm = q.get() + m * K;
-      path.quantize(xf + m * K, K, qm, lp ? lp + m * K : nullptr, d.get() + m * runs, s.get() + m * runs);
-      if (whole) {
-        for (int64_t i = 0; i < K; ++i) values[m * K + i] = static_cast<int16_t>(kLowSteps * qm[i] + lp[m * K + i]);
-      } else if (path.pairs) {  // int8 activations (int16 ones go whole where a path pairs)
-        swizzle_pairs(qm, K);
-      }
-    }
-  });
+  const QuantizedRows xq(float_rows(x, converted), M, K, path, residual, pool);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   const int64_t ld = out.stride(0);
 #if PS_X86
-  if (tiles) {
-    const Rows xr{q.get(), d.get(), s.get(), K, runs, lp};
-    return amx::matmul(f, wp, row_bytes, blocks, N, K, M, xr, bp, y, ld, pool);
-  }
+  if (tiles) return amx::matmul(f, wp, row_bytes, blocks, N, K, M, xq.at(0), bp, y, ld, pool);
 #endif
   // Tasks of at least ~32k weights: a small matrix is not split into slivers that cost more to
   // schedule than to compute. On the decode stack's pool, a task per ~256k multiply-adds (weights x
@@ -303,9 +317,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
       const int64_t b = std::min(n1, a + kRowSpan);
       for (int64_t m = 0; m < M; m += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m));
-        const Rows xr{q.get() + m * K, d.get() + m * runs, s.get() + m * runs, K, runs, lp ? lp + m * K : nullptr,
-                      whole ? values.get() + m * K : nullptr};
-        path.kernel(wp, row_bytes, blocks, a, b, xr, rows, bp, y + m * ld, ld, task_end);
+        path.kernel(wp, row_bytes, blocks, a, b, xq.at(m), rows, bp, y + m * ld, ld, task_end);
       }
     }
   }, tasks);
@@ -315,6 +327,111 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
 void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                     const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
   gguf_matmul(out, x, w, format, bias, residual, isa_name, nullptr);
+}
+
+// The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
+Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
+  const Format f = parse_format(std::string_view(format.data(), format.size()), op);
+  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1 and Q8_0, not ", info(f).name);
+  TORCH_CHECK(K % 32 == 0, op, ": in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == (N + 15) / 16 &&
+                  w.size(1) == K / 32 * rows16_block_bytes(f),
+              op, ": weight must be a contiguous uint8 [", (N + 15) / 16, ", ", K / 32 * rows16_block_bytes(f),
+              "] in the rows16 layout (gguf_formats.h)");
+  return f;
+}
+
+// out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
+// (gguf_formats.h). The AVX-512 VNNI path (and AMX CPUs, whose tiles this layout does not take)
+// runs rows16_group over 16 weight rows and up to 4 activation rows at a time, for any row count;
+// the other paths rewrite each group as 16 planar rows and run their own kernel over them, so the
+// layout computes the same products everywhere (tested against each other and the float matmul).
+void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                   const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
+  const char* op = "gguf_matmul16";
+  const Isa isa = vector_isa(parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true));
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const Format f = rows16_format(w, format, N, K, op);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.stride(1) == 1 &&
+                  out.stride(0) >= N,
+              op, ": out must be a float32 [rows, out_features] with unit column stride");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [out_features]");
+  }
+  if (M == 0 || N == 0) return;
+  const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
+#if PS_X86
+  const bool vnni = isa == Isa::avx512;
+#else
+  const bool vnni = false;
+#endif
+  // The VNNI kernel takes both int8 planes in their own order; the others their path's activations.
+  Path path = path_for(isa, f);
+  if (vnni) path.pairs = path.whole = false;
+  std::vector<float> converted;
+  const QuantizedRows xq(float_rows(x, converted), M, K, path, residual, pool);
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const int64_t ld = out.stride(0);
+  pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> planar(vnni ? 0 : 16 * row_bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = wp + g * group_bytes;
+      const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
+      if (!vnni) rows16_to_planar(f, group, blocks, planar.data());
+      for (int64_t m = 0; m < M; m += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
+#if PS_X86
+        if (vnni) {
+          float dots[4][16];
+          avx512::rows16_kernel(f, residual)(group, blocks, xq.at(m), rows, dots);
+          for (int r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < width; ++i) y[(m + r) * ld + n0 + i] = dots[r][i] + (bp ? bp[n0 + i] : 0.f);
+          continue;
+        }
+#endif
+        path.kernel(planar.data(), row_bytes, blocks, 0, width, xq.at(m), rows, bp ? bp + n0 : nullptr,
+                    y + m * ld + n0, ld, planar.data() + 16 * row_bytes);
+      }
+    }
+  });
+}
+
+// The registered op: torch's threads.
+void gguf_matmul16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                      const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
+  gguf_matmul16(out, x, w, format, bias, residual, isa_name, nullptr);
+}
+
+// out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized, group by group
+// through their planar rows.
+void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view format) {
+  const char* op = "gguf_dequantize16";
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [rows, in_features]");
+  const int64_t N = out.size(0), K = out.size(1), blocks = K / 32;
+  const Format f = rows16_format(w, format, N, K, op);
+  const int64_t row_bytes = blocks * info(f).bytes;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, w.size(0), std::max<int64_t>(1, 32768 / (16 * K)), [&](int64_t g0, int64_t g1) {
+      std::vector<uint8_t> planar(16 * row_bytes);
+      float buf[32];
+      for (int64_t g = g0; g < g1; ++g) {
+        rows16_to_planar(f, wp + g * w.size(1), blocks, planar.data());
+        for (int64_t r = 0; r < 16 && 16 * g + r < N; ++r)
+          for (int64_t b = 0; b < blocks; ++b) {
+            dequantize_row_block(f, planar.data() + r * row_bytes, blocks, b, buf);
+            T* ob = o + (16 * g + r) * K + 32 * b;
+            for (int i = 0; i < 32; ++i) ob[i] = from_float<T>(buf[i]);
+          }
+      }
+    });
+  });
 }
 
 // out [N, K] (float32, bfloat16 or float16) = the weight's blocks dequantized.
@@ -376,6 +493,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format) -> ()");
+  m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
+        "str isa='auto') -> ()");
+  m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format) -> ()");
   m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
         "Tensor(d!)? low=None) -> ()");
 }
@@ -383,5 +503,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("gguf_matmul", &pagedserve::gguf::gguf_matmul_op);
   m.impl("gguf_dequantize", &pagedserve::gguf::gguf_dequantize);
+  m.impl("gguf_matmul16", &pagedserve::gguf::gguf_matmul16_op);
+  m.impl("gguf_dequantize16", &pagedserve::gguf::gguf_dequantize16);
   m.impl("gguf_quantize_activations", &pagedserve::gguf::gguf_quantize_activations);
 }

@@ -48,6 +48,35 @@ def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
 
 
+ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+ROWS16_DEFAULT = ("Q4_0", "Q4_1")  # what GGUFLinear lays out so on a VNNI CPU
+
+
+def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF rows of Q4_0 / Q4_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
+    (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, 64-byte
+    vectors (four; eight for Q8_0, its bytes stored as w + 128), vector j holding each row's block
+    bytes 4j..4j+3, then the 16 rows' d and (Q4_1) their m — uint8 ``[ceil(rows / 16), blocks x
+    block bytes]``."""
+    if fmt not in ROWS16_FORMATS:
+        raise ValueError(f"the rows16 layout holds {', '.join(ROWS16_FORMATS)}, not {fmt}")
+    size = BLOCKS[fmt][1]
+    head = 4 if fmt == "Q4_1" else 2  # d (and m), float16 each, before the integer bytes
+    rows, qb = blocks.shape[0], size - head
+    groups = -(-rows // 16)
+    b = torch.zeros(groups * 16, blocks.shape[1], dtype=torch.uint8)
+    b[:rows] = blocks
+    b = b.reshape(groups, 16, -1, size).transpose(1, 2)  # [group, block, row, block bytes]
+    n = b.shape[1]
+    quants = b[..., head:].reshape(groups, n, 16, qb // 4, 4).transpose(2, 3).reshape(groups, n, 16 * qb)
+    if fmt == "Q8_0":
+        quants = quants ^ 0x80  # w + 128 (two's complement): unsigned bytes
+    parts = [quants, b[..., 0:2].reshape(groups, n, 32)]
+    if head == 4:
+        parts.append(b[..., 2:4].reshape(groups, n, 32))
+    return torch.cat(parts, dim=2).reshape(groups, -1).contiguous()
+
+
 def row_bytes(fmt: str, in_features: int) -> int:
     """Bytes of one row of ``in_features`` weights in ``fmt``."""
     elems, size = BLOCKS[fmt]
@@ -61,19 +90,24 @@ class GGUFLinear(nn.Module):
     stacked along the output dimension; ``bias`` float ``[out]`` or None; ``ops`` the native namespace."""
 
     def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 ops, kernel_rows: int = KERNEL_ROWS):
+                 ops, kernel_rows: int = KERNEL_ROWS, rows16: bool | None = None):
         super().__init__()
         self.in_features = in_features
         self.formats = [fmt for fmt, _ in segments]
         self.widths = [int(w.shape[0]) for _, w in segments]
         self.out_features = sum(self.widths)
+        # Q4_0 / Q4_1 segments in the rows16 layout where the CPU runs its VNNI kernel (default: the
+        # kernels' best path is avx512 or amx), else in the planar one; Q8_0 stays planar (measured:
+        # docs/BENCHMARKS.md, "The rows16 layout").
+        rows16 = str(ops.best_isa()) in ("avx512", "amx") if rows16 is None else rows16
+        self.rows16 = [rows16 and fmt in ROWS16_DEFAULT for fmt in self.formats]
         for i, (fmt, w) in enumerate(segments):
             if fmt not in BLOCKS:
                 raise ValueError(f"no native kernel for GGUF format {fmt}")
             if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(fmt, in_features):
                 raise ValueError(f"{fmt} weight must be uint8 [rows, {row_bytes(fmt, in_features)}], "
                                  f"got {w.dtype} {tuple(w.shape)}")
-            self.register_buffer(f"weight{i}", kernel_layout(fmt, w))
+            self.register_buffer(f"weight{i}", rows16_layout(fmt, w) if self.rows16[i] else kernel_layout(fmt, w))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.ops = ops
         self.kernel_rows = kernel_rows
@@ -86,14 +120,15 @@ class GGUFLinear(nn.Module):
     def _segments(self):
         offset = 0
         for i, (fmt, width) in enumerate(zip(self.formats, self.widths)):
-            yield fmt, getattr(self, f"weight{i}"), offset, width
+            yield fmt, getattr(self, f"weight{i}"), offset, width, self.rows16[i]
             offset += width
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]`` (exact in float32)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        for fmt, w, offset, width in self._segments():
-            self.ops.gguf_dequantize(out[offset:offset + width], w, fmt)
+        for fmt, w, offset, width, rows16 in self._segments():
+            dequantize = self.ops.gguf_dequantize16 if rows16 else self.ops.gguf_dequantize
+            dequantize(out[offset:offset + width], w, fmt)
         return out
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +137,12 @@ class GGUFLinear(nn.Module):
             return self.dequantized_weight(dtype)
         if len(self.formats) != 1:
             raise RuntimeError("row lookups need a single-format table")
-        picked = self.weight0.index_select(0, ids.reshape(-1))
+        ids = ids.reshape(-1)
+        if self.rows16[0]:  # each id's group of 16 rows dequantized, then its row taken
+            groups = torch.empty(16 * ids.numel(), self.in_features, dtype=dtype)
+            self.ops.gguf_dequantize16(groups, self.weight0.index_select(0, ids // 16), self.formats[0])
+            return groups.view(ids.numel(), 16, -1)[torch.arange(ids.numel()), ids % 16]
+        picked = self.weight0.index_select(0, ids)
         out = torch.empty(picked.shape[0], self.in_features, dtype=dtype)
         self.ops.gguf_dequantize(out, picked, self.formats[0])
         return out
@@ -116,11 +156,13 @@ class GGUFLinear(nn.Module):
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if len(self.formats) == 1:  # _buffers read directly: nn.Module's __getattr__ costs ~1 us a name
                 buffers = self._buffers
-                self.ops.gguf_matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
+                matmul = self.ops.gguf_matmul16 if self.rows16[0] else self.ops.gguf_matmul
+                matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
             else:
-                for fmt, w, offset, width in self._segments():
+                for fmt, w, offset, width, rows16 in self._segments():
                     bias = None if self.bias is None else self.bias[offset:offset + width]
-                    self.ops.gguf_matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
+                    matmul = self.ops.gguf_matmul16 if rows16 else self.ops.gguf_matmul
+                    matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
         else:

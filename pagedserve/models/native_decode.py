@@ -31,7 +31,8 @@ def linear_spec(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str
     or why ``layer`` has no native decode path."""
     if isinstance(layer, GGUFLinear):
         weights = [getattr(layer, f"weight{i}") for i in range(len(layer.formats))]
-        return ("gguf", weights, list(layer.formats), list(layer.widths), layer.bias, layer.residual), layer.kernel_rows
+        formats = [f"{fmt}:rows16" if rows16 else fmt for fmt, rows16 in zip(layer.formats, layer.rows16)]
+        return ("gguf", weights, formats, list(layer.widths), layer.bias, layer.residual), layer.kernel_rows
     if isinstance(layer, HalfWeightLinear):
         if layer.ops is None or dtype != torch.float32:
             return "16-bit decode weights without their kernel"

@@ -1,0 +1,115 @@
+"""The rows16 layout of Q4_0 / Q4_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
+planar layout, dequantized bit for bit alike; its products on every instruction-set path this CPU
+runs against the planar kernels' scalar reference and the float matmul; batch invariance; a row
+count that is not a multiple of 16; one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.bench.gguf_kernels import random_gguf_rows
+from pagedserve.kernels import isa_paths, kernel_error, native_ops
+from pagedserve.models.gguf_linear import ROWS16_FORMATS, kernel_layout, rows16_layout
+
+OPS = native_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
+K = 608  # 19 blocks
+
+
+def _planar(x, w, fmt, residual, isa="scalar", bias=None):
+    out = torch.empty(x.shape[0], w.shape[0])
+    OPS.gguf_matmul(out, x, kernel_layout(fmt, w), fmt, bias, residual, isa)
+    return out
+
+
+def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
+    out = torch.empty(x.shape[0], n)
+    OPS.gguf_matmul16(out, x, w16, fmt, bias, residual, isa)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+@pytest.mark.parametrize("n", [16, 37])
+def test_layout_holds_the_same_weights(fmt, n):
+    w = random_gguf_rows(fmt, n, K, seed=n)
+    w16 = rows16_layout(fmt, w)
+    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}[fmt])
+    for dtype in (torch.float32, torch.bfloat16):
+        want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
+        OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
+        OPS.gguf_dequantize16(got, w16, fmt)
+        assert torch.equal(got, want), dtype
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("isa", isa_paths())
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+def test_every_path_matches_the_planar_reference_and_the_float_matmul(fmt, isa, residual):
+    """The VNNI kernel (16 rows a vector) and the other paths (each group rewritten as planar rows)
+    sum the same integers: equal to the planar scalar path to float rounding, and to the float
+    matmul over the dequantized weights to the activations' precision."""
+    n = 37  # two whole groups and one of 5 rows
+    w = random_gguf_rows(fmt, n, K, seed=7)
+    dense = torch.empty(n, K)
+    OPS.gguf_dequantize(dense, kernel_layout(fmt, w), fmt)
+    w16, bias = rows16_layout(fmt, w), torch.randn(n)
+    torch.manual_seed(3)
+    for m in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(m, K)
+        got = _rows16(x, w16, n, fmt, residual, isa, bias)
+        scale = (x @ dense.T).abs().max().item()
+        assert torch.allclose(got, _planar(x, w, fmt, residual, bias=bias), atol=2e-5 * scale, rtol=0), (m, isa)
+        assert torch.allclose(got, F.linear(x, dense, bias), atol=(2e-4 if residual else 0.02) * scale, rtol=0), m
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_rows_result_does_not_depend_on_its_batch(residual):
+    w = random_gguf_rows("Q4_1", 40, K, seed=4)
+    w16 = rows16_layout("Q4_1", w)
+    torch.manual_seed(4)
+    x = torch.randn(11, K)
+    whole = _rows16(x, w16, 40, "Q4_1", residual)
+    for lo, hi in ((0, 1), (2, 5), (3, 11), (10, 11)):
+        assert torch.equal(_rows16(x[lo:hi].contiguous(), w16, 40, "Q4_1", residual), whole[lo:hi]), (lo, hi)
+
+
+def test_bad_calls_are_one_line_errors():
+    w = random_gguf_rows("Q4_1", 20, 64)
+    w16 = rows16_layout("Q4_1", w)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q8_0, not Q5_0"):
+        rows16_layout("Q5_0", random_gguf_rows("Q5_0", 4, 64))
+    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1 and Q8_0, not Q5_0"):
+        OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q5_0", None)
+    with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):
+        OPS.gguf_matmul16(torch.empty(2, 20), x, w16[:, :40].contiguous(), "Q4_1", None)
+    with pytest.raises(RuntimeError, match=r"uint8 \[1, 640\] in the rows16 layout"):  # 16 outputs: one group
+        OPS.gguf_matmul16(torch.empty(2, 16), x, w16, "Q4_1", None)
+
+
+@pytest.mark.parametrize("rows16", [True, False])
+def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
+    """GGUFLinear lays Q4_0 / Q4_1 segments out in rows16 where asked (by default where the kernels'
+    best path is avx512 or amx) and other formats planar: decode rows, a prompt chunk (dequantized
+    for the GEMM) and row lookups give the float layer's values either way."""
+    from pagedserve.models.gguf_linear import GGUFLinear
+
+    q, v = random_gguf_rows("Q4_1", 21, K, seed=1), random_gguf_rows("Q8_0", 11, K, seed=2)
+    layer = GGUFLinear([("Q4_1", q), ("Q8_0", v)], K, torch.randn(32), OPS, kernel_rows=8, rows16=rows16)
+    assert layer.rows16 == [rows16, False]
+    dense = layer.dequantized_weight(torch.float32)
+    planar = torch.empty(21, K)
+    OPS.gguf_dequantize(planar, kernel_layout("Q4_1", q), "Q4_1")
+    assert torch.equal(dense[:21], planar)
+    for residual in (False, True):
+        layer.residual = residual
+        for rows in (1, 3, 8, 12):  # up to kernel_rows the integer kernels, beyond the GEMM
+            x = torch.randn(rows, K)
+            want = F.linear(x, dense, layer.bias)
+            tolerance = (2e-4 if residual or rows > 8 else 0.02) * want.abs().max().item()
+            assert torch.allclose(layer(x), want, atol=tolerance, rtol=0), (residual, rows)
+    table = GGUFLinear([("Q4_1", q)], K, None, OPS, rows16=rows16)
+    ids = torch.tensor([[20, 0], [17, 20]])
+    assert torch.equal(table.rows(ids, torch.float32), planar[ids.reshape(-1)])
