@@ -254,6 +254,22 @@ struct QuantizedRows {
   }
 };
 
+// What a matmul call reads and writes: the activations quantized for `path`, the bias, the weight's
+// bytes and the output rows.
+struct Operands {
+  std::vector<float> converted;  // x in float32 where it came in another dtype
+  QuantizedRows xq;
+  const float* bias;
+  const uint8_t* w;
+  float* y;
+  int64_t ld;
+  Operands(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& b,
+           const Path& path, bool residual, WorkPool* pool)
+      : xq(float_rows(x, converted), x.size(0), x.size(1), path, residual, pool),
+        bias(b ? b->data_ptr<float>() : nullptr), w(weight.data_ptr<uint8_t>()), y(out.data_ptr<float>()),
+        ld(out.stride(0)) {}
+};
+
 constexpr int kTile = 4;          // activation rows sharing one unpacked weight run
 constexpr int64_t kRowSpan = 16;  // weight rows a batch's tiles take in turn, while they stay in L1
 
@@ -295,12 +311,12 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   const bool tiles = false;
 #endif
   const Path path = path_for(tiles ? Isa::amx : vector_isa(isa), f);
-  std::vector<float> converted;
-  const QuantizedRows xq(float_rows(x, converted), M, K, path, residual, pool);
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
-  const int64_t ld = out.stride(0);
+  const Operands in(out, x, w, bias, path, residual, pool);
+  const QuantizedRows& xq = in.xq;
+  const float* bp = in.bias;
+  const uint8_t* wp = in.w;
+  float* y = in.y;
+  const int64_t ld = in.ld;
 #if PS_X86
   if (tiles) return amx::matmul(f, wp, row_bytes, blocks, N, K, M, xq.at(0), bp, y, ld, pool);
 #endif
@@ -370,16 +386,11 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   // The VNNI kernel takes both int8 planes in their own order; the others their path's activations.
   Path path = path_for(isa, f);
   if (vnni) path.pairs = path.whole = false;
-  std::vector<float> converted;
-  const QuantizedRows xq(float_rows(x, converted), M, K, path, residual, pool);
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
-  const int64_t ld = out.stride(0);
+  const Operands in(out, x, w, bias, path, residual, pool);
   pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> planar(vnni ? 0 : 16 * row_bytes);
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = wp + g * group_bytes;
+      const uint8_t* group = in.w + g * group_bytes;
       const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
       if (!vnni) rows16_to_planar(f, group, blocks, planar.data());
       for (int64_t m = 0; m < M; m += 4) {
@@ -387,14 +398,14 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
 #if PS_X86
         if (vnni) {
           float dots[4][16];
-          avx512::rows16_kernel(f, residual)(group, blocks, xq.at(m), rows, dots);
+          avx512::rows16_kernel(f, residual)(group, blocks, in.xq.at(m), rows, dots);
           for (int r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < width; ++i) y[(m + r) * ld + n0 + i] = dots[r][i] + (bp ? bp[n0 + i] : 0.f);
+            for (int64_t i = 0; i < width; ++i) in.y[(m + r) * in.ld + n0 + i] = dots[r][i] + (in.bias ? in.bias[n0 + i] : 0.f);
           continue;
         }
 #endif
-        path.kernel(planar.data(), row_bytes, blocks, 0, width, xq.at(m), rows, bp ? bp + n0 : nullptr,
-                    y + m * ld + n0, ld, planar.data() + 16 * row_bytes);
+        path.kernel(planar.data(), row_bytes, blocks, 0, width, in.xq.at(m), rows, in.bias ? in.bias + n0 : nullptr,
+                    in.y + m * in.ld + n0, in.ld, planar.data() + 16 * row_bytes);
       }
     }
   });
