@@ -49,6 +49,8 @@ struct Linear {
   bool residual = false;             // gguf: activations as int8 + the int8 of the residual
   int64_t out_features = 0;
   bool float_output = false;         // gguf: float32 out whatever x is (an LM head's logits)
+  std::vector<bool> rows16;          // gguf: each segment in the rows16 layout or not (set_linear reads it
+                                     // from a format named "Q4_1:rows16")
 };
 
 struct Layer {
@@ -92,6 +94,13 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(l.formats.size() == l.weights.size() && l.widths.size() == l.weights.size(),
                   "DecodeStack: a GGUF linear has one format and one width per segment");
       for (int64_t w : l.widths) l.out_features += w;
+      for (std::string& format : l.formats) {  // "Q4_1:rows16": a segment in the rows16 layout (gguf_linear.py)
+        const size_t colon = format.find(':');
+        TORCH_CHECK(colon == std::string::npos || format.substr(colon) == ":rows16",
+                    "DecodeStack: unknown GGUF layout in '", format, "' (rows16)");
+        l.rows16.push_back(colon != std::string::npos);
+        format = format.substr(0, colon);
+      }
     } else {
       TORCH_CHECK(l.weights.size() == 1, "DecodeStack: only GGUF linears have segments");
       const bool packed = l.kind == Kind::onednn || l.kind == Kind::tile;
@@ -176,14 +185,8 @@ class DecodeStack : public torch::CustomClassHolder {
           at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
           const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
               ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
-          // "Q4_1:rows16": a segment in the rows16 layout (models/gguf_linear.py)
-          const std::string& name = l.formats[i];
-          const size_t colon = name.find(':');
-          if (colon != std::string::npos && name.compare(colon + 1, std::string::npos, "rows16") == 0) {
-            gguf::gguf_matmul16(part, rows, l.weights[i], name.substr(0, colon), bias, l.residual, "auto", pool_.get());
-          } else {
-            gguf::gguf_matmul(part, rows, l.weights[i], name, bias, l.residual, "auto", pool_.get());
-          }
+          const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
+          matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
           offset += l.widths[i];
         }
         // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's

@@ -217,6 +217,18 @@ const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
   return out;
 }
 
+// The output [M, N] (float32, unit column stride: it may be a column slice of a wider one) and the
+// bias [N] a matmul call writes and adds.
+void check_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t M, int64_t N, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N &&
+                  out.stride(1) == 1 && out.stride(0) >= N,
+              op, ": out must be a float32 [rows, out_features] with unit column stride");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [out_features]");
+  }
+}
+
 // The activation rows x [M, K] quantized per 32 for `path` (int16 with `residual`: each value's int8
 // and the int8 of its remainder, or where the path takes them whole kLowSteps q + low as int16;
 // int8 pair-swizzled where it wants that), and the Rows view of row m onwards.
@@ -294,13 +306,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes, op,
               ": weight must be a contiguous uint8 [out_features, ", row_bytes, "] of ", fi.name,
               " blocks (planes for 32-weight formats: gguf_formats.h)");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N &&
-                  out.stride(1) == 1 && out.stride(0) >= N,
-              op, ": out must be a float32 [rows, out_features] with unit column stride");
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
-                ": bias must be a contiguous float32 [out_features]");
-  }
+  check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
   // On an AMX CPU, batches of more than kMaxVectorRows rows go to the tiles; decode rows keep the
   // AVX-512 path (one row, SmolLM2's default file, 2 threads: 110-114 tok/s through the tiles'
@@ -348,7 +354,7 @@ void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 // The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
 Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
-  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1 and Q8_0, not ", info(f).name);
+  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0 and Q4_1, not ", info(f).name);
   TORCH_CHECK(K % 32 == 0, op, ": in_features ", K, " is not a multiple of 32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == (N + 15) / 16 &&
                   w.size(1) == K / 32 * rows16_block_bytes(f),
@@ -358,7 +364,7 @@ Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, in
 }
 
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
-// (gguf_formats.h). The AVX-512 VNNI path (and AMX CPUs, whose tiles this layout does not take)
+// (gguf_formats.h). The AVX-512 VNNI path (and AMX CPUs, whose tiles do not read this layout)
 // runs rows16_group over 16 weight rows and up to 4 activation rows at a time, for any row count;
 // the other paths rewrite each group as 16 planar rows and run their own kernel over them, so the
 // layout computes the same products everywhere (tested against each other and the float matmul).
@@ -369,13 +375,7 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const Format f = rows16_format(w, format, N, K, op);
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.stride(1) == 1 &&
-                  out.stride(0) >= N,
-              op, ": out must be a float32 [rows, out_features] with unit column stride");
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
-                ": bias must be a contiguous float32 [out_features]");
-  }
+  check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
   const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
 #if PS_X86
@@ -387,6 +387,9 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   Path path = path_for(isa, f);
   if (vnni) path.pairs = path.whole = false;
   const Operands in(out, x, w, bias, path, residual, pool);
+#if PS_X86
+  const auto group_kernel = vnni ? avx512::rows16_kernel(f, residual) : nullptr;
+#endif
   pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> planar(vnni ? 0 : 16 * row_bytes);
     for (int64_t g = g0; g < g1; ++g) {
@@ -398,7 +401,7 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
 #if PS_X86
         if (vnni) {
           float dots[4][16];
-          avx512::rows16_kernel(f, residual)(group, blocks, in.xq.at(m), rows, dots);
+          group_kernel(group, blocks, in.xq.at(m), rows, dots);
           for (int r = 0; r < rows; ++r)
             for (int64_t i = 0; i < width; ++i) in.y[(m + r) * in.ld + n0 + i] = dots[r][i] + (in.bias ? in.bias[n0 + i] : 0.f);
           continue;

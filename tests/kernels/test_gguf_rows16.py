@@ -1,4 +1,4 @@
-"""The rows16 layout of Q4_0 / Q4_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
+"""The rows16 layout of Q4_0 / Q4_1 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
 planar layout, dequantized bit for bit alike; its products on every instruction-set path this CPU
 runs against the planar kernels' scalar reference and the float matmul; batch invariance; a row
 count that is not a multiple of 16; one-line errors."""
@@ -35,7 +35,7 @@ def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
 def test_layout_holds_the_same_weights(fmt, n):
     w = random_gguf_rows(fmt, n, K, seed=n)
     w16 = rows16_layout(fmt, w)
-    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}[fmt])
+    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320}[fmt])
     for dtype in (torch.float32, torch.bfloat16):
         want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
@@ -79,9 +79,9 @@ def test_bad_calls_are_one_line_errors():
     w = random_gguf_rows("Q4_1", 20, 64)
     w16 = rows16_layout("Q4_1", w)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q8_0, not Q5_0"):
-        rows16_layout("Q5_0", random_gguf_rows("Q5_0", 4, 64))
-    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1 and Q8_0, not Q5_0"):
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_0 and Q4_1, not Q8_0"):
+        rows16_layout("Q8_0", random_gguf_rows("Q8_0", 4, 64))
+    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0 and Q4_1, not Q5_0"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q5_0", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16[:, :40].contiguous(), "Q4_1", None)
