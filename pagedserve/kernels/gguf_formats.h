@@ -183,28 +183,35 @@ inline void dequantize_block(Format f, const uint8_t* b, float* y) {
   }
 }
 
-// The rows16 layout of Q4_0 and Q4_1: a VNNI dot product's shape, 16 weight rows at a time. Per
-// group of 16 rows and block b: four 64-byte vectors, vector j holding for each row r (4 bytes at
-// 4r) its block bytes 4j..4j+3, that is weights 4j..4j+3 in the low nibbles and 16+4j..19+4j in the
-// high ones; then the 16 rows' d (float16); then, for Q4_1, their m. A group is its `blocks` such
-// runs back to back, and rows past the matrix's end are zeros. A decode kernel reads one stream and
-// sums 16 rows per instruction with no horizontal reduction (gguf_simd.inc's rows16_group).
-constexpr bool has_rows16(Format f) { return f == Format::q4_0 || f == Format::q4_1; }
-constexpr int rows16_block_bytes(Format f) { return 256 + 32 + (with_min(f) ? 32 : 0); }
+// The rows16 layout of Q4_0, Q4_1 and Q8_0: a VNNI dot product's shape, 16 weight rows at a time.
+// Per group of 16 rows and block b: 64-byte vectors (four for the 4-bit formats, eight for Q8_0),
+// vector j holding for each row r (4 bytes at 4r) its block's integer bytes 4j..4j+3: for Q4_0 / Q4_1
+// weights 4j..4j+3 in the low nibbles and 16+4j..19+4j in the high ones, for Q8_0 weights 4j..4j+3
+// with the sign bit flipped (w + 128: unsigned, as vpdpbusd wants them); then the 16 rows' d
+// (float16); then, for Q4_1, their m. A group is its `blocks` such runs back to back, and rows past
+// the matrix's end are zeros. A decode kernel reads one stream and sums 16 rows per instruction with
+// no horizontal reduction (gguf_simd.inc's rows16_group).
+constexpr bool has_rows16(Format f) { return f == Format::q4_0 || f == Format::q4_1 || f == Format::q8_0; }
+constexpr int rows16_vectors(Format f) { return quant_bytes(f) / 4; }
+constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 + (with_min(f) ? 32 : 0); }
 
-// A rows16 group (`blocks` blocks) as 16 rows of the planar layout, `out` [16, blocks x GGUF block bytes].
-inline void rows16_to_planar(Format f, const uint8_t* group, int64_t blocks, uint8_t* out) {
-  const int bb = rows16_block_bytes(f);
-  const int64_t row_bytes = blocks * info(f).bytes;
-  for (int r = 0; r < 16; ++r) {
-    uint8_t* o = out + r * row_bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* g = group + b * bb;
-      for (int j = 0; j < 4; ++j) std::memcpy(o + 16 * b + 4 * j, g + 64 * j + 4 * r, 4);
-      std::memcpy(o + 16 * blocks + 2 * b, g + 256 + 2 * r, 2);
-      if (with_min(f)) std::memcpy(o + 18 * blocks + 2 * b, g + 288 + 2 * r, 2);
-    }
+// Row r (0-15) of a rows16 group (`blocks` blocks) as a row of the planar layout, `out` [blocks x
+// GGUF block bytes].
+inline void rows16_row_to_planar(Format f, const uint8_t* group, int64_t blocks, int r, uint8_t* out) {
+  const int bb = rows16_block_bytes(f), qb = quant_bytes(f), scales = 64 * rows16_vectors(f);
+  const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* g = group + b * bb;
+    for (int j = 0; j < rows16_vectors(f); ++j)
+      for (int t = 0; t < 4; ++t) out[qb * b + 4 * j + t] = g[64 * j + 4 * r + t] ^ flip;
+    std::memcpy(out + qb * blocks + 2 * b, g + scales + 2 * r, 2);
+    if (with_min(f)) std::memcpy(out + (qb + 2) * blocks + 2 * b, g + scales + 32 + 2 * r, 2);
   }
+}
+
+// A rows16 group as 16 rows of the planar layout, `out` [16, blocks x GGUF block bytes].
+inline void rows16_to_planar(Format f, const uint8_t* group, int64_t blocks, uint8_t* out) {
+  for (int r = 0; r < 16; ++r) rows16_row_to_planar(f, group, blocks, r, out + r * blocks * info(f).bytes);
 }
 
 // Block b of a row (`blocks` blocks) in the kernels' layout, as floats.

@@ -354,7 +354,7 @@ void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 // The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
 Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
-  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0 and Q4_1, not ", info(f).name);
+  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1 and Q8_0, not ", info(f).name);
   TORCH_CHECK(K % 32 == 0, op, ": in_features ", K, " is not a multiple of 32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == (N + 15) / 16 &&
                   w.size(1) == K / 32 * rows16_block_bytes(f),
@@ -364,14 +364,16 @@ Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, in
 }
 
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
-// (gguf_formats.h). The AVX-512 VNNI path (and AMX CPUs, whose tiles do not read this layout)
-// runs rows16_group over 16 weight rows and up to 4 activation rows at a time, for any row count;
-// the other paths rewrite each group as 16 planar rows and run their own kernel over them, so the
-// layout computes the same products everywhere (tested against each other and the float matmul).
+// (gguf_formats.h). The AVX-512 VNNI path runs rows16_group over 16 weight rows and up to 4
+// activation rows at a time; on an AMX CPU, Q8_0 calls of 8 rows or more go to the tiles, which read
+// the layout as their B operand and give the VNNI path's results bit for bit; the other
+// paths rewrite each group as 16 planar rows and run their own kernel over them, so the layout
+// computes the same products everywhere (tested against each other and the float matmul).
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul16";
-  const Isa isa = vector_isa(parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true));
+  const Isa requested = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
+  const Isa isa = vector_isa(requested);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const Format f = rows16_format(w, format, N, K, op);
@@ -379,15 +381,17 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   if (M == 0 || N == 0) return;
   const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
 #if PS_X86
-  const bool vnni = isa == Isa::avx512;
+  const bool vnni = isa == Isa::avx512, tiles = requested == Isa::amx && amx::rows16_tiles(f, M);
 #else
   const bool vnni = false;
 #endif
-  // The VNNI kernel takes both int8 planes in their own order; the others their path's activations.
+  // The VNNI kernel and the tiles take both int8 planes in their own order; the others their path's
+  // activations.
   Path path = path_for(isa, f);
   if (vnni) path.pairs = path.whole = false;
   const Operands in(out, x, w, bias, path, residual, pool);
 #if PS_X86
+  if (tiles) return amx::matmul16(in.w, group_bytes, blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
   const auto group_kernel = vnni ? avx512::rows16_kernel(f, residual) : nullptr;
 #endif
   pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
@@ -420,29 +424,41 @@ void gguf_matmul16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   gguf_matmul16(out, x, w, format, bias, residual, isa_name, nullptr);
 }
 
-// out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized, group by group
-// through their planar rows.
-void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view format) {
+// out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized, row by row
+// through the planar layout; with `ids` [n] (int64), out [n, K] = those rows only (a quantized
+// embedding's lookups: each id's bytes out of its group, not the group's 16 rows).
+void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view format,
+                       const std::optional<at::Tensor>& ids) {
   const char* op = "gguf_dequantize16";
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [rows, in_features]");
-  const int64_t N = out.size(0), K = out.size(1), blocks = K / 32;
-  const Format f = rows16_format(w, format, N, K, op);
+  // With ids the weight's row count is not given: its groups' 16 rows each (the last padded).
+  const int64_t K = out.size(1), blocks = K / 32, rows = ids ? 16 * w.size(0) : out.size(0);
+  const Format f = rows16_format(w, format, rows, K, op);
+  const int64_t* id = nullptr;
+  if (ids) {
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 1 && ids->is_contiguous() && ids->numel() == out.size(0),
+                op, ": ids must be a contiguous int64 [rows of out]");
+    id = ids->data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids->numel(); ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < rows, op, ": row id ", id[i], " is outside the weight's ", rows, " rows");
+  }
   const int64_t row_bytes = blocks * info(f).bytes;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     T* o = out.data_ptr<T>();
-    at::parallel_for(0, w.size(0), std::max<int64_t>(1, 32768 / (16 * K)), [&](int64_t g0, int64_t g1) {
-      std::vector<uint8_t> planar(16 * row_bytes);
+    // A decode step's few lookups stay on the calling thread (no OpenMP team woken for them).
+    at::parallel_for(0, out.size(0), std::max<int64_t>(1, 32768 / K), [&](int64_t i0, int64_t i1) {
+      std::vector<uint8_t> planar(row_bytes);
       float buf[32];
-      for (int64_t g = g0; g < g1; ++g) {
-        rows16_to_planar(f, wp + g * w.size(1), blocks, planar.data());
-        for (int64_t r = 0; r < 16 && 16 * g + r < N; ++r)
-          for (int64_t b = 0; b < blocks; ++b) {
-            dequantize_row_block(f, planar.data() + r * row_bytes, blocks, b, buf);
-            T* ob = o + (16 * g + r) * K + 32 * b;
-            for (int i = 0; i < 32; ++i) ob[i] = from_float<T>(buf[i]);
-          }
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t n = id ? id[i] : i;
+        rows16_row_to_planar(f, wp + n / 16 * w.size(1), blocks, static_cast<int>(n % 16), planar.data());
+        for (int64_t b = 0; b < blocks; ++b) {
+          dequantize_row_block(f, planar.data(), blocks, b, buf);
+          T* ob = o + i * K + 32 * b;
+          for (int j = 0; j < 32; ++j) ob[j] = from_float<T>(buf[j]);
+        }
       }
     });
   });
@@ -509,7 +525,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format) -> ()");
   m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
-  m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format) -> ()");
+  m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None) -> ()");
   m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
         "Tensor(d!)? low=None) -> ()");
 }

@@ -48,25 +48,29 @@ def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
 
 
-ROWS16_FORMATS = ("Q4_0", "Q4_1")
+ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF rows of Q4_0 / Q4_1 blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
-    (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, four
-    64-byte vectors, vector j holding each row's block bytes 4j..4j+3, then the 16 rows' d and (Q4_1)
-    their m — uint8 ``[ceil(rows / 16), blocks x (288 or 320)]``."""
+    """GGUF rows of Q4_0 / Q4_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
+    (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, 64-byte
+    vectors (four; eight for Q8_0, its bytes stored as w + 128), vector j holding each row's block
+    bytes 4j..4j+3, then the 16 rows' d and (Q4_1) their m — uint8 ``[ceil(rows / 16), blocks x
+    block bytes]``."""
     if fmt not in ROWS16_FORMATS:
-        raise ValueError(f"the rows16 layout holds {' and '.join(ROWS16_FORMATS)}, not {fmt}")
+        raise ValueError(f"the rows16 layout holds {', '.join(ROWS16_FORMATS)}, not {fmt}")
     size = BLOCKS[fmt][1]
     head = 4 if fmt == "Q4_1" else 2  # d (and m), float16 each, before the integer bytes
-    rows, groups = blocks.shape[0], -(-blocks.shape[0] // 16)
+    rows, qb = blocks.shape[0], size - head
+    groups = -(-rows // 16)
     b = torch.zeros(groups * 16, blocks.shape[1], dtype=torch.uint8)
     b[:rows] = blocks
     b = b.reshape(groups, 16, -1, size).transpose(1, 2)  # [group, block, row, block bytes]
     n = b.shape[1]
-    parts = [b[..., head:].reshape(groups, n, 16, 4, 4).transpose(2, 3).reshape(groups, n, 256),  # [.., j, row, 4]
-             b[..., 0:2].reshape(groups, n, 32)]
+    quants = b[..., head:].reshape(groups, n, 16, qb // 4, 4).transpose(2, 3).reshape(groups, n, 16 * qb)
+    if fmt == "Q8_0":
+        quants = quants ^ 0x80  # w + 128 (two's complement): unsigned bytes
+    parts = [quants, b[..., 0:2].reshape(groups, n, 32)]
     if head == 4:
         parts.append(b[..., 2:4].reshape(groups, n, 32))
     return torch.cat(parts, dim=2).reshape(groups, -1).contiguous()
@@ -91,9 +95,9 @@ class GGUFLinear(nn.Module):
         self.formats = [fmt for fmt, _ in segments]
         self.widths = [int(w.shape[0]) for _, w in segments]
         self.out_features = sum(self.widths)
-        # Q4_0 / Q4_1 segments in the rows16 layout where the CPU runs its VNNI kernel (default: the
-        # kernels' best path is avx512 or amx), else in the planar one (docs/BENCHMARKS.md, "The
-        # rows16 layout"; a Q8_0 form measured no faster and lost the AMX tiles' batches).
+        # Q4_0 / Q4_1 / Q8_0 segments in the rows16 layout where the CPU runs its VNNI kernel and
+        # tiles that read it (default: the kernels' best path is avx512 or amx), else in the planar
+        # one (docs/BENCHMARKS.md, "The rows16 layout" and "... on the tiles").
         rows16 = str(ops.best_isa()) in ("avx512", "amx") if rows16 is None else rows16
         self.rows16 = [rows16 and fmt in ROWS16_FORMATS for fmt in self.formats]
         for i, (fmt, w) in enumerate(segments):
@@ -133,13 +137,11 @@ class GGUFLinear(nn.Module):
         if len(self.formats) != 1:
             raise RuntimeError("row lookups need a single-format table")
         ids = ids.reshape(-1)
-        if self.rows16[0]:  # each id's group of 16 rows dequantized, then its row taken
-            groups = torch.empty(16 * ids.numel(), self.in_features, dtype=dtype)
-            self.ops.gguf_dequantize16(groups, self.weight0.index_select(0, ids // 16), self.formats[0])
-            return groups.view(ids.numel(), 16, -1)[torch.arange(ids.numel()), ids % 16]
-        picked = self.weight0.index_select(0, ids)
-        out = torch.empty(picked.shape[0], self.in_features, dtype=dtype)
-        self.ops.gguf_dequantize(out, picked, self.formats[0])
+        out = torch.empty(ids.numel(), self.in_features, dtype=dtype)
+        if self.rows16[0]:  # each id's bytes out of its group of 16
+            self.ops.gguf_dequantize16(out, self.weight0, self.formats[0], ids)
+        else:
+            self.ops.gguf_dequantize(out, self.weight0.index_select(0, ids), self.formats[0])
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

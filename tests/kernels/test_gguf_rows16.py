@@ -1,4 +1,4 @@
-"""The rows16 layout of Q4_0 / Q4_1 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
+"""The rows16 layout of Q4_0 / Q4_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
 planar layout, dequantized bit for bit alike; its products on every instruction-set path this CPU
 runs against the planar kernels' scalar reference and the float matmul; batch invariance; a row
 count that is not a multiple of 16; one-line errors."""
@@ -35,7 +35,7 @@ def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
 def test_layout_holds_the_same_weights(fmt, n):
     w = random_gguf_rows(fmt, n, K, seed=n)
     w16 = rows16_layout(fmt, w)
-    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320}[fmt])
+    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}[fmt])
     for dtype in (torch.float32, torch.bfloat16):
         want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
@@ -65,40 +65,60 @@ def test_every_path_matches_the_planar_reference_and_the_float_matmul(fmt, isa, 
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_a_rows_result_does_not_depend_on_its_batch(residual):
-    w = random_gguf_rows("Q4_1", 40, K, seed=4)
-    w16 = rows16_layout("Q4_1", w)
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+def test_a_rows_result_does_not_depend_on_its_batch(fmt, residual):
+    """On an AMX CPU calls of more than 4 rows run on the tiles, fewer on the VNNI kernel: the same
+    bits either way, so a row's result does not depend on the rows beside it."""
+    w = random_gguf_rows(fmt, 40, K, seed=4)
+    w16 = rows16_layout(fmt, w)
     torch.manual_seed(4)
-    x = torch.randn(11, K)
-    whole = _rows16(x, w16, 40, "Q4_1", residual)
-    for lo, hi in ((0, 1), (2, 5), (3, 11), (10, 11)):
-        assert torch.equal(_rows16(x[lo:hi].contiguous(), w16, 40, "Q4_1", residual), whole[lo:hi]), (lo, hi)
+    x = torch.randn(37, K)
+    whole = _rows16(x, w16, 40, fmt, residual)
+    for lo, hi in ((0, 1), (2, 5), (3, 11), (10, 11), (4, 20), (0, 37)):
+        assert torch.equal(_rows16(x[lo:hi].contiguous(), w16, 40, fmt, residual), whole[lo:hi]), (lo, hi)
+
+
+@pytest.mark.skipif("amx" not in isa_paths(), reason="AMX tiles not available on this CPU")
+@pytest.mark.parametrize("residual", [False, True])
+def test_tiles_give_the_vnni_kernels_bits(residual):
+    """The tiles read Q8_0 rows16 groups as their B operand and scale the exact integer sums as the
+    VNNI kernel does: every row count (partial activation tiles, a partial weight group) bit for bit."""
+    n, fmt = 53, "Q8_0"
+    w16, bias = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=9)), torch.randn(n)
+    torch.manual_seed(9)
+    for m in (5, 8, 13, 16, 17, 40):  # 5: the VNNI kernel on both; from 8 rows the tiles
+        x = torch.randn(m, K)
+        assert torch.equal(_rows16(x, w16, n, fmt, residual, "amx", bias), _rows16(x, w16, n, fmt, residual, "avx512", bias)), m
 
 
 def test_bad_calls_are_one_line_errors():
     w = random_gguf_rows("Q4_1", 20, 64)
     w16 = rows16_layout("Q4_1", w)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_0 and Q4_1, not Q8_0"):
-        rows16_layout("Q8_0", random_gguf_rows("Q8_0", 4, 64))
-    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0 and Q4_1, not Q5_0"):
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q8_0, not Q5_0"):
+        rows16_layout("Q5_0", random_gguf_rows("Q5_0", 4, 64))
+    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1 and Q8_0, not Q5_0"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q5_0", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16[:, :40].contiguous(), "Q4_1", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[1, 640\] in the rows16 layout"):  # 16 outputs: one group
         OPS.gguf_matmul16(torch.empty(2, 16), x, w16, "Q4_1", None)
+    with pytest.raises(RuntimeError, match="row id 32 is outside the weight's 32 rows"):
+        OPS.gguf_dequantize16(torch.empty(2, 64), w16, "Q4_1", torch.tensor([3, 32]))
 
 
 @pytest.mark.parametrize("rows16", [True, False])
 def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
-    """GGUFLinear lays Q4_0 / Q4_1 segments out in rows16 where asked (by default where the kernels'
-    best path is avx512 or amx) and other formats planar: decode rows, a prompt chunk (dequantized
-    for the GEMM) and row lookups give the float layer's values either way."""
+    """GGUFLinear lays Q4_0 / Q4_1 / Q8_0 segments out in rows16 where asked (by default where the
+    kernels' best path is avx512 or amx) and other formats planar: decode rows, a prompt chunk
+    (dequantized for the GEMM) and row lookups give the float layer's values either way."""
     from pagedserve.models.gguf_linear import GGUFLinear
 
     q, v = random_gguf_rows("Q4_1", 21, K, seed=1), random_gguf_rows("Q8_0", 11, K, seed=2)
-    layer = GGUFLinear([("Q4_1", q), ("Q8_0", v)], K, torch.randn(32), OPS, kernel_rows=8, rows16=rows16)
-    assert layer.rows16 == [rows16, False]
+    s = random_gguf_rows("Q5_0", 5, K, seed=3)
+    layer = GGUFLinear([("Q4_1", q), ("Q8_0", v), ("Q5_0", s)], K, torch.randn(37), OPS, kernel_rows=8,
+                       rows16=rows16)
+    assert layer.rows16 == [rows16, rows16, False]
     dense = layer.dequantized_weight(torch.float32)
     planar = torch.empty(21, K)
     OPS.gguf_dequantize(planar, kernel_layout("Q4_1", q), "Q4_1")
@@ -110,6 +130,10 @@ def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
             want = F.linear(x, dense, layer.bias)
             tolerance = (2e-4 if residual or rows > 8 else 0.02) * want.abs().max().item()
             assert torch.allclose(layer(x), want, atol=tolerance, rtol=0), (residual, rows)
-    table = GGUFLinear([("Q4_1", q)], K, None, OPS, rows16=rows16)
-    ids = torch.tensor([[20, 0], [17, 20]])
-    assert torch.equal(table.rows(ids, torch.float32), planar[ids.reshape(-1)])
+    ids = torch.tensor([[20, 0], [17, 20], [3, 9]])
+    for fmt, w in (("Q4_1", q), ("Q8_0", v), ("Q4_0", random_gguf_rows("Q4_0", 21, K, seed=4))):
+        table = GGUFLinear([(fmt, w)], K, None, OPS, rows16=rows16)
+        want = torch.empty(w.shape[0], K)
+        OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
+        ids = ids % w.shape[0]
+        assert torch.equal(table.rows(ids, torch.float32), want[ids.reshape(-1)]), fmt
