@@ -200,18 +200,17 @@ void swizzle_pairs(int8_t* q, int64_t K) {
   for (int64_t c = 0; c + 64 <= K; c += 64) std::swap_ranges(q + c + 16, q + c + 32, q + c + 32);
 }
 
-// Rows of x in float32: a view of x itself, or a converted copy in `buffer`.
-const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
+// Rows of x in float32: a view of x itself, or a converted copy in `buffer` (x.numel() floats).
+const float* float_rows(const at::Tensor& x, float* buffer) {
   const float* out = nullptr;
   dispatch_model_dtype(x.scalar_type(), "gguf_matmul", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       out = x.data_ptr<float>();
     } else {
-      buffer.resize(x.numel());
       const T* src = x.data_ptr<T>();
       for (int64_t i = 0; i < x.numel(); ++i) buffer[i] = to_float(src[i]);
-      out = buffer.data();
+      out = buffer;
     }
   });
   return out;
@@ -235,23 +234,38 @@ void check_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, 
 struct QuantizedRows {
   int64_t K, runs;
   bool whole;
-  // Every element is written before it is read: allocated, not zeroed (a 16-row step's zeroing of
-  // these showed as 0.6 % of its samples in memset).
-  std::unique_ptr<int8_t[]> q, low;
-  std::unique_ptr<float[]> d, s;
-  std::unique_ptr<int16_t[]> values;
+  // One allocation a call for all of it (x's float32 copy, the planes, the scales): a decode token
+  // makes ~120 of these calls, and five allocations each kept glibc's malloc consolidating its
+  // free lists (~4 % of a decode profile). Every element is written before it is read: allocated,
+  // not zeroed (a 16-row step's zeroing of these showed as 0.6 % of its samples in memset).
+  std::unique_ptr<std::byte[]> memory;
+  int8_t* q;
+  int8_t* low = nullptr;
+  int16_t* values = nullptr;
+  float* d;
+  float* s;
 
-  QuantizedRows(const float* xf, int64_t M, int64_t K_, const Path& path, bool residual, WorkPool* pool)
-      : K(K_), runs(K_ / 32), whole(residual && path.whole),
-        q(std::make_unique_for_overwrite<int8_t[]>(M * K_)),
-        low(residual ? std::make_unique_for_overwrite<int8_t[]>(M * K_) : nullptr),
-        d(std::make_unique_for_overwrite<float[]>(M * runs)), s(std::make_unique_for_overwrite<float[]>(M * runs)),
-        values(whole ? std::make_unique_for_overwrite<int16_t[]>(M * K_) : nullptr) {
+  QuantizedRows(const at::Tensor& x, const Path& path, bool residual, WorkPool* pool)
+      : K(x.size(1)), runs(K / 32), whole(residual && path.whole) {
+    const int64_t M = x.size(0), n = M * K;
+    const bool convert = x.scalar_type() != at::kFloat;
+    // float32 and int16 parts first, so every part stays aligned to its element
+    memory = std::make_unique_for_overwrite<std::byte[]>((convert ? 4 * n : 0) + 8 * M * runs + (whole ? 2 * n : 0) +
+                                                         (residual ? 2 * n : n));
+    std::byte* next = memory.get();
+    auto take = [&](int64_t bytes) { std::byte* part = next; next += bytes; return part; };
+    float* buffer = convert ? reinterpret_cast<float*>(take(4 * n)) : nullptr;
+    d = reinterpret_cast<float*>(take(4 * M * runs));
+    s = reinterpret_cast<float*>(take(4 * M * runs));
+    if (whole) values = reinterpret_cast<int16_t*>(take(2 * n));
+    q = reinterpret_cast<int8_t*>(take(n));
+    if (residual) low = reinterpret_cast<int8_t*>(take(n));
+    const float* xf = float_rows(x, buffer);
     pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
-        int8_t* qm = q.get() + m * K;
-        int8_t* lm = low ? low.get() + m * K : nullptr;
-        path.quantize(xf + m * K, K, qm, lm, d.get() + m * runs, s.get() + m * runs);
+        int8_t* qm = q + m * K;
+        int8_t* lm = low ? low + m * K : nullptr;
+        path.quantize(xf + m * K, K, qm, lm, d + m * runs, s + m * runs);
         if (whole) {
           for (int64_t i = 0; i < K; ++i) values[m * K + i] = static_cast<int16_t>(kLowSteps * qm[i] + lm[i]);
         } else if (path.pairs) {  // int8 activations (int16 ones go whole where a path pairs)
@@ -261,15 +275,14 @@ struct QuantizedRows {
     });
   }
   Rows at(int64_t m) const {
-    return Rows{q.get() + m * K, d.get() + m * runs, s.get() + m * runs, K, runs, low ? low.get() + m * K : nullptr,
-                whole ? values.get() + m * K : nullptr};
+    return Rows{q + m * K, d + m * runs, s + m * runs, K, runs, low ? low + m * K : nullptr,
+                whole ? values + m * K : nullptr};
   }
 };
 
 // What a matmul call reads and writes: the activations quantized for `path`, the bias, the weight's
 // bytes and the output rows.
 struct Operands {
-  std::vector<float> converted;  // x in float32 where it came in another dtype
   QuantizedRows xq;
   const float* bias;
   const uint8_t* w;
@@ -277,9 +290,8 @@ struct Operands {
   int64_t ld;
   Operands(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& b,
            const Path& path, bool residual, WorkPool* pool)
-      : xq(float_rows(x, converted), x.size(0), x.size(1), path, residual, pool),
-        bias(b ? b->data_ptr<float>() : nullptr), w(weight.data_ptr<uint8_t>()), y(out.data_ptr<float>()),
-        ld(out.stride(0)) {}
+      : xq(x, path, residual, pool), bias(b ? b->data_ptr<float>() : nullptr), w(weight.data_ptr<uint8_t>()),
+        y(out.data_ptr<float>()), ld(out.stride(0)) {}
 };
 
 constexpr int kTile = 4;          // activation rows sharing one unpacked weight run
