@@ -195,23 +195,41 @@ constexpr bool has_rows16(Format f) { return f == Format::q4_0 || f == Format::q
 constexpr int rows16_vectors(Format f) { return quant_bytes(f) / 4; }
 constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 + (with_min(f) ? 32 : 0); }
 
-// Row r (0-15) of a rows16 group (`blocks` blocks) as a row of the planar layout, `out` [blocks x
-// GGUF block bytes].
-inline void rows16_row_to_planar(Format f, const uint8_t* group, int64_t blocks, int r, uint8_t* out) {
-  const int bb = rows16_block_bytes(f), qb = quant_bytes(f), scales = 64 * rows16_vectors(f);
-  const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* g = group + b * bb;
-    for (int j = 0; j < rows16_vectors(f); ++j)
-      for (int t = 0; t < 4; ++t) out[qb * b + 4 * j + t] = g[64 * j + 4 * r + t] ^ flip;
-    std::memcpy(out + qb * blocks + 2 * b, g + scales + 2 * r, 2);
-    if (with_min(f)) std::memcpy(out + (qb + 2) * blocks + 2 * b, g + scales + 32 + 2 * r, 2);
+// Row r (0-15) of a rows16 group's block b as 32 floats, straight from the group (the arithmetic of
+// dequantize_block: the same values as the planar row's).
+inline void dequantize_rows16_block(Format f, const uint8_t* group, int64_t b, int r, float* y) {
+  const int V = rows16_vectors(f);
+  const uint8_t* g = group + b * rows16_block_bytes(f);
+  const float d = half_at(g + 64 * V + 2 * r);
+  if (f == Format::q8_0) {
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t) y[4 * j + t] = static_cast<float>(static_cast<int8_t>(g[64 * j + 4 * r + t] ^ 0x80)) * d;
+    return;
   }
+  const float m = with_min(f) ? half_at(g + 64 * V + 32 + 2 * r) : -8.f * d;
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t q = g[64 * j + 4 * r + t];
+      y[4 * j + t] = static_cast<float>(q & 0x0F) * d + m;
+      y[16 + 4 * j + t] = static_cast<float>(q >> 4) * d + m;
+    }
 }
 
-// A rows16 group as 16 rows of the planar layout, `out` [16, blocks x GGUF block bytes].
+// A rows16 group (`blocks` blocks) as 16 rows of the planar layout, `out` [16, blocks x GGUF block bytes].
 inline void rows16_to_planar(Format f, const uint8_t* group, int64_t blocks, uint8_t* out) {
-  for (int r = 0; r < 16; ++r) rows16_row_to_planar(f, group, blocks, r, out + r * blocks * info(f).bytes);
+  const int bb = rows16_block_bytes(f), qb = quant_bytes(f), scales = 64 * rows16_vectors(f);
+  const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
+  const int64_t row_bytes = blocks * info(f).bytes;
+  for (int r = 0; r < 16; ++r) {
+    uint8_t* o = out + r * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* g = group + b * bb;
+      for (int j = 0; j < rows16_vectors(f); ++j)
+        for (int t = 0; t < 4; ++t) o[qb * b + 4 * j + t] = g[64 * j + 4 * r + t] ^ flip;
+      std::memcpy(o + qb * blocks + 2 * b, g + scales + 2 * r, 2);
+      if (with_min(f)) std::memcpy(o + (qb + 2) * blocks + 2 * b, g + scales + 32 + 2 * r, 2);
+    }
+  }
 }
 
 // Block b of a row (`blocks` blocks) in the kernels' layout, as floats.

@@ -437,7 +437,7 @@ void gguf_matmul16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
 }
 
 // out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized, row by row
-// through the planar layout; with `ids` [n] (int64), out [n, K] = those rows only (a quantized
+// straight from the groups; with `ids` [n] (int64), out [n, K] = those rows only (a quantized
 // embedding's lookups: each id's bytes out of its group, not the group's 16 rows).
 void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view format,
                        const std::optional<at::Tensor>& ids) {
@@ -454,20 +454,17 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
     for (int64_t i = 0; i < ids->numel(); ++i)
       TORCH_CHECK(id[i] >= 0 && id[i] < rows, op, ": row id ", id[i], " is outside the weight's ", rows, " rows");
   }
-  const int64_t row_bytes = blocks * info(f).bytes;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     T* o = out.data_ptr<T>();
     // A decode step's few lookups stay on the calling thread (no OpenMP team woken for them).
     at::parallel_for(0, out.size(0), std::max<int64_t>(1, 32768 / K), [&](int64_t i0, int64_t i1) {
-      std::vector<uint8_t> planar(row_bytes);
       float buf[32];
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t n = id ? id[i] : i;
-        rows16_row_to_planar(f, wp + n / 16 * w.size(1), blocks, static_cast<int>(n % 16), planar.data());
         for (int64_t b = 0; b < blocks; ++b) {
-          dequantize_row_block(f, planar.data(), blocks, b, buf);
+          dequantize_rows16_block(f, wp + n / 16 * w.size(1), b, static_cast<int>(n % 16), buf);
           T* ob = o + i * K + 32 * b;
           for (int j = 0; j < 32; ++j) ob[j] = from_float<T>(buf[j]);
         }
