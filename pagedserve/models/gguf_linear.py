@@ -97,7 +97,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(self.widths)
         # Q4_0 / Q4_1 / Q8_0 segments in the rows16 layout where the CPU runs its VNNI kernel and
         # tiles that read it (default: the kernels' best path is avx512 or amx), else in the planar
-        # one (docs/BENCHMARKS.md, "The rows16 layout" and "... on the tiles").
+        # one (docs/BENCHMARKS.md, "The rows16 layout" and "Q8_0 in the rows16 layout").
         rows16 = str(ops.best_isa()) in ("avx512", "amx") if rows16 is None else rows16
         self.rows16 = [rows16 and fmt in ROWS16_FORMATS for fmt in self.formats]
         for i, (fmt, w) in enumerate(segments):
