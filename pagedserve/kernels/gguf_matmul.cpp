@@ -376,11 +376,12 @@ Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, in
 }
 
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
-// (gguf_formats.h). The AVX-512 VNNI path runs rows16_group over 16 weight rows and up to 4
-// activation rows at a time; on an AMX CPU, Q8_0 calls of 8 rows or more go to the tiles, which read
-// the layout as their B operand and give the VNNI path's results bit for bit; the other
-// paths rewrite each group as 16 planar rows and run their own kernel over them, so the layout
-// computes the same products everywhere (tested against each other and the float matmul).
+// (gguf_formats.h). The AVX-512 VNNI path, and the AVX2 one for Q4_0 / Q4_1, run rows16_group over
+// 16 weight rows and up to 4 activation rows at a time, with the same bits; on an AMX CPU, Q8_0
+// calls of 8 rows or more go to the tiles, which read the layout as their B operand and give the
+// VNNI path's results bit for bit; the other paths rewrite each group as 16 planar rows and run
+// their own kernel over them, so the layout computes the same products everywhere (tested against
+// each other and the float matmul).
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul16";
@@ -392,37 +393,38 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
   const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
+  // The group kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths
+  // (scalar, AVX2's Q8_0) rewrite each group as 16 planar rows for their own kernel.
+  void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float(*)[16]) = nullptr;
 #if PS_X86
-  const bool vnni = isa == Isa::avx512, tiles = requested == Isa::amx && amx::rows16_tiles(f, M);
-#else
-  const bool vnni = false;
+  const bool tiles = requested == Isa::amx && amx::rows16_tiles(f, M);
+  if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual);
+  if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual);
 #endif
-  // The VNNI kernel and the tiles take both int8 planes in their own order; the others their path's
-  // activations.
+  const bool grouped = group_kernel != nullptr;
+  // The group kernels and the tiles take both int8 planes in their own order; the others their
+  // path's activations.
   Path path = path_for(isa, f);
-  if (vnni) path.pairs = path.whole = false;
+  if (grouped) path.pairs = path.whole = false;
   const Operands in(out, x, w, bias, path, residual, pool);
 #if PS_X86
   if (tiles) return amx::matmul16(in.w, group_bytes, blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
-  const auto group_kernel = vnni ? avx512::rows16_kernel(f, residual) : nullptr;
 #endif
   pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> planar(vnni ? 0 : 16 * row_bytes);
+    std::vector<uint8_t> planar(grouped ? 0 : 16 * row_bytes);
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = in.w + g * group_bytes;
       const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
-      if (!vnni) rows16_to_planar(f, group, blocks, planar.data());
+      if (!grouped) rows16_to_planar(f, group, blocks, planar.data());
       for (int64_t m = 0; m < M; m += 4) {
         const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-#if PS_X86
-        if (vnni) {
+        if (grouped) {
           float dots[4][16];
           group_kernel(group, blocks, in.xq.at(m), rows, dots);
           for (int r = 0; r < rows; ++r)
             for (int64_t i = 0; i < width; ++i) in.y[(m + r) * in.ld + n0 + i] = dots[r][i] + (in.bias ? in.bias[n0 + i] : 0.f);
           continue;
         }
-#endif
         path.kernel(planar.data(), row_bytes, blocks, 0, width, in.xq.at(m), rows, in.bias ? in.bias + n0 : nullptr,
                     in.y + m * in.ld + n0, in.ld, planar.data() + 16 * row_bytes);
       }

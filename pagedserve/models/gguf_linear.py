@@ -51,6 +51,16 @@ def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
 ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
+def rows16_default(isa: str) -> tuple[str, ...]:
+    """The formats GGUFLinear lays out in rows16 on a CPU whose kernels' best path is ``isa``: those
+    its group kernels read as they lie (AVX-512 VNNI and AMX: all three; AVX2: Q4_0 / Q4_1, since
+    its ``maddubs`` would saturate on Q8_0's w + 128); planar elsewhere (docs/BENCHMARKS.md, "The
+    rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on AVX2")."""
+    if isa in ("avx512", "amx"):
+        return ROWS16_FORMATS
+    return ("Q4_0", "Q4_1") if isa == "avx2" else ()
+
+
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF rows of Q4_0 / Q4_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
     (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, 64-byte
@@ -95,11 +105,10 @@ class GGUFLinear(nn.Module):
         self.formats = [fmt for fmt, _ in segments]
         self.widths = [int(w.shape[0]) for _, w in segments]
         self.out_features = sum(self.widths)
-        # Q4_0 / Q4_1 / Q8_0 segments in the rows16 layout where the CPU runs its VNNI kernel and
-        # tiles that read it (default: the kernels' best path is avx512 or amx), else in the planar
-        # one (docs/BENCHMARKS.md, "The rows16 layout" and "Q8_0 in the rows16 layout").
-        rows16 = str(ops.best_isa()) in ("avx512", "amx") if rows16 is None else rows16
-        self.rows16 = [rows16 and fmt in ROWS16_FORMATS for fmt in self.formats]
+        # Segments in the rows16 layout where this CPU's kernels read it (rows16_default), or every
+        # rows16 format (True) or none (False) where asked.
+        chosen = rows16_default(str(ops.best_isa())) if rows16 is None else ROWS16_FORMATS if rows16 else ()
+        self.rows16 = [fmt in chosen for fmt in self.formats]
         for i, (fmt, w) in enumerate(segments):
             if fmt not in BLOCKS:
                 raise ValueError(f"no native kernel for GGUF format {fmt}")

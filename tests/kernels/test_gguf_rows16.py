@@ -78,6 +78,20 @@ def test_a_rows_result_does_not_depend_on_its_batch(fmt, residual):
         assert torch.equal(_rows16(x[lo:hi].contiguous(), w16, 40, fmt, residual), whole[lo:hi]), (lo, hi)
 
 
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(isa_paths()), reason="needs both the AVX2 and AVX-512 paths")
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_avx2_group_kernel_gives_the_vnni_kernels_bits(fmt, residual):
+    """AVX2 reads the rows16 layout with maddubs (the same integer sums in int16, no saturation at
+    these bounds) and scales them as the VNNI kernel does: equal bits, row counts 1 to 9."""
+    n = 37
+    w16, bias = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=5)), torch.randn(n)
+    torch.manual_seed(5)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, K) * 3
+        assert torch.equal(_rows16(x, w16, n, fmt, residual, "avx2", bias), _rows16(x, w16, n, fmt, residual, "avx512", bias)), m
+
+
 @pytest.mark.skipif("amx" not in isa_paths(), reason="AMX tiles not available on this CPU")
 @pytest.mark.parametrize("residual", [False, True])
 def test_tiles_give_the_vnni_kernels_bits(residual):
@@ -105,6 +119,14 @@ def test_bad_calls_are_one_line_errors():
         OPS.gguf_matmul16(torch.empty(2, 16), x, w16, "Q4_1", None)
     with pytest.raises(RuntimeError, match="row id 32 is outside the weight's 32 rows"):
         OPS.gguf_dequantize16(torch.empty(2, 64), w16, "Q4_1", torch.tensor([3, 32]))
+
+
+def test_the_layout_goes_where_the_cpus_kernels_read_it():
+    from pagedserve.models.gguf_linear import rows16_default
+
+    assert rows16_default("amx") == rows16_default("avx512") == ("Q4_0", "Q4_1", "Q8_0")
+    assert rows16_default("avx2") == ("Q4_0", "Q4_1")  # maddubs would saturate on Q8_0's w + 128
+    assert rows16_default("scalar") == ()
 
 
 @pytest.mark.parametrize("rows16", [True, False])
