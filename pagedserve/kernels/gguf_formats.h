@@ -195,8 +195,9 @@ constexpr bool has_rows16(Format f) { return f == Format::q4_0 || f == Format::q
 constexpr int rows16_vectors(Format f) { return quant_bytes(f) / 4; }
 constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 + (with_min(f) ? 32 : 0); }
 
-// Row r (0-15) of a rows16 group's block b as 32 floats, straight from the group (the arithmetic of
-// dequantize_block: the same values as the planar row's).
+// Row r (0-15) of a rows16 group's block b as 32 floats, straight from the group: dequantize_block's
+// arithmetic, so the planar row's values (tested bit for bit). Reassembling each block for
+// dequantize_block instead measured Q4_1 3,072 x 576 into bf16 at 709-729 against 476 us.
 inline void dequantize_rows16_block(Format f, const uint8_t* group, int64_t b, int r, float* y) {
   const int V = rows16_vectors(f);
   const uint8_t* g = group + b * rows16_block_bytes(f);

@@ -147,6 +147,15 @@ RangeKernel range_kernel(Format f) {
 
 }  // namespace scalar
 
+// How many tasks a matmul of M activation rows over an [N, K] weight splits into: one per ~256k
+// multiply-adds (weights x quantized rows, int16 rows counting twice), 8 to 64 of them. A batch's
+// matmul is then split finely enough that its last task does not keep the other threads waiting
+// (with the pool's default 8, the master thread of a 16-stream decode spent 6 % of its time waiting
+// at the end of each matmul).
+int64_t matmul_tasks(int64_t N, int64_t K, int64_t M, bool wide) {
+  return std::clamp<int64_t>(N * K * std::min<int64_t>(M * (wide ? 2 : 1), 64) / (1 << 18), 8, 64);
+}
+
 #if PS_X86
 // The SIMD helpers are small and called per 32 weights: forced inline, since a call would move the
 // accumulators through memory (GCC left some of them out of line on its own budget).
@@ -339,12 +348,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   if (tiles) return amx::matmul(f, wp, row_bytes, blocks, N, K, M, xq.at(0), bp, y, ld, pool);
 #endif
   // Tasks of at least ~32k weights: a small matrix is not split into slivers that cost more to
-  // schedule than to compute. On the decode stack's pool, a task per ~256k multiply-adds (weights x
-  // quantized rows), 8 to 64 of them: a batch's matmul is then split finely enough that its last
-  // task does not keep the other threads waiting (with the pool's default 8, the master thread of
-  // a 16-stream decode spent 6 % of its time waiting at the end of each matmul).
-  const int64_t macs = N * K * std::min<int64_t>(M * (residual ? 2 : 1), 64);
-  const int64_t tasks = std::clamp<int64_t>(macs / (1 << 18), 8, 64);
+  // schedule than to compute; on the decode stack's pool, matmul_tasks of them.
   pagedserve::parallel_for(pool, 0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
     const uint8_t* task_end = wp + n1 * row_bytes;
     for (int64_t a = n0; a < n1; a += kRowSpan) {
@@ -354,7 +358,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
         path.kernel(wp, row_bytes, blocks, a, b, xq.at(m), rows, bp, y + m * ld, ld, task_end);
       }
     }
-  }, tasks);
+  }, matmul_tasks(N, K, M, residual));
 }
 
 // The registered op: torch's threads.

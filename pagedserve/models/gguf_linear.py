@@ -118,6 +118,9 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"weight{i}", rows16_layout(fmt, w) if self.rows16[i] else kernel_layout(fmt, w))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.ops = ops
+        # Each segment's kernel and dequantization, by its layout
+        self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
+        self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
         self.kernel_rows = kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
@@ -128,15 +131,14 @@ class GGUFLinear(nn.Module):
     def _segments(self):
         offset = 0
         for i, (fmt, width) in enumerate(zip(self.formats, self.widths)):
-            yield fmt, getattr(self, f"weight{i}"), offset, width, self.rows16[i]
+            yield fmt, getattr(self, f"weight{i}"), offset, width, i
             offset += width
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]`` (exact in float32)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        for fmt, w, offset, width, rows16 in self._segments():
-            dequantize = self.ops.gguf_dequantize16 if rows16 else self.ops.gguf_dequantize
-            dequantize(out[offset:offset + width], w, fmt)
+        for fmt, w, offset, width, i in self._segments():
+            self.dequantizers[i](out[offset:offset + width], w, fmt)
         return out
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -162,13 +164,11 @@ class GGUFLinear(nn.Module):
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if len(self.formats) == 1:  # _buffers read directly: nn.Module's __getattr__ costs ~1 us a name
                 buffers = self._buffers
-                matmul = self.ops.gguf_matmul16 if self.rows16[0] else self.ops.gguf_matmul
-                matmul(y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
+                self.matmuls[0](y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
             else:
-                for fmt, w, offset, width, rows16 in self._segments():
+                for fmt, w, offset, width, i in self._segments():
                     bias = None if self.bias is None else self.bias[offset:offset + width]
-                    matmul = self.ops.gguf_matmul16 if rows16 else self.ops.gguf_matmul
-                    matmul(y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
+                    self.matmuls[i](y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
         else:
