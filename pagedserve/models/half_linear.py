@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.quant import QuantizedEmbedding
+from pagedserve.models.quant import FlatLinear, QuantizedEmbedding
 from pagedserve.models.replace import replace_linears
 
 # Up to this many rows the kernel's single pass over the 16-bit weight beats widening it for
@@ -45,7 +45,7 @@ _WIDEN_BLOCK_BYTES = 4 << 20
 DECODE_WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class HalfWeightLinear(nn.Module):
+class HalfWeightLinear(FlatLinear):
     """``y = x Wᵀ + b`` in float32 with ``W`` stored float16 or bfloat16 (``[out, in]``, row-major)
     and the bias float32; ``ops`` is the native kernels' namespace (``None``: torch only)."""
 
@@ -72,20 +72,14 @@ class HalfWeightLinear(nn.Module):
         """Rows ``ids`` of the weight (all for None) in ``dtype``: the lookups of a tied embedding."""
         return (self.weight if ids is None else self.weight[ids]).to(dtype)
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight this layer computes with, ``[out, in]``, in ``dtype``."""
-        return self.rows(None, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.ops is not None and x.dtype == torch.float32 and rows.shape[0] <= self.max_kernel_rows:
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and rows.dtype == torch.float32 and rows.shape[0] <= self.max_kernel_rows:
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
             self.ops.half_linear(y, rows, self.weight, self.bias)
-        else:
-            y = self._widened_linear(rows)
-        return y.view(*x.shape[:-1], self.out_features)
+            return y
+        return self._widened_linear(rows)
 
     def _widened_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """Prefill-sized batches: torch's GEMM over the weight widened a block of outputs at a time."""

@@ -78,7 +78,23 @@ def _native_linear(ops, kind: str, x2: torch.Tensor, weight: torch.Tensor, scale
     return F.linear(x2.float(), w, None if bias is None else bias.float()).to(out_dtype)
 
 
-class Int8Linear(nn.Module):
+class FlatLinear(nn.Module):
+    """What the weight-only twins of ``nn.Linear`` share: the input flattened to rows ``[-1, in]``
+    for :meth:`matmul` (``rows Wᵀ + b``, each layout's own), the output shaped back; and the whole
+    dequantized weight as the rows of it (:meth:`rows`, all rows for None)."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight this layer computes with, ``[out, in]``."""
+        return self.rows(None, dtype)
+
+
+class Int8Linear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` stored as int8 and one scale per output channel."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -101,17 +117,13 @@ class Int8Linear(nn.Module):
         """The float weight this layer computes with, ``[out, in]``."""
         return self.weight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # The fused CPU kernel is fast for bfloat16 only (float32 measured ~4× slower than a bf16 matmul).
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16:
+        if x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)
         else:
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -137,7 +149,7 @@ def int4_cpu_layout_is_opaque(device: torch.device, group_size: int = INT4_GROUP
     return device.type == "cpu" and group_kernel_ops(group_ops, device, group_size) is None
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` in 4 bits, an asymmetric scale and zero per group of input columns.
 
     Readable layout (every case but one): ``weight`` uint8 ``[N, K/2]`` (:func:`_pack_nibbles`),
@@ -183,10 +195,6 @@ class Int4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu, group_ops)
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight this layer computes with, ``[out, in]`` (readable layout only)."""
-        return self.rows(None, dtype)
-
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (all rows for None): the lookups of a quantized
         embedding table (:class:`QuantizedEmbedding`). Readable layout only."""
@@ -200,22 +208,17 @@ class Int4Linear(nn.Module):
         w = q * s.float().unsqueeze(-1) + b.float().unsqueeze(-1)  # float32, one rounding to dtype
         return w.reshape(packed.shape[0], self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        ops = None if self.packed_for_cpu or x.device.type != "cpu" else self.group_ops
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        ops = None if self.packed_for_cpu or x2.device.type != "cpu" else self.group_ops
         if ops is not None:
-            y = _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x.dtype)
-            return y.reshape(*shape[:-1], self.out_features)
+            return _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x2.dtype)
         if self.packed_for_cpu:
             # A no-op .to() when the activations have the model dtype (no copy per call).
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size,
-                                                          self.scales_and_zeros.to(x.dtype))
+                                                          self.scales_and_zeros.to(x2.dtype))
         else:
-            y = F.linear(x2, self.dequantized_weight(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            y = F.linear(x2, self.dequantized_weight(x2.dtype))
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
@@ -228,7 +231,7 @@ class Int4Linear(nn.Module):
 _INT8_GROUPED_KERNEL_MAX_ROWS = 32
 
 
-class Int8GroupedLinear(nn.Module):
+class Int8GroupedLinear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` int8 and one scale per output channel per group of ``group_size``
     input columns: ``w[n, k] = q[n, k] × s[n, k // g]`` (GGUF's Q8_0, carried over as stored).
 
@@ -274,32 +277,23 @@ class Int8GroupedLinear(nn.Module):
         w = q.to(dtype) * s.to(dtype).unsqueeze(-1)  # [K/g, rows, g]; q * s is exact before the one rounding
         return w.transpose(0, 1).reshape(w.shape[1], self.in_features)
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight this layer computes with, ``[out, in]``."""
-        return self.rows(None, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        ops = self.group_ops if self.native and x.device.type == "cpu" else None
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        ops = self.group_ops if self.native and x2.device.type == "cpu" else None
         if ops is not None:
             # As the LM head (float_output), the float32 sums are the logits: rounding them to
             # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
-            out_dtype = torch.float32 if self.float_output else x.dtype
-            y = _native_linear(ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
-            return y.reshape(*shape[:-1], self.out_features)
-        if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
+            out_dtype = torch.float32 if self.float_output else x2.dtype
+            return _native_linear(ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
+        if (x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
                 and x2.shape[0] <= _INT8_GROUPED_KERNEL_MAX_ROWS):
             xg = x2.reshape(x2.shape[0], -1, self.group_size).transpose(0, 1).contiguous()  # [K/g, T, g]
             acc = torch.ops.aten._weight_int8pack_mm(xg[0], self.weight[0], self.scales[0]).float()
             for g in range(1, xg.shape[0]):
                 acc += torch.ops.aten._weight_int8pack_mm(xg[g], self.weight[g], self.scales[g])
-            y = acc if self.float_output and self.bias is None else acc.to(x.dtype)
+            y = acc if self.float_output and self.bias is None else acc.to(x2.dtype)
         else:
-            y = F.linear(x2, self.dequantized_weight(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            y = F.linear(x2, self.dequantized_weight(x2.dtype))
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 group {self.group_size}"
