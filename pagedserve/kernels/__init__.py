@@ -165,12 +165,8 @@ def _compile(work: Path) -> Path:
     return work / f"{LIBRARY}.so"
 
 
-def _load_library(path: Path) -> None:
-    torch.ops.load_library(str(path))
-
-
 def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _compile,
-                   load: Callable[[Path], None] = _load_library) -> bool:
+                   load: Callable[[Path], None] = torch.ops.load_library) -> bool:
     """Load ``build_dir``'s library into this process, compiling it first if there is none.
 
     True if this call compiled it. ``compile_into(work)`` builds and loads the library in a
@@ -201,11 +197,6 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
     return True
 
 
-def _build() -> object:
-    _build_or_load(kernel_dir())
-    return torch.ops.pagedserve
-
-
 def native_ops() -> object | None:
     """The ``torch.ops.pagedserve`` namespace once the kernels are built and loaded, or ``None`` when
     they cannot be built here (the reason is logged once)."""
@@ -214,7 +205,8 @@ def native_ops() -> object | None:
     with _lock:
         if "ops" not in _state and "error" not in _state:
             try:
-                _state["ops"] = _build()
+                _build_or_load(kernel_dir())
+                _state["ops"] = torch.ops.pagedserve
             except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
                 _state["error"] = f"{type(e).__name__}: {e}"
             if "error" in _state:
