@@ -233,35 +233,32 @@ class Scheduler:
                 held_waiting = True
                 break
             seats = seq.request.params.n if not seq.request.forked else 1
-            if self.seats_in_use + seats > self.config.max_num_seqs:
-                if not self._preempt_worse_than(seq, planned, out):
-                    break
-                budget = self.config.max_num_batched_tokens - sum(planned.values())
-                continue
-            # Prompt logprobs need every prompt position's logits: cached blocks have none (as in vLLM,
-            # such a request skips the prefix cache; it still fills it for others).
-            wants_prompt_logits = seq.request.prompt_logprobs is not None and \
-                len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
-            hits = [] if wants_prompt_logits else bm.find_cached_prefix(seq.token_ids, self._extra_key(seq))
-            num_cached = len(hits) * bm.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            seq.num_computed_tokens = num_cached
-            reserve = self.watermark_blocks if self.running else 0
-            if not bm.allocate(seq.seq_id, self._target_tokens(seq, num_new), hits,
+            if self.seats_in_use + seats <= self.config.max_num_seqs:
+                # Prompt logprobs need every prompt position's logits: cached blocks have none (as in vLLM,
+                # such a request skips the prefix cache; it still fills it for others).
+                wants_prompt_logits = seq.request.prompt_logprobs is not None and \
+                    len(seq.request.prompt_logprobs) < seq.num_prompt_tokens
+                hits = [] if wants_prompt_logits else bm.find_cached_prefix(seq.token_ids, self._extra_key(seq))
+                num_cached = len(hits) * bm.block_size
+                num_new = min(seq.num_tokens - num_cached, budget)
+                seq.num_computed_tokens = num_cached
+                reserve = self.watermark_blocks if self.running else 0
+                if bm.allocate(seq.seq_id, self._target_tokens(seq, num_new), hits,
                                num_computed_tokens=num_cached, reserve=reserve):
+                    heapq.heappop(self.waiting)
+                    bm.record_prefix_lookup(seq.num_tokens, num_cached)
+                    if seq.request.metrics.first_scheduled_time is None:
+                        seq.request.metrics.first_scheduled_time = now
+                        seq.request.num_cached_tokens = num_cached
+                    self.add_running(seq)
+                    planned[seq] = num_new
+                    budget -= num_new
+                    continue
                 seq.num_computed_tokens = 0
-                if not self._preempt_worse_than(seq, planned, out):
-                    break
-                budget = self.config.max_num_batched_tokens - sum(planned.values())
-                continue
-            heapq.heappop(self.waiting)
-            bm.record_prefix_lookup(seq.num_tokens, num_cached)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-                seq.request.num_cached_tokens = num_cached
-            self.add_running(seq)
-            planned[seq] = num_new
-            budget -= num_new
+            # No seat, or no blocks for it: room only by preempting worse work, else admission stops.
+            if not self._preempt_worse_than(seq, planned, out):
+                break
+            budget = self.config.max_num_batched_tokens - sum(planned.values())
         return budget, held_waiting
 
     def _prefill_floor(self, chunking: list[Sequence]) -> int | None:
