@@ -438,15 +438,13 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
         v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
+        exact = None
         if isinstance(k_cache, Int4KVCache):  # each query reads its own block from the exact rows
             lead, block = (ctx - q_len) % block_size, int(ids[(ctx - q_len) // block_size])
             exact = ExactRows(k_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
                               v_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
                               lead, block_size)
-            o = prefill(qs, k, v, scale, meta.window, exact)
-        else:
-            o = prefill(qs, k, v, scale, meta.window)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = prefill(qs, k, v, scale, meta.window, exact).transpose(0, 1)
     return out
 
 
