@@ -20,6 +20,11 @@ Formats (`--formats`, all by default):
                      ``--kv-cache-dtype int4`` since 2026-12-05, kv/int4.py)
 * ``k5zero-v3rot``   kzero-vrot with a bit moved from V to K: 5-bit key codes, 3-bit value codes, the
                      same bytes
+* ``kmix-vrot``      kzero-vrot with each key channel's bits chosen per layer and KV head (1 to 8, 4 on
+                     average: the same bytes, e.g. as bit planes): calibrated once on prose outside the
+                     held-out windows (``--calib-tokens``), a channel's share of the score error taken
+                     as E[q_c^2] x E[block range_c^2] / (2^b - 1)^2 and the bits given greedily where they
+                     remove the most of it
 * ``kasym8-vrot``    the same with the channel's minimum as float8 instead of an int8 zero point, both
                      relative to a float16 unit per block and head
 * ``kexact-vrot``, ``kchan-vexact``  one side left exact: which of K and V costs the recall
@@ -134,6 +139,49 @@ def per_channel_blocks_zero(x: torch.Tensor, levels: float = LEVELS4) -> torch.T
     return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
 
 
+def per_channel_blocks_levels(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """:func:`per_channel_blocks_zero` with each channel's own number of levels, ``levels``
+    ``[kv_heads, head_dim]`` (2^bits - 1)."""
+    xp, lo, hi = block_ranges(x)
+    top = levels.view(1, levels.shape[0], 1, 1, levels.shape[1]).float()
+    step = torch.maximum((hi - lo) / top, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
+    step8 = fp8_step(step, down=False)
+    z = torch.round(lo / step8).clamp(-128, 127)
+    q = torch.minimum((xp / step8 - z).round().clamp(min=0), top)
+    return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
+
+
+def allocate_bits(weight: torch.Tensor, total: int, low: int = 1, high: int = 8) -> torch.Tensor:
+    """Bits per channel (``low`` .. ``high``, ``total`` in all) minimising sum_c weight_c / (2^b_c - 1)^2:
+    from ``low`` everywhere, each next bit to the channel it helps most (the error is convex in b)."""
+    bits = torch.full(weight.shape, low, dtype=torch.long)
+
+    def error(b: torch.Tensor) -> torch.Tensor:
+        return weight / (2.0 ** b.float() - 1) ** 2
+
+    while int(bits.sum()) < total:
+        gain = torch.where(bits < high, error(bits) - error((bits + 1).clamp(max=high)), torch.tensor(-1.0))
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+def calibrate_key_levels(model, tokens: torch.Tensor, state: dict, start: int, count: int) -> dict[int, torch.Tensor]:
+    """``kmix``'s levels per layer: float32 passes over ``tokens[start:start + count]`` (512 at a
+    time) record each layer's E[q_c^2] (over the query heads of each KV head) and mean squared block
+    range of its post-RoPE keys per channel; :func:`allocate_bits` turns their product into bits."""
+    state["format"], state["stats"] = "float32", {}
+    with torch.no_grad():
+        for s in range(start, start + count, 512):
+            model(tokens[s:min(s + 512, start + count)].unsqueeze(0))
+    stats = state.pop("stats")
+    levels = {}
+    for layer, (q2, r2) in stats.items():
+        weight = q2 * r2
+        bits = torch.stack([allocate_bits(weight[h], 4 * weight.shape[1]) for h in range(weight.shape[0])])
+        levels[layer] = 2.0 ** bits.float() - 1
+    return levels
+
+
 def per_vector_sym3(x: torch.Tensor) -> torch.Tensor:
     """Symmetric 3-bit codes (-3..3) over the last dimension, one float16 scale per vector."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-6) / 3.0
@@ -153,6 +201,7 @@ FORMATS = {
     "kasym8-vrot": (per_channel_blocks_fp8, lambda v: rotated(per_vector_sym, v)),
     "kzero-vrot": (per_channel_blocks_zero, lambda v: rotated(per_vector_sym, v)),
     "k5zero-v3rot": (lambda k: per_channel_blocks_zero(k, 31.0), lambda v: rotated(per_vector_sym3, v)),
+    "kmix-vrot": (None, lambda v: rotated(per_vector_sym, v)),  # keys: per_channel_blocks_levels, per layer
     "kexact-vrot": (lambda k: k, lambda v: rotated(per_vector_sym, v)),
     "kchan-vexact": (lambda k: per_channel_blocks(k, asym=False), lambda v: v),
 }
@@ -168,6 +217,7 @@ def bits_per_value(name: str, head_dim: int) -> float:
             "kivi": (per_channel["asym"], per_token["asym"]),
             "kchan-vrot": (per_channel["sym"], per_token["sym"]),
             "kzero-vrot": (per_channel["sym"], per_token["sym"]),  # a float8 step and an int8 zero: 2 bytes
+            "kmix-vrot": (per_channel["sym"], per_token["sym"]),  # 4 bits a key value on average
             "k5zero-v3rot": (per_channel["sym"] + 1, per_token["sym"] - 1),  # the same bytes, a bit moved to K
             "kasym8-vrot": (per_channel["sym"] + 16 / (BLOCK * head_dim), per_token["sym"]),  # + a unit per head
             "kexact-vrot": (16.0, per_token["sym"]), "kchan-vexact": (per_channel["sym"], 16.0)}[base]
@@ -183,12 +233,22 @@ def make_attention(state: dict):
         t = query.shape[2]
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         causal = torch.ones(t, key.shape[2], dtype=torch.bool).tril(key.shape[2] - t)
+        if "stats" in state:  # calibrate_key_levels' pass
+            _, lo, hi = block_ranges(key)
+            q2 = (query.float() ** 2).unflatten(1, (key.shape[1], groups)).mean((0, 2, 3))
+            r2 = ((hi - lo) ** 2).mean((0, 2, 3))
+            old = state["stats"].get(module.layer_idx)
+            state["stats"][module.layer_idx] = (q2, r2) if old is None else (old[0] + q2, old[1] + r2)
         if name == "float32":
             kq, vq, tail = key, value, None
         else:
             base, *extras = name.split("+")
             kfn, vfn = FORMATS[base]
-            kq, vq = kfn(key), vfn(value)
+            if base == "kmix-vrot":
+                kq = per_channel_blocks_levels(key, state["key_levels"][module.layer_idx])
+            else:
+                kq = kfn(key)
+            vq = vfn(value)
             tail = None
             pos_k = torch.arange(key.shape[2])[None, :]
             if "tail" in extras:  # a query's own block stays exact
@@ -290,6 +350,10 @@ def main() -> None:
     p.add_argument("--lengths", nargs="+", type=int, default=[1024], help="lengths asked (needle mode)")
     p.add_argument("--all-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 7168],
                    help="the retrieval run's --lengths, which decide the seeded haystacks")
+    p.add_argument("--calib-tokens", type=int, default=3072,
+                   help="kmix: prose tokens its key bits are calibrated on (outside the held-out windows)")
+    p.add_argument("--calib-part", default="",
+                   help="kmix: calibrate on this part of the Python docs (e.g. howto) instead of the tutorial")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -306,12 +370,22 @@ def main() -> None:
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(prepared)
-    if args.needles:
-        needle_study(model, tokenizer, state, args)
-        return
     paragraphs, _ = load_prose()
     tokens = torch.tensor(tokenizer.encode("\n\n".join(paragraphs), add_special_tokens=False))
     windows = heldout_windows(tokens, args.windows, args.window_len)
+    if any(f.startswith("kmix") for f in args.formats):
+        if args.calib_part:  # another text: its first tokens
+            other, _ = load_prose(part=args.calib_part)
+            calib = torch.tensor(tokenizer.encode("\n\n".join(other), add_special_tokens=False))
+            state["key_levels"] = calibrate_key_levels(model, calib, state, 0, args.calib_tokens)
+        else:  # between the first two held-out windows (heldout_windows' spacing), not in either
+            start, gap = args.window_len + 100, (len(tokens) - args.window_len - 1) // args.windows
+            if start + args.calib_tokens > gap:
+                raise SystemExit(f"--calib-tokens {args.calib_tokens} overlaps a held-out window (at most {gap - start})")
+            state["key_levels"] = calibrate_key_levels(model, tokens, state, start, args.calib_tokens)
+    if args.needles:
+        needle_study(model, tokenizer, state, args)
+        return
 
     def score(name: str):
         state["format"] = name

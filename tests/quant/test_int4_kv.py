@@ -204,6 +204,33 @@ def test_the_engine_layout_is_the_simulated_kzero_vrot_tail():
     assert 0.01 < float((symmetric - want).norm() / want.norm())
 
 
+def test_the_studys_calibrated_key_bits_spend_the_same_bits_where_the_score_error_is():
+    """examples/int4_kv_study.py's ``kmix``: allocate_bits hands out exactly the bits asked, within
+    their bounds, more to a channel of larger weight; with 4 bits everywhere the per-channel levels
+    quantize as ``kzero`` does, bit for bit; and bits moved to the heavy channels lower the
+    weighted error of the same keys."""
+    study = _study()
+    weight = torch.tensor([100.0, 1.0, 1.0, 50.0, 0.01, 1.0, 1.0, 1.0])
+    bits = study.allocate_bits(weight, 32)
+    assert int(bits.sum()) == 32 and int(bits.min()) >= 1 and int(bits.max()) <= 8
+    assert bits[0] >= bits[3] > bits[1] >= bits[4]
+    assert (study.allocate_bits(torch.ones(8), 32) == 4).all()
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(1, 2, 48, 64, generator=g)
+    k[..., :4] *= 30  # four wide channels
+    four = torch.full((2, 64), 15.0)
+    assert torch.equal(study.per_channel_blocks_levels(k, four), study.per_channel_blocks_zero(k))
+    heavy = torch.ones(64)
+    heavy[:4] = 1000.0  # queries lean on the wide channels
+    mixed = torch.stack([2.0 ** study.allocate_bits(heavy * k[0, h].var(0), 256) - 1 for h in range(2)])
+    assert not torch.equal(mixed, four)
+
+    def weighted_error(x):
+        return float(((x - k) ** 2 * heavy).sum())
+
+    assert weighted_error(study.per_channel_blocks_levels(k, mixed)) < 0.1 * weighted_error(study.per_channel_blocks_zero(k))
+
+
 def test_keys_are_stored_per_channel_with_a_zero_point_in_two_bytes_a_channel():
     """A channel sitting far off zero keeps its variation (a symmetric scale spent half its levels on
     the side it never visits), every stored step is at least the range needs (rounded up to float8,
