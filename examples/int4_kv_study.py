@@ -125,29 +125,19 @@ def per_channel_blocks_fp8(x: torch.Tensor) -> torch.Tensor:
     return (q * unit).flatten(2, 3)[:, :, :x.shape[2]]
 
 
-def per_channel_blocks_zero(x: torch.Tensor, levels: float = LEVELS4) -> torch.Tensor:
+def per_channel_blocks_zero(x: torch.Tensor, levels: float | torch.Tensor = LEVELS4) -> torch.Tensor:
     """Asymmetric int4 per channel over each 16-token block as ``step_c · (q + z_c)``, q in 0..15:
     each channel's step as float8 e4m3 (rounded up) and its zero point z_c as int8 — two bytes a
     channel, as a float16 absmax scale (``--kv-cache-dtype int4`` since 2026-12-05). ``levels`` 31:
-    the same with 5-bit codes."""
+    the same with 5-bit codes; a ``[kv_heads, head_dim]`` tensor: each channel its own (``kmix``)."""
     xp, lo, hi = block_ranges(x)
+    if isinstance(levels, torch.Tensor):
+        levels = levels.view(1, levels.shape[0], 1, 1, levels.shape[1]).float()
     # the step covers the range, |lo| / step within int8; a rounded zero point clips at most half a step
     step = torch.maximum((hi - lo) / levels, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
     step8 = fp8_step(step, down=False)
     z = torch.round(lo / step8).clamp(-128, 127)
-    q = (xp / step8 - z).round().clamp(0, levels)
-    return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
-
-
-def per_channel_blocks_levels(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """:func:`per_channel_blocks_zero` with each channel's own number of levels, ``levels``
-    ``[kv_heads, head_dim]`` (2^bits - 1)."""
-    xp, lo, hi = block_ranges(x)
-    top = levels.view(1, levels.shape[0], 1, 1, levels.shape[1]).float()
-    step = torch.maximum((hi - lo) / top, torch.maximum(lo.abs(), hi.abs()) / 127).clamp(2.0 ** -9, 448)
-    step8 = fp8_step(step, down=False)
-    z = torch.round(lo / step8).clamp(-128, 127)
-    q = torch.minimum((xp / step8 - z).round().clamp(min=0), top)
+    q = torch.minimum((xp / step8 - z).round().clamp(min=0), torch.as_tensor(levels))
     return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
 
 
@@ -201,7 +191,7 @@ FORMATS = {
     "kasym8-vrot": (per_channel_blocks_fp8, lambda v: rotated(per_vector_sym, v)),
     "kzero-vrot": (per_channel_blocks_zero, lambda v: rotated(per_vector_sym, v)),
     "k5zero-v3rot": (lambda k: per_channel_blocks_zero(k, 31.0), lambda v: rotated(per_vector_sym3, v)),
-    "kmix-vrot": (None, lambda v: rotated(per_vector_sym, v)),  # keys: per_channel_blocks_levels, per layer
+    "kmix-vrot": (None, lambda v: rotated(per_vector_sym, v)),  # keys: per_channel_blocks_zero with each layer's levels
     "kexact-vrot": (lambda k: k, lambda v: rotated(per_vector_sym, v)),
     "kchan-vexact": (lambda k: per_channel_blocks(k, asym=False), lambda v: v),
 }
@@ -245,7 +235,7 @@ def make_attention(state: dict):
             base, *extras = name.split("+")
             kfn, vfn = FORMATS[base]
             if base == "kmix-vrot":
-                kq = per_channel_blocks_levels(key, state["key_levels"][module.layer_idx])
+                kq = per_channel_blocks_zero(key, state["key_levels"][module.layer_idx])
             else:
                 kq = kfn(key)
             vq = vfn(value)

@@ -207,7 +207,7 @@ def test_the_engine_layout_is_the_simulated_kzero_vrot_tail():
 def test_the_studys_calibrated_key_bits_spend_the_same_bits_where_the_score_error_is():
     """examples/int4_kv_study.py's ``kmix``: allocate_bits hands out exactly the bits asked, within
     their bounds, more to a channel of larger weight; with 4 bits everywhere the per-channel levels
-    quantize as ``kzero`` does, bit for bit; and bits moved to the heavy channels lower the
+    quantize as ``kzero``'s one level count does, bit for bit; and bits moved to the heavy channels lower the
     weighted error of the same keys."""
     study = _study()
     weight = torch.tensor([100.0, 1.0, 1.0, 50.0, 0.01, 1.0, 1.0, 1.0])
@@ -219,7 +219,7 @@ def test_the_studys_calibrated_key_bits_spend_the_same_bits_where_the_score_erro
     k = torch.randn(1, 2, 48, 64, generator=g)
     k[..., :4] *= 30  # four wide channels
     four = torch.full((2, 64), 15.0)
-    assert torch.equal(study.per_channel_blocks_levels(k, four), study.per_channel_blocks_zero(k))
+    assert torch.equal(study.per_channel_blocks_zero(k, four), study.per_channel_blocks_zero(k))
     heavy = torch.ones(64)
     heavy[:4] = 1000.0  # queries lean on the wide channels
     mixed = torch.stack([2.0 ** study.allocate_bits(heavy * k[0, h].var(0), 256) - 1 for h in range(2)])
@@ -228,7 +228,7 @@ def test_the_studys_calibrated_key_bits_spend_the_same_bits_where_the_score_erro
     def weighted_error(x):
         return float(((x - k) ** 2 * heavy).sum())
 
-    assert weighted_error(study.per_channel_blocks_levels(k, mixed)) < 0.1 * weighted_error(study.per_channel_blocks_zero(k))
+    assert weighted_error(study.per_channel_blocks_zero(k, mixed)) < 0.1 * weighted_error(study.per_channel_blocks_zero(k))
 
 
 def test_keys_are_stored_per_channel_with_a_zero_point_in_two_bytes_a_channel():
