@@ -230,7 +230,7 @@ def paged_decode_quantized_kernel() -> Callable[..., None] | None:
 
 
 def paged_decode_int4_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention_int4(out, q, k_data, v_data, k_steps, k_zeros, v_scales, k_tail, v_tail, tail_of,
+    """``paged_decode_attention_int4(out, q, k_data, v_data, k_steps, k_zeros, k_bits, v_scales, k_tail, v_tail, tail_of,
     block_tables, context_lens, scale)`` over :class:`~pagedserve.kv.int4.Int4KVCache` storage, or ``None``."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode_attention_int4

@@ -5,7 +5,9 @@ each sequence's open block kept in a float16 *tail* until it fills — the layou
 
 One layer's K (or V) pool::
 
-    data        [num_blocks, block_size, kv_heads, head_dim // 2]  uint8, two int4 codes a byte
+    data        [num_blocks, kv_heads, head_dim * block_size // 2] uint8 (K: bit planes, below)
+                [num_blocks, block_size, kv_heads, head_dim // 2]  uint8 (V: two int4 codes a byte)
+    key_bits    [kv_heads, head_dim]                uint8 (K only: each channel's bits, 1..8, 4 on average)
     scales      [num_blocks, kv_heads, head_dim]   float8 e4m3 (K: one step per block, head and channel)
                 [num_blocks, block_size, kv_heads] float16      (V: one scale per token and head)
     zero_points [num_blocks, kv_heads, head_dim]   int8         (K only)
@@ -14,11 +16,19 @@ One layer's K (or V) pool::
 Post-RoPE keys of Llama-family models keep a few channels far larger than the rest: a scale per
 channel over the block's 16 keys gives each channel its own range, which a per-vector scale cannot.
 Many of those channels also sit off zero (a slow RoPE pair barely turns in 16 positions), so each
-channel is quantized *asymmetrically*, key = step · (code + zero_point) with codes 0..15: a
+channel is quantized *asymmetrically*, key = step · (code + zero_point) with codes 0..2^b - 1: a
 symmetric scale spent half its levels on a side the channel never visits, and that cost SmolLM2 a
 third of its needle recall (docs/QUANTIZATION.md). The step is stored as float8 e4m3 (rounded up:
 2^-9 .. 448, three mantissa bits from 2^-6) and the zero point as int8 in steps, so a channel
 costs two bytes, as the symmetric float16 scale did, and a token's bytes stay whole.
+
+Channels are not equally worth their bits: a query leans on a few of them, and a wide one's range
+costs more score error per level. Each channel c of a layer's KV head gets its own b_c bits (1..8,
+4 on average: :mod:`pagedserve.kv.key_bits` calibrates them once per model; 4 each without it).
+A block's keys of one head are stored as *bit planes*: for each channel, least significant bit
+first, ``block_size`` bits saying which tokens' codes have that bit set, channel after channel —
+``4 · head_dim · block_size`` bits whatever the mix, the bytes of 4-bit codes. A decode then scores
+a block plane by plane: q_c · step_c · 2^p added to the tokens whose bit is set.
 Values have no such channels; they are stored as before, per vector, rotated by the normalised
 Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
 back (``models.attention.in_stored_basis``).
@@ -54,7 +64,7 @@ from pagedserve.kv.zeros import zeros
 LAYOUT = "kzero-vrot+tail"
 TAIL_DTYPE = torch.float16
 KEY_STEP_DTYPE = torch.float8_e4m3fn
-_LEVELS = 15  # int4 codes 0..15
+KEY_BITS, MAX_KEY_BITS = 4, 8  # a key channel's bits: 4 on average over a head, 1..8 each
 _E4M3_MIN, _E4M3_MAX = 2.0 ** -9, 448.0  # e4m3's smallest subnormal and largest finite value
 
 
@@ -211,16 +221,54 @@ class TailMap:
                          reads_pool=bool(lists["full_from_pool"] or lists["reopen_blocks"]))
 
 
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes ``[..., head_dim]`` (rounded and clamped to 0..15 here) → bytes ``[..., head_dim // 2]``,
-    the even element in the low nibble."""
-    nib = codes.round().clamp(0, _LEVELS).to(torch.uint8)
-    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+def uniform_key_bits(kv_heads: int, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """4 bits for every key channel: the layout before calibration (kv/key_bits.py), and its bytes."""
+    return torch.full((kv_heads, head_dim), KEY_BITS, dtype=torch.uint8, device=device)
 
 
-def _unpack(data: torch.Tensor) -> torch.Tensor:
-    """Bytes ``[..., head_dim // 2]`` → codes 0..15 ``[..., head_dim]`` as float32."""
-    return torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2).float()
+def check_key_bits(bits: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    """``bits`` must be uint8 ``[kv_heads, head_dim]``, each 1..8, ``4 · head_dim`` a head: any mix
+    then fills exactly the bytes of 4 bits a channel."""
+    if bits.dtype != torch.uint8 or tuple(bits.shape) != (kv_heads, head_dim):
+        raise ValueError(f"key bits must be uint8 [{kv_heads}, {head_dim}], got {bits.dtype} {tuple(bits.shape)}")
+    if int(bits.min()) < 1 or int(bits.max()) > MAX_KEY_BITS:
+        raise ValueError(f"key bits must be 1..{MAX_KEY_BITS} a channel, got {int(bits.min())}..{int(bits.max())}")
+    per_head = bits.sum(1, dtype=torch.long)
+    if not (per_head == KEY_BITS * head_dim).all():
+        raise ValueError(f"key bits must total {KEY_BITS * head_dim} a KV head, got {per_head.tolist()}")
+
+
+def _planes_of_channels(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plane ``[kv_heads, head_dim, 8]`` each channel's bit p lives in, and whether it has bit p):
+    a head's planes run channel by channel, least significant bit first."""
+    p = torch.arange(MAX_KEY_BITS, device=bits.device)
+    b = bits.long()
+    first = b.cumsum(1) - b
+    return first.unsqueeze(-1) + p, p < b.unsqueeze(-1)
+
+
+def _to_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Key codes ``[n, block_size, kv_heads, head_dim]`` (integers in 0..2^bits - 1) → the block's bit
+    planes, ``[n, kv_heads, head_dim * block_size // 2]`` bytes: bit ``plane · block_size + token`` of a
+    head's bytes (least significant first) is that bit of the token's code in that plane's channel."""
+    n, bs, kvh, hd = codes.shape
+    per_bit = (codes.long().permute(0, 2, 3, 1).unsqueeze(3) >> torch.arange(MAX_KEY_BITS, device=codes.device)
+               .view(-1, 1)) & 1  # [n, kvh, hd, 8, bs]
+    _, has = _planes_of_channels(bits)
+    planes = per_bit[:, has].view(n, kvh, KEY_BITS * hd * bs // 8, 8)  # channels and bits in plane order
+    return (planes << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+
+
+def _from_planes(data: torch.Tensor, bits: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`_to_planes`' bytes back as codes ``[n, block_size, kv_heads, head_dim]``, float32."""
+    n, kvh = data.shape[:2]
+    hd = bits.shape[1]
+    planes = ((data.unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1).view(n, kvh, -1, block_size)
+    plane, has = _planes_of_channels(bits)
+    weight = (has * (1 << torch.arange(MAX_KEY_BITS, device=data.device))).float()  # [kvh, hd, 8]
+    index = plane.clamp(max=planes.shape[2] - 1).view(1, kvh, -1, 1).expand(n, -1, -1, block_size)
+    picked = planes.gather(2, index).float().view(n, kvh, hd, MAX_KEY_BITS, block_size)
+    return (picked * weight.unsqueeze(-1)).sum(3).permute(0, 3, 1, 2)
 
 
 def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:
@@ -231,22 +279,27 @@ def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.float() < x, (y.view(torch.uint8) + 1).view(KEY_STEP_DTYPE), y)
 
 
-def quantize_key_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Whole key blocks ``[n, block_size, kv_heads, head_dim]`` (float32) → (bytes, steps, zero
-    points): per block, head and channel, ``key ≈ step · (code + zero_point)``."""
+def quantize_key_blocks(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole key blocks ``[n, block_size, kv_heads, head_dim]`` (float32) → (bit planes, steps, zero
+    points): per block, head and channel, ``key ≈ step · (code + zero_point)`` with the channel's
+    ``bits [kv_heads, head_dim]`` a code (codes 0 .. 2^bits - 1)."""
     lo, hi = x.amin(dim=1), x.amax(dim=1)  # [n, kv_heads, head_dim]
-    # The step spans the channel's range in 15 levels, and is large enough that |lo| / step fits int8;
-    # a zero point rounded to the nearest step then clips at most half a step at either end.
-    step = torch.maximum((hi - lo) / _LEVELS, torch.maximum(lo.abs(), hi.abs()) / 127)
+    levels = (2.0 ** bits.float() - 1).to(x.device)
+    # The step spans the channel's range in its levels, and is large enough that |lo| / step fits
+    # int8; a zero point rounded to the nearest step then clips at most half a step at either end.
+    step = torch.maximum((hi - lo) / levels, torch.maximum(lo.abs(), hi.abs()) / 127)
     steps = _e4m3_at_least(step)
     real = steps.float()  # what dequantizing multiplies by
     zero_points = (lo / real).round().clamp(-128, 127).to(torch.int8)
-    return _pack(x / real.unsqueeze(1) - zero_points.float().unsqueeze(1)), steps, zero_points
+    codes = torch.minimum((x / real.unsqueeze(1) - zero_points.float().unsqueeze(1)).round().clamp(min=0), levels)
+    return _to_planes(codes, bits), steps, zero_points
 
 
-def key_block_values(data: torch.Tensor, steps: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+def key_block_values(data: torch.Tensor, steps: torch.Tensor, zero_points: torch.Tensor,
+                     bits: torch.Tensor) -> torch.Tensor:
     """:func:`quantize_key_blocks`' output back as float32 keys ``[n, block_size, kv_heads, head_dim]``."""
-    return (_unpack(data) + zero_points.float().unsqueeze(-3)) * steps.float().unsqueeze(-3)
+    block_size = 8 * data.shape[-1] // (KEY_BITS * bits.shape[1])
+    return (_from_planes(data, bits, block_size) + zero_points.float().unsqueeze(-3)) * steps.float().unsqueeze(-3)
 
 
 @dataclass
@@ -262,6 +315,7 @@ class Int4KVCache:
     out_dtype: torch.dtype
     rotation: torch.Tensor | None = None  # V: [head_dim, head_dim] float32
     zero_points: torch.Tensor | None = None  # K: [blocks, kv_heads, head_dim] int8
+    key_bits: torch.Tensor | None = None  # K: [kv_heads, head_dim] uint8, each channel's bits (check_key_bits)
     slots: torch.Tensor | None = None  # a selection's tail slots (-1: quantized); None for the pool
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float16, as stored
@@ -272,17 +326,22 @@ class Int4KVCache:
 
     @classmethod
     def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
-                      device: torch.device, tails: TailMap,
-                      native_write: Callable[..., None] | None = None) -> tuple[Int4KVCache, Int4KVCache]:
-        """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``."""
+                      device: torch.device, tails: TailMap, native_write: Callable[..., None] | None = None,
+                      key_bits: torch.Tensor | None = None) -> tuple[Int4KVCache, Int4KVCache]:
+        """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``, the
+        keys at ``key_bits`` a channel (default: 4 each)."""
         if head_dim % 2:
             raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
+        if key_bits is None:
+            key_bits = uniform_key_bits(num_kv_heads, head_dim, device)
+        check_key_bits(key_bits, num_kv_heads, head_dim)
         data = (num_blocks, block_size, num_kv_heads, head_dim // 2)
         tail = (tails.num_slots, block_size, num_kv_heads, head_dim)
         per_channel = (num_blocks, num_kv_heads, head_dim)
-        k = cls(zeros(data, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
-                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
-                zero_points=zeros(per_channel, torch.int8, device), native_write=native_write)
+        planes = (num_blocks, num_kv_heads, head_dim * block_size // 2)  # the same bytes as `data`
+        k = cls(zeros(planes, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
+                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype, zero_points=zeros(per_channel, torch.int8, device),
+                key_bits=key_bits.to(device), native_write=native_write)
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
                 tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native_write=native_write)
         return k, v
@@ -290,7 +349,7 @@ class Int4KVCache:
     @property
     def shape(self) -> torch.Size:
         """The logical shape: ``[blocks, block_size, kv_heads, head_dim]``."""
-        return torch.Size((*self.data.shape[:3], self.tail.shape[-1]))
+        return torch.Size((self.data.shape[0], *self.tail.shape[1:]))
 
     @property
     def nbytes(self) -> int:
@@ -301,7 +360,7 @@ class Int4KVCache:
     def _store(self, ids: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize whole blocks ``x [n, block_size, kv_heads, head_dim]`` (float32, as stored) into ``ids``."""
         if self.per_channel:
-            self.data[ids], self.scales[ids], self.zero_points[ids] = quantize_key_blocks(x)
+            self.data[ids], self.scales[ids], self.zero_points[ids] = quantize_key_blocks(x, self.key_bits)
         else:
             self.data[ids], self.scales[ids] = quantize_kv(x, "int4")
 
@@ -309,7 +368,7 @@ class Int4KVCache:
         """Quantized blocks ``ids`` of this pool or selection as float32 values, as stored (V still rotated)."""
         if not self.per_channel:
             return dequantize_kv(self.data[ids], self.scales[ids], "int4", torch.float32)
-        return key_block_values(self.data[ids], self.scales[ids], self.zero_points[ids])
+        return key_block_values(self.data[ids], self.scales[ids], self.zero_points[ids], self.key_bits)
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
@@ -319,7 +378,8 @@ class Int4KVCache:
         x16 = self.fresh = (x if self.rotation is None else x.float() @ self.rotation).to(TAIL_DTYPE)
         if self.native_write is not None and not p.reads_pool:
             zero_points = self.zero_points if self.per_channel else self.data.new_empty(0, dtype=torch.int8)
-            self.native_write(x16.contiguous(), self.tail, self.data, self.scales, zero_points, p.full_blocks,
+            key_bits = self.key_bits if self.per_channel else self.data.new_empty(0)
+            self.native_write(x16.contiguous(), self.tail, self.data, self.scales, zero_points, key_bits, p.full_blocks,
                               p.full_slots, p.full_rows, p.full_tokens, p.tail_rows, p.tail_tokens)
             return
         x = x16.float()

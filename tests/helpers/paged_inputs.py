@@ -60,14 +60,16 @@ def in_float32(pool: QuantizedKVCache) -> QuantizedKVCache:
 
 
 def int4_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, chunk: int = 5,
-               tail_slots: int | None = None):
+               tail_slots: int | None = None, key_bits: torch.Tensor | None = None):
     """The batch's K/V written into int4 pools (kv/int4.py) as an engine writes them: each sequence's
     earlier tokens in prompt chunks of ``chunk``, then the step's tokens (a decode's last, a chunk's
-    ``q_len``) in one write. Returns the K and V pools and ``meta`` with the step's slot mapping."""
+    ``q_len``) in one write; the keys at ``key_bits`` a channel (default 4 each). Returns the K and V
+    pools and ``meta`` with the step's slot mapping."""
     from pagedserve.kv.cache import allocate_kv_caches
 
     nb, bs, kvh, hd = k_cache.shape
-    k, v = allocate_kv_caches(1, nb, bs, kvh, hd, torch.float32, torch.device("cpu"), "int4", tail_slots)[0]
+    k, v = allocate_kv_caches(1, nb, bs, kvh, hd, torch.float32, torch.device("cpu"), "int4", tail_slots,
+                              key_bits=None if key_bits is None else [key_bits])[0]
     seqs = [(meta.decode_block_tables[i], int(meta.decode_context_lens[i]), 1) for i in range(meta.num_decodes)]
     seqs += [(table, ctx, q_len) for _, q_len, ctx, table in meta.prefills]
 
@@ -87,3 +89,17 @@ def int4_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta
     k.write(slot_mapping, torch.cat([k_cache[t].flatten(0, 1)[lo:hi] for t, lo, hi in step]).float())
     v.write(slot_mapping, torch.cat([v_cache[t].flatten(0, 1)[lo:hi] for t, lo, hi in step]).float())
     return k, v, replace(meta, slot_mapping=slot_mapping)
+
+
+def mixed_key_bits(kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """Key bits ``[kv_heads, head_dim]`` (kv/int4.py's check_key_bits) with every width 1..8 in use:
+    bits moved at random between channels of a head, 4 a channel on average."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.full((kv_heads, head_dim), 4, dtype=torch.long)
+    for h in range(kv_heads):
+        for _ in range(8 * head_dim):
+            a, b = torch.randint(head_dim, (2,), generator=g).tolist()
+            if bits[h, a] < 8 and bits[h, b] > 1:
+                bits[h, a] += 1
+                bits[h, b] -= 1
+    return bits.to(torch.uint8)
