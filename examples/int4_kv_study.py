@@ -49,6 +49,8 @@ import time
 
 import torch
 
+from pagedserve.engine.core.key_bits import allocate_bits
+
 BLOCK = 16
 QMAX4 = 7.0  # symmetric int4: -7..7
 LEVELS4 = 15.0  # asymmetric int4: 0..15
@@ -141,24 +143,11 @@ def per_channel_blocks_zero(x: torch.Tensor, levels: float | torch.Tensor = LEVE
     return ((q + z) * step8).flatten(2, 3)[:, :, :x.shape[2]]
 
 
-def allocate_bits(weight: torch.Tensor, total: int, low: int = 1, high: int = 8) -> torch.Tensor:
-    """Bits per channel (``low`` .. ``high``, ``total`` in all) minimising sum_c weight_c / (2^b_c - 1)^2:
-    from ``low`` everywhere, each next bit to the channel it helps most (the error is convex in b)."""
-    bits = torch.full(weight.shape, low, dtype=torch.long)
-
-    def error(b: torch.Tensor) -> torch.Tensor:
-        return weight / (2.0 ** b.float() - 1) ** 2
-
-    while int(bits.sum()) < total:
-        gain = torch.where(bits < high, error(bits) - error((bits + 1).clamp(max=high)), torch.tensor(-1.0))
-        bits[int(gain.argmax())] += 1
-    return bits
-
-
 def calibrate_key_levels(model, tokens: torch.Tensor, state: dict, start: int, count: int) -> dict[int, torch.Tensor]:
     """``kmix``'s levels per layer: float32 passes over ``tokens[start:start + count]`` (512 at a
     time) record each layer's E[q_c^2] (over the query heads of each KV head) and mean squared block
-    range of its post-RoPE keys per channel; :func:`allocate_bits` turns their product into bits."""
+    range of its post-RoPE keys per channel; ``allocate_bits`` (engine/core/key_bits.py, the engine's
+    calibration) turns their product into bits."""
     state["format"], state["stats"] = "float32", {}
     with torch.no_grad():
         for s in range(start, start + count, 512):

@@ -41,6 +41,8 @@ def parse_bytes(value: int | float | str) -> int:
 
 # KV storage precision: auto = the model dtype; the others are quantized with per-token, per-head scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+# int4 KV: each key channel's bits calibrated once per model (engine/core/key_bits.py), or 4 each.
+INT4_KEY_BITS = ("calibrated", "uniform")
 # Weight-only quantization applied at load: none, int8 (per-output-channel) or int4 (group-wise).
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -190,6 +192,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # auto: the share of the (free) memory the engine may use
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"  # auto | fp8 | int8 | int4
+    int4_key_bits: str = "calibrated"  # calibrated | uniform: int4 KV's bits per key channel
     quantization: str = "none"  # none | int8 | int4 (weight-only, applied at load)
     decode_weights: str = "auto"  # auto | float32 | float16 | bfloat16 (CPU, float32 model)
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
@@ -257,6 +260,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.int4_key_bits not in INT4_KEY_BITS:
+            raise ValueError(f"int4_key_bits must be one of {', '.join(INT4_KEY_BITS)}, got {self.int4_key_bits!r}")
         if self.quantization is None:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:

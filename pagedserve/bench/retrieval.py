@@ -40,8 +40,8 @@ from tqdm.auto import tqdm
 from pagedserve.bench.common import machine_summary, write_result
 from pagedserve.bench.paired_stats import PairedComparison, compare_paired, wilson_interval
 from pagedserve.bench.retrieval_journal import Journal, prompts_digest, settings_digest
-from pagedserve.config import KV_CACHE_DTYPES, cache_dir
-from pagedserve.kv.int4 import LAYOUT as INT4_LAYOUT
+from pagedserve.config import INT4_KEY_BITS, KV_CACHE_DTYPES, cache_dir
+from pagedserve.kv.int4 import LAYOUTS as INT4_LAYOUTS
 
 NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ingrid", "Jonas", "Kemal",
          "Leila", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Stefan", "Tomoko"]
@@ -66,6 +66,9 @@ def add_parser(bench) -> None:
                    help="weight quantization (none: a GGUF's quantized tensors dequantized to --dtype)")
     p.add_argument("--kv", nargs="+", default=list(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES,
                    help="KV cache precisions to compare (auto = the model dtype)")
+    p.add_argument("--int4-key-bits", default="calibrated", choices=list(INT4_KEY_BITS),
+                   help="int4 KV's key bits per channel: calibrated per model (the engine's default) or 4 each "
+                        "(the layout before); journals of the two are kept apart")
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 7168],
                    help="prompt lengths in tokens (each below the model's context)")
     p.add_argument("--needles", type=int, default=100,
@@ -221,8 +224,8 @@ def interleaved_order(contexts: list[Context]) -> list[int]:
 
 
 def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype: str, quantization: str,
-                      max_model_len: int, journal: Journal | None = None, deadline: float | None = None
-                      ) -> list[dict]:
+                      max_model_len: int, journal: Journal | None = None, deadline: float | None = None,
+                      int4_key_bits: str = "calibrated") -> list[dict]:
     """Answers every needle of ``contexts`` with each KV precision, one engine per precision, the
     haystacks in :func:`interleaved_order`; each haystack's answers go into ``journal`` as they
     come, and haystacks it already holds are skipped. Stops between haystacks once
@@ -240,7 +243,8 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
                 break
             if kv not in engines:
                 engines[kv] = Engine(EngineConfig(model=model, dtype=dtype, quantization=quantization,
-                                                  kv_cache_dtype=kv, kv_cache_memory="1GiB",
+                                                  kv_cache_dtype=kv, int4_key_bits=int4_key_bits,
+                                                  kv_cache_memory="1GiB",
                                                   max_model_len=max_model_len, enable_prefix_caching=True))
             engine, ctx = engines[kv], contexts[c]
             started = time.perf_counter()
@@ -358,7 +362,7 @@ def run_settings(args: argparse.Namespace, model_dir: Path, contexts: list[Conte
                 "needles": args.needles, "needles_per_context": args.needles_per_context, "depths": args.depths,
                 "seed": args.seed, "prompts": prompts_digest([p for c in contexts for p in c.prompts])}
     if "int4" in args.kv:  # answers of another int4 layout (kv/int4.py) are not this one's
-        settings["int4_layout"] = INT4_LAYOUT
+        settings["int4_layout"] = INT4_LAYOUTS[args.int4_key_bits]
     return settings
 
 
@@ -413,7 +417,7 @@ def run_retrieval(args: argparse.Namespace) -> int:
     journal = _journal_for(args, model_dir, contexts)
     deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
     records = measure_retrieval(str(model_dir), args.kv, contexts, args.dtype, args.quantization, max_len,
-                                journal, deadline)
+                                journal, deadline, args.int4_key_bits)
     rows = summarize(records)
     base_label = next((r["kv"] for r in records if r["variant"] == baseline), baseline)
     comparisons = paired_comparisons(records, base_label)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, KV_CACHE_DTYPES, MAX_NGRAM,
-                               MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS, PACK_WEIGHTS, QUANTIZATIONS,
-                               EngineConfig, KVEventsConfig)
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, INT4_KEY_BITS,
+                               KV_CACHE_DTYPES, MAX_NGRAM, MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS,
+                               PACK_WEIGHTS, QUANTIZATIONS, EngineConfig, KVEventsConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="KV cache precision: auto = the model dtype; fp8 (e4m3) or int8 store each token's K/V per "
                         "head with a float16 scale (about doubles the seats); int4 stores keys per channel per block, "
                         "values per token, each sequence's open block at 16 bits (about 3.4x the seats)")
+    g.add_argument("--int4-key-bits", default="calibrated", choices=list(INT4_KEY_BITS),
+                   help="with --kv-cache-dtype int4: calibrated = each key channel's bits (1-8, 4 on average, the "
+                        "same bytes) chosen once per model from a short text, cached under $PAGEDSERVE_CACHE/key-bits "
+                        "(about 5 s the first time); uniform = 4 bits a channel")
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="weight-only quantization applied at load: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and norms stay in --dtype); cuts the bytes every decode step reads. A weight x KV "

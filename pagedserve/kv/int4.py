@@ -55,13 +55,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kv.quant import SCALE_DTYPE, dequantize_kv, hadamard_matrix, quantize_kv
 from pagedserve.kv.zeros import zeros
 
-# The layout's name in examples/int4_kv_study.py's terms: a benchmark's journal of int4 answers
-# (bench/retrieval.py) holds for this layout only.
-LAYOUT = "kzero-vrot+tail"
+# The layout's name in examples/int4_kv_study.py's terms, by how the key bits are chosen
+# (config.INT4_KEY_BITS): a benchmark's journal of int4 answers (bench/retrieval.py) holds for one only.
+LAYOUTS = {"calibrated": "kmix-vrot+tail", "uniform": "kzero-vrot+tail"}
 TAIL_DTYPE = torch.float16
 KEY_STEP_DTYPE = torch.float8_e4m3fn
 KEY_BITS, MAX_KEY_BITS = 4, 8  # a key channel's bits: 4 on average over a head, 1..8 each
@@ -260,15 +261,25 @@ def _to_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def _from_planes(data: torch.Tensor, bits: torch.Tensor, block_size: int) -> torch.Tensor:
-    """:func:`_to_planes`' bytes back as codes ``[n, block_size, kv_heads, head_dim]``, float32."""
+    """:func:`_to_planes`' bytes back as codes ``[n, block_size, kv_heads, head_dim]``, float32: each
+    plane's bits weighted by 2^p, summed over each channel's run of planes (a running sum read at
+    the runs' ends: exact, codes stay far below 2^24)."""
     n, kvh = data.shape[:2]
     hd = bits.shape[1]
-    planes = ((data.unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1).view(n, kvh, -1, block_size)
+    dev = data.device
+    byte_bits = ((torch.arange(256, device=dev).unsqueeze(1) >> torch.arange(8, device=dev)) & 1).float()
     plane, has = _planes_of_channels(bits)
-    weight = (has * (1 << torch.arange(MAX_KEY_BITS, device=data.device))).float()  # [kvh, hd, 8]
-    index = plane.clamp(max=planes.shape[2] - 1).view(1, kvh, -1, 1).expand(n, -1, -1, block_size)
-    picked = planes.gather(2, index).float().view(n, kvh, hd, MAX_KEY_BITS, block_size)
-    return (picked * weight.unsqueeze(-1)).sum(3).permute(0, 3, 1, 2)
+    weight = torch.zeros(kvh, KEY_BITS * hd, device=dev)  # 2^p for channel c's plane p
+    powers = (2.0 ** torch.arange(MAX_KEY_BITS, device=dev)).expand_as(has)
+    weight.scatter_(1, plane[has].view(kvh, -1), powers[has].view(kvh, -1))
+    planes = byte_bits[data.long()].view(n, kvh, KEY_BITS * hd, block_size) * weight.unsqueeze(-1)
+    sums = F.pad(planes.cumsum(2), (0, 0, 1, 0))  # sums[:, :, j]: planes 0 .. j - 1 summed
+
+    def sum_before(j: torch.Tensor) -> torch.Tensor:
+        return sums.gather(2, j.view(1, kvh, hd, 1).expand(n, -1, -1, block_size))
+
+    first = plane[..., 0]
+    return (sum_before(first + bits.long()) - sum_before(first)).permute(0, 3, 1, 2)
 
 
 def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:
@@ -340,11 +351,19 @@ class Int4KVCache:
         per_channel = (num_blocks, num_kv_heads, head_dim)
         planes = (num_blocks, num_kv_heads, head_dim * block_size // 2)  # the same bytes as `data`
         k = cls(zeros(planes, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
-                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype, zero_points=zeros(per_channel, torch.int8, device),
-                key_bits=key_bits.to(device), native_write=native_write)
+                zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
+                zero_points=zeros(per_channel, torch.int8, device), key_bits=key_bits.to(device),
+                native_write=native_write)
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
                 tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native_write=native_write)
         return k, v
+
+    def with_key_bits(self, key_bits: torch.Tensor) -> Int4KVCache:
+        """This K pool's storage read and written with ``key_bits`` a channel (a layer's calibrated
+        bits, kv/int4.py's ``check_key_bits``): blocks written before hold other bits, so only an
+        empty pool (or a KV group's layer, whose blocks are its own) takes them."""
+        check_key_bits(key_bits, *self.shape[2:])
+        return replace(self, key_bits=key_bits.to(self.data.device))
 
     @property
     def shape(self) -> torch.Size:

@@ -76,11 +76,12 @@ def test_an_int4_runs_journal_names_the_int4_layout(tmp_path):
     import argparse
 
     from pagedserve.bench.retrieval import run_settings
-    from pagedserve.kv.int4 import LAYOUT
-
     args = argparse.Namespace(model="m", dtype="float32", quantization="none", lengths=[1024], needles=10,
-                              needles_per_context=10, depths=[0.5], seed=0, kv=["auto", "int4"])
+                              needles_per_context=10, depths=[0.5], seed=0, kv=["auto", "int4"],
+                              int4_key_bits="calibrated")
     with_int4 = run_settings(args, tmp_path, [])
-    assert with_int4["int4_layout"] == LAYOUT == "kzero-vrot+tail"
+    assert with_int4["int4_layout"] == "kmix-vrot+tail"
+    args.int4_key_bits = "uniform"
+    assert run_settings(args, tmp_path, [])["int4_layout"] == "kzero-vrot+tail"
     args.kv = ["auto", "int8"]
     assert "int4_layout" not in run_settings(args, tmp_path, [])

@@ -204,8 +204,8 @@ def test_the_engine_layout_is_the_simulated_kzero_vrot_tail():
     assert 0.01 < float((symmetric - want).norm() / want.norm())
 
 
-def test_the_studys_calibrated_key_bits_spend_the_same_bits_where_the_score_error_is():
-    """examples/int4_kv_study.py's ``kmix``: allocate_bits hands out exactly the bits asked, within
+def test_the_calibrated_key_bits_spend_the_same_bits_where_the_score_error_is():
+    """``kmix`` (examples/int4_kv_study.py, engine/core/key_bits.py): allocate_bits hands out exactly the bits asked, within
     their bounds, more to a channel of larger weight; with 4 bits everywhere the per-channel levels
     quantize as ``kzero``'s one level count does, bit for bit; and bits moved to the heavy channels lower the
     weighted error of the same keys."""
@@ -235,17 +235,18 @@ def test_keys_are_stored_per_channel_with_a_zero_point_in_two_bytes_a_channel():
     """A channel sitting far off zero keeps its variation (a symmetric scale spent half its levels on
     the side it never visits), every stored step is at least the range needs (rounded up to float8,
     so no key is clipped by more than half a step), and a block costs two bytes a channel."""
-    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks
+    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks, uniform_key_bits
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 16, 2, 64, generator=g)
     x[..., 7] = 40 + 0.5 * x[..., 7]  # off zero, narrow
     x[..., 9] *= 300  # wide
     x[1] = 0  # an all-zero block
-    data, steps, zeros = quantize_key_blocks(x)
+    bits = uniform_key_bits(2, 64)
+    data, steps, zeros = quantize_key_blocks(x, bits)
     assert steps.dtype == torch.float8_e4m3fn and zeros.dtype == torch.int8
-    assert steps.element_size() + zeros.element_size() == 2 and data.shape == (3, 16, 2, 32)
-    back = key_block_values(data, steps, zeros)
+    assert steps.element_size() + zeros.element_size() == 2 and data.shape == (3, 2, 64 * 16 // 2)
+    back = key_block_values(data, steps, zeros, bits)
     assert ((back - x).abs() <= steps.float().unsqueeze(1) / 2 * (1 + 1e-5)).all()
     # a step of 42 / 127 (the zero point's int8 reach), not the 6 of a symmetric scale over [-42, 42]
     assert float((back - x)[..., 7].abs().max()) < 0.2
@@ -400,3 +401,95 @@ def test_the_triton_backend_refuses_int4_pools():
 
     with pytest.raises(ValueError, match="no kernel for int4"):
         pool_view(_pools()[0])
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_key_bit_planes_hold_every_width_in_the_bytes_of_four_bits(block_size):
+    """Keys as bit planes (kv/int4.py): channels of 1 to 8 bits in one head round-trip exactly, in
+    ``head_dim · block_size / 2`` bytes a head whatever the mix; a channel's step shrinks with its
+    bits (same keys, 2^b − 1 levels); bits that break the layout's rules are refused."""
+    from pagedserve.kv.int4 import _from_planes, _to_planes, check_key_bits, key_block_values, quantize_key_blocks
+    from tests.helpers.paged_inputs import mixed_key_bits
+
+    bits = mixed_key_bits(2, 16, seed=block_size)
+    assert set(bits.flatten().tolist()) == set(range(1, 9))
+    g = torch.Generator().manual_seed(block_size)
+    levels = (2 ** bits.long()).view(1, 1, 2, 16)
+    codes = (torch.rand(3, block_size, 2, 16, generator=g) * levels).long()
+    planes = _to_planes(codes, bits)
+    assert planes.shape == (3, 2, 16 * block_size // 2) and planes.dtype == torch.uint8
+    assert torch.equal(_from_planes(planes, bits, block_size), codes.float())
+    x = torch.randn(1, block_size, 1, 16, generator=g).expand(3, -1, 2, -1).contiguous()  # every channel alike
+    x = x[..., :1].expand(-1, -1, -1, 16).contiguous()
+    data, steps, zeros = quantize_key_blocks(x, bits)
+    back = key_block_values(data, steps, zeros, bits)
+    assert ((back - x).abs() <= steps.float().unsqueeze(1) / 2 * (1 + 1e-5)).all()
+    step = steps.float()[0]
+    wide, narrow = (bits == 8).nonzero()[0], (bits == 1).nonzero()[0]
+    assert float(step[tuple(wide)]) * 100 < float(step[tuple(narrow)])
+    for bad, why in [(bits.long(), "uint8"), (bits[:, :8], "uint8 \\[2, 16\\]"),
+                     (torch.full((2, 16), 4, dtype=torch.uint8).index_fill_(1, torch.tensor([0]), 9), "1..8"),
+                     (torch.full((2, 16), 5, dtype=torch.uint8), "total 64")]:
+        with pytest.raises(ValueError, match=why):
+            check_key_bits(bad, 2, 16)
+
+
+def test_the_engine_layout_with_calibrated_bits_is_the_simulated_kmix_vrot_tail():
+    """Attention over int4 pools whose keys carry a mix of widths equals the study's
+    ``kmix-vrot+tail`` with the same levels, to the tail's float16 rounding; and differs from the
+    same pools at 4 bits everywhere (the bits are really used)."""
+    from types import SimpleNamespace
+
+    from tests.helpers.paged_inputs import mixed_key_bits
+
+    study = _study()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, 4, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g)
+    k[..., [3, 35]] *= 20
+    k = k.half().float()
+    bits = mixed_key_bits(2, 64, seed=1)
+    state = {"format": "kmix-vrot+tail", "key_levels": {0: 2.0 ** bits.float() - 1}}
+    want = study.make_attention(state)(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=0.125)[0][0]
+    meta = AttentionMetadata(torch.arange(64), 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                             None, [(0, 64, 64, torch.arange(4))])
+    got = {}
+    for name, key_bits in [("mixed", [bits]), ("uniform", None)]:
+        k_pool, v_pool = allocate_kv_caches(1, 4, 16, 2, 64, torch.float32, CPU, "int4", key_bits=key_bits)[0]
+        write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.arange(64))
+        got[name] = reference_attention(q[0].transpose(0, 1), k_pool, v_pool, meta, 0.125)
+    err = float((got["mixed"] - want).norm() / want.norm())
+    assert err < 0.01 < float((got["uniform"] - want).norm() / want.norm()), err
+
+
+def test_an_int4_engine_calibrates_its_key_bits_once_and_reads_them_back(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """``--int4-key-bits calibrated`` (the default): the first engine over a model runs the shipped
+    text through it and caches each layer's bits (1..8 a channel, 4 · head_dim a head, not 4
+    everywhere); the next reads the same bits back without running the model; both pools serve
+    requests with every block returned. ``uniform`` keeps 4 bits a channel."""
+    import logging
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+    from tests.conftest import assert_no_leaks
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="pagedserve.engine.core.key_bits")
+
+    def engine(key_bits: str) -> Engine:
+        return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="int4",
+                                   int4_key_bits=key_bits, num_kv_blocks=64, max_model_len=256))
+
+    first = engine("calibrated")
+    assert "calibrated on" in caplog.text and len(list((tmp_path / "key-bits").iterdir())) == 1
+    caplog.clear()
+    second = engine("calibrated")
+    assert "calibrated on" not in caplog.text and "key bits per channel from" in caplog.text
+    pools = [e.core.runner.kv_caches for e in (first, second, engine("uniform"))]
+    bits = torch.stack([k.key_bits for k, _ in pools[0]])
+    assert torch.equal(bits, torch.stack([k.key_bits for k, _ in pools[1]]))
+    hd = bits.shape[-1]
+    assert (bits.long().sum(-1) == 4 * hd).all() and int(bits.min()) >= 1 and int(bits.max()) <= 8
+    assert not (bits == 4).all() and all((k.key_bits == 4).all() for k, _ in pools[2])
+    for e in (first, second):
+        _greedy(e, [[5, 6, 7] * 20, list(range(40, 90))])
+        assert_no_leaks(e)

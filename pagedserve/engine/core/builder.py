@@ -21,6 +21,7 @@ from pagedserve.config import (MEASURED_PPL_COST, QUALITY_FLOOR, QUALITY_FLOOR_M
 from pagedserve.engine.core.cuda_graphs import CudaGraphDecoder
 from pagedserve.engine.core.heap import keep_step_memory
 from pagedserve.engine.core.huge_pages import move_model_to_huge_pages
+from pagedserve.engine.core.key_bits import model_key_bits
 from pagedserve.engine.core.memory import (CUDA_GRAPH_ALLOWANCE, AutoKVBudget, ProfiledKVBudget, choose_auto_kv_budget,
                                       kv_budget_cap, profiled_kv_budget)
 from pagedserve.engine.core.profile_run import measure_peak_activation, profile_step
@@ -192,6 +193,11 @@ def build_core(config: EngineConfig) -> CoreParts:
                                    len(kv.groups) if kv.groups else 1, ops)
     if kv.groups:  # each layer reads the pool slot of its position in its group
         kv_caches = [kv_caches[slot] for _, slot in layer_slots(kv.groups)]
+    if config.kv_cache_dtype == "int4" and config.int4_key_bits == "calibrated":
+        # per model layer: a pool slot shared by KV groups holds each group's blocks in its layer's bits
+        key_bits = model_key_bits(model, model_dir, tokenizer_source, arch.num_kv_heads, arch.head_dim,
+                                  config.block_size, dtype, config.quantization, config.max_model_len)
+        kv_caches = [(k.with_key_bits(bits), v) for (k, v), bits in zip(kv_caches, key_bits)]
     block_manager, event_log = _block_manager(config, kv)
     if kv.tail_slots:  # a block no table holds gives its tail slot back
         getattr(block_manager, "inner", block_manager).on_release = kv_caches[0][0].tails.release
