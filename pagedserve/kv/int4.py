@@ -260,15 +260,17 @@ def _to_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def _from_planes(data: torch.Tensor, bits: torch.Tensor, block_size: int) -> torch.Tensor:
-    """:func:`_to_planes`' bytes back as codes ``[n, block_size, kv_heads, head_dim]``, float32."""
-    n, kvh = data.shape[:2]
-    hd = bits.shape[1]
-    planes = ((data.unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1).view(n, kvh, -1, block_size)
+    """:func:`_to_planes`' bytes ``[..., kv_heads, bytes]`` (a pool's blocks, or a selection's
+    ``[seqs, blocks, ...]``) back as codes ``[..., block_size, kv_heads, head_dim]``, float32."""
+    *lead, kvh, nbytes = data.shape
+    n, hd = data.numel() // (kvh * nbytes), bits.shape[1]
+    per_bit = (data.reshape(n, kvh, nbytes, 1) >> torch.arange(8, device=data.device)) & 1
+    planes = per_bit.view(n, kvh, KEY_BITS * hd, block_size)  # the plane count named: n may be 0
     plane, has = _planes_of_channels(bits)
     weight = (has * (1 << torch.arange(MAX_KEY_BITS, device=data.device))).float()  # [kvh, hd, 8]
     index = plane.clamp(max=planes.shape[2] - 1).view(1, kvh, -1, 1).expand(n, -1, -1, block_size)
     picked = planes.gather(2, index).float().view(n, kvh, hd, MAX_KEY_BITS, block_size)
-    return (picked * weight.unsqueeze(-1)).sum(3).permute(0, 3, 1, 2)
+    return (picked * weight.unsqueeze(-1)).sum(3).permute(0, 3, 1, 2).reshape(*lead, block_size, kvh, hd)
 
 
 def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:

@@ -235,17 +235,18 @@ def test_keys_are_stored_per_channel_with_a_zero_point_in_two_bytes_a_channel():
     """A channel sitting far off zero keeps its variation (a symmetric scale spent half its levels on
     the side it never visits), every stored step is at least the range needs (rounded up to float8,
     so no key is clipped by more than half a step), and a block costs two bytes a channel."""
-    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks
+    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks, uniform_key_bits
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 16, 2, 64, generator=g)
     x[..., 7] = 40 + 0.5 * x[..., 7]  # off zero, narrow
     x[..., 9] *= 300  # wide
     x[1] = 0  # an all-zero block
-    data, steps, zeros = quantize_key_blocks(x)
+    bits = uniform_key_bits(2, 64)
+    data, steps, zeros = quantize_key_blocks(x, bits)
     assert steps.dtype == torch.float8_e4m3fn and zeros.dtype == torch.int8
-    assert steps.element_size() + zeros.element_size() == 2 and data.shape == (3, 16, 2, 32)
-    back = key_block_values(data, steps, zeros)
+    assert steps.element_size() + zeros.element_size() == 2 and data.shape == (3, 2, 64 * 16 // 2)
+    back = key_block_values(data, steps, zeros, bits)
     assert ((back - x).abs() <= steps.float().unsqueeze(1) / 2 * (1 + 1e-5)).all()
     # a step of 42 / 127 (the zero point's int8 reach), not the 6 of a symmetric scale over [-42, 42]
     assert float((back - x)[..., 7].abs().max()) < 0.2
