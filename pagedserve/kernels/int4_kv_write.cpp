@@ -1,8 +1,14 @@
 // One step's K or V rows into kv/int4.py's int4 pool in one call: the rows of blocks the step
-// fills quantized into their blocks (keys per channel with a float8 step and an int8 zero point,
-// values per token), those blocks' new rows also kept in their tail slots for this step's reads,
-// and every other row into its block's float16 tail slot. The torch path (Int4KVCache's own
-// write) spends ~30 small ops a layer on the same work; this is the engine's path on CPU.
+// fills quantized into their blocks, those blocks' new rows also kept in their tail slots for this
+// step's reads, and every other row into its block's float16 tail slot. The torch path
+// (Int4KVCache's own write) spends ~30 small ops a layer on the same work; this is the engine's
+// path on CPU.
+//
+// Keys are quantized per block, head and channel with a float8 step and an int8 zero point, each
+// channel at its own bits (key_bits, 1..8, 4 a channel on average: channels are not equally worth
+// their bits). A head's block is stored as bit planes, each channel's from its least significant
+// bit, a plane one bit per token: any mix of widths then fills the bytes of 4-bit codes, and a
+// decode scores a block plane by plane. Values are quantized per token, two 4-bit codes a byte.
 //
 // The bits match the torch path's exactly (tests/kernels/test_int4_kv_write.py compares them).
 #include <ATen/ATen.h>
@@ -18,7 +24,7 @@
 
 namespace {
 
-constexpr float kLevels = 15.0f;                         // key codes 0..15
+constexpr int64_t kKeyBits = 4, kMaxKeyBits = 8;         // a key channel's bits: 4 on average, 1..8 each
 constexpr float kStepMin = 1.0f / 512, kStepMax = 448;   // e4m3's smallest subnormal and largest finite
 constexpr float kValueMax = 7.0f, kScaleMin = 1e-6f;     // value codes -7..7 (+8); kv/quant.py's floor
 
@@ -37,9 +43,12 @@ PAGEDSERVE_IEEE_MATH void divide_by(float* q, const float* x, float d, int64_t n
 #undef PAGEDSERVE_IEEE_MATH
 
 struct Pool {
-  uint8_t* data;  // [blocks, bs, kvh, hd / 2]
+  uint8_t* data;  // K: [blocks, kvh, hd * bs / 2] bit planes; V: [blocks, bs, kvh, hd / 2]
   void* scales;   // K: [blocks, kvh, hd] float8 e4m3; V: [blocks, bs, kvh] float16
   int8_t* zeros;  // K: [blocks, kvh, hd]; V: null
+  const uint8_t* bits;   // K: [kvh, hd] each channel's bits; V: null
+  const float* levels;   // K: [kvh * hd] 2^bits - 1, the channel's largest code
+  const int64_t* first;  // K: [kvh * hd] the channel's first plane within its head
   int64_t bs, kvh, hd;
 };
 
@@ -56,7 +65,7 @@ void pack_row(uint8_t* out, const float* codes, int64_t n) {
     out[i] = static_cast<uint8_t>(codes[2 * i]) | static_cast<uint8_t>(static_cast<uint8_t>(codes[2 * i + 1]) << 4);
 }
 
-// rows [bs, kvh, hd] float → block b's key codes, steps and zero points (kv/int4.py: quantize_key_blocks).
+// rows [bs, kvh, hd] float → block b's key bit planes, steps and zero points (kv/int4.py: quantize_key_blocks).
 void store_key_block(const Pool& p, int64_t b, const float* rows) {
   const int64_t bs = p.bs, row = p.kvh * p.hd;  // a channel c: head * hd + dimension
   auto* steps = static_cast<uint8_t*>(p.scales) + b * row;
@@ -67,9 +76,10 @@ void store_key_block(const Pool& p, int64_t b, const float* rows) {
       lo[c] = std::min(lo[c], rows[o * row + c]);
       hi[c] = std::max(hi[c], rows[o * row + c]);
     }
-  // The step spans the channel's range in 15 levels and is at least max|x| / 127 (its zero point fits int8).
+  // The step spans the channel's range in its 2^bits - 1 levels and is at least max|x| / 127 (its
+  // zero point fits int8).
   for (int64_t c = 0; c < row; ++c) span[c] = hi[c] - lo[c];
-  divide_by(span.data(), span.data(), kLevels, row);
+  divide(span.data(), span.data(), p.levels, row);
   for (int64_t c = 0; c < row; ++c) hi[c] = std::max(std::fabs(lo[c]), std::fabs(hi[c]));
   divide_by(hi.data(), hi.data(), 127.0f, row);
   for (int64_t c = 0; c < row; ++c) {
@@ -84,10 +94,24 @@ void store_key_block(const Pool& p, int64_t b, const float* rows) {
   for (int64_t o = 0; o < bs; ++o) {
     float* q = codes.data() + o * row;
     divide(q, rows + o * row, step.data(), row);
-    for (int64_t c = 0; c < row; ++c) q[c] = std::min(std::max(std::nearbyint(q[c] - zero[c]), 0.0f), kLevels);
+    for (int64_t c = 0; c < row; ++c) q[c] = std::min(std::max(std::nearbyint(q[c] - zero[c]), 0.0f), p.levels[c]);
   }
-  for (int64_t o = 0; o < bs * p.kvh; ++o)
-    pack_row(p.data + (b * bs * p.kvh + o) * (p.hd / 2), codes.data() + o * p.hd, p.hd);
+  // Bit `(first + bit) * bs + token` of the head's bytes, least significant first, holds that bit of
+  // the token's code in the channel.
+  const int64_t head_bytes = p.hd * bs / 2;
+  uint8_t* planes = p.data + b * p.kvh * head_bytes;
+  std::memset(planes, 0, p.kvh * head_bytes);
+  for (int64_t c = 0; c < row; ++c) {
+    uint8_t* head = planes + c / p.hd * head_bytes;
+    for (int64_t o = 0; o < bs; ++o) {
+      const auto code = static_cast<uint32_t>(codes[o * row + c]);
+      for (int64_t bit = 0; bit < p.bits[c]; ++bit)
+        if (code >> bit & 1) {
+          const int64_t at = (p.first[c] + bit) * bs + o;
+          head[at / 8] |= static_cast<uint8_t>(1u << (at % 8));
+        }
+    }
+  }
 }
 
 // rows [bs, kvh, hd] float → block b's value codes and float16 scales, one per token and head
@@ -115,30 +139,56 @@ const int64_t* longs(const at::Tensor& t, const char* name) {
 }
 
 // x [T, kvh, hd] float16: the step's rows as stored (V already rotated). tail [slots, bs, kvh, hd]
-// float16. data, scales, zero_points: the pool (zero_points empty for V). full_blocks [F] the blocks
-// this step fills, full_slots [F] their tail slots (-1: every row is in x), full_rows / full_tokens
-// [R] row (index into full_blocks * bs + offset) and token of the step's rows in them; tail_rows /
-// tail_tokens [Tr] flat tail row (slot * bs + offset) and token of the rest. Every index is the
-// host's plan (kv/int4.py: WritePlan); ranges are checked here.
+// float16. data, scales, zero_points: the pool (zero_points empty for V); key_bits [kvh, hd] uint8:
+// each key channel's bits (empty for V). full_blocks [F] the blocks this step fills, full_slots [F]
+// their tail slots (-1: every row is in x), full_rows / full_tokens [R] row (index into full_blocks
+// * bs + offset) and token of the step's rows in them; tail_rows / tail_tokens [Tr] flat tail row
+// (slot * bs + offset) and token of the rest. Every index is the host's plan (kv/int4.py:
+// WritePlan); ranges are checked here.
 void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::Tensor& scales,
-                   at::Tensor& zero_points, const at::Tensor& full_blocks, const at::Tensor& full_slots,
-                   const at::Tensor& full_rows, const at::Tensor& full_tokens, const at::Tensor& tail_rows,
-                   const at::Tensor& tail_tokens) {
-  TORCH_CHECK(data.dim() == 4 && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "int4_kv_write: data must be contiguous uint8 [blocks, bs, kvh, head_dim / 2]");
-  const int64_t nb = data.size(0), bs = data.size(1), kvh = data.size(2), hd = 2 * data.size(3);
+                   at::Tensor& zero_points, const at::Tensor& key_bits, const at::Tensor& full_blocks,
+                   const at::Tensor& full_slots, const at::Tensor& full_rows, const at::Tensor& full_tokens,
+                   const at::Tensor& tail_rows, const at::Tensor& tail_tokens) {
+  TORCH_CHECK(tail.dim() == 4 && tail.size(3) % 2 == 0 && tail.scalar_type() == at::kHalf && tail.is_contiguous(),
+              "int4_kv_write: tail must be contiguous float16 [slots, bs, kvh, head_dim] with an even head_dim");
+  const int64_t bs = tail.size(1), kvh = tail.size(2), hd = tail.size(3), nb = data.dim() ? data.size(0) : 0;
   const bool keys = zero_points.numel() > 0;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
+                  (keys ? data.sizes() == at::IntArrayRef({nb, kvh, hd * bs / 2})
+                        : data.sizes() == at::IntArrayRef({nb, bs, kvh, hd / 2})),
+              "int4_kv_write: data must be contiguous uint8 ", keys ? "[blocks, kvh, head_dim * bs / 2] (keys)"
+                                                                     : "[blocks, bs, kvh, head_dim / 2] (values)");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == kvh && x.size(2) == hd && x.scalar_type() == at::kHalf && x.is_contiguous(),
               "int4_kv_write: x must be contiguous float16 [tokens, kvh, head_dim]");
-  TORCH_CHECK(tail.dim() == 4 && tail.size(1) == bs && tail.size(2) == kvh && tail.size(3) == hd &&
-                  tail.scalar_type() == at::kHalf && tail.is_contiguous(),
-              "int4_kv_write: tail must be contiguous float16 [slots, bs, kvh, head_dim]");
+  std::vector<float> levels;   // keys: each channel's largest code, 2^bits - 1 ...
+  std::vector<int64_t> first;  // ... and first plane within its head, worked out once per call
   if (keys) {
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, kvh, hd}) && scales.scalar_type() == at::kFloat8_e4m3fn &&
                     zero_points.sizes() == scales.sizes() && zero_points.scalar_type() == at::kChar &&
                     scales.is_contiguous() && zero_points.is_contiguous(),
                 "int4_kv_write: key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
+    TORCH_CHECK(key_bits.scalar_type() == at::kByte && key_bits.is_contiguous() &&
+                    key_bits.sizes() == at::IntArrayRef({kvh, hd}),
+                "int4_kv_write: key_bits must be contiguous uint8 [kvh, head_dim]");
+    // As kv/int4.py's check_key_bits: 1..8 a channel, 4 * head_dim a head, so the planes fill the data's bytes.
+    const uint8_t* bits = key_bits.data_ptr<uint8_t>();
+    levels.resize(kvh * hd);
+    first.resize(kvh * hd);
+    for (int64_t h = 0; h < kvh; ++h) {
+      int64_t total = 0;
+      for (int64_t d = 0; d < hd; ++d) {
+        const int64_t c = h * hd + d;
+        TORCH_CHECK(bits[c] >= 1 && bits[c] <= kMaxKeyBits, "int4_kv_write: key_bits must be 1..", kMaxKeyBits,
+                    " a channel, got ", int(bits[c]), " (head ", h, ", channel ", d, ")");
+        levels[c] = static_cast<float>((1 << bits[c]) - 1);
+        first[c] = total;
+        total += bits[c];
+      }
+      TORCH_CHECK(total == kKeyBits * hd, "int4_kv_write: key_bits must total ", kKeyBits * hd, " a KV head, got ",
+                  total, " (head ", h, ")");
+    }
   } else {
+    TORCH_CHECK(key_bits.numel() == 0, "int4_kv_write: key_bits must be empty for values");
     TORCH_CHECK(scales.sizes() == data.sizes().slice(0, 3) && scales.scalar_type() == at::kHalf &&
                     scales.is_contiguous(),
                 "int4_kv_write: value scales must be float16 [blocks, bs, kvh]");
@@ -162,7 +212,7 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
   const auto* xs = x.data_ptr<c10::Half>();
   auto* ts = tail.data_ptr<c10::Half>();
   const Pool pool{data.data_ptr<uint8_t>(), scales.data_ptr(), keys ? zero_points.data_ptr<int8_t>() : nullptr,
-                  bs, kvh, hd};
+                  keys ? key_bits.data_ptr<uint8_t>() : nullptr, levels.data(), first.data(), bs, kvh, hd};
   // Filled blocks first: a slot one of them leaves may be handed to another block in this plan,
   // whose rows then land in it below (kv/int4.py: TailMap._make_plan).
   std::vector<float> filled(nf * bs * row, 0.0f);
@@ -185,8 +235,8 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int4_kv_write(Tensor x, Tensor(a!) tail, Tensor(b!) data, Tensor(c!) scales, Tensor(d!) zero_points, "
-        "Tensor full_blocks, Tensor full_slots, Tensor full_rows, Tensor full_tokens, Tensor tail_rows, "
-        "Tensor tail_tokens) -> ()");
+        "Tensor key_bits, Tensor full_blocks, Tensor full_slots, Tensor full_rows, Tensor full_tokens, "
+        "Tensor tail_rows, Tensor tail_tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("int4_kv_write", &int4_kv_write); }

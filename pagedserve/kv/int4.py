@@ -261,25 +261,27 @@ def _to_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def _from_planes(data: torch.Tensor, bits: torch.Tensor, block_size: int) -> torch.Tensor:
-    """:func:`_to_planes`' bytes back as codes ``[n, block_size, kv_heads, head_dim]``, float32: each
+    """:func:`_to_planes`' bytes ``[..., kv_heads, bytes]`` (a pool's blocks, or a selection's
+    ``[seqs, blocks, ...]``) back as codes ``[..., block_size, kv_heads, head_dim]``, float32: each
     plane's bits weighted by 2^p, summed over each channel's run of planes (a running sum read at
     the runs' ends: exact, codes stay far below 2^24)."""
-    n, kvh = data.shape[:2]
-    hd = bits.shape[1]
-    dev = data.device
+    *lead, kvh, nbytes = data.shape
+    n, hd, dev = data.numel() // (kvh * nbytes), bits.shape[1], data.device
     byte_bits = ((torch.arange(256, device=dev).unsqueeze(1) >> torch.arange(8, device=dev)) & 1).float()
     plane, has = _planes_of_channels(bits)
     weight = torch.zeros(kvh, KEY_BITS * hd, device=dev)  # 2^p for channel c's plane p
     powers = (2.0 ** torch.arange(MAX_KEY_BITS, device=dev)).expand_as(has)
     weight.scatter_(1, plane[has].view(kvh, -1), powers[has].view(kvh, -1))
-    planes = byte_bits[data.long()].view(n, kvh, KEY_BITS * hd, block_size) * weight.unsqueeze(-1)
-    sums = F.pad(planes.cumsum(2), (0, 0, 1, 0))  # sums[:, :, j]: planes 0 .. j - 1 summed
+    # (the plane count named: n may be 0)
+    planes = byte_bits[data.reshape(n, kvh, nbytes).long()].view(n, kvh, KEY_BITS * hd, block_size)
+    sums = F.pad((planes * weight.unsqueeze(-1)).cumsum(2), (0, 0, 1, 0))  # sums[:, :, j]: planes 0 .. j - 1
 
     def sum_before(j: torch.Tensor) -> torch.Tensor:
         return sums.gather(2, j.view(1, kvh, hd, 1).expand(n, -1, -1, block_size))
 
     first = plane[..., 0]
-    return (sum_before(first + bits.long()) - sum_before(first)).permute(0, 3, 1, 2)
+    codes = sum_before(first + bits.long()) - sum_before(first)  # [n, kvh, hd, block_size]
+    return codes.permute(0, 3, 1, 2).reshape(*lead, block_size, kvh, hd)
 
 
 def _e4m3_at_least(x: torch.Tensor) -> torch.Tensor:

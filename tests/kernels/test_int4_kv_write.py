@@ -1,6 +1,7 @@
 """The native int4 KV write (kernels/int4_kv_write.cpp) against the torch path of
 :meth:`~pagedserve.kv.int4.Int4KVCache.write`: the same bits in the blocks, steps, zero points,
-scales and tail slots, write after write, and on rounding ties."""
+scales and tail slots, write after write, and on rounding ties, with 4 bits a key channel and with
+a mix of 1 to 8."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ import torch
 from pagedserve.kernels import kernel_error, native_ops
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches
-from pagedserve.kv.int4 import quantize_key_blocks
+from pagedserve.kv.int4 import quantize_key_blocks, uniform_key_bits
 from pagedserve.kv.quant import quantize_kv
 from pagedserve.models.attention import write_kv
+from tests.helpers.paged_inputs import mixed_key_bits
 
 needs_kernels = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
 CPU = torch.device("cpu")
 NO_ROWS = torch.zeros(0, dtype=torch.long)
+NO_BITS = torch.zeros(0, dtype=torch.uint8)
+KEY_BITS = {"uniform": uniform_key_bits, "mixed": mixed_key_bits}  # (kvh, hd) -> [kvh, hd] uint8
 
 
-def _pairs(num_blocks=24, block_size=16, kvh=2, hd=32, tail_slots=3):
+def _pairs(num_blocks=24, block_size=16, kvh=2, hd=32, tail_slots=3, key_bits=None):
     """Two K/V pool pairs of the same shape: one writing through torch, one through the kernel."""
     def pools(ops):
         return allocate_kv_caches(1, num_blocks, block_size, kvh, hd, torch.float32, CPU, "int4", tail_slots,
-                                  native_ops=ops)[0]
+                                  native_ops=ops, key_bits=None if key_bits is None else [key_bits])[0]
     return pools(None), pools(native_ops())
 
 
@@ -36,14 +40,18 @@ def _same_storage(a, b) -> None:
 
 
 @needs_kernels
-def test_the_native_write_stores_the_torch_writes_bits_step_after_step():
+@pytest.mark.parametrize("bits", ["uniform", "mixed"])
+@pytest.mark.parametrize("bs", [16, 8, 4])
+def test_the_native_write_stores_the_torch_writes_bits_step_after_step(bs, bits):
     """Three sequences through prompt chunks of every size, mixed decode steps with padding, a
     chunk that fills blocks whole, freed blocks' slots taken again, and a rollback (its reopened
-    block goes through torch on both sides): every pool byte equal after every write."""
+    block goes through torch on both sides): every pool byte equal after every write. The token
+    counts are 16's; smaller blocks fill more often in the same steps."""
     g = torch.Generator().manual_seed(7)
-    (tk, tv), (nk, nv) = _pairs()
+    num_blocks = 24 * 16 // bs
+    (tk, tv), (nk, nv) = _pairs(num_blocks, bs, key_bits=KEY_BITS[bits](2, 32))
     assert tk.native_write is None and nk.native_write is not None
-    bm = BlockManager(24, 16)
+    bm = BlockManager(num_blocks, bs)
     bm.on_release = lambda ids: (tk.tails.release(ids), nk.tails.release(ids))
     pos = {1: 0, 2: 0, 3: 0}
 
@@ -53,7 +61,7 @@ def test_the_native_write_stores_the_torch_writes_bits_step_after_step():
             assert bm.allocate(seq, pos[seq] + n)
             table = torch.tensor(bm.block_ids(seq))
             p = torch.arange(pos[seq], pos[seq] + n)
-            slots.append(table[p // 16] * 16 + p % 16)
+            slots.append(table[p // bs] * bs + p % bs)
             pos[seq] += n
         mapping = torch.cat([*slots, torch.full((pad,), -1)])
         x = torch.randn(len(mapping), 2, 32, generator=g) * torch.linspace(0.1, 8, 32) + torch.linspace(-3, 5, 32)
@@ -70,8 +78,8 @@ def test_the_native_write_stores_the_torch_writes_bits_step_after_step():
     bm.free(2)
     for _ in range(12):
         step({1: 1, 3: 1})
-    step({1: 3, 3: 1})  # 1 at 80: its fifth block quantized
-    bm.truncate(1, 75)  # a rollback into that block: written again from row 11, it is reopened
+    step({1: 3, 3: 1})  # 1 at 80: its block holding 75 quantized
+    bm.truncate(1, 75)  # a rollback into that block: written again mid-block, it is reopened
     pos[1] = 75
     step({1: 2})
     step({1: 4, 3: 1})
@@ -81,10 +89,13 @@ def test_the_native_write_stores_the_torch_writes_bits_step_after_step():
 
 
 @needs_kernels
-def test_the_kernel_rounds_ties_to_even_as_torch_does():
+@pytest.mark.parametrize("bits", ["uniform", "mixed"])
+def test_the_kernel_rounds_ties_to_even_as_torch_does(bits):
     """Keys and values that sit exactly between two codes, with a step and a scale of 7/64: a
     multiply by its reciprocal lands off 10 of those ties (checked below), a division on them, so
-    the kernel has to divide as torch does to give torch's codes."""
+    the kernel has to divide as torch does to give torch's codes (mixed bits: the 4-bit channels
+    still on ties, the others on their own steps, each span divided by its channel's levels)."""
+    key_bits = KEY_BITS[bits](1, 32)
     ops = native_ops()
     step = 0.109375
     ties = (torch.arange(16, dtype=torch.float32) + 0.5) * step
@@ -95,16 +106,17 @@ def test_the_kernel_rounds_ties_to_even_as_torch_does():
     values = row.repeat(16, 2).view(16, 1, 32)
     for x, per_channel in [(keys, True), (values, False)]:
         x16 = x.to(torch.float16)
-        data = torch.zeros(2, 16, 1, 16, dtype=torch.uint8)
         if per_channel:
+            data = torch.zeros(2, 1, 32 * 16 // 2, dtype=torch.uint8)
             scales = torch.zeros(2, 1, 32, dtype=torch.float8_e4m3fn)
-            zero_points = torch.zeros(2, 1, 32, dtype=torch.int8)
-            want = quantize_key_blocks(x16.float().unsqueeze(0))
+            zero_points, bits_arg = torch.zeros(2, 1, 32, dtype=torch.int8), key_bits
+            want = quantize_key_blocks(x16.float().unsqueeze(0), key_bits)
         else:
+            data = torch.zeros(2, 16, 1, 16, dtype=torch.uint8)
             scales, zero_points = torch.zeros(2, 16, 1, dtype=torch.float16), torch.zeros(0, dtype=torch.int8)
-            want = quantize_kv(x16.float().unsqueeze(0), "int4")
+            bits_arg, want = NO_BITS, quantize_kv(x16.float().unsqueeze(0), "int4")
         tail = torch.zeros(1, 16, 1, 32, dtype=torch.float16)
-        ops.int4_kv_write(x16, tail, data, scales, zero_points, torch.tensor([1]), torch.tensor([-1]),
+        ops.int4_kv_write(x16, tail, data, scales, zero_points, bits_arg, torch.tensor([1]), torch.tensor([-1]),
                           torch.arange(16), torch.arange(16), NO_ROWS, NO_ROWS)
         assert torch.equal(data[1], want[0][0])
         assert torch.equal(scales[1].view(torch.uint8), want[1][0].view(torch.uint8))
@@ -119,11 +131,50 @@ def test_the_kernel_refuses_a_plan_out_of_range():
     (_, _), (k, _) = _pairs(num_blocks=4, tail_slots=2)
     x = torch.zeros(2, 2, 32, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="tail row"):
-        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, k.key_bits, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
                           torch.tensor([2 * 16]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="full block"):
-        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, torch.tensor([4]), torch.tensor([-1]),
-                          torch.tensor([0]), torch.tensor([0]), NO_ROWS, NO_ROWS)
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, k.key_bits, torch.tensor([4]),
+                          torch.tensor([-1]), torch.tensor([0]), torch.tensor([0]), NO_ROWS, NO_ROWS)
     with pytest.raises(RuntimeError, match="token"):
-        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, k.key_bits, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
                           torch.tensor([0]), torch.tensor([2]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad, message", [
+    (torch.full((2, 32), 4, dtype=torch.int64), "key_bits must be contiguous uint8"),  # dtype
+    (torch.full((1, 32), 4, dtype=torch.uint8), "key_bits must be contiguous uint8"),  # one head short
+    (torch.full((2, 64), 4, dtype=torch.uint8)[:, ::2], "key_bits must be contiguous uint8"),  # strided
+    (torch.tensor([[0, 8] + [4] * 30] * 2, dtype=torch.uint8), "must be 1..8 a channel, got 0"),
+    (torch.tensor([[9, 3] + [4] * 30] * 2, dtype=torch.uint8), "must be 1..8 a channel, got 9"),
+    (torch.tensor([[4] * 32, [5] + [4] * 31], dtype=torch.uint8), "must total 128 a KV head, got 129 \\(head 1"),
+])
+def test_the_kernel_refuses_bad_key_bits(bad, message):
+    """Bits the planes cannot hold: each channel needs 1..8, and a head's 4 · head_dim in all to fill
+    its bytes exactly (kv/int4.py: check_key_bits)."""
+    ops = native_ops()
+    (_, _), (k, v) = _pairs(num_blocks=4, tail_slots=2)
+    x = torch.zeros(16, 2, 32, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=message):
+        ops.int4_kv_write(x, k.tail, k.data, k.scales, k.zero_points, bad, torch.tensor([0]), torch.tensor([-1]),
+                          torch.arange(16), torch.arange(16), NO_ROWS, NO_ROWS)
+    assert not k.data.any() and not k.scales.view(torch.uint8).any()  # refused before writing
+    with pytest.raises(RuntimeError, match="key_bits must be empty for values"):
+        ops.int4_kv_write(x, v.tail, v.data, v.scales, NO_ROWS.to(torch.int8), k.key_bits, NO_ROWS, NO_ROWS,
+                          NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS)
+
+
+@needs_kernels
+def test_the_kernel_refuses_a_pool_of_the_other_layout():
+    """Keys' data is bit planes [blocks, kvh, head_dim * bs / 2], values' [blocks, bs, kvh, head_dim / 2]:
+    the same bytes, so each is checked against its own shape."""
+    ops = native_ops()
+    (_, _), (k, v) = _pairs(num_blocks=4, tail_slots=2)
+    x = torch.zeros(1, 2, 32, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"data must be contiguous uint8 \[blocks, kvh, head_dim \* bs / 2\]"):
+        ops.int4_kv_write(x, k.tail, v.data, k.scales, k.zero_points, k.key_bits, NO_ROWS, NO_ROWS, NO_ROWS, NO_ROWS,
+                          NO_ROWS, NO_ROWS)
+    with pytest.raises(RuntimeError, match=r"data must be contiguous uint8 \[blocks, bs, kvh, head_dim / 2\]"):
+        ops.int4_kv_write(x, v.tail, k.data, v.scales, NO_ROWS.to(torch.int8), NO_BITS, NO_ROWS, NO_ROWS, NO_ROWS,
+                          NO_ROWS, NO_ROWS, NO_ROWS)
