@@ -12,6 +12,7 @@
 //
 // The bits match the torch path's exactly (tests/kernels/test_int4_kv_write.py compares them).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -63,6 +64,29 @@ uint8_t e4m3_at_least(float x) {
 void pack_row(uint8_t* out, const float* codes, int64_t n) {
   for (int64_t i = 0; i < n / 2; ++i)
     out[i] = static_cast<uint8_t>(codes[2 * i]) | static_cast<uint8_t>(static_cast<uint8_t>(codes[2 * i + 1]) << 4);
+}
+
+// Each channel's first plane within its head, from key_bits [kvh, hd] uint8, checked as kv/int4.py's
+// check_key_bits does: 1..8 a channel, 4 * head_dim a head, so the planes fill the data's bytes.
+std::vector<int64_t> first_planes(const at::Tensor& key_bits, int64_t kvh, int64_t hd, const char* op) {
+  TORCH_CHECK(key_bits.scalar_type() == at::kByte && key_bits.is_contiguous() &&
+                  key_bits.sizes() == at::IntArrayRef({kvh, hd}),
+              op, ": key_bits must be contiguous uint8 [kvh, head_dim]");
+  const uint8_t* bits = key_bits.data_ptr<uint8_t>();
+  std::vector<int64_t> first(kvh * hd);
+  for (int64_t h = 0; h < kvh; ++h) {
+    int64_t total = 0;
+    for (int64_t d = 0; d < hd; ++d) {
+      const int64_t c = h * hd + d;
+      TORCH_CHECK(bits[c] >= 1 && bits[c] <= kMaxKeyBits, op, ": key_bits must be 1..", kMaxKeyBits,
+                  " a channel, got ", int(bits[c]), " (head ", h, ", channel ", d, ")");
+      first[c] = total;
+      total += bits[c];
+    }
+    TORCH_CHECK(total == kKeyBits * hd, op, ": key_bits must total ", kKeyBits * hd, " a KV head, got ", total,
+                " (head ", h, ")");
+  }
+  return first;
 }
 
 // rows [bs, kvh, hd] float → block b's key bit planes, steps and zero points (kv/int4.py: quantize_key_blocks).
@@ -167,26 +191,9 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
                     zero_points.sizes() == scales.sizes() && zero_points.scalar_type() == at::kChar &&
                     scales.is_contiguous() && zero_points.is_contiguous(),
                 "int4_kv_write: key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
-    TORCH_CHECK(key_bits.scalar_type() == at::kByte && key_bits.is_contiguous() &&
-                    key_bits.sizes() == at::IntArrayRef({kvh, hd}),
-                "int4_kv_write: key_bits must be contiguous uint8 [kvh, head_dim]");
-    // As kv/int4.py's check_key_bits: 1..8 a channel, 4 * head_dim a head, so the planes fill the data's bytes.
-    const uint8_t* bits = key_bits.data_ptr<uint8_t>();
+    first = first_planes(key_bits, kvh, hd, "int4_kv_write");
     levels.resize(kvh * hd);
-    first.resize(kvh * hd);
-    for (int64_t h = 0; h < kvh; ++h) {
-      int64_t total = 0;
-      for (int64_t d = 0; d < hd; ++d) {
-        const int64_t c = h * hd + d;
-        TORCH_CHECK(bits[c] >= 1 && bits[c] <= kMaxKeyBits, "int4_kv_write: key_bits must be 1..", kMaxKeyBits,
-                    " a channel, got ", int(bits[c]), " (head ", h, ", channel ", d, ")");
-        levels[c] = static_cast<float>((1 << bits[c]) - 1);
-        first[c] = total;
-        total += bits[c];
-      }
-      TORCH_CHECK(total == kKeyBits * hd, "int4_kv_write: key_bits must total ", kKeyBits * hd, " a KV head, got ",
-                  total, " (head ", h, ")");
-    }
+    for (int64_t c = 0; c < kvh * hd; ++c) levels[c] = static_cast<float>((1 << key_bits.data_ptr<uint8_t>()[c]) - 1);
   } else {
     TORCH_CHECK(key_bits.numel() == 0, "int4_kv_write: key_bits must be empty for values");
     TORCH_CHECK(scales.sizes() == data.sizes().slice(0, 3) && scales.scalar_type() == at::kHalf &&
@@ -233,10 +240,66 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
 
 }  // namespace
 
+// The keys of n blocks back as float32 [n, bs, kvh, hd] (kv/int4.py: key_block_values), for prompt
+// chunks, which read earlier blocks dequantized: data [n, kvh, hd * bs / 2] bit planes, steps
+// [n, kvh, hd] float8 e4m3, zero_points [n, kvh, hd] int8, key_bits [kvh, hd]. The torch path
+// spends ~14x the int4 nibbles' time on planes; here a channel's codes are its planes' bits
+// shifted into place, one pass over the bytes.
+at::Tensor int4_key_values(const at::Tensor& data, const at::Tensor& steps, const at::Tensor& zero_points,
+                           const at::Tensor& key_bits) {
+  TORCH_CHECK(steps.dim() == 3 && steps.scalar_type() == at::kFloat8_e4m3fn && steps.is_contiguous(),
+              "int4_key_values: steps must be contiguous float8_e4m3fn [blocks, kvh, head_dim]");
+  const int64_t n = steps.size(0), kvh = steps.size(1), hd = steps.size(2);
+  TORCH_CHECK(zero_points.sizes() == steps.sizes() && zero_points.scalar_type() == at::kChar &&
+                  zero_points.is_contiguous(), "int4_key_values: zero_points must be contiguous int8 like steps");
+  TORCH_CHECK(data.dim() == 3 && data.size(0) == n && data.size(1) == kvh && data.size(2) * 2 % hd == 0 &&
+                  data.scalar_type() == at::kByte && data.is_contiguous(),
+              "int4_key_values: data must be contiguous uint8 [blocks, kvh, head_dim * bs / 2]");
+  const int64_t head_bytes = data.size(2), bs = head_bytes * 2 / hd;
+  const std::vector<int64_t> first = first_planes(key_bits, kvh, hd, "int4_key_values");
+  const uint8_t* bits = key_bits.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({n, bs, kvh, hd}, steps.options().dtype(at::kFloat));
+  const uint8_t* planes = data.data_ptr<uint8_t>();
+  const auto* step_bits = static_cast<const uint8_t*>(steps.data_ptr());
+  const int8_t* zeros = zero_points.data_ptr<int8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n * kvh, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> code(bs);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kvh, h = item % kvh;
+      const uint8_t* head = planes + item * head_bytes;
+      for (int64_t d = 0; d < hd; ++d) {
+        const int64_t c = h * hd + d;
+        std::fill(code.begin(), code.end(), 0u);
+        for (int64_t bit = 0; bit < bits[c]; ++bit) {
+          const int64_t at = (first[c] + bit) * bs;  // the plane's first bit
+          if (bs % 8 == 0) {  // whole bytes, 8 tokens each: the inner loop vectorizes
+            for (int64_t k = 0; k < bs / 8; ++k)
+              for (int i = 0; i < 8; ++i) code[8 * k + i] |= static_cast<uint32_t>(head[at / 8 + k] >> i & 1) << bit;
+          } else {
+            for (int64_t t = 0; t < bs; ++t)
+              code[t] |= static_cast<uint32_t>(head[(at + t) / 8] >> ((at + t) % 8) & 1) << bit;
+          }
+        }
+        const float step = static_cast<float>(
+            c10::Float8_e4m3fn(step_bits[item * hd + d], c10::Float8_e4m3fn::from_bits()));
+        const float zero = zeros[item * hd + d];
+        for (int64_t t = 0; t < bs; ++t)
+          o[((b * bs + t) * kvh + h) * hd + d] = (static_cast<float>(code[t]) + zero) * step;
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int4_kv_write(Tensor x, Tensor(a!) tail, Tensor(b!) data, Tensor(c!) scales, Tensor(d!) zero_points, "
         "Tensor key_bits, Tensor full_blocks, Tensor full_slots, Tensor full_rows, Tensor full_tokens, "
         "Tensor tail_rows, Tensor tail_tokens) -> ()");
+  m.def("int4_key_values(Tensor data, Tensor steps, Tensor zero_points, Tensor key_bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("int4_kv_write", &int4_kv_write); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("int4_kv_write", &int4_kv_write);
+  m.impl("int4_key_values", &int4_key_values);
+}

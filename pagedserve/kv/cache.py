@@ -81,9 +81,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     namespace) where given."""
     if kv_cache_dtype == "int4":
         tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
-        native_write = None if native_ops is None else native_ops.int4_kv_write
         return [Int4KVCache.allocate_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, tails,
-                                          native_write, None if key_bits is None else key_bits[layer])
+                                          native_ops, None if key_bits is None else key_bits[layer])
                 for layer in range(num_layers)]
     if kv_cache_dtype != "auto":
         return [tuple(QuantizedKVCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,

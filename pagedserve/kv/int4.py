@@ -51,7 +51,7 @@ is given back after the step (sooner only when no other is free).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -333,13 +333,14 @@ class Int4KVCache:
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float16, as stored
     plan: WritePlan | None = None  # and its plan
-    # The native kernel that does write()'s work in one call (kernels/int4_kv_write.cpp, the same
-    # bits); None: the torch ops below (no native kernels, or another device).
-    native_write: Callable[..., None] | None = None
+    # The loaded native kernels (kernels/int4_kv_write.cpp): int4_kv_write does write()'s work in one
+    # call, int4_key_values reads key blocks back, the same bits; None: the torch ops below (no
+    # native kernels, or another device).
+    native: object | None = None
 
     @classmethod
     def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
-                      device: torch.device, tails: TailMap, native_write: Callable[..., None] | None = None,
+                      device: torch.device, tails: TailMap, native: object | None = None,
                       key_bits: torch.Tensor | None = None) -> tuple[Int4KVCache, Int4KVCache]:
         """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``, the
         keys at ``key_bits`` a channel (default: 4 each)."""
@@ -355,9 +356,9 @@ class Int4KVCache:
         k = cls(zeros(planes, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
                 zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
                 zero_points=zeros(per_channel, torch.int8, device), key_bits=key_bits.to(device),
-                native_write=native_write)
+                native=native)
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
-                tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native_write=native_write)
+                tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native=native)
         return k, v
 
     def with_key_bits(self, key_bits: torch.Tensor) -> Int4KVCache:
@@ -389,7 +390,12 @@ class Int4KVCache:
         """Quantized blocks ``ids`` of this pool or selection as float32 values, as stored (V still rotated)."""
         if not self.per_channel:
             return dequantize_kv(self.data[ids], self.scales[ids], "int4", torch.float32)
-        return key_block_values(self.data[ids], self.scales[ids], self.zero_points[ids], self.key_bits)
+        data, steps, zero_points = self.data[ids], self.scales[ids], self.zero_points[ids]
+        if self.native is None:
+            return key_block_values(data, steps, zero_points, self.key_bits)
+        values = self.native.int4_key_values(data.flatten(0, -3), steps.flatten(0, -3), zero_points.flatten(0, -3),
+                                             self.key_bits)
+        return values.view(*data.shape[:-2], *values.shape[1:])
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x [T, kv_heads, head_dim]``: token i at flat slot ``slot_mapping[i]`` (:class:`WritePlan`)."""
@@ -397,11 +403,12 @@ class Int4KVCache:
         # At the tail's precision from the start: a block's bits, and what a query reads of its own
         # block, are then the same however its rows arrived (one chunk, several, or decodes).
         x16 = self.fresh = (x if self.rotation is None else x.float() @ self.rotation).to(TAIL_DTYPE)
-        if self.native_write is not None and not p.reads_pool:
+        if self.native is not None and not p.reads_pool:
             zero_points = self.zero_points if self.per_channel else self.data.new_empty(0, dtype=torch.int8)
             key_bits = self.key_bits if self.per_channel else self.data.new_empty(0)
-            self.native_write(x16.contiguous(), self.tail, self.data, self.scales, zero_points, key_bits, p.full_blocks,
-                              p.full_slots, p.full_rows, p.full_tokens, p.tail_rows, p.tail_tokens)
+            self.native.int4_kv_write(x16.contiguous(), self.tail, self.data, self.scales, zero_points, key_bits,
+                                      p.full_blocks, p.full_slots, p.full_rows, p.full_tokens, p.tail_rows,
+                                      p.tail_tokens)
             return
         x = x16.float()
         bs, kvh, hd = self.shape[1:]

@@ -50,7 +50,7 @@ def test_the_native_write_stores_the_torch_writes_bits_step_after_step(bs, bits)
     g = torch.Generator().manual_seed(7)
     num_blocks = 24 * 16 // bs
     (tk, tv), (nk, nv) = _pairs(num_blocks, bs, key_bits=KEY_BITS[bits](2, 32))
-    assert tk.native_write is None and nk.native_write is not None
+    assert tk.native is None and nk.native is not None
     bm = BlockManager(num_blocks, bs)
     bm.on_release = lambda ids: (tk.tails.release(ids), nk.tails.release(ids))
     pos = {1: 0, 2: 0, 3: 0}
@@ -178,3 +178,26 @@ def test_the_kernel_refuses_a_pool_of_the_other_layout():
     with pytest.raises(RuntimeError, match=r"data must be contiguous uint8 \[blocks, bs, kvh, head_dim / 2\]"):
         ops.int4_kv_write(x, v.tail, k.data, v.scales, NO_ROWS.to(torch.int8), NO_BITS, NO_ROWS, NO_ROWS, NO_ROWS,
                           NO_ROWS, NO_ROWS, NO_ROWS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bs", [16, 8, 4])
+def test_the_native_key_read_gives_the_torch_reads_keys_for_every_width(bs):
+    """``int4_key_values`` (what prompt chunks read of earlier blocks) returns exactly
+    :func:`~pagedserve.kv.int4.key_block_values`' float32 keys, for channels of 1 to 8 bits, and a
+    pool read through it (a block table's selection) equals one read through torch; bad bits are refused."""
+    from pagedserve.kv.int4 import key_block_values
+
+    g = torch.Generator().manual_seed(bs)
+    bits = mixed_key_bits(3, 64, seed=bs)
+    x = torch.randn(9, bs, 3, 64, generator=g) * torch.rand(1, 1, 3, 64, generator=g) * 20 + 3
+    data, steps, zeros = quantize_key_blocks(x, bits)
+    want = key_block_values(data, steps, zeros, bits)
+    assert torch.equal(native_ops().int4_key_values(data, steps, zeros, bits), want)
+    (tk, _), (nk, _) = _pairs(9, bs, kvh=3, hd=64, key_bits=bits)
+    for k in (tk, nk):
+        k.data[:], k.scales[:], k.zero_points[:] = data, steps, zeros
+    table = torch.tensor([[4, 0, 8], [2, 2, 7]])
+    assert torch.equal(nk[table].dequantize(), tk[table].dequantize())
+    with pytest.raises(RuntimeError, match="key_bits must total"):
+        native_ops().int4_key_values(data, steps, zeros, torch.full((3, 64), 5, dtype=torch.uint8))
