@@ -5,9 +5,10 @@
   padded contiguous tensor (measured on W1's decode batches: 3x less time per layer).
   ``paged_attention_quantized.cpp`` is the same kernel (``paged_decode.h``) over the quantized
   pools (int8, fp8), dequantizing each K and V vector with its scale as it reads, and over the int4
-  layout (kv/int4.py): per-channel key blocks, per-token value rows and each sequence's float16 tail,
-  with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``). ``paged_attention.cpp`` also holds the
-  prompt chunks' causal softmax pass (``causal_softmax_``).
+  layout (kv/int4.py): key blocks as bit planes at each channel's own width (``k_bits``; a block is
+  scored plane by plane, each plane one 16-bit load of its bit for 16 tokens), per-token value rows
+  and each sequence's float16 tail, with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``).
+  ``paged_attention.cpp`` also holds the prompt chunks' causal softmax pass (``causal_softmax_``).
 * ``int4_kv_write.cpp`` — a step's K or V rows into an int4 pool in one call, as
   :meth:`~pagedserve.kv.int4.Int4KVCache.write` plans them (rows into tail slots, the blocks the
   step fills quantized), with the torch path's bits.

@@ -3,6 +3,7 @@ GQA shape and dtype, quantized pools bit for bit, and the checks that keep a bad
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from pagedserve.kernels import (best_isa, isa_paths, kernel_error, paged_decode_
                                 paged_decode_quantized_kernel)
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention
-from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, paged_batch, quantized
+from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, mixed_key_bits, paged_batch, quantized
 
 # Both decode entry points live in the one native library: built, or neither is.
 needs_kernels = pytest.mark.skipif(paged_decode_kernel() is None, reason=f"native kernel unavailable: {kernel_error()}")
@@ -96,15 +97,17 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
 
 # int4 (kv/int4.py): decodes whose context ends on a block boundary (every earlier block quantized,
 # the one this decode filled still read from its tail), inside the first block (all tail), or past
-# it (quantized blocks, then the open block from the tail).
+# it (quantized blocks, then the open block from the tail); keys at 4 bits a channel, or at a mix
+# of every width 1..8 (bit planes of each channel's own count).
 @needs_kernels
+@pytest.mark.parametrize("mixed", [False, True], ids=["bits4", "mixed"])
 @pytest.mark.parametrize("heads,kvh,hd", [(6, 2, 8), (4, 4, 24), (12, 4, 64), (9, 3, 64), (8, 1, 64), (16, 2, 128)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh, hd, dtype, atol):
+def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh, hd, dtype, atol, mixed):
     ctx = [1, 5, 16, 17, 32, 33, 100, 250]
     d = len(ctx)
     q, k, v, meta = paged_batch(ctx, [(7, 7), (5, 30)], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=dtype)
-    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=13)
+    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=13, key_bits=mixed_key_bits(kvh, hd) if mixed else None)
     k_pool.out_dtype = v_pool.out_dtype = dtype
     last = meta.decode_block_tables[torch.arange(d), (meta.decode_context_lens - 1) // 16]
     assert ((k_pool.tails.slot_of[last] >= 0) == torch.tensor([c % 16 != 0 for c in ctx])).all()  # as named above
@@ -117,7 +120,7 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     # in_stored_basis does), and match the float32 reference over the same bits
     direct = torch.empty(d, heads, hd)
     paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
-                               v_pool.scales, k_pool.tail, v_pool.tail, read,
+                               k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
                                meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5)
     assert torch.equal((direct @ v_pool.rotation).to(dtype), got[:d])
     k_pool.out_dtype = v_pool.out_dtype = torch.float32
@@ -126,23 +129,29 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
 
 
 # Every instruction-set path of the int4 kernel (cpu_isa.h) this CPU runs: head_dim 64 and 128 take
-# the SIMD paths' compile-time shapes, 48 their run-time one, 24 the plain loops everywhere; groups
-# of 1-3 query heads score four keys at a time on avx2, wider ones one; contexts end mid-block at
-# every remainder of four.
+# the SIMD paths' compile-time shapes for values and tails, 48 their run-time one, 24 the plain
+# loops everywhere; keys go through each path's bit planes at block_size 16 (whatever head_dim),
+# the plain bit loop at 4 (planes of 4 bits, half a byte); 4 bits a channel, or every width 1..8
+# (each one a loop of its own on the SIMD paths); groups of 1-3 query heads keep more accumulators;
+# contexts end mid-block at every remainder of four.
 @needs_kernels
 @pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("heads,kvh,hd", [(3, 3, 64), (12, 4, 64), (8, 2, 128), (8, 1, 48), (16, 2, 64), (4, 2, 24)])
-def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, heads, kvh, hd):
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("mixed", [False, True], ids=["bits4", "mixed"])
+def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, heads, kvh, hd, block_size, mixed):
     ctx = [1, 2, 3, 4, 7, 16, 18, 29, 32, 45, 100, 131]
     d = len(ctx)
-    q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=kvh, heads=heads, hd=hd)
-    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=11)
+    q, k, v, meta = paged_batch(ctx, [], block_size=block_size, kvh=kvh, heads=heads, hd=hd,
+                                num_blocks=sum(-(-c // block_size) for c in ctx) + 8)
+    k_pool, v_pool, meta = int4_pools(k, v, meta, chunk=11, key_bits=mixed_key_bits(kvh, hd) if mixed else None)
     read = k_pool.decode_view().tail_slots()
+    assert (read[meta.decode_block_tables[ctx.index(131)]] < 0).sum() >= 100 // block_size  # quantized blocks read
 
-    def run(path):
+    def run(path, meta=meta):
         out = torch.empty(d, heads, hd)
         paged_decode_int4_kernel()(out, q, k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
-                                   v_pool.scales, k_pool.tail, v_pool.tail, read,
+                                   k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
                                    meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5, path)
         return out @ v_pool.rotation
 
@@ -151,6 +160,14 @@ def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, h
     assert torch.allclose(got, exact, atol=1e-5), isa
     assert torch.allclose(got, run("scalar"), atol=2e-6, rtol=0), isa
     assert torch.equal(run("auto"), run(best_isa()))
+    # and contexts cut to end inside a quantized block (as a rollback leaves them): its first tokens only
+    lens = meta.decode_context_lens
+    cut = replace(meta, decode_context_lens=torch.where(lens > 2 * block_size + 5, lens - block_size - 3, lens))
+    last = read[meta.decode_block_tables[torch.arange(d), (cut.decode_context_lens - 1) // block_size]]
+    assert ((last < 0) & (cut.decode_context_lens % block_size != 0)).sum() >= 2
+    got = run(isa, cut)
+    assert torch.allclose(got, reference_attention(q, k_pool, v_pool, cut, hd ** -0.5), atol=1e-5), isa
+    assert torch.allclose(got, run("scalar", cut), atol=2e-6, rtol=0), isa
 
 
 @needs_kernels
@@ -160,11 +177,44 @@ def test_int4_kernel_refuses_a_tail_slot_outside_the_tails():
     bad = kp.tails.slot_of.clone()
     bad[meta.decode_block_tables[0, 1]] = kp.tail.shape[0]  # a block the sequence reads (the slots of others are not read)
     with pytest.raises(RuntimeError, match="tail slot"):
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points,
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
                                    vp.scales, kp.tail, vp.tail, bad, meta.decode_block_tables,
                                    meta.decode_context_lens, 0.1)
     with pytest.raises(RuntimeError, match="key steps"):  # K's per-channel steps are not V's per-token scales
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, kp.zero_points,
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, kp.zero_points, kp.key_bits,
+                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.1)
+    with pytest.raises(RuntimeError, match="key pool"):  # the keys are bit planes, not V's rows of nibbles
+        paged_decode_int4_kernel()(torch.empty_like(q), q, vp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
+                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.1)
+
+
+# Key bits the planes cannot be read by: another dtype or shape, a channel of 0 or 9 bits, a head
+# whose bits do not total 4 * head_dim (its planes would run into the next head's).
+def _width(bits, h, c, w):
+    bits = bits.clone()
+    bits[h, c] = w if w is not None else int(bits[h, c]) % 8 + 1  # None: another valid width
+    return bits
+
+
+@needs_kernels
+@pytest.mark.parametrize("change,match", [
+    (lambda b: b.long(), "key bits must be uint8"),
+    (lambda b: b[:, :-1], "key bits must be uint8"),
+    (lambda b: b[:1], "key bits must be uint8"),
+    (lambda b: b.flatten(), "key bits must be uint8"),
+    (lambda b: torch.stack([b, b], -1)[..., 0], "contiguous"),
+    (lambda b: _width(b, 0, 0, 0), r"1\.\.8 a channel, got 0 for KV head 0 channel 0"),
+    (lambda b: _width(b, 1, 5, 9), r"1\.\.8 a channel, got 9 for KV head 1 channel 5"),
+    (lambda b: _width(b, 1, 3, None), "key bits must total 256 .* for KV head 1"),
+], ids=["int64", "narrow", "one-head", "flat", "strided", "width0", "width9", "total"])
+def test_int4_kernel_refuses_key_bits_it_cannot_read(change, match):
+    q, k, v, meta = paged_batch([40], [], block_size=16, kvh=2, heads=4, hd=64)
+    kp, vp, meta = int4_pools(k, v, meta, key_bits=mixed_key_bits(2, 64))
+    bits = change(kp.key_bits)
+    with pytest.raises(RuntimeError, match=match):
+        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, bits,
                                    vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
                                    meta.decode_context_lens, 0.1)
 
