@@ -461,35 +461,49 @@ def test_the_engine_layout_with_calibrated_bits_is_the_simulated_kmix_vrot_tail(
     assert err < 0.01 < float((got["uniform"] - want).norm() / want.norm()), err
 
 
-def test_an_int4_engine_calibrates_its_key_bits_once_and_reads_them_back(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """``--int4-key-bits calibrated`` (the default): the first engine over a model runs the shipped
-    text through it and caches each layer's bits (1..8 a channel, 4 · head_dim a head, not 4
-    everywhere); the next reads the same bits back without running the model; both pools serve
-    requests with every block returned. ``uniform`` keeps 4 bits a channel."""
+def test_an_int4_engine_calibrates_its_key_bits_once_and_reads_them_back(checkpoint_dir, tmp_path, monkeypatch,
+                                                                        caplog):
+    """``--int4-key-bits calibrated`` (the default) over a checkpoint whose KV head 0 has one RoPE pair
+    of key channels 8x wider in every layer: the first engine runs the shipped text through the model
+    and caches each layer's bits (1..8 a channel, 4 · head_dim a head), the wide pair getting more
+    than 4; the next engine reads the same bits back without running the model; both serve requests
+    with every block returned. ``uniform`` keeps 4 bits a channel."""
+    import json
     import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.frontend.engine import Engine
     from tests.conftest import assert_no_leaks
 
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    src, model = checkpoint_dir("llama"), tmp_path / "model"
+    shutil.copytree(src, model)
+    weights = load_file(model / "model.safetensors")
+    kv_heads = json.loads((model / "config.json").read_text())["num_key_value_heads"]
+    hd = weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // kv_heads
+    for name in [k for k in weights if k.endswith("self_attn.k_proj.weight")]:
+        weights[name][[3, 3 + hd // 2]] *= 8  # head 0's channels 3 and 3 + hd/2: one rotary pair
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     caplog.set_level(logging.INFO, logger="pagedserve.engine.core.key_bits")
 
     def engine(key_bits: str) -> Engine:
-        return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="int4",
-                                   int4_key_bits=key_bits, num_kv_blocks=64, max_model_len=256))
+        return Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_dtype="int4", int4_key_bits=key_bits,
+                                   num_kv_blocks=64, max_model_len=256))
 
     first = engine("calibrated")
-    assert "calibrated on" in caplog.text and len(list((tmp_path / "key-bits").iterdir())) == 1
+    assert "calibrated on" in caplog.text and len(list((tmp_path / "cache" / "key-bits").iterdir())) == 1
     caplog.clear()
     second = engine("calibrated")
     assert "calibrated on" not in caplog.text and "key bits per channel from" in caplog.text
     pools = [e.core.runner.kv_caches for e in (first, second, engine("uniform"))]
-    bits = torch.stack([k.key_bits for k, _ in pools[0]])
-    assert torch.equal(bits, torch.stack([k.key_bits for k, _ in pools[1]]))
-    hd = bits.shape[-1]
-    assert (bits.long().sum(-1) == 4 * hd).all() and int(bits.min()) >= 1 and int(bits.max()) <= 8
-    assert not (bits == 4).all() and all((k.key_bits == 4).all() for k, _ in pools[2])
+    bits = torch.stack([k.key_bits for k, _ in pools[0]]).long()  # [layers, kv_heads, head_dim]
+    assert torch.equal(bits, torch.stack([k.key_bits for k, _ in pools[1]]).long())
+    assert bits.shape[-1] == hd and (bits.sum(-1) == 4 * hd).all() and bits.min() >= 1 and bits.max() <= 8
+    assert (bits[:, 0, [3, 3 + hd // 2]] > 4).all(), bits[:, 0]
+    assert all((k.key_bits == 4).all() for k, _ in pools[2])
     for e in (first, second):
         _greedy(e, [[5, 6, 7] * 20, list(range(40, 90))])
         assert_no_leaks(e)
