@@ -54,11 +54,12 @@ QUALITY_FLOOR_MODEL = "SmolLM2-135M-Instruct"
 # Perplexity cost of each (quantization, kv_cache_dtype) on QUALITY_FLOOR_MODEL against its GGUF
 # dequantized to float32 with float32 KV, every cell on the same 8 windows × 256 tokens of the Python
 # tutorial's prose (the commands are in docs/QUANTIZATION.md). "int4" re-quantizes a Q4_1 file: two
-# roundings, where a float checkpoint has one. The int4 KV cells are its layout since 2026-12-05 (keys
-# with zero points). The engine warns at start-up for a cell under the floor.
+# roundings, where a float checkpoint has one. The int4 KV cells are its layout since 2026-12-06 (keys
+# with zero points, each channel at its calibrated bits). The engine warns at start-up for a cell
+# under the floor.
 MEASURED_PPL_COST: dict[tuple[str, str], float] = {
-    ("none", "auto"): 0.0, ("none", "fp8"): -0.0010, ("none", "int8"): -0.0011, ("none", "int4"): 0.0120,
-    ("int8", "auto"): 0.0040, ("int8", "fp8"): 0.0056, ("int8", "int8"): 0.0035, ("int8", "int4"): 0.0113,
+    ("none", "auto"): 0.0, ("none", "fp8"): -0.0010, ("none", "int8"): -0.0011, ("none", "int4"): 0.0024,
+    ("int8", "auto"): 0.0040, ("int8", "fp8"): 0.0056, ("int8", "int8"): 0.0035, ("int8", "int4"): 0.0041,
     ("int4", "auto"): 0.0604, ("int4", "fp8"): 0.0600, ("int4", "int8"): 0.0609, ("int4", "int4"): 0.0741,
 }
 

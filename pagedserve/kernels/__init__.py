@@ -11,7 +11,8 @@
   ``paged_attention.cpp`` also holds the prompt chunks' causal softmax pass (``causal_softmax_``).
 * ``int4_kv_write.cpp`` — a step's K or V rows into an int4 pool in one call, as
   :meth:`~pagedserve.kv.int4.Int4KVCache.write` plans them (rows into tail slots, the blocks the
-  step fills quantized), with the torch path's bits.
+  step fills quantized, keys as bit planes), with the torch path's bits; and ``int4_key_values``,
+  key blocks read back as float for prompt chunks (the torch path's values, ~7x faster).
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
