@@ -127,13 +127,24 @@ void store_key_block(const Pool& p, int64_t b, const float* rows) {
   std::memset(planes, 0, p.kvh * head_bytes);
   for (int64_t c = 0; c < row; ++c) {
     uint8_t* head = planes + c / p.hd * head_bytes;
+    if (bs % 8 == 0) {  // a plane's bytes whole: 8 tokens' codes (at most 8 bits) as the bytes of a word
+      for (int64_t k = 0; k < bs / 8; ++k) {
+        uint64_t word = 0;
+        for (int i = 0; i < 8; ++i) word |= static_cast<uint64_t>(codes[(8 * k + i) * row + c]) << (8 * i);
+        // bit `bit` of each byte gathered into one byte, token i at bit i: the multiply moves byte i's
+        // bit to bit 56 + i and nothing else there (no branch on the bits, which are random)
+        for (int64_t bit = 0; bit < p.bits[c]; ++bit)
+          head[(p.first[c] + bit) * bs / 8 + k] =
+              static_cast<uint8_t>((((word >> bit) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+      }
+      continue;
+    }
     for (int64_t o = 0; o < bs; ++o) {
       const auto code = static_cast<uint32_t>(codes[o * row + c]);
-      for (int64_t bit = 0; bit < p.bits[c]; ++bit)
-        if (code >> bit & 1) {
-          const int64_t at = (p.first[c] + bit) * bs + o;
-          head[at / 8] |= static_cast<uint8_t>(1u << (at % 8));
-        }
+      for (int64_t bit = 0; bit < p.bits[c]; ++bit) {
+        const int64_t at = (p.first[c] + bit) * bs + o;
+        head[at / 8] |= static_cast<uint8_t>((code >> bit & 1) << (at % 8));
+      }
     }
   }
 }
