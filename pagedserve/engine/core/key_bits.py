@@ -113,11 +113,13 @@ def calibrate_key_bits(model: torch.nn.Module, token_ids: list[int], num_kv_head
 
 
 def calibration_tokens(tokenizer_source: str) -> list[int]:
-    """The shipped text's first :data:`CALIBRATION_TOKENS` tokens under the model's tokenizer."""
-    from pagedserve.tokenizer import load_tokenizer
+    """The shipped text's first :data:`CALIBRATION_TOKENS` tokens under the model's tokenizer (loaded
+    here only, as the structured-output compiler loads it: the core otherwise sees token ids alone)."""
+    from transformers import AutoTokenizer
 
     text = resources.files(__package__).joinpath(CALIBRATION_TEXT).read_text(encoding="utf-8")
-    return load_tokenizer(tokenizer_source).encode(text, add_special_tokens=False)[:CALIBRATION_TOKENS]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    return tokenizer.encode(text, add_special_tokens=False)[:CALIBRATION_TOKENS]
 
 
 def _cache_key(model_dir: Path, *settings: object) -> str:
