@@ -1,7 +1,7 @@
-"""int4 KV: keys per channel within each block with a zero point, values rotated per token, and
-each sequence's open block kept in a float16 *tail* until it fills — the layout
-``examples/int4_kv_study.py`` chose (docs/QUANTIZATION.md: +0.4 to +1.2 % perplexity on SmolLM2 at
-0.289× bf16's bytes, needle recall within 0–7 points of float32's).
+"""int4 KV: keys per channel within each block with a zero point, each channel at its calibrated
+bits, values rotated per token, and each sequence's open block kept in a float16 *tail* until it
+fills — the layout ``examples/int4_kv_study.py`` chose (docs/QUANTIZATION.md: on SmolLM2 +0.24 %
+perplexity at 0.289× bf16's bytes, needle recall level with float32's at 1k–7k).
 
 One layer's K (or V) pool::
 

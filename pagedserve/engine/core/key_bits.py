@@ -7,9 +7,10 @@ the model once over a text shipped with the package (``key_bits_text.txt``: ever
 tokens in independent chunks of 512) and records both factors per layer, KV head and channel;
 :func:`allocate_bits` then gives each head's ``4 · head_dim`` bits out one at a time, to the channel
 whose error the next bit cuts most (1 to 8 bits a channel). The bytes stay those of 4 bits
-everywhere. examples/int4_kv_study.py measured the choice on SmolLM2 (docs/QUANTIZATION.md): needle
-recall at 2k within a point of float32's where 4 bits everywhere lost ten, and the bits came out
-the same calibrated on another text: they follow the model.
+everywhere. On SmolLM2 (docs/QUANTIZATION.md) the engine's needle recall at 2k, 400 needles, went
+from 6.8 points under float32's at 4 bits everywhere to level with it, and its perplexity cost from
++1.20 % to +0.24 %; examples/int4_kv_study.py found the bits the same calibrated on another text:
+they follow the model.
 
 The bits are cached under ``$PAGEDSERVE_CACHE/key-bits/``, keyed by the model directory's files,
 the compute dtype, the weight quantization, the block size and the text: a model is calibrated
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -81,16 +83,15 @@ class _KeyStatistics:
 
 @torch.inference_mode()
 def calibrate_key_bits(model: torch.nn.Module, token_ids: list[int], num_kv_heads: int, head_dim: int,
-                       block_size: int, chunk: int = CHUNK) -> torch.Tensor:
+                       block_size: int, dtype: torch.dtype, chunk: int = CHUNK) -> torch.Tensor:
     """``[layers, kv_heads, head_dim]`` uint8 key bits for ``model`` from ``token_ids`` (whole chunks
     of ``chunk`` tokens, each a sequence of its own from position 0)."""
     chunks = len(token_ids) // chunk
     if chunks < 1 or chunk % block_size:
         raise ValueError(f"key-bit calibration needs {chunk} tokens at least and a block size dividing {chunk}")
-    param = next(model.parameters())
-    dev = param.device
+    dev = next(model.parameters()).device
     num_blocks = chunk // block_size
-    pools = [tuple(torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=param.dtype, device=dev)
+    pools = [tuple(torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
                    for _ in range(2)) for _ in model.layers]
     stats = _KeyStatistics(model.attention, pools, block_size)
     positions = torch.arange(chunk, device=dev)
@@ -142,11 +143,9 @@ def model_key_bits(model: torch.nn.Module, model_dir: Path, tokenizer_source: st
         bits = torch.load(path)
         logger.info("int4 KV: key bits per channel from %s", path)
     else:
-        import time
-
         t0 = time.monotonic()
         tokens = calibration_tokens(tokenizer_source)
-        bits = calibrate_key_bits(model, tokens, num_kv_heads, head_dim, block_size, chunk)
+        bits = calibrate_key_bits(model, tokens, num_kv_heads, head_dim, block_size, dtype, chunk)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         torch.save(bits, tmp)
