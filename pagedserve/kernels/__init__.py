@@ -83,7 +83,7 @@ _SOURCES = [Path(__file__).with_name(name)
                          "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
-                         "gguf_amx.inc", "kernel_ops.h", "work_pool.h")]
+                         "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by

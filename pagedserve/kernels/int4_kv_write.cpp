@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "int4_key_bits.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,7 +27,6 @@
 
 namespace {
 
-constexpr int64_t kKeyBits = 4, kMaxKeyBits = 8;         // a key channel's bits: 4 on average, 1..8 each
 constexpr float kStepMin = 1.0f / 512, kStepMax = 448;   // e4m3's smallest subnormal and largest finite
 constexpr float kValueMax = 7.0f, kScaleMin = 1e-6f;     // value codes -7..7 (+8); kv/quant.py's floor
 
@@ -49,7 +50,7 @@ struct Pool {
   int8_t* zeros;  // K: [blocks, kvh, hd]; V: null
   const uint8_t* bits;   // K: [kvh, hd] each channel's bits; V: null
   const float* levels;   // K: [kvh * hd] 2^bits - 1, the channel's largest code
-  const int64_t* first;  // K: [kvh * hd] the channel's first plane within its head
+  const int32_t* first;  // K: [kvh * hd] the channel's first plane within its head
   int64_t bs, kvh, hd;
 };
 
@@ -64,29 +65,6 @@ uint8_t e4m3_at_least(float x) {
 void pack_row(uint8_t* out, const float* codes, int64_t n) {
   for (int64_t i = 0; i < n / 2; ++i)
     out[i] = static_cast<uint8_t>(codes[2 * i]) | static_cast<uint8_t>(static_cast<uint8_t>(codes[2 * i + 1]) << 4);
-}
-
-// Each channel's first plane within its head, from key_bits [kvh, hd] uint8, checked as kv/int4.py's
-// check_key_bits does: 1..8 a channel, 4 * head_dim a head, so the planes fill the data's bytes.
-std::vector<int64_t> first_planes(const at::Tensor& key_bits, int64_t kvh, int64_t hd, const char* op) {
-  TORCH_CHECK(key_bits.scalar_type() == at::kByte && key_bits.is_contiguous() &&
-                  key_bits.sizes() == at::IntArrayRef({kvh, hd}),
-              op, ": key_bits must be contiguous uint8 [kvh, head_dim]");
-  const uint8_t* bits = key_bits.data_ptr<uint8_t>();
-  std::vector<int64_t> first(kvh * hd);
-  for (int64_t h = 0; h < kvh; ++h) {
-    int64_t total = 0;
-    for (int64_t d = 0; d < hd; ++d) {
-      const int64_t c = h * hd + d;
-      TORCH_CHECK(bits[c] >= 1 && bits[c] <= kMaxKeyBits, op, ": key_bits must be 1..", kMaxKeyBits,
-                  " a channel, got ", int(bits[c]), " (head ", h, ", channel ", d, ")");
-      first[c] = total;
-      total += bits[c];
-    }
-    TORCH_CHECK(total == kKeyBits * hd, op, ": key_bits must total ", kKeyBits * hd, " a KV head, got ", total,
-                " (head ", h, ")");
-  }
-  return first;
 }
 
 // rows [bs, kvh, hd] float → block b's key bit planes, steps and zero points (kv/int4.py: quantize_key_blocks).
@@ -196,13 +174,13 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
   TORCH_CHECK(x.dim() == 3 && x.size(1) == kvh && x.size(2) == hd && x.scalar_type() == at::kHalf && x.is_contiguous(),
               "int4_kv_write: x must be contiguous float16 [tokens, kvh, head_dim]");
   std::vector<float> levels;   // keys: each channel's largest code, 2^bits - 1 ...
-  std::vector<int64_t> first;  // ... and first plane within its head, worked out once per call
+  std::vector<int32_t> first;  // ... and first plane within its head, worked out once per call
   if (keys) {
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, kvh, hd}) && scales.scalar_type() == at::kFloat8_e4m3fn &&
                     zero_points.sizes() == scales.sizes() && zero_points.scalar_type() == at::kChar &&
                     scales.is_contiguous() && zero_points.is_contiguous(),
                 "int4_kv_write: key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
-    first = first_planes(key_bits, kvh, hd, "int4_kv_write");
+    first = pagedserve::first_key_planes(key_bits, kvh, hd, "int4_kv_write");
     levels.resize(kvh * hd);
     for (int64_t c = 0; c < kvh * hd; ++c) levels[c] = static_cast<float>((1 << key_bits.data_ptr<uint8_t>()[c]) - 1);
   } else {
@@ -267,7 +245,7 @@ at::Tensor int4_key_values(const at::Tensor& data, const at::Tensor& steps, cons
                   data.scalar_type() == at::kByte && data.is_contiguous(),
               "int4_key_values: data must be contiguous uint8 [blocks, kvh, head_dim * bs / 2]");
   const int64_t head_bytes = data.size(2), bs = head_bytes * 2 / hd;
-  const std::vector<int64_t> first = first_planes(key_bits, kvh, hd, "int4_key_values");
+  const std::vector<int32_t> first = pagedserve::first_key_planes(key_bits, kvh, hd, "int4_key_values");
   const uint8_t* bits = key_bits.data_ptr<uint8_t>();
   at::Tensor out = at::empty({n, bs, kvh, hd}, steps.options().dtype(at::kFloat));
   const uint8_t* planes = data.data_ptr<uint8_t>();

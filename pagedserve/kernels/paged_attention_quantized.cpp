@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "int4_key_bits.h"
 #include "paged_decode.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -178,7 +179,7 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-constexpr int kMaxKeyBits = 8;  // a key channel's widest code (kv/int4.py's MAX_KEY_BITS)
+using pagedserve::kMaxKeyBits;  // a key channel's widest code (kv/int4.py's MAX_KEY_BITS)
 
 // One layer's key widths (k_bits [kv_heads, head_dim]), worked out once per call: where each
 // channel's planes start, and each head's channels grouped by width. The SIMD paths score a block
@@ -196,16 +197,15 @@ struct KeyPlanes {
   // [kv_heads, 9]: where head h's channels of width w (1..8) start in by_width, then where they end
   std::vector<int32_t> starts;
 
-  KeyPlanes(const uint8_t* key_bits, int64_t kvh, int64_t head_dim)
-      : hd(head_dim), bits(key_bits), first(kvh * head_dim), by_width(kvh * head_dim), starts(kvh * (kMaxKeyBits + 1)) {
+  // k_bits checked (int4_key_bits.h), its first planes with it.
+  KeyPlanes(const at::Tensor& k_bits, int64_t kvh, int64_t head_dim)
+      : hd(head_dim), bits(static_cast<const uint8_t*>(k_bits.data_ptr())),  // (typed once checked, below)
+        first(pagedserve::first_key_planes(k_bits, kvh, head_dim, "paged_decode_attention_int4")),
+        by_width(kvh * head_dim), starts(kvh * (kMaxKeyBits + 1)) {
     for (int64_t h = 0; h < kvh; ++h) {
       const uint8_t* b = bits + h * hd;
-      int32_t count[kMaxKeyBits + 1] = {}, next[kMaxKeyBits + 1] = {}, plane = 0;
-      for (int64_t c = 0; c < hd; ++c) {
-        first[h * hd + c] = plane;
-        plane += b[c];
-        ++count[b[c]];
-      }
+      int32_t count[kMaxKeyBits + 1] = {}, next[kMaxKeyBits + 1] = {};
+      for (int64_t c = 0; c < hd; ++c) ++count[b[c]];
       int32_t* s = starts.data() + h * (kMaxKeyBits + 1);
       int32_t at = static_cast<int32_t>(h * hd);
       for (int w = 1; w <= kMaxKeyBits; ++w) {
@@ -657,9 +657,6 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   TORCH_CHECK(k_steps.sizes() == at::IntArrayRef({nb, kvh, hd}) && k_zeros.sizes() == k_steps.sizes() &&
                   k_steps.scalar_type() == at::kFloat8_e4m3fn && k_zeros.scalar_type() == at::kChar,
               "key steps and zero points must be float8_e4m3fn and int8 [blocks, kvh, head_dim]");
-  TORCH_CHECK(k_bits.scalar_type() == at::kByte && k_bits.sizes() == at::IntArrayRef({kvh, hd}),
-              "key bits must be uint8 [kvh, head_dim] = [", kvh, ", ", hd, "], got ", k_bits.scalar_type(), " ",
-              k_bits.sizes());
   TORCH_CHECK(v_scales.sizes() == at::IntArrayRef({nb, bs, kvh}) && v_scales.scalar_type() == at::kHalf,
               "value scales must be float16 [blocks, bs, kvh]");
   TORCH_CHECK(k_tail.dim() == 4 && k_tail.sizes() == v_tail.sizes() && k_tail.size(1) == bs && k_tail.size(2) == kvh &&
@@ -667,22 +664,9 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
               "tails must be float16 [slots, bs, kvh, head_dim]");
   TORCH_CHECK(tail_of.scalar_type() == at::kLong && tail_of.dim() == 1 && tail_of.size(0) == nb,
               "tail_of must be int64 [blocks]");
-  for (const at::Tensor* t : {&k_data, &v_data, &k_steps, &k_zeros, &k_bits, &v_scales, &k_tail, &v_tail, &tail_of})
+  for (const at::Tensor* t : {&k_data, &v_data, &k_steps, &k_zeros, &v_scales, &k_tail, &v_tail, &tail_of})
     TORCH_CHECK(t->is_contiguous(), "tensors must be contiguous");
-  // Each head's planes fill its 4 * head_dim of them exactly (kv/int4.py check_key_bits): a width
-  // outside 1..8, or a head with more bits, would read another head's planes or past the block.
-  const uint8_t* bits = k_bits.data_ptr<uint8_t>();
-  for (int64_t h = 0; h < kvh; ++h) {
-    int64_t total = 0;
-    for (int64_t c = 0; c < hd; ++c) {
-      const int w = bits[h * hd + c];
-      TORCH_CHECK(w >= 1 && w <= kMaxKeyBits, "key bits must be 1..", kMaxKeyBits, " a channel, got ", w,
-                  " for KV head ", h, " channel ", c);
-      total += w;
-    }
-    TORCH_CHECK(total == 4 * hd, "key bits must total ", 4 * hd, " (4 * head_dim) a KV head, got ", total,
-                " for KV head ", h);
-  }
+  const KeyPlanes planes(k_bits, kvh, hd);  // checks the widths
   const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
   TORCH_CHECK(sh.hd == hd, "q's head_dim ", sh.hd, " is not the pools' ", hd);
   const int64_t* slots = tail_of.data_ptr<int64_t>();
@@ -692,7 +676,6 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
     for (int64_t j = 0; j < (l[s] + bs - 1) / bs; ++j)
       TORCH_CHECK(slots[t[s * sh.max_blocks + j]] < k_tail.size(0), "tail slot ", slots[t[s * sh.max_blocks + j]],
                   " out of range");
-  const KeyPlanes planes(bits, kvh, hd);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor of = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   const Int4Pools p{k_data.data_ptr<uint8_t>(),

@@ -143,12 +143,13 @@ def test_the_kernel_refuses_a_plan_out_of_range():
 
 @needs_kernels
 @pytest.mark.parametrize("bad, message", [
-    (torch.full((2, 32), 4, dtype=torch.int64), "key_bits must be contiguous uint8"),  # dtype
-    (torch.full((1, 32), 4, dtype=torch.uint8), "key_bits must be contiguous uint8"),  # one head short
-    (torch.full((2, 64), 4, dtype=torch.uint8)[:, ::2], "key_bits must be contiguous uint8"),  # strided
+    (torch.full((2, 32), 4, dtype=torch.int64), "key bits must be contiguous uint8"),  # dtype
+    (torch.full((1, 32), 4, dtype=torch.uint8), "key bits must be contiguous uint8"),  # one head short
+    (torch.full((2, 64), 4, dtype=torch.uint8)[:, ::2], "key bits must be contiguous uint8"),  # strided
     (torch.tensor([[0, 8] + [4] * 30] * 2, dtype=torch.uint8), "must be 1..8 a channel, got 0"),
     (torch.tensor([[9, 3] + [4] * 30] * 2, dtype=torch.uint8), "must be 1..8 a channel, got 9"),
-    (torch.tensor([[4] * 32, [5] + [4] * 31], dtype=torch.uint8), "must total 128 a KV head, got 129 \\(head 1"),
+    (torch.tensor([[4] * 32, [5] + [4] * 31], dtype=torch.uint8),
+     r"must total 128 \(4 \* head_dim\) a KV head, got 129 for KV head 1"),
 ])
 def test_the_kernel_refuses_bad_key_bits(bad, message):
     """Bits the planes cannot hold: each channel needs 1..8, and a head's 4 · head_dim in all to fill
@@ -199,5 +200,5 @@ def test_the_native_key_read_gives_the_torch_reads_keys_for_every_width(bs):
         k.data[:], k.scales[:], k.zero_points[:] = data, steps, zeros
     table = torch.tensor([[4, 0, 8], [2, 2, 7]])
     assert torch.equal(nk[table].dequantize(), tk[table].dequantize())
-    with pytest.raises(RuntimeError, match="key_bits must total"):
+    with pytest.raises(RuntimeError, match="key bits must total"):
         native_ops().int4_key_values(data, steps, zeros, torch.full((3, 64), 5, dtype=torch.uint8))

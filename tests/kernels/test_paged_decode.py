@@ -200,10 +200,10 @@ def _width(bits, h, c, w):
 
 @needs_kernels
 @pytest.mark.parametrize("change,match", [
-    (lambda b: b.long(), "key bits must be uint8"),
-    (lambda b: b[:, :-1], "key bits must be uint8"),
-    (lambda b: b[:1], "key bits must be uint8"),
-    (lambda b: b.flatten(), "key bits must be uint8"),
+    (lambda b: b.long(), "key bits must be contiguous uint8"),
+    (lambda b: b[:, :-1], "key bits must be contiguous uint8"),
+    (lambda b: b[:1], "key bits must be contiguous uint8"),
+    (lambda b: b.flatten(), "key bits must be contiguous uint8"),
     (lambda b: torch.stack([b, b], -1)[..., 0], "contiguous"),
     (lambda b: _width(b, 0, 0, 0), r"1\.\.8 a channel, got 0 for KV head 0 channel 0"),
     (lambda b: _width(b, 1, 5, 9), r"1\.\.8 a channel, got 9 for KV head 1 channel 5"),
