@@ -72,18 +72,17 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: i
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device,
                        kv_cache_dtype: str = "auto", tail_slots: int | None = None,
-                       kv_groups: int = 1, native_ops: object | None = None,
-                       key_bits: list[torch.Tensor] | None = None) -> list[tuple[KVCache, KVCache]]:
+                       kv_groups: int = 1, native_ops: object | None = None) -> list[tuple[KVCache, KVCache]]:
     """Per layer, K and V pools of logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     int4's share one :class:`TailMap` of ``tail_slots`` open blocks (default: one per block;
-    ``kv_groups``: slot mappings a step writes), store each layer's keys at ``key_bits[layer]`` a
-    channel (kv/key_bits.py; default 4 each) and write through ``native_ops`` (the loaded kernels'
-    namespace) where given."""
+    ``kv_groups``: slot mappings a step writes), keys at 4 bits a channel until a layer's K pool is
+    given its own (:meth:`~pagedserve.kv.int4.Int4KVCache.with_key_bits`), and write through
+    ``native_ops`` (the loaded kernels' namespace) where given."""
     if kv_cache_dtype == "int4":
         tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
         return [Int4KVCache.allocate_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, tails,
-                                          native_ops, None if key_bits is None else key_bits[layer])
-                for layer in range(num_layers)]
+                                          native_ops)
+                for _ in range(num_layers)]
     if kv_cache_dtype != "auto":
         return [tuple(QuantizedKVCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,
                                                 dtype, device) for _ in range(2))

@@ -24,7 +24,7 @@ costs two bytes, as the symmetric float16 scale did, and a token's bytes stay wh
 
 Channels are not equally worth their bits: a query leans on a few of them, and a wide one's range
 costs more score error per level. Each channel c of a layer's KV head gets its own b_c bits (1..8,
-4 on average: :mod:`pagedserve.kv.key_bits` calibrates them once per model; 4 each without it).
+4 on average: :mod:`pagedserve.engine.core.key_bits` calibrates them once per model; 4 each without it).
 A block's keys of one head are stored as *bit planes*: for each channel, least significant bit
 first, ``block_size`` bits saying which tokens' codes have that bit set, channel after channel —
 ``4 · head_dim · block_size`` bits whatever the mix, the bytes of 4-bit codes. A decode then scores
@@ -223,7 +223,7 @@ class TailMap:
 
 
 def uniform_key_bits(kv_heads: int, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """4 bits for every key channel: the layout before calibration (kv/key_bits.py), and its bytes."""
+    """4 bits for every key channel: the layout before calibration (engine/core/key_bits.py), and its bytes."""
     return torch.full((kv_heads, head_dim), KEY_BITS, dtype=torch.uint8, device=device)
 
 
@@ -340,22 +340,20 @@ class Int4KVCache:
 
     @classmethod
     def allocate_pair(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, out_dtype: torch.dtype,
-                      device: torch.device, tails: TailMap, native: object | None = None,
-                      key_bits: torch.Tensor | None = None) -> tuple[Int4KVCache, Int4KVCache]:
+                      device: torch.device, tails: TailMap,
+                      native: object | None = None) -> tuple[Int4KVCache, Int4KVCache]:
         """A layer's K and V pools (all zero, no block open) over the engine's shared ``tails``, the
-        keys at ``key_bits`` a channel (default: 4 each)."""
+        keys at 4 bits a channel (:meth:`with_key_bits`: a layer's own)."""
         if head_dim % 2:
             raise ValueError(f"int4 KV packs two values per byte and needs an even head_dim, got {head_dim}")
-        if key_bits is None:
-            key_bits = uniform_key_bits(num_kv_heads, head_dim, device)
-        check_key_bits(key_bits, num_kv_heads, head_dim)
         data = (num_blocks, block_size, num_kv_heads, head_dim // 2)
         tail = (tails.num_slots, block_size, num_kv_heads, head_dim)
         per_channel = (num_blocks, num_kv_heads, head_dim)
         planes = (num_blocks, num_kv_heads, head_dim * block_size // 2)  # the same bytes as `data`
         k = cls(zeros(planes, torch.uint8, device), zeros(per_channel, KEY_STEP_DTYPE, device),
                 zeros(tail, TAIL_DTYPE, device), tails, True, out_dtype,
-                zero_points=zeros(per_channel, torch.int8, device), key_bits=key_bits.to(device),
+                zero_points=zeros(per_channel, torch.int8, device),
+                key_bits=uniform_key_bits(num_kv_heads, head_dim, device),
                 native=native)
         v = cls(zeros(data, torch.uint8, device), zeros(data[:3], SCALE_DTYPE, device), zeros(tail, TAIL_DTYPE, device),
                 tails, False, out_dtype, hadamard_matrix(head_dim, device=device), native=native)

@@ -222,9 +222,9 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
         if kernel is None:
             return _decode_matmul(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits, v_cache.scales,
-               k_cache.tail, v_cache.tail, k_cache.tail_slots(), meta.decode_block_tables, meta.decode_context_lens,
-               scale)
+        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
+               v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots(), meta.decode_block_tables,
+               meta.decode_context_lens, scale)
         return out
     if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()

@@ -68,8 +68,9 @@ def int4_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta
     from pagedserve.kv.cache import allocate_kv_caches
 
     nb, bs, kvh, hd = k_cache.shape
-    k, v = allocate_kv_caches(1, nb, bs, kvh, hd, torch.float32, torch.device("cpu"), "int4", tail_slots,
-                              key_bits=None if key_bits is None else [key_bits])[0]
+    k, v = allocate_kv_caches(1, nb, bs, kvh, hd, torch.float32, torch.device("cpu"), "int4", tail_slots)[0]
+    if key_bits is not None:
+        k = k.with_key_bits(key_bits)
     seqs = [(meta.decode_block_tables[i], int(meta.decode_context_lens[i]), 1) for i in range(meta.num_decodes)]
     seqs += [(table, ctx, q_len) for _, q_len, ctx, table in meta.prefills]
 

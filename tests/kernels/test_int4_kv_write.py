@@ -26,8 +26,9 @@ KEY_BITS = {"uniform": uniform_key_bits, "mixed": mixed_key_bits}  # (kvh, hd) -
 def _pairs(num_blocks=24, block_size=16, kvh=2, hd=32, tail_slots=3, key_bits=None):
     """Two K/V pool pairs of the same shape: one writing through torch, one through the kernel."""
     def pools(ops):
-        return allocate_kv_caches(1, num_blocks, block_size, kvh, hd, torch.float32, CPU, "int4", tail_slots,
-                                  native_ops=ops, key_bits=None if key_bits is None else [key_bits])[0]
+        k, v = allocate_kv_caches(1, num_blocks, block_size, kvh, hd, torch.float32, CPU, "int4", tail_slots,
+                                  native_ops=ops)[0]
+        return (k if key_bits is None else k.with_key_bits(key_bits)), v
     return pools(None), pools(native_ops())
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches
-from pagedserve.kv.int4 import TAIL_DTYPE
+from pagedserve.kv.int4 import TAIL_DTYPE, uniform_key_bits
 from pagedserve.models.attention import ATTENTION_BACKENDS, AttentionMetadata, reference_attention, write_kv
 
 CPU = torch.device("cpu")
@@ -235,7 +235,7 @@ def test_keys_are_stored_per_channel_with_a_zero_point_in_two_bytes_a_channel():
     """A channel sitting far off zero keeps its variation (a symmetric scale spent half its levels on
     the side it never visits), every stored step is at least the range needs (rounded up to float8,
     so no key is clipped by more than half a step), and a block costs two bytes a channel."""
-    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks, uniform_key_bits
+    from pagedserve.kv.int4 import key_block_values, quantize_key_blocks
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 16, 2, 64, generator=g)
@@ -453,8 +453,9 @@ def test_the_engine_layout_with_calibrated_bits_is_the_simulated_kmix_vrot_tail(
     meta = AttentionMetadata(torch.arange(64), 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                              None, [(0, 64, 64, torch.arange(4))])
     got = {}
-    for name, key_bits in [("mixed", [bits]), ("uniform", None)]:
-        k_pool, v_pool = allocate_kv_caches(1, 4, 16, 2, 64, torch.float32, CPU, "int4", key_bits=key_bits)[0]
+    for name, key_bits in [("mixed", bits), ("uniform", uniform_key_bits(2, 64))]:
+        k_pool, v_pool = allocate_kv_caches(1, 4, 16, 2, 64, torch.float32, CPU, "int4")[0]
+        k_pool = k_pool.with_key_bits(key_bits)
         write_kv(k_pool, v_pool, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.arange(64))
         got[name] = reference_attention(q[0].transpose(0, 1), k_pool, v_pool, meta, 0.125)
     err = float((got["mixed"] - want).norm() / want.norm())
