@@ -41,15 +41,11 @@ def test_cpu_free_memory_reads_memavailable_and_honours_a_cgroup_limit(monkeypat
     assert (free.available, free.usable) == (2 * GIB, GIB) and "cgroup" in free.source
 
 
-def test_cuda_rule_is_a_fraction_of_the_whole_card(monkeypatch):
-    import torch
-
+def test_cuda_rule_is_a_fraction_of_the_whole_card():
     # An 80 GiB card with 30 GiB in use (weights, other processes): 0.9 × 80 − 30 = 42 GiB usable.
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * GIB, 80 * GIB))
-    free = memory.cuda_free_memory(torch.device("cuda"), 0.9)
-    assert free.usable == int(0.9 * 80 * GIB) - 30 * GIB
-    choice = memory.auto_kv_budget(free, 0.9, GIB, cap=100 * GIB)
-    assert choice.budget == free.usable - GIB
+    choice = memory.profiled_kv_budget(total=80 * GIB, free=50 * GIB, weights=GIB, peak_activation=GIB, fraction=0.9,
+                                       graphs=0, cap=100 * GIB, profile_tokens=1024)
+    assert choice.budget == int(0.9 * 80 * GIB) - 30 * GIB - GIB
     assert "0.9 × 80.00 GiB total − 30.00 GiB in use" in choice.describe()
 
 

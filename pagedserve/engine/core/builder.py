@@ -255,7 +255,7 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
     auto: AutoKVBudget | ProfiledKVBudget | None = None
     if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
         auto = (_profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs, tail_bytes)
-                if device.type == "cuda" else choose_auto_kv_budget(arch, config, device, per_token, tail_bytes))
+                if device.type == "cuda" else choose_auto_kv_budget(arch, config, per_token, tail_bytes))
         logger.info("%s", auto.describe())
         config = dataclasses.replace(config, kv_cache_memory=auto.budget)
     num_blocks = config.num_kv_blocks or num_blocks_for_budget(config.kv_cache_memory - tail_bytes, config.block_size,

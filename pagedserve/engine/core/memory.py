@@ -23,8 +23,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 HEADROOM = 256 * 2**20  # allocator slack, Python and torch's own buffers
 
 
@@ -51,13 +49,9 @@ class AutoKVBudget:
     def describe(self) -> str:
         capped = " (capped: max_num_seqs × max_model_len tokens fill no more)" if self.budget == self.cap else ""
         f = self.free
-        if f.source.startswith("torch.cuda"):
-            usable = (f"{self.fraction:g} × {_size(f.total)} total − {_size(f.total - f.available)} in use "
-                      f"(weights included; {f.source})")
-        else:
-            usable = (f"{self.fraction:g} × {_size(f.available)} available of {_size(f.total)} ({f.source}, "
-                      "after loading the weights)")
-        return f"kv_cache_memory auto = {_size(self.budget)}{capped}: {usable} − {_size(self.reserve)} activation reserve"
+        return (f"kv_cache_memory auto = {_size(self.budget)}{capped}: {self.fraction:g} × {_size(f.available)} "
+                f"available of {_size(f.total)} ({f.source}, after loading the weights) − {_size(self.reserve)} "
+                "activation reserve")
 
 
 def _size(n: int) -> str:
@@ -113,12 +107,6 @@ def cpu_free_memory(fraction: float) -> FreeMemory:
     return FreeMemory(int(fraction * available), available, total, source)
 
 
-def cuda_free_memory(device: torch.device, fraction: float) -> FreeMemory:
-    free, total = torch.cuda.mem_get_info(device)
-    usable = max(0, int(fraction * total) - (total - free))  # vLLM's rule: a fraction of the whole card
-    return FreeMemory(usable, free, total, "torch.cuda.mem_get_info")
-
-
 def activation_reserve(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
                        vocab: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
     """An upper estimate of one step's transient memory, in bytes (float32 throughout)."""
@@ -134,11 +122,11 @@ def auto_kv_budget(free: FreeMemory, fraction: float, reserve: int, cap: int) ->
     return AutoKVBudget(max(0, min(free.usable - reserve, cap)), free, fraction, reserve, cap)
 
 
-def choose_auto_kv_budget(arch, config, device: torch.device, kv_bytes_per_token: int,
-                          tail_bytes: int = 0) -> AutoKVBudget:
-    """The ``auto`` pool for this model and resolved engine config, once the weights are loaded."""
+def choose_auto_kv_budget(arch, config, kv_bytes_per_token: int, tail_bytes: int = 0) -> AutoKVBudget:
+    """The ``auto`` pool on CPU for this model and resolved engine config, once the weights are loaded
+    (CUDA's is measured: :func:`profiled_kv_budget`)."""
     fraction = config.kv_cache_memory_fraction
-    free = cuda_free_memory(device, fraction) if device.type == "cuda" else cpu_free_memory(fraction)
+    free = cpu_free_memory(fraction)
     reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                  arch.intermediate_size, arch.vocab_size, config.max_num_batched_tokens,
                                  config.max_num_seqs, config.max_model_len)
