@@ -136,11 +136,6 @@ def _decode_view(cache: KVCache) -> KVCache:
     return cache.decode_view() if isinstance(cache, Int4KVCache) else cache
 
 
-def gather_context(cache: KVCache, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's first ``context_len`` cached tokens, ``[context_len, kv_heads, head_dim]``."""
-    return gather_blocks(cache, block_ids).flatten(0, 1)[:context_len]
-
-
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Plain, per-sequence paged attention. ``q`` is ``[T, heads, head_dim]``."""
@@ -151,7 +146,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
     for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
         pools = (decode_k, decode_v) if i < meta.num_decodes else (k_cache, v_cache)
-        k, v = (gather_context(pool, block_ids, ctx_len).float() for pool in pools)
+        k, v = (gather_blocks(pool, block_ids).flatten(0, 1)[:ctx_len].float() for pool in pools)
         block_size = k_cache.shape[1]
         hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
         if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
@@ -354,23 +349,9 @@ def _native_causal_softmax(scores: torch.Tensor, q_len: int, window: int | None 
     return scores
 
 
-def _prefill_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_softmax,
-                     window: int | None = None, exact: ExactRows | None = None) -> torch.Tensor:
-    """One prompt chunk as two GEMMs per KV head, the query heads that share it as one matrix: 2-3x
-    faster than SDPA's CPU kernel for chunks of a few hundred tokens (measured: 290 tokens 4.2 →
-    1.5 ms a layer). A chunk whose score matrix would be too large is taken in blocks of queries
-    (:func:`_prefill_blocks`): through SDPA a 2,048-token prompt took 2.57 s on ``small`` against
-    0.44 s. With ``exact`` (int4 pools), each query reads its own block from the exact rows
-    (:func:`_prefill_own_exact`)."""
-    heads, q_len, _ = qs.shape
-    if heads * q_len * k.shape[1] > _MATMUL_PREFILL_MAX_SCORES:
-        return _prefill_blocks(qs, k, v, scale, causal_softmax, window, exact)
-    return _prefill_gemms(qs, k, v, scale, causal_softmax, window, exact)
-
-
-def _prefill_gemms(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_softmax,
-                   window: int | None = None, exact: ExactRows | None = None) -> torch.Tensor:
-    """:func:`_prefill_grouped`'s two GEMMs around the causal softmax, whatever the scores' size."""
+def _prefill_gemms(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+                   exact: ExactRows | None, causal_softmax) -> torch.Tensor:
+    """:func:`_prefill_matmul`'s two GEMMs around the causal softmax, whatever the scores' size."""
     heads, q_len, hd = qs.shape
     kvh = k.shape[0]
     qg = (qs * scale).reshape(kvh, heads // kvh * q_len, hd)
@@ -381,14 +362,22 @@ def _prefill_gemms(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.matmul(causal_softmax(scores, q_len, window), v).view(heads, q_len, hd)
 
 
-def _prefill_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_softmax,
-                    window: int | None, exact: ExactRows | None = None) -> torch.Tensor:
-    """:func:`_prefill_grouped` over blocks of the chunk's queries, each block's scores within
-    :data:`_MATMUL_PREFILL_MAX_SCORES`: a block is the last queries of the context up to its last
-    one, so it reads only the keys that one sees (the causal half of the products is skipped too),
-    and over int4 pools the exact rows from its own first block's start."""
+def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                    exact: ExactRows | None = None, causal_softmax=_masked_softmax) -> torch.Tensor:
+    """The same as :func:`_prefill_sdpa` as two GEMMs per KV head around a masked softmax, the query
+    heads that share it as one matrix: 2-3x faster than SDPA's CPU kernel for chunks of a few hundred
+    tokens (measured: 290 tokens 4.2 → 1.5 ms a layer). With ``exact`` (int4 pools), each query reads
+    its own block from the exact rows (:func:`_prefill_own_exact`).
+
+    A chunk whose score matrix would be too large is taken in blocks of its queries, each block's
+    scores within :data:`_MATMUL_PREFILL_MAX_SCORES` (through SDPA a 2,048-token prompt took 2.57 s on
+    ``small`` against 0.44 s): a block is the last queries of the context up to its last one, so it
+    reads only the keys that one sees (the causal half of the products is skipped too), and over
+    int4 pools the exact rows from its own first block's start."""
     heads, q_len, _ = qs.shape
     ctx_len = k.shape[1]
+    if heads * q_len * ctx_len <= _MATMUL_PREFILL_MAX_SCORES:
+        return _prefill_gemms(qs, k, v, scale, window, exact, causal_softmax)
     rows = max(16, _MATMUL_PREFILL_MAX_SCORES // (heads * ctx_len) // 16 * 16)
     out = torch.empty_like(qs)
     for first in range(0, q_len, rows):
@@ -400,23 +389,16 @@ def _prefill_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
             start = exact.lead + first - lead  # the exact row where this block's first query's block starts
             own = ExactRows(exact.k[:, start:start + lead + n], exact.v[:, start:start + lead + n], lead,
                             exact.block_size)
-        out[:, first:first + n] = _prefill_gemms(qs[:, first:first + n], k[:, :seen], v[:, :seen], scale,
-                                                 causal_softmax, window, own)
+        out[:, first:first + n] = _prefill_gemms(qs[:, first:first + n], k[:, :seen], v[:, :seen], scale, window,
+                                                 own, causal_softmax)
     return out
-
-
-def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    window: int | None = None, exact: ExactRows | None = None) -> torch.Tensor:
-    """The same as :func:`_prefill_sdpa` as grouped GEMMs around a masked softmax."""
-    return _prefill_grouped(qs, k, v, scale, _masked_softmax, window, exact)
 
 
 def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    window: int | None = None, exact: ExactRows | None = None) -> torch.Tensor:
     """:func:`_prefill_matmul` with the causal mask and softmax as one native pass over the scores."""
-    if native_ops() is None or qs.device.type != "cpu":
-        return _prefill_matmul(qs, k, v, scale, window, exact)
-    return _prefill_grouped(qs, k, v, scale, _native_causal_softmax, window, exact)
+    native = native_ops() is not None and qs.device.type == "cpu"
+    return _prefill_matmul(qs, k, v, scale, window, exact, _native_causal_softmax if native else _masked_softmax)
 
 
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -468,28 +450,27 @@ def in_stored_basis(backend):
     return run
 
 
+# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
+# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
+# testing the others against it tests the rotation algebra too.
+@in_stored_basis
 def sdpa_attention(q, k_cache, v_cache, meta, scale):
     """Decodes batched through SDPA (good on GPU); prompt chunks through SDPA."""
     return _attention(_decode_sdpa, _prefill_sdpa, q, k_cache, v_cache, meta, scale)
 
 
+@in_stored_basis
 def matmul_attention(q, k_cache, v_cache, meta, scale):
     """Decodes and prompt chunks as grouped batched matmuls (fast on CPU)."""
     return _attention(_decode_matmul, _prefill_matmul, q, k_cache, v_cache, meta, scale)
 
 
+@in_stored_basis
 def fused_attention(q, k_cache, v_cache, meta, scale):
     """Decodes through the fused native kernel (no gathered copy); prompt chunks as grouped matmuls
     around a native causal softmax."""
     return _attention(_decode_fused, _prefill_fused, q, k_cache, v_cache, meta, scale)
 
-
-# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
-# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
-# testing the others against it tests the rotation algebra too.
-sdpa_attention = in_stored_basis(sdpa_attention)
-matmul_attention = in_stored_basis(matmul_attention)
-fused_attention = in_stored_basis(fused_attention)
 
 ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "matmul": matmul_attention,
                       "fused": fused_attention}
