@@ -25,7 +25,6 @@ Only plain ``nn.Linear`` layers in float32 or bfloat16 on a CPU are packed. A ti
 
 from __future__ import annotations
 
-import abc
 import logging
 
 import torch
@@ -70,24 +69,30 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class NativeLinear(nn.Module, abc.ABC):
-    """A linear layer whose native kernel writes ``y [rows, out]`` from ``rows [rows, in]`` (unit-stride
-    rows): :meth:`compute`, given by each packing."""
+class NativeLinear(nn.Module):
+    """``y = x Wᵀ + b`` through a native kernel, ``W`` packed once at load by ``ops.<PACK>`` and held
+    as the buffer ``<BUFFER>`` (not persistent: a state dict keeps the checkpoint's layout, not the
+    kernel's); ``ops.<KERNEL>(y, rows, packed, bias)`` writes ``y [rows, out]`` from unit-stride
+    ``rows [rows, in]``. Each packing names the three."""
 
-    in_features: int
-    out_features: int
-    bias: nn.Parameter | None
+    PACK: str
+    KERNEL: str
+    BUFFER: str
 
-    @abc.abstractmethod
-    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
-        """``y = rows Wᵀ + b`` through the packing's kernel."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_nbytes = weight.nbytes  # the weight's own elements, reordered (panels' padding: under 16 columns)
+        self.ops = ops
+        self.register_buffer(self.BUFFER, getattr(ops, self.PACK)(weight.detach()), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1 or rows.stride(0) < self.in_features:
             rows = rows.contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        self.compute(y, rows)
+        getattr(self.ops, self.KERNEL)(y, rows, getattr(self, self.BUFFER), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -95,38 +100,18 @@ class NativeLinear(nn.Module, abc.ABC):
 
 
 class PanelLinear(NativeLinear):
-    """``y = x Wᵀ + b`` in float32 through the native ``panel_linear`` kernel, ``W`` held as
-    ``[ceil(N / 16), K, 16]`` column panels (zero-padded past ``N``)."""
+    """float32 through the native ``panel_linear`` kernel, ``W`` held as ``[ceil(N / 16), K, 16]``
+    column panels (zero-padded past ``N``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_nbytes = weight.nbytes  # the weight's own bytes (padding: under 16 columns)
-        self.ops = ops
-        # Not a persistent buffer: a state dict keeps the checkpoint's layout, not the kernel's.
-        self.register_buffer("panels", ops.panel_pack(weight.detach()), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
-
-    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
-        self.ops.panel_linear(y, rows, self.panels, self.bias)
+    PACK, KERNEL, BUFFER = "panel_pack", "panel_linear", "panels"
 
 
 class TileLinear(NativeLinear):
-    """``y = x Wᵀ + b`` in bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles), ``W``
-    held as ``[out / 16, in / 32, 16, 32]``, each 32 inputs of 16 outputs one tile in the
-    instruction's pair order."""
+    """bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles), ``W`` held as
+    ``[out / 16, in / 32, 16, 32]``, each 32 inputs of 16 outputs one tile in the instruction's
+    pair order."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_nbytes = weight.nbytes  # the same elements, in another order
-        self.ops = ops
-        # Not a persistent buffer: a state dict keeps the checkpoint's layout, not the kernel's.
-        self.register_buffer("tiles", ops.tile_pack(weight.detach()), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
-
-    def compute(self, y: torch.Tensor, rows: torch.Tensor) -> None:
-        self.ops.tile_linear(y, rows, self.tiles, self.bias)
+    PACK, KERNEL, BUFFER = "tile_pack", "tile_linear", "tiles"
 
 
 def _use_tiles(ops, linear: nn.Linear) -> bool:
