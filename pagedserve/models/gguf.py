@@ -355,28 +355,22 @@ def _dequantize(t) -> torch.Tensor:
     return w.reshape(k) if len(t.shape) == 1 else w.reshape(n, k)
 
 
-def _unpack_q8_0(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks (float16 d, 32 × int8) → (q int8 ``[N, K]``, d float32 ``[N, K/32]``)."""
+def _unpack(t) -> tuple[torch.Tensor, ...]:
+    """Q8_0 (float16 d, 32 × int8), Q4_0 (d, 16 bytes) or Q4_1 (d, float16 m, 16 bytes) blocks → (q
+    ``[N, K]``, d float32 ``[N, K/32]``) for Q8_0, q int8; for Q4 q uint8 in [0, 15] and a third,
+    the zero point z of ``w = (q − 8) × d + z``: 0 for Q4_0, ``m + 8d`` for Q4_1 (exact in float32).
+    In a Q4 block, byte j holds element j in its low nibble and element j + 16 in its high one."""
     n, k = _rows(t)
-    b = _raw(t).view(n, k // 32, 34)
-    d = b[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
-    q = b[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-    return q, d
-
-
-def _unpack_q4(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Q4_0 (float16 d, 16 bytes) / Q4_1 (d, float16 m, 16 bytes) blocks → (q uint8 in [0, 15]
-    ``[N, K]``, d ``[N, K/32]``, m or None), float32. In a block, byte j holds element j in its low
-    nibble and element j + 16 in its high one."""
-    n, k = _rows(t)
-    with_min = t.tensor_type.name == "Q4_1"
-    size = 20 if with_min else 18
+    kind = t.tensor_type.name
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     b = _raw(t).view(n, k // 32, size)
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if with_min else None
+    if kind == "Q8_0":
+        return b[..., 2:].contiguous().view(torch.int8).reshape(n, k), d
+    z = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d if kind == "Q4_1" else \
+        torch.zeros_like(d)
     qs = b[..., size - 16:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)
-    return q, d, m
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k), d, z
 
 
 def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -494,14 +488,8 @@ class GGUFBuilder:
         kind = kinds.pop() if len(kinds) == 1 else None
         if self.keep and kind in KEPT_TYPES:
             int8 = kind == "Q8_0"
-            unpacked = []  # per part: q and scales (and int4's zeros), rows unpermuted
+            unpacked = [[p.fix(x) for x in _unpack(p.tensor)] for p in parts]  # q, scales (int4: zeros), unpermuted
             for p in parts:
-                if int8:
-                    arrays = _unpack_q8_0(p.tensor)
-                else:
-                    q, d, m = _unpack_q4(p.tensor)
-                    arrays = (q, d, torch.zeros_like(d) if m is None else m + 8 * d)  # exact in float32
-                unpacked.append([p.fix(x) for x in arrays])
                 self._count(p.tensor, f"{'int8' if int8 else 'int4'} groups of 32", dequantize=False)
             q, *scales = [torch.cat(arrays).to(self.device) for arrays in zip(*unpacked)]
             if int8:
