@@ -200,9 +200,8 @@ class Int4Linear(FlatLinear):
         embedding table (:class:`QuantizedEmbedding`). Readable layout only."""
         if self.packed_for_cpu:
             raise RuntimeError("the CPU-packed int4 layout is opaque; build with packed_for_cpu=False to read it")
-        packed = self.weight if ids is None else self.weight[ids]
-        s = self.scales if ids is None else self.scales[ids]
-        b = self.offsets if ids is None else self.offsets[ids]
+        pick = slice(None) if ids is None else ids
+        packed, s, b = self.weight[pick], self.scales[pick], self.offsets[pick]
         p = packed.reshape(packed.shape[0], -1, self.group_size // 2)
         q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()  # [rows, K/g, g]
         w = q * s.float().unsqueeze(-1) + b.float().unsqueeze(-1)  # float32, one rounding to dtype
@@ -267,13 +266,12 @@ class Int8GroupedLinear(FlatLinear):
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (all rows for None), ``[rows, in]``."""
+        pick = slice(None) if ids is None else ids
         if self.native:
-            q = self.weight if ids is None else self.weight[ids]
-            s = self.scales if ids is None else self.scales[ids]
+            q, s = self.weight[pick], self.scales[pick]
             w = q.reshape(q.shape[0], -1, self.group_size).float() * s.float().unsqueeze(-1)  # exact in float32
             return w.reshape(q.shape[0], self.in_features).to(dtype)
-        q = self.weight if ids is None else self.weight[:, ids]
-        s = self.scales if ids is None else self.scales[:, ids]
+        q, s = self.weight[:, pick], self.scales[:, pick]
         w = q.to(dtype) * s.to(dtype).unsqueeze(-1)  # [K/g, rows, g]; q * s is exact before the one rounding
         return w.transpose(0, 1).reshape(w.shape[1], self.in_features)
 
