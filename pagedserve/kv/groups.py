@@ -132,12 +132,6 @@ class GroupedBlockManager:
     def block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         return self.inner.block_ids(self._key(seq_id, group))
 
-    def group_blocks_in_use(self, window: bool) -> int:
-        """Blocks held by the window groups' tables (``window``) or the full groups' (null excluded)."""
-        null = self.inner.null_block
-        return len({b.block_id for _, g, table in self.group_tables() if (self.groups[g].window is not None) == window
-                    for b in table if b is not null})
-
     def num_blocks_for(self, num_tokens: int) -> int:
         """The most blocks one sequence of ``num_tokens`` tokens holds at once, over all groups."""
         blocks = self.inner.num_blocks_for(num_tokens)

@@ -7,6 +7,7 @@ import pytest
 
 from pagedserve.kv.groups import GroupedBlockManager, KVGroup, kv_groups, layer_slots
 from pagedserve.kv.sizing import window_blocks
+from tests.helpers.kv_groups import group_blocks_in_use
 
 GEMMA3_270M = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
 BS = 16
@@ -53,8 +54,8 @@ def test_window_groups_hold_their_window_and_give_the_rest_back():
         assert len(ids) == full  # positions keep their index...
         held = [b for b in ids if b != bm.inner.null_block.block_id]
         assert len(held) <= window_blocks(512, BS)  # ...but only the window's blocks are held
-    assert bm.group_blocks_in_use(window=True) <= 5 * window_blocks(512, BS)
-    assert bm.group_blocks_in_use(window=False) == full
+    assert group_blocks_in_use(bm, window=True) <= 5 * window_blocks(512, BS)
+    assert group_blocks_in_use(bm, window=False) == full
     bm.free(1)
     bm.check_invariants()
     assert bm.num_used_blocks == 0 and not bm.tables

@@ -18,6 +18,7 @@ from pagedserve.models.gemma3 import DEFAULTS, Gemma3Architecture
 from pagedserve.models.gguf import prepare_gguf_dir
 from pagedserve.models.hf_config import read_hf_config
 from tests.conftest import assert_no_leaks
+from tests.helpers.kv_groups import group_blocks_in_use
 from tests.helpers.references import build_once, reference_path
 
 LICENSE = Path(__file__).resolve().parents[2] / "LICENSE"
@@ -182,7 +183,7 @@ def test_window_groups_give_blocks_back_and_change_no_token(gemma3_gguf, prompts
                     assert out.error is None, out.error
                     got += [t for seq in out.seqs for t in seq.token_ids]
                 if free and core.scheduler.running and core.scheduler.running[0].num_computed_tokens >= 530:
-                    window_use.append(bm.group_blocks_in_use(window=True))
+                    window_use.append(group_blocks_in_use(bm, window=True))
                     if len(window_use) == 1:  # the dashboard's block map owns every group's blocks
                         state = split_group_bits(np.frombuffer(build_block_map(core).state, np.uint8))[0]
                         assert int(np.isin(state, (OWNED, SHARED)).sum()) == bm.num_used_blocks
