@@ -138,16 +138,20 @@ class DecodeStack : public torch::CustomClassHolder {
                      at::Tensor context_lens) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [rows, hidden]");
     const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    // Every layer's intermediates have the same shapes: allocated by the first layer and reused by
+    // the rest, so a token makes a dozen allocations, not ~400, and writes the same cache lines.
+    Outputs qkv_out, o_out, gate_up_out, down_out;
+    at::Tensor h = at::empty_like(x), h2 = at::empty_like(x);
+    at::Tensor act, attended;
     at::Tensor residual;  // the residual stream: the embeddings, then each layer's sum, in place
     for (Layer& L : layers_) {
-      at::Tensor h = at::empty_like(x);
       if (!residual.defined()) {
         residual = x;
         ops::rms_norm(h, x, std::nullopt, L.input_norm, eps_, pool_.get());
       } else {
         ops::rms_norm(h, x, residual, L.input_norm, eps_, pool_.get());
       }
-      const at::Tensor qkv = apply(L.qkv, h);
+      const at::Tensor qkv = apply(L.qkv, h, &qkv_out);
       const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
       at::Tensor q = parts[0].view({t, heads_, head_dim_});
       at::Tensor k = parts[1].view({t, kv_heads_, head_dim_});
@@ -159,13 +163,13 @@ class DecodeStack : public torch::CustomClassHolder {
       ops::rotary_embedding(q, k, positions, cos_, sin_, pool_.get());
       write_kv(L.k_pool, slots, k);
       write_kv(L.v_pool, slots, v);
-      const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens).reshape({t, q_size}));
-      at::Tensor h2 = at::empty_like(a);
+      const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens, attended).reshape({t, q_size}),
+                                 &o_out);
       ops::rms_norm(h2, a, residual, L.post_norm, eps_, pool_.get());
-      const at::Tensor gate_up = apply(L.gate_up, h2);
-      at::Tensor act = at::empty({t, intermediate_}, gate_up.options());
+      const at::Tensor gate_up = apply(L.gate_up, h2, &gate_up_out);
+      if (!act.defined()) act = at::empty({t, intermediate_}, gate_up.options());
       ops::silu_and_mul(act, gate_up, pool_.get());
-      x = apply(L.down, act);
+      x = apply(L.down, act, &down_out);
     }
     at::Tensor out = at::empty_like(x);
     ops::rms_norm(out, x, residual, final_norm_, eps_, pool_.get());
@@ -173,13 +177,25 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // A GGUF linear's outputs in one step, kept from layer to layer (forward): the kernel's float32
+  // and its conversion to the compute dtype. Empty until the first layer allocates them.
+  struct Outputs {
+    at::Tensor y, converted;
+  };
+
   // y = x W^T + b as the layer's Python class computes it (models/gguf_linear.py, half_linear.py,
-  // packed.py, nn.Linear).
-  at::Tensor apply(const Linear& l, const at::Tensor& x) const {
+  // packed.py, nn.Linear); a GGUF linear writes into `reuse` where given (allocated there once).
+  at::Tensor apply(const Linear& l, const at::Tensor& x, Outputs* reuse = nullptr) const {
     switch (l.kind) {
       case Kind::gguf: {
         const at::Tensor rows = x.contiguous();
-        at::Tensor y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
+        Outputs fresh;
+        Outputs& o = reuse ? *reuse : fresh;
+        if (!o.y.defined() || o.y.size(1) != l.out_features) {
+          o.y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
+          o.converted = at::Tensor();
+        }
+        at::Tensor& y = o.y;
         int64_t offset = 0;
         for (size_t i = 0; i < l.weights.size(); ++i) {
           at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
@@ -192,7 +208,10 @@ class DecodeStack : public torch::CustomClassHolder {
         // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's
         // team (16 rows of a fused gate_up in bf16, on a CPU with native bf16), whose worker then
         // spins on the core the pool computes on.
-        return l.float_output ? y : converted(y, x.scalar_type());
+        if (l.float_output || x.scalar_type() == at::kFloat) return y;
+        if (!o.converted.defined()) o.converted = at::empty(y.sizes(), y.options().dtype(x.scalar_type()));
+        convert_into(o.converted, y);
+        return o.converted;
       }
       case Kind::half: {
         const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
@@ -254,14 +273,19 @@ class DecodeStack : public torch::CustomClassHolder {
   static at::Tensor converted(const at::Tensor& x, at::ScalarType dtype) {
     if (x.scalar_type() == dtype) return x;
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+    convert_into(out, x);
+    return out;
+  }
+
+  // out = x converted to out's dtype (both contiguous, the same number of values).
+  static void convert_into(at::Tensor& out, const at::Tensor& x) {
     dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
       using S = decltype(src_tag);
-      dispatch_model_dtype(dtype, "DecodeStack", [&](auto dst_tag) {
+      dispatch_model_dtype(out.scalar_type(), "DecodeStack", [&](auto dst_tag) {
         using D = decltype(dst_tag);
         convert_row(out.data_ptr<D>(), x.data_ptr<S>(), x.numel());
       });
     });
-    return out;
   }
 
   template <typename D, typename S>
@@ -271,8 +295,9 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
   // the output converted back).
-  at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens) const {
-    at::Tensor out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
+  at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+                    at::Tensor& out) const {
+    if (!out.defined()) out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
     ops::paged_decode_attention(out, converted(q, L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens, scale_,
                                 pool_.get());
     return converted(out, q.scalar_type());
