@@ -89,6 +89,12 @@ class ModelRunner:
         and including its own position (all ``k + 1`` tokens' K/V are written before attention),
         which is the causal mask of a ``k + 1``-token chunk, computed by the fast decode kernel.
         """
+        seqs = [seq for seq, n in out.scheduled
+                if n == 1 and not seq.draft_token_ids and seq.num_computed_tokens + 1 == seq.num_tokens]
+        return self._prepare_decodes(seqs) if len(seqs) == len(out.scheduled) else self._prepare_any(out)
+
+    def _prepare_any(self, out: SchedulerOutput) -> ModelInput:
+        """:meth:`prepare` of any plan: prompt chunks, decodes, drafts, prompt logprobs."""
         # One entry per row: (sequence, first position, query tokens); one-token rows first.
         rows: list[tuple[Sequence, int, int]] = []
         input_ids: list[int] = []
@@ -140,6 +146,31 @@ class ModelRunner:
         return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
                           sample_indices, sampled_seqs, spans or None,
                           torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
+
+    def _prepare_decodes(self, seqs: list[Sequence]) -> ModelInput:
+        """:meth:`prepare` of a step of plain decodes (each sequence's one new token, no drafts, every
+        row sampled): the same inputs, from Python lists in a few tensor calls. A step's Python runs
+        with its caches cold (the weights just streamed through them), where each torch op cost ~10
+        µs: the general path's ~30 were 0.29 of a 5.5 ms step on the default model."""
+        bs, dev = self.block_size, self.device
+        positions = [s.num_computed_tokens for s in seqs]
+        width = -(-(max(positions) + 1) // bs)  # blocks of the longest context
+        context_lens = torch.tensor(positions, dtype=torch.long) + 1
+        groups = getattr(self.block_manager, "groups", None)
+        metas = []
+        for g in ([None] if groups is None else range(len(groups))):
+            ids = [self.block_manager.block_ids(s.seq_id) if g is None else self.block_manager.block_ids(s.seq_id, g)
+                   for s in seqs]
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, positions)]
+            padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in ids], dtype=torch.long)
+            mask = torch.arange(width * bs) < context_lens.unsqueeze(1)
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev), num_decodes=len(seqs),
+                decode_block_tables=padded.to(dev), decode_context_lens=context_lens.to(dev),
+                decode_mask=mask[:, None, None, :].to(dev), prefills=[]))
+        input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, positions)], dtype=torch.long, device=dev)
+        return ModelInput(input_ids, torch.tensor(positions, dtype=torch.long, device=dev),
+                          metas[0] if groups is None else metas, None, seqs)
 
     def _metadata(self, tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor,
                   query_starts: torch.Tensor, lens: torch.Tensor, context_lens: torch.Tensor,
