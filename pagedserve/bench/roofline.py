@@ -1,0 +1,52 @@
+"""How fast one decode stream could go on this machine: its memory's read bandwidth ÷ the bytes a
+token reads.
+
+One stream reads every weight once per token, so no engine decodes faster than the bandwidth its
+threads can pull from memory divided by the model's bytes. ``bench compare`` prints that ceiling
+beside each decode row and every engine's share of it: a ratio between two engines says who is
+ahead, the share says how much either could still gain here (docs/BENCHMARKS.md).
+
+The bandwidth is measured, not looked up: NumPy sums (which release the GIL) over buffers much
+larger than any cache, split across a pool of ``threads`` that stays up between reads, the median
+of several reads. A VM's share of the host's memory is not on any spec sheet.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+BUFFER_BYTES = 256 << 20  # two of them, read in turn: 512 MiB, past the largest server L3s' share of one VM
+READS = 8
+
+
+def read_bandwidth(threads: int, buffer_bytes: int = BUFFER_BYTES, reads: int = READS) -> float:
+    """Bytes per second that ``threads`` threads read from memory together (median of ``reads``)."""
+    buffers = [np.ones(buffer_bytes // 8) for _ in range(2)]  # written once: every page is backed
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, np.array_split(buffers[1], threads)))  # the threads started before timing
+        for i in range(reads):
+            parts = np.array_split(buffers[i % 2], threads)
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            times.append(time.perf_counter() - start)
+    return buffer_bytes // 8 * 8 / statistics.median(times)
+
+
+def decode_bytes_per_token(gguf_path: str | Path) -> int | None:
+    """The bytes of a GGUF file's tensors that one decode token reads: all of them, less the token
+    embedding table where the file has its own LM head (``output.weight``; a lookup reads one row),
+    or None where the path is no GGUF file the reader can parse (a directory, a truncated file)."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(str(gguf_path)).tensors
+    except (OSError, ValueError, IndexError, KeyError):  # what the reader raises on what is no GGUF file
+        return None
+    names = {t.name for t in tensors}
+    return sum(int(t.n_bytes) for t in tensors if not (t.name == "token_embd.weight" and "output.weight" in names))

@@ -1,0 +1,57 @@
+"""The decode roofline of ``bench compare``: the bytes a token reads from a GGUF file, the machine's
+read bandwidth, and each engine's share of the ceiling they give."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGUFReader
+
+from pagedserve.bench import compare
+from pagedserve.bench.roofline import decode_bytes_per_token, read_bandwidth
+
+
+def _tensor_bytes(t) -> int:
+    """A tensor's bytes from its shape and type's block size, not from the reader's own count."""
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    return int(np.prod([int(d) for d in t.shape])) // block * size
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_a_token_reads_every_tensor_but_an_untied_models_embedding_table(tiny_ggufs, kind):
+    path = tiny_ggufs(kind)
+    tensors = GGUFReader(str(path)).tensors
+    names = {t.name for t in tensors}
+    assert "output.weight" in names  # the tiny model's head is its own matrix: the table is looked up
+    embedding = next(t for t in tensors if t.name == "token_embd.weight")
+    want = sum(_tensor_bytes(t) for t in tensors) - _tensor_bytes(embedding)
+    assert decode_bytes_per_token(path) == want > 0
+
+
+def test_what_is_not_a_gguf_file_has_no_bytes_per_token(tmp_path, tiny_model_dir):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    assert decode_bytes_per_token(text) is None
+    assert decode_bytes_per_token(tiny_model_dir) is None  # a checkpoint directory
+    assert decode_bytes_per_token(tmp_path / "missing.gguf") is None
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF")
+    assert decode_bytes_per_token(truncated) is None
+
+
+def test_read_bandwidth_is_a_finite_rate_for_one_and_two_threads():
+    for threads in (1, 2):
+        rate = read_bandwidth(threads, buffer_bytes=4 << 20, reads=3)
+        assert math.isfinite(rate) and rate > 1e8  # any machine reads 4 MiB faster than 100 MB/s
+
+
+def test_the_ceiling_and_each_engines_share_of_it():
+    decode = {"engines": {"pagedserve": {"median": 200.0}, "llama.cpp": {"median": 180.0}}}
+    ceiling = compare.decode_ceiling(decode, bandwidth=28e9, token_bytes=100_000_000)
+    assert ceiling["tok_s"] == pytest.approx(280.0)
+    assert ceiling["shares"] == {"pagedserve": pytest.approx(200 / 280), "llama.cpp": pytest.approx(180 / 280)}
+    line = compare.format_ceiling(ceiling)
+    assert line == ("decode ceiling: 280.0 tok/s (the read bandwidth over 100.0 MB a token); "
+                    "share of it: pagedserve 0.71, llama.cpp 0.64")
