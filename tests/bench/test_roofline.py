@@ -39,6 +39,9 @@ def test_what_is_not_a_gguf_file_has_no_bytes_per_token(tmp_path, tiny_model_dir
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(b"GGUF")
     assert decode_bytes_per_token(truncated) is None
+    empty = tmp_path / "empty.gguf"
+    empty.touch()
+    assert decode_bytes_per_token(empty) is None
 
 
 def test_read_bandwidth_is_a_finite_rate_for_one_and_two_threads():
