@@ -37,9 +37,15 @@ class ModelInput:
     prompt_hidden: torch.Tensor | None = None  # filled by execute: the hidden states of prompt_rows
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+def _pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """``[rows, width]`` block ids, each table cut or padded with block 0 to ``width`` (default: the longest)."""
+    width = max(len(t) for t in tables) if width is None else width
+    return torch.tensor([t[:width] + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _decode_mask(context_lens: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[rows, 1, 1, slots]``: which of a decode row's table slots hold its context."""
+    return (torch.arange(slots) < context_lens.unsqueeze(1))[:, None, None, :]
 
 
 def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: torch.Tensor
@@ -162,12 +168,10 @@ class ModelRunner:
             ids = [self.block_manager.block_ids(s.seq_id) if g is None else self.block_manager.block_ids(s.seq_id, g)
                    for s in seqs]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, positions)]
-            padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in ids], dtype=torch.long)
-            mask = torch.arange(width * bs) < context_lens.unsqueeze(1)
             metas.append(AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev), num_decodes=len(seqs),
-                decode_block_tables=padded.to(dev), decode_context_lens=context_lens.to(dev),
-                decode_mask=mask[:, None, None, :].to(dev), prefills=[]))
+                decode_block_tables=_pad_tables(ids, width).to(dev), decode_context_lens=context_lens.to(dev),
+                decode_mask=_decode_mask(context_lens, width * bs).to(dev), prefills=[]))
         input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, positions)], dtype=torch.long, device=dev)
         return ModelInput(input_ids, torch.tensor(positions, dtype=torch.long, device=dev),
                           metas[0] if groups is None else metas, None, seqs)
@@ -184,8 +188,7 @@ class ModelRunner:
             max_blocks = int((context_lens[:num_decodes].max() + self.block_size - 1) // self.block_size)
             # contiguous once here, not in every layer's attention call (the fused kernel needs it)
             decode_tables = decode_tables[:, :max_blocks].contiguous()
-            span = torch.arange(max_blocks * self.block_size)
-            decode_mask = (span.unsqueeze(0) < context_lens[:num_decodes].unsqueeze(1))[:, None, None, :]
+            decode_mask = _decode_mask(context_lens[:num_decodes], max_blocks * self.block_size)
         prefills = []
         for i in range(num_decodes, len(lens)):
             ctx = int(context_lens[i])
