@@ -183,15 +183,20 @@ inline void dequantize_block(Format f, const uint8_t* b, float* y) {
   }
 }
 
-// The rows16 layout of Q4_0, Q4_1 and Q8_0: a VNNI dot product's shape, 16 weight rows at a time.
-// Per group of 16 rows and block b: 64-byte vectors (four for the 4-bit formats, eight for Q8_0),
-// vector j holding for each row r (4 bytes at 4r) its block's integer bytes 4j..4j+3: for Q4_0 / Q4_1
-// weights 4j..4j+3 in the low nibbles and 16+4j..19+4j in the high ones, for Q8_0 weights 4j..4j+3
-// with the sign bit flipped (w + 128: unsigned, as vpdpbusd wants them); then the 16 rows' d
-// (float16); then, for Q4_1, their m. A group is its `blocks` such runs back to back, and rows past
-// the matrix's end are zeros. A decode kernel reads one stream and sums 16 rows per instruction with
-// no horizontal reduction (gguf_simd.inc's rows16_group).
-constexpr bool has_rows16(Format f) { return f == Format::q4_0 || f == Format::q4_1 || f == Format::q8_0; }
+// The rows16 layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: a VNNI dot product's shape, 16 weight rows
+// at a time. Per group of 16 rows and block b: 64-byte vectors (four for Q4_0 / Q4_1, five for Q5_0 /
+// Q5_1, eight for Q8_0), vector j holding for each row r (4 bytes at 4r) its block's integer bytes
+// 4j..4j+3 as the planar layout has them: for Q4_0 / Q4_1 weights 4j..4j+3 in the low nibbles and
+// 16+4j..19+4j in the high ones; for Q5_0 / Q5_1 first the 32 fifth bits (qh, bit i of weight i), then
+// the nibbles as Q4's; for Q8_0 weights 4j..4j+3 with the sign bit flipped (w + 128: unsigned, as
+// vpdpbusd wants them); then the 16 rows' d (float16); then, for Q4_1 / Q5_1, their m. A group is
+// its `blocks` such runs back to back, and rows past the matrix's end are zeros. A decode kernel
+// reads one stream and sums 16 rows per instruction with no horizontal reduction (gguf_simd.inc's
+// rows16_group).
+constexpr bool five_bit(Format f) { return f == Format::q5_0 || f == Format::q5_1; }
+constexpr bool has_rows16(Format f) {
+  return f == Format::q4_0 || f == Format::q4_1 || five_bit(f) || f == Format::q8_0;
+}
 constexpr int rows16_vectors(Format f) { return quant_bytes(f) / 4; }
 constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 + (with_min(f) ? 32 : 0); }
 
@@ -207,12 +212,17 @@ inline void dequantize_rows16_block(Format f, const uint8_t* group, int64_t b, i
       for (int t = 0; t < 4; ++t) y[4 * j + t] = static_cast<float>(static_cast<int8_t>(g[64 * j + 4 * r + t] ^ 0x80)) * d;
     return;
   }
-  const float m = with_min(f) ? half_at(g + 64 * V + 32 + 2 * r) : -8.f * d;
+  const bool five = five_bit(f);
+  const float m = with_min(f) ? half_at(g + 64 * V + 32 + 2 * r) : (five ? -16.f : -8.f) * d;
+  uint32_t qh = 0;
+  if (five) std::memcpy(&qh, g + 4 * r, 4);
+  const uint8_t* nibbles = g + (five ? 64 : 0);
   for (int j = 0; j < 4; ++j)
     for (int t = 0; t < 4; ++t) {
-      const uint8_t q = g[64 * j + 4 * r + t];
-      y[4 * j + t] = static_cast<float>(q & 0x0F) * d + m;
-      y[16 + 4 * j + t] = static_cast<float>(q >> 4) * d + m;
+      const uint8_t q = nibbles[64 * j + 4 * r + t];
+      const int i = 4 * j + t;
+      y[i] = static_cast<float>((q & 0x0F) | (((qh >> i) & 1) << 4)) * d + m;
+      y[16 + i] = static_cast<float>((q >> 4) | (((qh >> (16 + i)) & 1) << 4)) * d + m;
     }
 }
 

@@ -370,7 +370,7 @@ void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 // The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
 Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
-  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1 and Q8_0, not ", info(f).name);
+  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not ", info(f).name);
   TORCH_CHECK(K % 32 == 0, op, ": in_features ", K, " is not a multiple of 32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == (N + 15) / 16 &&
                   w.size(1) == K / 32 * rows16_block_bytes(f),
@@ -398,7 +398,7 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   if (M == 0 || N == 0) return;
   const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
   // The group kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths
-  // (scalar, AVX2's Q8_0) rewrite each group as 16 planar rows for their own kernel.
+  // (scalar; AVX2's Q5_0, Q5_1 and Q8_0) rewrite each group as 16 planar rows for their own kernel.
   void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float(*)[16]) = nullptr;
 #if PS_X86
   const bool tiles = requested == Isa::amx && amx::rows16_tiles(f, M);

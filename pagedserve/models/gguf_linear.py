@@ -48,29 +48,33 @@ def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
 
 
-ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def rows16_default(isa: str) -> tuple[str, ...]:
     """The formats GGUFLinear lays out in rows16 on a CPU whose kernels' best path is ``isa``: those
-    its group kernels read as they lie (AVX-512 VNNI and AMX: all three; AVX2: Q4_0 / Q4_1, since
-    its ``maddubs`` would saturate on Q8_0's w + 128); planar elsewhere (docs/BENCHMARKS.md, "The
-    rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on AVX2")."""
-    if isa in ("avx512", "amx"):
+    its group kernels read as they lie (AVX-512 VNNI: all five; AMX: Q4_0, Q4_1 and Q8_0, its Q5
+    batches measured on the planar tiles only; AVX2: Q4_0 / Q4_1, since its ``maddubs`` would
+    saturate on Q8_0's w + 128 and has no group kernel for Q5); planar elsewhere (docs/BENCHMARKS.md,
+    "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on AVX2", "Measured
+    2026-12-06 on an AMD EPYC Zen 5")."""
+    if isa == "avx512":
         return ROWS16_FORMATS
+    if isa == "amx":
+        return ("Q4_0", "Q4_1", "Q8_0")
     return ("Q4_0", "Q4_1") if isa == "avx2" else ()
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF rows of Q4_0 / Q4_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
-    (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, 64-byte
-    vectors (four; eight for Q8_0, its bytes stored as w + 128), vector j holding each row's block
-    bytes 4j..4j+3, then the 16 rows' d and (Q4_1) their m — uint8 ``[ceil(rows / 16), blocks x
-    block bytes]``."""
+    """GGUF rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16
+    layout (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block,
+    64-byte vectors (four; five for Q5, its fifth bits first; eight for Q8_0, its bytes stored as
+    w + 128), vector j holding each row's block integer bytes 4j..4j+3, then the 16 rows' d and
+    (Q4_1 / Q5_1) their m — uint8 ``[ceil(rows / 16), blocks x block bytes]``."""
     if fmt not in ROWS16_FORMATS:
         raise ValueError(f"the rows16 layout holds {', '.join(ROWS16_FORMATS)}, not {fmt}")
     size = BLOCKS[fmt][1]
-    head = 4 if fmt == "Q4_1" else 2  # d (and m), float16 each, before the integer bytes
+    head = 4 if fmt in ("Q4_1", "Q5_1") else 2  # d (and m), float16 each, before the integer bytes
     rows, qb = blocks.shape[0], size - head
     groups = -(-rows // 16)
     b = torch.zeros(groups * 16, blocks.shape[1], dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""The rows16 layout of Q4_0 / Q4_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
+"""The rows16 layout of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
 planar layout, dequantized bit for bit alike; its products on every instruction-set path this CPU
 runs against the planar kernels' scalar reference and the float matmul; batch invariance; a row
 count that is not a multiple of 16; one-line errors."""
@@ -35,7 +35,7 @@ def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
 def test_layout_holds_the_same_weights(fmt, n):
     w = random_gguf_rows(fmt, n, K, seed=n)
     w16 = rows16_layout(fmt, w)
-    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}[fmt])
+    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q8_0": 544}[fmt])
     for dtype in (torch.float32, torch.bfloat16):
         want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
@@ -109,10 +109,10 @@ def test_bad_calls_are_one_line_errors():
     w = random_gguf_rows("Q4_1", 20, 64)
     w16 = rows16_layout("Q4_1", w)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q8_0, not Q5_0"):
-        rows16_layout("Q5_0", random_gguf_rows("Q5_0", 4, 64))
-    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1 and Q8_0, not Q5_0"):
-        OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q5_0", None)
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, not Q6_K"):
+        rows16_layout("Q6_K", random_gguf_rows("Q6_K", 4, 256))
+    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not Q4_K"):
+        OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q4_K", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16[:, :40].contiguous(), "Q4_1", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[1, 640\] in the rows16 layout"):  # 16 outputs: one group
@@ -124,38 +124,41 @@ def test_bad_calls_are_one_line_errors():
 def test_the_layout_goes_where_the_cpus_kernels_read_it():
     from pagedserve.models.gguf_linear import rows16_default
 
-    assert rows16_default("amx") == rows16_default("avx512") == ("Q4_0", "Q4_1", "Q8_0")
+    assert rows16_default("avx512") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert rows16_default("amx") == ("Q4_0", "Q4_1", "Q8_0")  # Q5 batches go to the planar tiles
     assert rows16_default("avx2") == ("Q4_0", "Q4_1")  # maddubs would saturate on Q8_0's w + 128
     assert rows16_default("scalar") == ()
 
 
 @pytest.mark.parametrize("rows16", [True, False])
 def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
-    """GGUFLinear lays Q4_0 / Q4_1 / Q8_0 segments out in rows16 where asked (by default where the
-    kernels' best path is avx512 or amx) and other formats planar: decode rows, a prompt chunk
-    (dequantized for the GEMM) and row lookups give the float layer's values either way."""
+    """GGUFLinear lays Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segments out in rows16 where asked (by default
+    where the kernels' best path reads them so, rows16_default) and other formats planar: decode rows,
+    a prompt chunk (dequantized for the GEMM) and row lookups give the float layer's values either way."""
     from pagedserve.models.gguf_linear import GGUFLinear
 
-    q, v = random_gguf_rows("Q4_1", 21, K, seed=1), random_gguf_rows("Q8_0", 11, K, seed=2)
-    s = random_gguf_rows("Q5_0", 5, K, seed=3)
-    layer = GGUFLinear([("Q4_1", q), ("Q8_0", v), ("Q5_0", s)], K, torch.randn(37), OPS, kernel_rows=8,
-                       rows16=rows16)
-    assert layer.rows16 == [rows16, rows16, False]
+    k = 768  # whole Q4_K super-blocks
+    q, v = random_gguf_rows("Q4_1", 21, k, seed=1), random_gguf_rows("Q8_0", 11, k, seed=2)
+    f, s = random_gguf_rows("Q5_0", 6, k, seed=3), random_gguf_rows("Q4_K", 5, k, seed=3)
+    layer = GGUFLinear([("Q4_1", q), ("Q8_0", v), ("Q5_0", f), ("Q4_K", s)], k, torch.randn(43), OPS,
+                       kernel_rows=8, rows16=rows16)
+    assert layer.rows16 == [rows16, rows16, rows16, False]
     dense = layer.dequantized_weight(torch.float32)
-    planar = torch.empty(21, K)
+    planar = torch.empty(21, k)
     OPS.gguf_dequantize(planar, kernel_layout("Q4_1", q), "Q4_1")
     assert torch.equal(dense[:21], planar)
     for residual in (False, True):
         layer.residual = residual
         for rows in (1, 3, 8, 12):  # up to kernel_rows the integer kernels, beyond the GEMM
-            x = torch.randn(rows, K)
+            x = torch.randn(rows, k)
             want = F.linear(x, dense, layer.bias)
             tolerance = (2e-4 if residual or rows > 8 else 0.02) * want.abs().max().item()
             assert torch.allclose(layer(x), want, atol=tolerance, rtol=0), (residual, rows)
     ids = torch.tensor([[20, 0], [17, 20], [3, 9]])
-    for fmt, w in (("Q4_1", q), ("Q8_0", v), ("Q4_0", random_gguf_rows("Q4_0", 21, K, seed=4))):
-        table = GGUFLinear([(fmt, w)], K, None, OPS, rows16=rows16)
-        want = torch.empty(w.shape[0], K)
+    for fmt, w in (("Q4_1", q), ("Q8_0", v), ("Q5_0", f), ("Q5_1", random_gguf_rows("Q5_1", 19, k, seed=5)),
+                   ("Q4_0", random_gguf_rows("Q4_0", 21, k, seed=4))):
+        table = GGUFLinear([(fmt, w)], k, None, OPS, rows16=rows16)
+        want = torch.empty(w.shape[0], k)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
         ids = ids % w.shape[0]
         assert torch.equal(table.rows(ids, torch.float32), want[ids.reshape(-1)]), fmt
