@@ -20,7 +20,8 @@ model as a Hugging Face directory (neither runs GGUF files reliably).
 
 Under each file's decode row, its roofline (``bench/roofline.py``): the memory read bandwidth of
 the same thread count, measured once before any engine runs, over the bytes a token reads from
-the file, and each engine's median as a share of that ceiling.
+the file, and each engine's median as a share of that ceiling; the engines that run
+``--hf-checkpoint`` get a second ceiling over the bytes a token reads from the checkpoint.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def add_parser(bench) -> None:
                     "only with --hf-checkpoint, since neither runs GGUF files reliably; pagedserve then runs "
                     "that checkpoint too (a pagedserve-hf column, the peers' ratios taken against it). Under "
                     "the decode row: its ceiling (the memory read bandwidth of the same threads over the bytes "
-                    "a token reads) and each engine's share of it.")
+                    "a token reads) and each engine's share of it; with --hf-checkpoint, a second one over the "
+                    "checkpoint's bytes for the engines that run it.")
     p.add_argument("--model", default=None,
                    help="GGUF file both engines load (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="pagedserve's --dtype (default auto)")
@@ -374,17 +376,17 @@ def format_table(summary: dict[str, dict]) -> str:
                      for line in cells)
 
 
-def decode_ceiling(decode: dict, bandwidth: float, token_bytes: int) -> dict:
-    """The decode row's roofline: tokens/s at ``bandwidth`` reading ``token_bytes`` a token, and each
-    engine's median as a share of it."""
+def decode_ceiling(decode: dict, bandwidth: float, token_bytes: int, engines: set[str] | None = None) -> dict:
+    """The decode row's roofline: tokens/s at ``bandwidth`` reading ``token_bytes`` a token, and the
+    median of each engine (of ``engines``, all where None) as a share of it."""
     tok_s = bandwidth / token_bytes
     return {"bytes_per_token": token_bytes, "tok_s": tok_s,
-            "shares": {e: v["median"] / tok_s for e, v in decode["engines"].items()}}
+            "shares": {e: v["median"] / tok_s for e, v in decode["engines"].items() if engines is None or e in engines}}
 
 
-def format_ceiling(ceiling: dict) -> str:
+def format_ceiling(ceiling: dict, of: str = "decode ceiling") -> str:
     shares = ", ".join(f"{e} {share:.2f}" for e, share in ceiling["shares"].items())
-    return (f"decode ceiling: {ceiling['tok_s']:.1f} tok/s (the read bandwidth over {ceiling['bytes_per_token'] / 1e6:.1f} "
+    return (f"{of}: {ceiling['tok_s']:.1f} tok/s (the read bandwidth over {ceiling['bytes_per_token'] / 1e6:.1f} "
             f"MB a token); share of it: {shares}")
 
 
@@ -508,7 +510,8 @@ def run(args: argparse.Namespace) -> int:
 
 def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) -> dict:
     """Make the requantized files, run every file's rows and print their tables; the report."""
-    from pagedserve.bench.roofline import BUFFER_BYTES, READS, decode_bytes_per_token, read_bandwidth
+    from pagedserve.bench.roofline import (BUFFER_BYTES, READS, checkpoint_bytes_per_token, decode_bytes_per_token,
+                                           read_bandwidth)
 
     files, prepared = [model], []
     for qtype in args.quantize:
@@ -522,7 +525,10 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
               "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
     token_bytes = {file: decode_bytes_per_token(file) for file, rows in plan.items() if "decode" in rows}
-    if any(token_bytes.values()):  # measured before any engine runs, on a quiet machine
+    # The checkpoint's engines (its column and the optional peers) read the checkpoint's bytes instead
+    checkpoint_engines = {PAGEDSERVE_CHECKPOINT, *peers}
+    checkpoint_bytes = checkpoint_bytes_per_token(args.hf_checkpoint) if args.hf_checkpoint and peers else None
+    if any(token_bytes.values()) or checkpoint_bytes:  # measured before any engine runs, on a quiet machine
         report["read_bandwidth"] = read_bandwidth(threads)
         print(f"memory read bandwidth, {threads} threads: {report['read_bandwidth'] / 1e9:.1f} GB/s "
               f"(NumPy sums over 2 x {BUFFER_BYTES >> 20} MiB, median of {READS})")
@@ -534,8 +540,14 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
         summary = summarize(measure(rows, args.rounds))
         print("\n" + format_table(summary))
         if token_bytes.get(file):
-            summary["decode"]["ceiling"] = decode_ceiling(summary["decode"], report["read_bandwidth"], token_bytes[file])
+            gguf_engines = set(summary["decode"]["engines"]) - checkpoint_engines
+            summary["decode"]["ceiling"] = decode_ceiling(summary["decode"], report["read_bandwidth"], token_bytes[file],
+                                                          gguf_engines)
             print(format_ceiling(summary["decode"]["ceiling"]))
+        if checkpoint_bytes and "decode" in summary and checkpoint_engines & set(summary["decode"]["engines"]):
+            summary["decode"]["checkpoint_ceiling"] = decode_ceiling(
+                summary["decode"], report["read_bandwidth"], checkpoint_bytes, checkpoint_engines)
+            print(format_ceiling(summary["decode"]["checkpoint_ceiling"], "the checkpoint's decode ceiling"))
         print("commands:")
         for row, engines in rows.items():
             for engine, cmd in engines.items():

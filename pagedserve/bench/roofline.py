@@ -13,6 +13,7 @@ of several reads. A VM's share of the host's memory is not on any spec sheet.
 
 from __future__ import annotations
 
+import json
 import statistics
 import struct
 import time
@@ -53,3 +54,25 @@ def decode_bytes_per_token(gguf_path: str | Path) -> int | None:
         return None
     names = {t.name for t in tensors}
     return sum(int(t.n_bytes) for t in tensors if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
+def checkpoint_bytes_per_token(directory: str | Path) -> int | None:
+    """The same for a Hugging Face checkpoint directory: its ``*.safetensors`` tensors' bytes as
+    stored (the dtype the engines that run it read), less the embedding table where the model has
+    its own ``lm_head``; None where the directory holds no safetensors file or an unreadable one.
+    Read from each file's header (8 bytes of length, then JSON with every tensor's byte offsets):
+    nothing is loaded."""
+    sizes: dict[str, int] = {}
+    try:
+        for file in sorted(Path(directory).glob("*.safetensors")):
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            sizes |= {name: end - start for name, entry in header.items() if name != "__metadata__"
+                      for start, end in [entry["data_offsets"]]}
+    except (OSError, ValueError, struct.error, KeyError, TypeError):
+        return None
+    if not sizes:
+        return None
+    untied = any(name.endswith("lm_head.weight") for name in sizes)
+    return sum(n for name, n in sizes.items() if not (untied and name.endswith("embed_tokens.weight")))

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader
 
 from pagedserve.bench import compare
-from pagedserve.bench.roofline import decode_bytes_per_token, read_bandwidth
+from pagedserve.bench.roofline import checkpoint_bytes_per_token, decode_bytes_per_token, read_bandwidth
 
 
 def _tensor_bytes(t) -> int:
@@ -58,3 +58,39 @@ def test_the_ceiling_and_each_engines_share_of_it():
     line = compare.format_ceiling(ceiling)
     assert line == ("decode ceiling: 280.0 tok/s (the read bandwidth over 100.0 MB a token); "
                     "share of it: pagedserve 0.71, llama.cpp 0.64")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_token_reads_its_tensors_as_stored_but_an_untied_embedding_table(tmp_path, tied):
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.bfloat16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 16, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(8, dtype=torch.float32)}
+    if not tied:
+        tensors["lm_head.weight"] = torch.zeros(100, 8, dtype=torch.bfloat16)
+    save_file(dict(list(tensors.items())[:2]), str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(tensors.items())[2:]), str(tmp_path / "model-00002-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    want = 8 * 16 * 2 + 8 * 4 + 100 * 8 * 2  # tied: the table is the head; untied: the head, not the table
+    assert checkpoint_bytes_per_token(tmp_path) == want
+
+
+def test_what_is_no_checkpoint_has_no_bytes_per_token(tmp_path, tiny_ggufs):
+    assert checkpoint_bytes_per_token(tmp_path) is None  # no safetensors file
+    assert checkpoint_bytes_per_token(tiny_ggufs("Q8_0")) is None  # a file, not a directory
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert checkpoint_bytes_per_token(tmp_path) is None
+
+
+def test_each_ceiling_takes_the_engines_that_read_its_bytes():
+    decode = {"engines": {"pagedserve": {"median": 250.0}, "llama.cpp": {"median": 150.0},
+                          "pagedserve-hf": {"median": 140.0}, "openvino": {"median": 143.5}}}
+    gguf = compare.decode_ceiling(decode, 30e9, 100_000_000, {"pagedserve", "llama.cpp"})
+    checkpoint = compare.decode_ceiling(decode, 30e9, 200_000_000, {"pagedserve-hf", "openvino"})
+    assert set(gguf["shares"]) == {"pagedserve", "llama.cpp"} and gguf["tok_s"] == pytest.approx(300.0)
+    assert checkpoint["shares"] == {"pagedserve-hf": pytest.approx(140 / 150), "openvino": pytest.approx(143.5 / 150)}
+    assert compare.format_ceiling(checkpoint, "the checkpoint's decode ceiling") == (
+        "the checkpoint's decode ceiling: 150.0 tok/s (the read bandwidth over 200.0 MB a token); "
+        "share of it: pagedserve-hf 0.93, openvino 0.96")
