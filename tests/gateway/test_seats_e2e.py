@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,13 +17,34 @@ import openai
 import pytest
 
 from pagedserve.gateway.config import parse_config
-from tests.gateway.conftest import MODEL
+from tests.gateway.conftest import ENGINE_SEATS, MODEL
 from tests.gateway.gateway_server import GatewayThread, bucket_levels, metric
 from tests.gateway.stub_replica import StubReplica
+from tests.helpers.servers import run_paced_engine_server, wait_for_idle
 
-# 4,000 of the tiny model's 4,096 positions: the stream must outlast the whole test (at 3,000 a fast
-# machine finished it before the seat was to be freed by hand, and the queued request went early).
+# 4,000 of the tiny model's 4,096 positions, on an engine whose steps take 3 ms longer than the
+# tiny model's (tests/helpers/faults.py's Paced): the stream must outlast the whole test on any CPU
+# (unpaced, a Zen 5 generated all 4,000 in 2.3 s and the queued request went early).
 LONG = {"model": MODEL, "prompt": "hold a seat", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+STEP_S = 0.003
+
+
+@pytest.fixture(scope="module")
+def paced(tiny_model_dir: Path) -> Iterator[str]:
+    """The URL of a real `pagedserve serve` of the tiny model whose core paces its steps."""
+    with run_paced_engine_server(tiny_model_dir, STEP_S, "--served-model-name", MODEL, "--max-num-seqs",
+                                 str(ENGINE_SEATS), "--log-level", "warning") as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks_when_paced(request: pytest.FixtureRequest) -> Iterator[None]:
+    """As conftest's check for the shared engines: a test that used the paced engine leaves it idle
+    with 0 KV blocks used."""
+    yield
+    if "paced" in request.fixturenames:
+        load = wait_for_idle(request.getfixturevalue("paced"), timeout=15.0)
+        assert load["kv_blocks_used"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
 def _wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
@@ -43,14 +66,14 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return t, out
 
 
-def test_requests_queue_in_the_gateway_and_are_shed_at_their_budget(engines: dict[str, str]) -> None:
+def test_requests_queue_in_the_gateway_and_are_shed_at_their_budget(paced: str) -> None:
     config = parse_config(f"""
 [gateway]
 load_poll_interval_s = 0.1
 default_service_s = 0.5
 
 [pools.q]
-replicas = ["{engines['shared']}"]
+replicas = ["{paced}"]
 seats = 2             # fewer than the engine's ENGINE_SEATS (4): the gateway gates at 2
 reserved_seats = 1    # one of them kept for paid
 
@@ -89,7 +112,7 @@ bucket = "tier"
         # Free's only seat is taken: the next free request waits in the gateway, not in the engine.
         shed_thread, shed = _in_thread(lambda: c.post("/v1/completions", json=short, headers=free))
         _wait_until(lambda: gw.gateway.dispatcher.queued("q") == {"free": 1}, "the free request is queued")
-        load = httpx.get(f"{engines['shared']}/load").json()
+        load = httpx.get(f"{paced}/load").json()
         assert (load["running"], load["waiting"]) == (1, 0)
         assert metric(gw.url, "pagedserve_gateway_queued", tier="free", pool="q") == 1
         # Paid has a reserved seat: straight in, while free still waits.
@@ -202,7 +225,7 @@ pools = ["slow"]
             assert tokens_before - tokens_after == pytest.approx(3, abs=0.05)  # the prompt, not the reservation
             assert metric(gw.url, "pagedserve_gateway_reconciled_total", tier="t", outcome="failed") == 1
 
-def test_vllm_gauges_on_metrics_stand_in_for_load(engines: dict[str, str]) -> None:
+def test_vllm_gauges_on_metrics_stand_in_for_load(paced: str) -> None:
     """A pagedserve engine read as if it were vLLM (/load unused): requests another client holds
     there fill its seats, which only the gauges can tell the gateway."""
     with StubReplica(vllm=True, running=3, waiting=1) as stub:
@@ -212,7 +235,7 @@ load_poll_interval_s = 0.1
 default_service_s = 5.0
 
 [pools.v]
-replicas = ["{engines['shared']}"]
+replicas = ["{paced}"]
 load_source = "vllm"
 seats = 2
 
@@ -237,7 +260,7 @@ max_queue_wait_s = 0.5
             assert (stubbed.load.running, stubbed.load.waiting, stubbed.seats) == (3, 1, 8)
             streams = []  # kept: a dropped line iterator would close its stream
             for _ in range(2):  # another client fills both seats, bypassing the gateway
-                held = stack.enter_context(c.stream("POST", f"{engines['shared']}/v1/completions", json=LONG))
+                held = stack.enter_context(c.stream("POST", f"{paced}/v1/completions", json=LONG))
                 streams.append(held.iter_lines())
                 next(streams[-1])
             _wait_until(lambda: replica.load is not None and replica.load.running == 2, "the gauges show 2 running")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,10 +14,10 @@ from typing import IO, Any
 import httpx
 import uvicorn
 
-from pagedserve.bench.processes import engine_server, free_port
+from pagedserve.bench.processes import engine_server, free_port, running_process
 from pagedserve.kernels import native_ops
 
-__all__ = ["AppThread", "free_port", "run_engine_server", "wait_for_idle"]
+__all__ = ["AppThread", "free_port", "run_engine_server", "run_paced_engine_server", "wait_for_idle"]
 
 
 @contextmanager
@@ -33,6 +34,20 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
         # no server's start timeout covers: built here first, under the build's lock, without one.
         native_ops()
     with engine_server("--model", str(model_dir), *extra_args, log=log, timeout_s=timeout, port=port) as url:
+        yield url
+
+
+@contextmanager
+def run_paced_engine_server(model_dir: str | Path, step_s: float, *extra_args: str, timeout: float = 120) -> Iterator[str]:
+    """As :func:`run_engine_server`, with tests/helpers/faults.py's ``Paced`` core: every model step
+    takes ``step_s`` longer, so a long generation that a test needs still running (a held seat, a
+    request past its timeout) lasts as long on a fast CPU as on a slow one."""
+    native_ops()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tests.helpers.faults", "paced", str(step_s), "--host", "127.0.0.1", "--port",
+           str(port), "--model", str(model_dir), *extra_args]
+    with running_process(cmd, f"{url}/health", timeout_s=timeout):
         yield url
 
 

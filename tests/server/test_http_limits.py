@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pagedserve.server.config import ServerConfig
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.helpers.servers import run_paced_engine_server, wait_for_idle
 
 REQUEST_TIMEOUT = 2.0
 READ_TIMEOUT = 1.0
@@ -29,13 +29,15 @@ ARGS = ("--max-model-len", "4096", "--num-kv-blocks", "1024", "--log-level", "wa
         "--request-timeout", str(REQUEST_TIMEOUT), "--read-timeout", str(READ_TIMEOUT),
         "--keep-alive-timeout", str(KEEP_ALIVE), "--max-header-bytes", str(MAX_HEADER_BYTES),
         "--max-headers", str(MAX_HEADERS))
-# Thousands of steps: longer than REQUEST_TIMEOUT on any machine these tests run on.
+# Thousands of steps, each paced 3 ms longer than the tiny model's own (tests/helpers/faults.py's
+# Paced): longer than REQUEST_TIMEOUT on any CPU (unpaced, a Zen 5 finished all 4,000 within 2 s).
 SLOW = {"prompt": "slow", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+STEP_S = 0.003
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    with run_engine_server(tiny_model_dir, *ARGS, timeout=300) as u:  # slow to start on a busy machine
+    with run_paced_engine_server(tiny_model_dir, STEP_S, *ARGS, timeout=300) as u:  # slow to start on a busy machine
         yield u
 
 
