@@ -234,9 +234,10 @@ class EngineCore:
 
     def _fault_point(self, stage: str, seqs: Iterable[Sequence]) -> None:
         """Where a step's stage (``execute``: the model; ``sample``: sampling and verification) may
-        raise for a request in ``seqs``, as a kernel or sampler bug would. Does nothing here: it is
-        the fault-isolation tests' seam (tests/helpers/faults.py overrides it in a subclass, run in
-        the core process through ``spawn_core_process(core_factory=...)``)."""
+        raise for a request in ``seqs``, as a kernel or sampler bug would (or take longer, as a slow
+        model would). Does nothing here: it is the fault-isolation tests' seam (tests/helpers/faults.py
+        overrides it in a subclass, run in the core process through
+        ``spawn_core_process(core_factory=...)``)."""
 
     def _fail(self, request_id: str, message: str) -> CoreOutput:
         """End a request whose processing raised: free its blocks, report the error to its owner."""
