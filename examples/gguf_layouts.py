@@ -7,6 +7,7 @@ path in the same run. docs/BENCHMARKS.md ("Q8_0 in the rows16 layout", "The rows
 
     python examples/gguf_layouts.py --format Q8_0 --isa avx512 amx --rows 1 8 16 --head
     python examples/gguf_layouts.py --format Q4_1 --isa avx2 --rows 1 2 4 16
+    python examples/gguf_layouts.py --format Q4_K --isa avx512 --rows 1 4 16 --layers 60
 """
 import argparse
 import statistics
@@ -16,7 +17,7 @@ import torch
 
 from pagedserve.bench.gguf_kernels import random_gguf_rows
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
-from pagedserve.models.gguf_linear import ROWS16_FORMATS, kernel_layout, rows16_layout
+from pagedserve.models.gguf_linear import BLOCKS, ROWS16_FORMATS, kernel_layout, rows16_layout
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
@@ -39,7 +40,9 @@ unknown = set(args.isa) - set(isa_paths()) - {"auto"}
 if unknown:
     raise SystemExit(f"this CPU runs {', '.join(isa_paths())}; not {', '.join(sorted(unknown))}")
 torch.set_num_threads(args.threads)
-shapes = LAYER_SHAPES * args.layers + ([HEAD_SHAPE] if args.head else [])
+# The shapes whose rows hold whole blocks of the format (a K-quant's 256: the down projection only)
+fits = [(n, k) for n, k in LAYER_SHAPES + [HEAD_SHAPE] if k % BLOCKS[args.format][0] == 0]
+shapes = [s for s in LAYER_SHAPES if s in fits] * args.layers + ([HEAD_SHAPE] if args.head and HEAD_SHAPE in fits else [])
 raw = [random_gguf_rows(args.format, n, k, seed=i) for i, (n, k) in enumerate(shapes)]
 layouts = {"planar": [kernel_layout(args.format, w) for w in raw],
            "rows16": [rows16_layout(args.format, w) for w in raw]}

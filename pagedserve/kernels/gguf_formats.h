@@ -34,7 +34,7 @@ struct FormatInfo {
   int bytes;  // bytes per block
 };
 
-inline FormatInfo info(Format f) {
+constexpr FormatInfo info(Format f) {
   switch (f) {
     case Format::q4_0: return {"Q4_0", 32, 18};
     case Format::q4_1: return {"Q4_1", 32, 20};
@@ -183,27 +183,50 @@ inline void dequantize_block(Format f, const uint8_t* b, float* y) {
   }
 }
 
-// The rows16 layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: a VNNI dot product's shape, 16 weight rows
-// at a time. Per group of 16 rows and block b: 64-byte vectors (four for Q4_0 / Q4_1, five for Q5_0 /
-// Q5_1, eight for Q8_0), vector j holding for each row r (4 bytes at 4r) its block's integer bytes
-// 4j..4j+3 as the planar layout has them: for Q4_0 / Q4_1 weights 4j..4j+3 in the low nibbles and
-// 16+4j..19+4j in the high ones; for Q5_0 / Q5_1 first the 32 fifth bits (qh, bit i of weight i), then
-// the nibbles as Q4's; for Q8_0 weights 4j..4j+3 with the sign bit flipped (w + 128: unsigned, as
-// vpdpbusd wants them); then the 16 rows' d (float16); then, for Q4_1 / Q5_1, their m. A group is
-// its `blocks` such runs back to back, and rows past the matrix's end are zeros. A decode kernel
-// reads one stream and sums 16 rows per instruction with no horizontal reduction (gguf_simd.inc's
-// rows16_group).
+// The rows16 layout: a VNNI dot product's shape, 16 weight rows at a time. A block's float16
+// fields (d; Q4_1's / Q5_1's m, the K-quants' dmin) move behind its other bytes, the "body", which
+// are laid out four bytes of each row at a time: per group of 16 rows and block b, 64-byte vectors,
+// vector j holding for each row r (4 bytes at 4r) its body's bytes 4j..4j+3; then the 16 rows' d
+// (float16), then their m or dmin. The body is GGUF's block less those fields, Q8_0's weights with
+// the sign bit flipped (w + 128: unsigned, as vpdpbusd wants them). So Q4_0 / Q4_1 hold in vector j
+// weights 4j..4j+3 in the low nibbles and 16+4j..19+4j in the high ones, Q5_0 / Q5_1 their 32 fifth
+// bits (vector 0) before those; Q4_K's body is its 12 scale bytes (vectors 0-2) and 128 nibble bytes
+// (3-34), Q5_K's the same with its 32 high-bit bytes between (3-10, nibbles 11-42), Q6_K's its 128
+// low-nibble bytes (0-31), 64 high-bit bytes (32-47) and 16 scales (48-51). A group is its `blocks`
+// such runs back to back, and rows past the matrix's end are zeros. A decode kernel reads one
+// stream and sums 16 rows per instruction with no horizontal reduction (gguf_simd.inc's
+// rows16_group, rows16_kquant and rows16_q6k).
 constexpr bool five_bit(Format f) { return f == Format::q5_0 || f == Format::q5_1; }
-constexpr bool has_rows16(Format f) {
-  return f == Format::q4_0 || f == Format::q4_1 || five_bit(f) || f == Format::q8_0;
+// The float16 fields each block holds: d, and m or dmin.
+constexpr int rows16_halves(Format f) {
+  return with_min(f) || f == Format::q4_k || f == Format::q5_k ? 2 : 1;
 }
-constexpr int rows16_vectors(Format f) { return quant_bytes(f) / 4; }
-constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 + (with_min(f) ? 32 : 0); }
+// Where they lie in GGUF's block: first, except Q6_K's d, last.
+constexpr int rows16_halves_at(Format f) { return f == Format::q6_k ? info(f).bytes - 2 : 0; }
+constexpr int rows16_vectors(Format f) { return (info(f).bytes - 2 * rows16_halves(f)) / 4; }
+constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 * rows16_halves(f); }
 
-// Row r (0-15) of a rows16 group's block b as 32 floats, straight from the group: dequantize_block's
-// arithmetic, so the planar row's values (tested bit for bit). Reassembling each block for
-// dequantize_block instead measured Q4_1 3,072 x 576 into bf16 at 709-729 against 476 us.
+// Row r (0-15) of a rows16 group's block b in GGUF's layout (info(f).bytes at `out`).
+inline void rows16_gguf_block(Format f, const uint8_t* group, int64_t b, int r, uint8_t* out) {
+  const uint8_t* g = group + b * rows16_block_bytes(f);
+  const int V = rows16_vectors(f), halves = rows16_halves(f), at = rows16_halves_at(f);
+  uint8_t* body = out + (at == 0 ? 2 * halves : 0);
+  const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
+  for (int j = 0; j < V; ++j)
+    for (int t = 0; t < 4; ++t) body[4 * j + t] = g[64 * j + 4 * r + t] ^ flip;
+  for (int h = 0; h < halves; ++h) std::memcpy(out + at + 2 * h, g + 64 * V + 32 * h + 2 * r, 2);
+}
+
+// Row r (0-15) of a rows16 group's block b as floats (32, or a K-quant's 256), straight from the
+// group: dequantize_block's arithmetic, so the planar row's values (tested bit for bit).
+// Reassembling each 32-weight block for dequantize_block instead measured Q4_1 3,072 x 576 into bf16
+// at 709-729 against 476 us; a K-quant's 256 weights take their block reassembled.
 inline void dequantize_rows16_block(Format f, const uint8_t* group, int64_t b, int r, float* y) {
+  if (!planar(f)) {
+    uint8_t block[210];
+    rows16_gguf_block(f, group, b, r, block);
+    return dequantize_block(f, block, y);
+  }
   const int V = rows16_vectors(f);
   const uint8_t* g = group + b * rows16_block_bytes(f);
   const float d = half_at(g + 64 * V + 2 * r);
@@ -226,11 +249,17 @@ inline void dequantize_rows16_block(Format f, const uint8_t* group, int64_t b, i
     }
 }
 
-// A rows16 group (`blocks` blocks) as 16 rows of the planar layout, `out` [16, blocks x GGUF block bytes].
+// A rows16 group (`blocks` blocks) as 16 rows of the kernels' layout (planar, or GGUF's for the
+// K-quants), `out` [16, blocks x GGUF block bytes].
 inline void rows16_to_planar(Format f, const uint8_t* group, int64_t blocks, uint8_t* out) {
+  const int64_t row_bytes = blocks * info(f).bytes;
+  if (!planar(f)) {
+    for (int r = 0; r < 16; ++r)
+      for (int64_t b = 0; b < blocks; ++b) rows16_gguf_block(f, group, b, r, out + r * row_bytes + b * info(f).bytes);
+    return;
+  }
   const int bb = rows16_block_bytes(f), qb = quant_bytes(f), scales = 64 * rows16_vectors(f);
   const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
-  const int64_t row_bytes = blocks * info(f).bytes;
   for (int r = 0; r < 16; ++r) {
     uint8_t* o = out + r * row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {

@@ -57,6 +57,9 @@ struct Rows {
   int64_t q_stride, d_stride;  // between consecutive rows (of q, low and whole; of d and s)
   const int8_t* low = nullptr;
   const int16_t* whole = nullptr;
+  // Each 16 values' integer sum (kLowSteps q + low with `low`), 2 d_stride apart: Q6_K's rows16
+  // kernel subtracts 32 x it, its weights being q + 32 under a scale per 16.
+  const int32_t* sum16 = nullptr;
 };
 
 // Weight rows [n0, n1) (`row_bytes` apart from w, `blocks` blocks each) against `rows` (1-4)
@@ -192,6 +195,7 @@ struct Path {
   QuantizeRow quantize;
   bool pairs = false;  // int8 activations: the kernel wants each pair of runs swizzled (pairs_swizzled)
   bool whole = false;  // int16 activations: the kernel takes them whole (Rows::whole)
+  bool sums16 = false;  // the kernel wants each 16 values' sum (Rows::sum16)
 };
 
 Path path_for(Isa isa, Format f) {
@@ -242,7 +246,7 @@ void check_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, 
 // int8 pair-swizzled where it wants that), and the Rows view of row m onwards.
 struct QuantizedRows {
   int64_t K, runs;
-  bool whole;
+  bool whole, sums16;
   // One allocation a call for all of it (x's float32 copy, the planes, the scales): a decode token
   // makes ~120 of these calls, and five allocations each kept glibc's malloc consolidating its
   // free lists (~4 % of a decode profile). Every element is written before it is read: allocated,
@@ -251,21 +255,23 @@ struct QuantizedRows {
   int8_t* q;
   int8_t* low = nullptr;
   int16_t* values = nullptr;
+  int32_t* sum16 = nullptr;
   float* d;
   float* s;
 
   QuantizedRows(const at::Tensor& x, const Path& path, bool residual, WorkPool* pool)
-      : K(x.size(1)), runs(K / 32), whole(residual && path.whole) {
+      : K(x.size(1)), runs(K / 32), whole(residual && path.whole), sums16(path.sums16) {
     const int64_t M = x.size(0), n = M * K;
     const bool convert = x.scalar_type() != at::kFloat;
     // float32 and int16 parts first, so every part stays aligned to its element
-    memory = std::make_unique_for_overwrite<std::byte[]>((convert ? 4 * n : 0) + 8 * M * runs + (whole ? 2 * n : 0) +
-                                                         (residual ? 2 * n : n));
+    memory = std::make_unique_for_overwrite<std::byte[]>((convert ? 4 * n : 0) + 8 * M * runs + (sums16 ? 8 * M * runs : 0) +
+                                                         (whole ? 2 * n : 0) + (residual ? 2 * n : n));
     std::byte* next = memory.get();
     auto take = [&](int64_t bytes) { std::byte* part = next; next += bytes; return part; };
     float* buffer = convert ? reinterpret_cast<float*>(take(4 * n)) : nullptr;
     d = reinterpret_cast<float*>(take(4 * M * runs));
     s = reinterpret_cast<float*>(take(4 * M * runs));
+    if (sums16) sum16 = reinterpret_cast<int32_t*>(take(8 * M * runs));
     if (whole) values = reinterpret_cast<int16_t*>(take(2 * n));
     q = reinterpret_cast<int8_t*>(take(n));
     if (residual) low = reinterpret_cast<int8_t*>(take(n));
@@ -280,12 +286,17 @@ struct QuantizedRows {
         } else if (path.pairs) {  // int8 activations (int16 ones go whole where a path pairs)
           swizzle_pairs(qm, K);
         }
+        for (int64_t i = 0; sums16 && i < 2 * runs; ++i) {
+          int32_t sum = 0;
+          for (int t = 16 * i; t < 16 * i + 16; ++t) sum += lm ? kLowSteps * qm[t] + lm[t] : qm[t];
+          sum16[m * 2 * runs + i] = sum;
+        }
       }
     });
   }
   Rows at(int64_t m) const {
     return Rows{q + m * K, d + m * runs, s + m * runs, K, runs, low ? low + m * K : nullptr,
-                whole ? values + m * K : nullptr};
+                whole ? values + m * K : nullptr, sums16 ? sum16 + 2 * m * runs : nullptr};
   }
 };
 
@@ -370,12 +381,12 @@ void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 // The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
 Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
-  TORCH_CHECK(has_rows16(f), op, ": the rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not ", info(f).name);
-  TORCH_CHECK(K % 32 == 0, op, ": in_features ", K, " is not a multiple of 32");
+  const FormatInfo fi = info(f);
+  TORCH_CHECK(K % fi.elems == 0, op, ": in_features ", K, " is not a multiple of ", fi.name, "'s block of ", fi.elems);
+  const int64_t bytes = K / fi.elems * rows16_block_bytes(f);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == (N + 15) / 16 &&
-                  w.size(1) == K / 32 * rows16_block_bytes(f),
-              op, ": weight must be a contiguous uint8 [", (N + 15) / 16, ", ", K / 32 * rows16_block_bytes(f),
-              "] in the rows16 layout (gguf_formats.h)");
+                  w.size(1) == bytes,
+              op, ": weight must be a contiguous uint8 [", (N + 15) / 16, ", ", bytes, "] in the rows16 layout (gguf_formats.h)");
   return f;
 }
 
@@ -396,9 +407,9 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   const Format f = rows16_format(w, format, N, K, op);
   check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
-  const int64_t blocks = K / 32, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
+  const int64_t blocks = K / info(f).elems, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
   // The group kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths
-  // (scalar; AVX2's Q5_0, Q5_1 and Q8_0) rewrite each group as 16 planar rows for their own kernel.
+  // (scalar; AVX2's other formats) rewrite each group as 16 rows of their own layout for their own kernel.
   void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float(*)[16]) = nullptr;
 #if PS_X86
   const bool tiles = requested == Isa::amx && amx::rows16_tiles(f, M);
@@ -410,6 +421,7 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
   // path's activations.
   Path path = path_for(isa, f);
   if (grouped) path.pairs = path.whole = false;
+  path.sums16 = grouped && f == Format::q6_k;
   const Operands in(out, x, w, bias, path, residual, pool);
 #if PS_X86
   if (tiles) return amx::matmul16(in.w, group_bytes, blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
@@ -450,8 +462,10 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
   const char* op = "gguf_dequantize16";
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [rows, in_features]");
   // With ids the weight's row count is not given: its groups' 16 rows each (the last padded).
-  const int64_t K = out.size(1), blocks = K / 32, rows = ids ? 16 * w.size(0) : out.size(0);
+  const int64_t K = out.size(1), rows = ids ? 16 * w.size(0) : out.size(0);
   const Format f = rows16_format(w, format, rows, K, op);
+  const int elems = info(f).elems;
+  const int64_t blocks = K / elems;
   const int64_t* id = nullptr;
   if (ids) {
     TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 1 && ids->is_contiguous() && ids->numel() == out.size(0),
@@ -466,13 +480,13 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
     T* o = out.data_ptr<T>();
     // A decode step's few lookups stay on the calling thread (no OpenMP team woken for them).
     at::parallel_for(0, out.size(0), std::max<int64_t>(1, 32768 / K), [&](int64_t i0, int64_t i1) {
-      float buf[32];
+      float buf[256];
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t n = id ? id[i] : i;
         for (int64_t b = 0; b < blocks; ++b) {
           dequantize_rows16_block(f, wp + n / 16 * w.size(1), b, static_cast<int>(n % 16), buf);
-          T* ob = o + i * K + 32 * b;
-          for (int j = 0; j < 32; ++j) ob[j] = from_float<T>(buf[j]);
+          T* ob = o + i * K + elems * b;
+          for (int j = 0; j < elems; ++j) ob[j] = from_float<T>(buf[j]);
         }
       }
     });

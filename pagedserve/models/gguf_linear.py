@@ -48,16 +48,20 @@ def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.reshape(rows, -1) for p in planes], dim=1).contiguous()
 
 
-ROWS16_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+ROWS16_FORMATS = tuple(BLOCKS)
+# Where each format's float16 fields (d; m or dmin) lie in its block: the rows16 layout keeps them
+# behind the other bytes
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def rows16_default(isa: str) -> tuple[str, ...]:
     """The formats GGUFLinear lays out in rows16 on a CPU whose kernels' best path is ``isa``: those
-    its group kernels read as they lie (AVX-512 VNNI: all five; AMX: Q4_0, Q4_1 and Q8_0, its Q5
+    its group kernels read as they lie (AVX-512 VNNI: all of them; AMX: Q4_0, Q4_1 and Q8_0, its other
     batches measured on the planar tiles only; AVX2: Q4_0 / Q4_1, since its ``maddubs`` would
-    saturate on Q8_0's w + 128 and has no group kernel for Q5); planar elsewhere (docs/BENCHMARKS.md,
-    "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on AVX2", "Measured
-    2026-12-06 on an AMD EPYC Zen 5")."""
+    saturate on Q8_0's w + 128 and it has no group kernel for the others); planar elsewhere
+    (docs/BENCHMARKS.md, "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on
+    AVX2", "Measured 2026-12-06 on an AMD EPYC Zen 5", "K-quants in the rows16 layout")."""
     if isa == "avx512":
         return ROWS16_FORMATS
     if isa == "amx":
@@ -66,27 +70,25 @@ def rows16_default(isa: str) -> tuple[str, ...]:
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (uint8 ``[rows, row bytes]``) in the rows16
-    layout (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block,
-    64-byte vectors (four; five for Q5, its fifth bits first; eight for Q8_0, its bytes stored as
-    w + 128), vector j holding each row's block integer bytes 4j..4j+3, then the 16 rows' d and
-    (Q4_1 / Q5_1) their m — uint8 ``[ceil(rows / 16), blocks x block bytes]``."""
+    """GGUF rows of ``fmt`` blocks (uint8 ``[rows, row bytes]``) in the rows16 layout
+    (kernels/gguf_formats.h): per 16 rows (the last group padded with zero rows) and block, the
+    block's bytes but its float16 fields (its "body", Q8_0's stored as w + 128) as 64-byte vectors,
+    vector j holding each row's body bytes 4j..4j+3, then the 16 rows' d and (Q4_1, Q5_1, Q4_K,
+    Q5_K) their m or dmin — uint8 ``[ceil(rows / 16), blocks x block bytes]``."""
     if fmt not in ROWS16_FORMATS:
         raise ValueError(f"the rows16 layout holds {', '.join(ROWS16_FORMATS)}, not {fmt}")
-    size = BLOCKS[fmt][1]
-    head = 4 if fmt in ("Q4_1", "Q5_1") else 2  # d (and m), float16 each, before the integer bytes
-    rows, qb = blocks.shape[0], size - head
+    size, halves = BLOCKS[fmt][1], HALVES[fmt]
+    body = [i for i in range(size) if not any(h <= i < h + 2 for h in halves)]
+    rows, qb = blocks.shape[0], len(body)
     groups = -(-rows // 16)
     b = torch.zeros(groups * 16, blocks.shape[1], dtype=torch.uint8)
     b[:rows] = blocks
     b = b.reshape(groups, 16, -1, size).transpose(1, 2)  # [group, block, row, block bytes]
     n = b.shape[1]
-    quants = b[..., head:].reshape(groups, n, 16, qb // 4, 4).transpose(2, 3).reshape(groups, n, 16 * qb)
+    quants = b[..., body].reshape(groups, n, 16, qb // 4, 4).transpose(2, 3).reshape(groups, n, 16 * qb)
     if fmt == "Q8_0":
         quants = quants ^ 0x80  # w + 128 (two's complement): unsigned bytes
-    parts = [quants, b[..., 0:2].reshape(groups, n, 32)]
-    if head == 4:
-        parts.append(b[..., 2:4].reshape(groups, n, 32))
+    parts = [quants] + [b[..., h:h + 2].reshape(groups, n, 32) for h in halves]
     return torch.cat(parts, dim=2).reshape(groups, -1).contiguous()
 
 

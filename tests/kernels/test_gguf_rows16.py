@@ -1,4 +1,4 @@
-"""The rows16 layout of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
+"""The rows16 layout of every GGUF format (kernels/gguf_formats.h, gguf_matmul16): the same weights as the
 planar layout, dequantized bit for bit alike; its products on every instruction-set path this CPU
 runs against the planar kernels' scalar reference and the float matmul; batch invariance; a row
 count that is not a multiple of 16; one-line errors."""
@@ -11,11 +11,15 @@ import torch.nn.functional as F
 
 from pagedserve.bench.gguf_kernels import random_gguf_rows
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
-from pagedserve.models.gguf_linear import ROWS16_FORMATS, kernel_layout, rows16_layout
+from pagedserve.models.gguf_linear import BLOCKS, ROWS16_FORMATS, kernel_layout, rows16_layout
 
 OPS = native_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
-K = 608  # 19 blocks
+
+
+def _k(fmt):
+    """in_features: 19 blocks of 32, or three K-quant super-blocks of 256."""
+    return 768 if BLOCKS[fmt][0] == 256 else 608
 
 
 def _planar(x, w, fmt, residual, isa="scalar", bias=None):
@@ -33,9 +37,10 @@ def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
 @pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 @pytest.mark.parametrize("n", [16, 37])
 def test_layout_holds_the_same_weights(fmt, n):
+    K = _k(fmt)
     w = random_gguf_rows(fmt, n, K, seed=n)
     w16 = rows16_layout(fmt, w)
-    assert w16.shape == (-(-n // 16), K // 32 * {"Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q8_0": 544}[fmt])
+    assert w16.shape == (-(-n // 16), K // BLOCKS[fmt][0] * 16 * BLOCKS[fmt][1])  # GGUF's bytes, 16 rows a group
     for dtype in (torch.float32, torch.bfloat16):
         want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
@@ -50,7 +55,7 @@ def test_every_path_matches_the_planar_reference_and_the_float_matmul(fmt, isa, 
     """The VNNI kernel (16 rows a vector) and the other paths (each group rewritten as planar rows)
     sum the same integers: equal to the planar scalar path to float rounding, and to the float
     matmul over the dequantized weights to the activations' precision."""
-    n = 37  # two whole groups and one of 5 rows
+    n, K = 37, _k(fmt)  # two whole groups and one of 5 rows
     w = random_gguf_rows(fmt, n, K, seed=7)
     dense = torch.empty(n, K)
     OPS.gguf_dequantize(dense, kernel_layout(fmt, w), fmt)
@@ -69,6 +74,7 @@ def test_every_path_matches_the_planar_reference_and_the_float_matmul(fmt, isa, 
 def test_a_rows_result_does_not_depend_on_its_batch(fmt, residual):
     """On an AMX CPU calls of more than 4 rows run on the tiles, fewer on the VNNI kernel: the same
     bits either way, so a row's result does not depend on the rows beside it."""
+    K = _k(fmt)
     w = random_gguf_rows(fmt, 40, K, seed=4)
     w16 = rows16_layout(fmt, w)
     torch.manual_seed(4)
@@ -84,7 +90,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(fmt, residual):
 def test_avx2_group_kernel_gives_the_vnni_kernels_bits(fmt, residual):
     """AVX2 reads the rows16 layout with maddubs (the same integer sums in int16, no saturation at
     these bounds) and scales them as the VNNI kernel does: equal bits, row counts 1 to 9."""
-    n = 37
+    n, K = 37, _k(fmt)
     w16, bias = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=5)), torch.randn(n)
     torch.manual_seed(5)
     for m in (1, 2, 3, 4, 5, 9):
@@ -97,7 +103,7 @@ def test_avx2_group_kernel_gives_the_vnni_kernels_bits(fmt, residual):
 def test_tiles_give_the_vnni_kernels_bits(residual):
     """The tiles read Q8_0 rows16 groups as their B operand and scale the exact integer sums as the
     VNNI kernel does: every row count (partial activation tiles, a partial weight group) bit for bit."""
-    n, fmt = 53, "Q8_0"
+    n, fmt, K = 53, "Q8_0", 608
     w16, bias = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=9)), torch.randn(n)
     torch.manual_seed(9)
     for m in (5, 8, 13, 16, 17, 40):  # 5: the VNNI kernel on both; from 8 rows the tiles
@@ -109,9 +115,11 @@ def test_bad_calls_are_one_line_errors():
     w = random_gguf_rows("Q4_1", 20, 64)
     w16 = rows16_layout("Q4_1", w)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, not Q6_K"):
-        rows16_layout("Q6_K", random_gguf_rows("Q6_K", 4, 256))
-    with pytest.raises(RuntimeError, match="rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not Q4_K"):
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, not Q2_K"):
+        rows16_layout("Q2_K", w)
+    with pytest.raises(RuntimeError, match="unsupported GGUF format 'Q2_K'"):
+        OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q2_K", None)
+    with pytest.raises(RuntimeError, match="in_features 64 is not a multiple of Q4_K's block of 256"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16, "Q4_K", None)
     with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):
         OPS.gguf_matmul16(torch.empty(2, 20), x, w16[:, :40].contiguous(), "Q4_1", None)
@@ -124,17 +132,17 @@ def test_bad_calls_are_one_line_errors():
 def test_the_layout_goes_where_the_cpus_kernels_read_it():
     from pagedserve.models.gguf_linear import rows16_default
 
-    assert rows16_default("avx512") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-    assert rows16_default("amx") == ("Q4_0", "Q4_1", "Q8_0")  # Q5 batches go to the planar tiles
+    assert rows16_default("avx512") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    assert rows16_default("amx") == ("Q4_0", "Q4_1", "Q8_0")  # the others' batches go to the planar tiles
     assert rows16_default("avx2") == ("Q4_0", "Q4_1")  # maddubs would saturate on Q8_0's w + 128
     assert rows16_default("scalar") == ()
 
 
 @pytest.mark.parametrize("rows16", [True, False])
 def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
-    """GGUFLinear lays Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segments out in rows16 where asked (by default
-    where the kernels' best path reads them so, rows16_default) and other formats planar: decode rows,
-    a prompt chunk (dequantized for the GEMM) and row lookups give the float layer's values either way."""
+    """GGUFLinear lays its segments out in rows16 where asked (by default where the kernels' best path
+    reads them so, rows16_default) or planar: decode rows, a prompt chunk (dequantized for the GEMM)
+    and row lookups give the float layer's values either way."""
     from pagedserve.models.gguf_linear import GGUFLinear
 
     k = 768  # whole Q4_K super-blocks
@@ -142,7 +150,7 @@ def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
     f, s = random_gguf_rows("Q5_0", 6, k, seed=3), random_gguf_rows("Q4_K", 5, k, seed=3)
     layer = GGUFLinear([("Q4_1", q), ("Q8_0", v), ("Q5_0", f), ("Q4_K", s)], k, torch.randn(43), OPS,
                        kernel_rows=8, rows16=rows16)
-    assert layer.rows16 == [rows16, rows16, rows16, False]
+    assert layer.rows16 == [rows16] * 4
     dense = layer.dequantized_weight(torch.float32)
     planar = torch.empty(21, k)
     OPS.gguf_dequantize(planar, kernel_layout("Q4_1", q), "Q4_1")
@@ -156,7 +164,8 @@ def test_gguf_linear_in_either_layout_computes_the_same_layer(rows16):
             assert torch.allclose(layer(x), want, atol=tolerance, rtol=0), (residual, rows)
     ids = torch.tensor([[20, 0], [17, 20], [3, 9]])
     for fmt, w in (("Q4_1", q), ("Q8_0", v), ("Q5_0", f), ("Q5_1", random_gguf_rows("Q5_1", 19, k, seed=5)),
-                   ("Q4_0", random_gguf_rows("Q4_0", 21, k, seed=4))):
+                   ("Q4_0", random_gguf_rows("Q4_0", 21, k, seed=4)), ("Q4_K", s),
+                   ("Q6_K", random_gguf_rows("Q6_K", 18, k, seed=6))):
         table = GGUFLinear([(fmt, w)], k, None, OPS, rows16=rows16)
         want = torch.empty(w.shape[0], k)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
