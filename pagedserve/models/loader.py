@@ -101,26 +101,20 @@ def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Our fused projections and the Hugging Face ones they concatenate, in order (the first names the group).
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
 def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
     """Map Hugging Face names onto ours, concatenating q/k/v and gate/up into fused weights."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in raw.items():
-        if "rotary_emb" in name:
-            continue
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
-            continue  # consumed together with q_proj / gate_proj below
-        if ".self_attn.q_proj." in name:
-            prefix, suffix = name.split(".self_attn.q_proj.")
-            parts = [raw[f"{prefix}.self_attn.{p}_proj.{suffix}"] for p in ("q", "k", "v")]
-            out[f"{prefix}.self_attn.qkv_proj.{suffix}"] = torch.cat(parts, dim=0)
-        elif ".mlp.gate_proj." in name:
-            prefix, suffix = name.split(".mlp.gate_proj.")
-            out[f"{prefix}.mlp.gate_up_proj.{suffix}"] = torch.cat(
-                [tensor, raw[f"{prefix}.mlp.up_proj.{suffix}"]], dim=0)
-        elif name == "lm_head.weight" and arch.tie_word_embeddings:
-            continue
-        else:
-            out[name] = tensor
+    out = {name: t for name, t in raw.items()
+           if "rotary_emb" not in name and not (name == "lm_head.weight" and arch.tie_word_embeddings)}
+    for name in list(out):
+        for fused, parts in _FUSED.items():
+            if f".{parts[0]}." in name:
+                prefix, suffix = name.split(f".{parts[0]}.")
+                out[f"{prefix}.{fused}.{suffix}"] = torch.cat([out.pop(f"{prefix}.{p}.{suffix}") for p in parts])
     return out
 
 

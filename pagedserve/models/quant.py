@@ -19,6 +19,8 @@ what bounds single-stream decode speed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -325,13 +327,9 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_G
         return model
     if quantization not in ("int8", "int4"):
         raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
-    def twin(linear: nn.Linear) -> nn.Module:
-        if quantization == "int8":
-            return Int8Linear.from_linear(linear)
-        return Int4Linear.from_linear(linear, group_size, group_ops=group_ops)
-
     # A tied LM head gets its own quantized copy (57 MiB of bf16 read every step for qwen05-shape).
-    replace_linears(model, twin)
+    replace_linears(model, Int8Linear.from_linear if quantization == "int8" else
+                    functools.partial(Int4Linear.from_linear, group_size=group_size, group_ops=group_ops))
     return model
 
 
