@@ -187,6 +187,10 @@ class SamplingParams:
             if not lo <= value <= hi:
                 raise bad(name, f"{name} must be {what}, got {value}.")
 
+        def token_id(name: str, value: object, what: str) -> None:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value <= MAX_TOKEN_ID:
+                raise bad(name, f"{what} must be token ids in [0, {MAX_TOKEN_ID}], got {value!r}.")
+
         def real(name: str, value: Any, ok: Callable[[float], bool], what: str) -> None:
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise bad(name, f"{name} must be a number, got {value!r}.")
@@ -231,16 +235,14 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}.")
         for t in self.stop_token_ids:
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
-                raise bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}], got {t!r}.")
+            token_id("stop_token_ids", t, "stop_token_ids")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "logit_bias must map token ids to biases.")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}.")
             for t, v in self.logit_bias.items():
-                if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
-                    raise bad("logit_bias", f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}], got {t!r}.")
+                token_id("logit_bias", t, "logit_bias keys")
                 real("logit_bias", v, lambda x: -LOGIT_BIAS_MAX <= x <= LOGIT_BIAS_MAX,
                      f"in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] (the bias of token {t})")
         if self.prompt_logprobs is not None:

@@ -67,6 +67,21 @@ def layer_slots(groups: Seq[KVGroup]) -> list[tuple[int, int]]:
     return [slots[i] for i in range(len(slots))]
 
 
+def _forwarding(*names: str):
+    """Class decorator: each of ``names`` a property asking the inner manager as it is."""
+    def add(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, property(attrgetter(f"inner.{name}")))
+        return cls
+    return add
+
+
+# What the BlockManager answers for the whole pool, asked of the inner manager as it is; named, not
+# forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
+@_forwarding("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
+             "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
+             "cached_block_hashes", "cached_blocks", "can_allocate", "record_prefix_lookup", "reset_prefix_cache",
+             "take_pending_copies", "check_invariants")
 class GroupedBlockManager:
     """The :class:`BlockManager` interface the scheduler calls, fanned out to a table per sequence and
     group over one pool: group ``g``'s table for sequence ``s`` is the inner manager's ``s * G + g``.
@@ -85,26 +100,6 @@ class GroupedBlockManager:
 
     def _key(self, seq_id: int, group: int) -> int:
         return seq_id * len(self.groups) + group
-
-    # What the BlockManager answers for the whole pool, asked of the inner manager as it is; named, not
-    # forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
-    num_blocks = property(attrgetter("inner.num_blocks"))
-    enable_prefix_caching = property(attrgetter("inner.enable_prefix_caching"))
-    events = property(attrgetter("inner.events"))
-    blocks = property(attrgetter("inner.blocks"))
-    num_free_blocks = property(attrgetter("inner.num_free_blocks"))
-    num_used_blocks = property(attrgetter("inner.num_used_blocks"))
-    num_cached_free_blocks = property(attrgetter("inner.num_cached_free_blocks"))
-    num_evictions = property(attrgetter("inner.num_evictions"))
-    prefix_queried_tokens = property(attrgetter("inner.prefix_queried_tokens"))
-    prefix_hit_tokens = property(attrgetter("inner.prefix_hit_tokens"))
-    cached_block_hashes = property(attrgetter("inner.cached_block_hashes"))
-    cached_blocks = property(attrgetter("inner.cached_blocks"))
-    can_allocate = property(attrgetter("inner.can_allocate"))
-    record_prefix_lookup = property(attrgetter("inner.record_prefix_lookup"))
-    reset_prefix_cache = property(attrgetter("inner.reset_prefix_cache"))
-    take_pending_copies = property(attrgetter("inner.take_pending_copies"))
-    check_invariants = property(attrgetter("inner.check_invariants"))
 
     @property
     def tables(self) -> dict[int, list[KVBlock]]:

@@ -131,15 +131,8 @@ class ModelRunner:
         query_starts = torch.cumsum(lens, 0) - lens
         positions = starts[seq_of_token] + torch.arange(total) - query_starts[seq_of_token]
         context_lens = starts + lens
-        # One metadata per KV group (kv/groups.py: each group its own tables), or the one table set.
-        groups = getattr(self.block_manager, "groups", None)
-        if groups is None:
-            meta = self._metadata(_pad_tables([self.block_manager.block_ids(s.seq_id) for s in seqs]), seq_of_token,
-                                  positions, query_starts, lens, context_lens, num_decodes)
-        else:
-            meta = [self._metadata(_pad_tables([self.block_manager.block_ids(s.seq_id, g) for s in seqs]),
-                                   seq_of_token, positions, query_starts, lens, context_lens, num_decodes)
-                    for g in range(len(groups))]
+        meta = self._per_group([self._metadata(_pad_tables(ids), seq_of_token, positions, query_starts, lens,
+                                               context_lens, num_decodes) for ids in self._block_ids(seqs)])
 
         # Rows that sample: the one that reaches a sequence's last token; every row verifying drafts.
         sampled = [i for i, (s, p, n) in enumerate(rows) if s.draft_token_ids or p + n == s.num_tokens]
@@ -162,19 +155,29 @@ class ModelRunner:
         positions = [s.num_computed_tokens for s in seqs]
         width = -(-(max(positions) + 1) // bs)  # blocks of the longest context
         context_lens = torch.tensor(positions, dtype=torch.long) + 1
-        groups = getattr(self.block_manager, "groups", None)
         metas = []
-        for g in ([None] if groups is None else range(len(groups))):
-            ids = [self.block_manager.block_ids(s.seq_id) if g is None else self.block_manager.block_ids(s.seq_id, g)
-                   for s in seqs]
+        for ids in self._block_ids(seqs):
             slots = [t[p // bs] * bs + p % bs for t, p in zip(ids, positions)]
             metas.append(AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev), num_decodes=len(seqs),
                 decode_block_tables=_pad_tables(ids, width).to(dev), decode_context_lens=context_lens.to(dev),
                 decode_mask=_decode_mask(context_lens, width * bs).to(dev), prefills=[]))
         input_ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, positions)], dtype=torch.long, device=dev)
-        return ModelInput(input_ids, torch.tensor(positions, dtype=torch.long, device=dev),
-                          metas[0] if groups is None else metas, None, seqs)
+        return ModelInput(input_ids, torch.tensor(positions, dtype=torch.long, device=dev), self._per_group(metas),
+                          None, seqs)
+
+    def _block_ids(self, seqs: list[Sequence]) -> list[list[list[int]]]:
+        """Each sequence's block ids, per KV group (kv/groups.py: each group its own tables), or in the
+        one table set (a list of one)."""
+        bm = self.block_manager
+        groups = getattr(bm, "groups", None)
+        if groups is None:
+            return [[bm.block_ids(s.seq_id) for s in seqs]]
+        return [[bm.block_ids(s.seq_id, g) for s in seqs] for g in range(len(groups))]
+
+    def _per_group(self, metas: list[AttentionMetadata]) -> AttentionMetadata | list[AttentionMetadata]:
+        """One metadata per KV group, or the one of a manager without groups."""
+        return metas if hasattr(self.block_manager, "groups") else metas[0]
 
     def _metadata(self, tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor,
                   query_starts: torch.Tensor, lens: torch.Tensor, context_lens: torch.Tensor,
