@@ -227,9 +227,8 @@ def gemma3_config_from_gguf(reader):
     layers, head_dim = kw["num_hidden_layers"], kw["head_dim"]
     if int(meta("attention.value_length", head_dim)) != head_dim:
         raise GGUFError("Gemma 3 with different key and value lengths is not supported")
-    pattern = meta("attention.sliding_window_pattern", None)
-    if pattern is None:  # not in the metadata: the architecture's rule (llama.cpp's and transformers')
-        pattern = DEFAULTS["sliding_window_pattern"]
+    # not in the metadata: the architecture's rule (llama.cpp's and transformers')
+    pattern = meta("attention.sliding_window_pattern", DEFAULTS["sliding_window_pattern"])
     if isinstance(pattern, list):  # per layer: true where the layer slides
         if len(pattern) != layers:
             raise GGUFError(f"attention.sliding_window_pattern names {len(pattern)} layers, the model has {layers}")

@@ -46,11 +46,9 @@ def keep_step_memory() -> int | None:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     mmap_threshold = next((t for t in (MMAP_THRESHOLD, MMAP_THRESHOLD_OLD_GLIBC) if mallopt(_M_MMAP_THRESHOLD, t) == 1),
                           None)
-    if mmap_threshold is None:
-        logger.warning("glibc refused a higher mmap threshold: each step's large temporaries are fresh pages")
-        return None
-    if mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
-        logger.warning("glibc refused a higher trim threshold: each step's large temporaries are fresh pages")
+    if mmap_threshold is None or mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+        logger.warning("glibc refused a higher %s threshold: each step's large temporaries are fresh pages",
+                       "mmap" if mmap_threshold is None else "trim")
         return None
     logger.info("malloc: blocks up to %d MiB from the heap, up to %d MiB of free heap kept (a step's "
                 "temporaries are reused, not re-mapped and faulted in each step)", mmap_threshold >> 20,
