@@ -58,15 +58,15 @@ HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0
 def rows16_default(isa: str) -> tuple[str, ...]:
     """The formats GGUFLinear lays out in rows16 on a CPU whose kernels' best path is ``isa``: those
     its group kernels read as they lie (AVX-512 VNNI: all of them; AMX: Q4_0, Q4_1 and Q8_0, its other
-    batches measured on the planar tiles only; AVX2: all but Q8_0 and Q6_K, whose values would overflow
-    its ``maddubs`` sums, so it has no group kernel for them); planar elsewhere
+    batches measured on the planar tiles only; AVX2: all but Q8_0, whose w + 128 would overflow its
+    ``maddubs`` sums, so it has no group kernel for it); planar elsewhere
     (docs/BENCHMARKS.md, "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on
     AVX2", "Measured 2026-12-06 on an AMD EPYC Zen 5", "K-quants in the rows16 layout")."""
     if isa == "avx512":
         return ROWS16_FORMATS
     if isa == "amx":
         return ("Q4_0", "Q4_1", "Q8_0")
-    return ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K") if isa == "avx2" else ()
+    return tuple(f for f in ROWS16_FORMATS if f != "Q8_0") if isa == "avx2" else ()
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:

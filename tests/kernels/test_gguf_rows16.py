@@ -86,7 +86,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(fmt, residual):
 
 @pytest.mark.skipif(not {"avx2", "avx512"} <= set(isa_paths()), reason="needs both the AVX2 and AVX-512 paths")
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_avx2_group_kernel_gives_the_vnni_kernels_bits(fmt, residual):
     """AVX2 reads the rows16 layout with maddubs (the same integer sums in int16, no saturation at
     these bounds) and scales them as the VNNI kernel does: equal bits, row counts 1 to 9."""
@@ -134,7 +134,7 @@ def test_the_layout_goes_where_the_cpus_kernels_read_it():
 
     assert rows16_default("avx512") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
     assert rows16_default("amx") == ("Q4_0", "Q4_1", "Q8_0")  # the others' batches go to the planar tiles
-    assert rows16_default("avx2") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")  # maddubs would overflow on Q8_0, Q6_K
+    assert rows16_default("avx2") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # maddubs would overflow on Q8_0
     assert rows16_default("scalar") == ()
 
 
