@@ -2,7 +2,8 @@
 against dequantizing the blocks and running torch's float32 GEMM, and against a float32 ``F.linear``
 over weights already dequantized (what a float32 model pays), at the row counts of a decode batch
 and of a prefill chunk, alternating round by round. The crossover row count is where
-:class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM."""
+:class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM. Each format
+is timed in the layout GGUFLinear gives it on this CPU (``rows16_default``), or in the one asked for."""
 
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ SHAPES = [("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0",
           ("Q4_K", 3072, 1024), ("Q6_K", 1024, 3072)]
 
 
+LAYOUTS = ("auto", "planar", "rows16")
+
+
 @dataclass
 class ShapeTimes:
     format: str
+    layout: str  # planar or rows16
     out_features: int
     in_features: int
     rows: int
@@ -72,28 +77,32 @@ def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> to
     return torch.from_numpy(raw.reshape(rows, nb * size))
 
 
-def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False) -> list[ShapeTimes]:
+def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
+            layout: str = "auto") -> list[ShapeTimes]:
     from pagedserve.kernels import native_ops
-    from pagedserve.models.gguf_linear import kernel_layout
+    from pagedserve.models.gguf_linear import kernel_layout, rows16_default, rows16_layout
 
     ops = native_ops()
     if ops is None:
         raise RuntimeError("the native kernels are not available here")
     out: list[ShapeTimes] = []
     for fmt, n, k in shapes:
-        w = kernel_layout(fmt, random_gguf_rows(fmt, n, k))
+        rows16 = fmt in rows16_default(str(ops.best_isa())) if layout == "auto" else layout == "rows16"
+        w = (rows16_layout if rows16 else kernel_layout)(fmt, random_gguf_rows(fmt, n, k))
+        matmul = ops.gguf_matmul16 if rows16 else ops.gguf_matmul
+        dequantize = ops.gguf_dequantize16 if rows16 else ops.gguf_dequantize
         dense = torch.empty(n, k)
-        ops.gguf_dequantize(dense, w, fmt)
+        dequantize(dense, w, fmt)
         for m in rows:
             x = torch.randn(m, k)
             y = torch.empty(m, n)
 
             def kernel():
-                ops.gguf_matmul(y, x, w, fmt, None, int16)
+                matmul(y, x, w, fmt, None, int16)
 
             def dequant_gemm():
                 full = torch.empty(n, k)
-                ops.gguf_dequantize(full, w, fmt)
+                dequantize(full, w, fmt)
                 return F.linear(x, full)
 
             def float_gemm():
@@ -104,7 +113,8 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             for _ in range(rounds):  # alternating, so drift hits every way alike
                 for i, fn in enumerate(ways):
                     per_way[i].append(median_call_us(fn, calls))
-            out.append(ShapeTimes(fmt, n, k, m, *(statistics.median(t) for t in per_way)))
+            out.append(ShapeTimes(fmt, "rows16" if rows16 else "planar", n, k, m,
+                                  *(statistics.median(t) for t in per_way)))
     return out
 
 
@@ -119,6 +129,9 @@ def add_parser(bench) -> None:
                    help="the kernel's activation precision: int8 (this bench's default since it was written, so "
                         "earlier tables' commands measure the same) or int16 (the engine's default, "
                         "--gguf-activations)")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS,
+                   help="the weights' layout: auto (the one GGUFLinear gives each format on this CPU), planar or "
+                        "rows16 (kernels/gguf_formats.h)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the rows as JSON here")
     p.set_defaults(func=run)
 
@@ -136,13 +149,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from pagedserve.kernels import best_isa
 
-    results = measure(SHAPES, rows, args.rounds, args.calls, args.gguf_activations == "int16")
+    results = measure(SHAPES, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout)
     print(f"GGUF kernels ({best_isa()} path, {args.gguf_activations} activations; {machine_summary()}), medians "
           f"of {args.rounds} alternated rounds")
-    print(f"{'format':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
+    print(f"{'format':6} {'layout':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
           f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}")
     for r in results:
-        print(f"{r.format:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
+        print(f"{r.format:6} {r.layout:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
               f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
               f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x")
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),

@@ -1,5 +1,6 @@
-"""``pagedserve bench gguf-kernels``: every shape is timed three ways at every row count asked for,
-the weights it times are valid GGUF rows of their format, and bad arguments are one-line refusals."""
+"""``pagedserve bench gguf-kernels``: every shape is timed three ways at every row count asked for, in
+the layout GGUFLinear gives it here or the one asked for, the weights it times are valid GGUF rows of
+their format, and bad arguments are one-line refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from pagedserve.bench import gguf_kernels
-from pagedserve.kernels import kernel_error, native_ops
+from pagedserve.kernels import best_isa, kernel_error, native_ops
+from pagedserve.models.gguf_linear import rows16_default
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
 
@@ -29,10 +31,16 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["rows"]) for r in rows] == [("Q4_1", 1), ("Q4_1", 5), ("Q6_K", 1), ("Q6_K", 5)]
     assert all(r["kernel_us"] > 0 and r["dequant_gemm_us"] > 0 and r["float_us"] > 0 for r in rows)
+    chosen = rows16_default(best_isa())  # the layout GGUFLinear gives each format on this CPU
+    assert [r["layout"] for r in rows] == [("rows16" if r["format"] in chosen else "planar") for r in rows]
     text = capsys.readouterr().out
     assert "GEMM/kernel" in text and "int8 activations" in text
     args = parse("--rows", "1", "--rounds", "1", "--calls", "1", "--gguf-activations", "int16")
     assert args.func(args) == 0 and "int16 activations" in capsys.readouterr().out
+    for layout in ("planar", "rows16"):
+        args = parse("--rows", "3", "--rounds", "1", "--calls", "1", "--layout", layout, "--json", str(out))
+        assert args.func(args) == 0
+        assert {r["layout"] for r in json.loads(out.read_text())["rows"]} == {layout}
     with pytest.raises(SystemExit):
         parse("--gguf-activations", "int4")
 
