@@ -38,12 +38,14 @@ def run_engine_server(model_dir: str | Path, *extra_args: str, timeout: float = 
 
 
 @contextmanager
-def run_paced_engine_server(model_dir: str | Path, step_s: float, *extra_args: str, timeout: float = 120) -> Iterator[str]:
+def run_paced_engine_server(model_dir: str | Path, step_s: float, *extra_args: str, timeout: float = 120,
+                            port: int | None = None) -> Iterator[str]:
     """As :func:`run_engine_server`, with tests/helpers/faults.py's ``Paced`` core: every model step
     takes ``step_s`` longer, so a long generation that a test needs still running (a held seat, a
-    request past its timeout) lasts as long on a fast CPU as on a slow one."""
+    request past its timeout) lasts as long on a fast CPU as on a slow one. ``port``: listen there
+    instead of on a free port."""
     native_ops()
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tests.helpers.faults", "paced", str(step_s), "--host", "127.0.0.1", "--port",
            str(port), "--model", str(model_dir), *extra_args]

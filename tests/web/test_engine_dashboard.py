@@ -17,11 +17,16 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.servers import free_port, run_engine_server, wait_for_idle
+from tests.helpers.servers import free_port, run_engine_server, run_paced_engine_server, wait_for_idle
 
 KEY = "dash-key"
 NUM_BLOCKS = 12  # 192 token slots: three requests of ~100 tokens cannot all fit
 ROUNDS = 20  # most rounds of the three requests the grid test runs (it stops once it saw the pool mid-run)
+# Each model step of the module's server takes this much longer (tests/helpers/faults.py's Paced):
+# the pool then moves a block every few page ticks on any CPU. Unpaced, the tiny model crossed
+# several block boundaries between two polls on a fast Zen 5, and in one clean-clone run 20 rounds
+# of the grid test passed without the page ever showing a pair /load had reported.
+STEP_S = 0.01
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--api-key", KEY, "--served-model-name", "tiny",
         "--log-level", "warning")
 
@@ -35,8 +40,8 @@ def port() -> int:
 def running(tiny_model_dir: Path, port: int) -> Iterator[contextlib.ExitStack]:
     """The module's server; the restart test (the module's last) stops it early through this stack."""
     with contextlib.ExitStack() as stack:
-        stack.url = stack.enter_context(run_engine_server(  # type: ignore[attr-defined]
-            tiny_model_dir, *ARGS, "--num-kv-blocks", str(NUM_BLOCKS), timeout=300, port=port))
+        stack.url = stack.enter_context(run_paced_engine_server(  # type: ignore[attr-defined]
+            tiny_model_dir, STEP_S, *ARGS, "--num-kv-blocks", str(NUM_BLOCKS), timeout=300, port=port))
         yield stack
 
 

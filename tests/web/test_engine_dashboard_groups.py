@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.servers import run_engine_server, wait_for_idle
+from tests.helpers.servers import run_paced_engine_server, wait_for_idle
 
 BLOCK = 16
 ARGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64",
@@ -27,7 +27,9 @@ ARGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "256
 def server(tiny_gemma3_gguf: Path, tiny_model_dir: Path) -> Any:
     # The `tiny` model's tokenizer: the file's own (transformers' Gemma tokenizer, 262k tokens) took
     # the front ~10 s to load twice, and the page shows blocks, which no text of this noise needs.
-    with run_engine_server(tiny_gemma3_gguf, *ARGS, "--tokenizer", str(tiny_model_dir), timeout=300) as url:
+    # Every step 10 ms longer (tests/helpers/faults.py's Paced): the requests below run for seconds
+    # on any CPU, not for as long as the polling needs on a slow one only.
+    with run_paced_engine_server(tiny_gemma3_gguf, 0.01, *ARGS, "--tokenizer", str(tiny_model_dir), timeout=300) as url:
         yield url
 
 
