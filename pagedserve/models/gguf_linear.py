@@ -33,6 +33,15 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 32
 
 
+def kernel_rows_default(isa: str) -> int:
+    """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
+    path is ``isa``: 128 on AVX-512 VNNI, whose rows16 kernels (every format) prefilled a 64-token
+    prompt 1.6-2.1x and a 128-token one 1.2-1.5x faster than dequantize + bf16 GEMM, level at 256,
+    behind at 512 (docs/BENCHMARKS.md, "The integer kernels up to 128 rows"); KERNEL_ROWS elsewhere,
+    where no such measurement exists (AMX tiles and AVX2 keep their own)."""
+    return 128 if isa == "avx512" else KERNEL_ROWS
+
+
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF rows of ``fmt`` blocks (uint8 ``[rows, row bytes]``) in the kernels' layout: for the
     32-weight formats, every block's integer bytes, then every d, then every m (Q4_1, Q5_1) — the
@@ -105,7 +114,7 @@ class GGUFLinear(nn.Module):
     stacked along the output dimension; ``bias`` float ``[out]`` or None; ``ops`` the native namespace."""
 
     def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 ops, kernel_rows: int = KERNEL_ROWS, rows16: bool | None = None):
+                 ops, kernel_rows: int | None = None, rows16: bool | None = None):
         super().__init__()
         self.in_features = in_features
         self.formats = [fmt for fmt, _ in segments]
@@ -127,7 +136,7 @@ class GGUFLinear(nn.Module):
         # Each segment's kernel and dequantization, by its layout
         self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
         self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
-        self.kernel_rows = kernel_rows
+        self.kernel_rows = kernel_rows_default(str(ops.best_isa())) if kernel_rows is None else kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other

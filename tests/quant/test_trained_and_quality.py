@@ -68,9 +68,10 @@ def test_window_scoring_matches_transformers_and_identical_runs_agree(trained_di
 
 def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tiny_ggufs):
     """Chunks read the earlier ones from the cache: on a float model the log-probabilities are the
-    whole window's (to summation order). On a GGUF kept quantized a whole window's prefill
-    dequantizes the weights, so the activations' precision cannot show; chunks of 16 rows take the
-    integer kernels, where int8 activations move the log-probabilities and int16 hardly do."""
+    whole window's (to summation order). On a GGUF kept quantized a whole window's prefill (more
+    rows than GGUFLinear gives the integer kernels) dequantizes the weights, so the activations'
+    precision cannot show; chunks of 16 rows take the integer kernels, where int8 activations move
+    the log-probabilities and int16 hardly do."""
     out, _ = trained_dir
     engine = Engine(EngineConfig(model=str(out), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False,
                                  max_model_len=256))
@@ -83,11 +84,14 @@ def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tin
 
     # Kept quantized and computed in float32, as `bench quality` scores a GGUF: bf16 rounding would hide it.
     gguf = quality.gguf_compute_view(str(resolve_model_dir(str(tiny_ggufs("Q4_1", tokenizer=True)))), "float32")
+    from pagedserve.kernels import best_isa
+    from pagedserve.models.gguf_linear import kernel_rows_default
+
+    ids = list(range(5, 5 + kernel_rows_default(str(best_isa())) + 32))  # a whole prefill past the kernels' rows
     lps = {}
     for act in ("int16", "int8"):
         e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,
                                 max_model_len=256))
-        ids = list(range(5, 53))
         lps[act] = quality.window_logprobs(e, ids), quality.window_logprobs(e, ids, chunk=16)
     assert torch.equal(lps["int16"][0], lps["int8"][0])  # one prefill: the same GEMM either way
     int16_moved = (lps["int16"][1] - lps["int16"][0]).abs().max().item()
