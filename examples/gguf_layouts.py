@@ -41,8 +41,11 @@ if unknown:
     raise SystemExit(f"this CPU runs {', '.join(isa_paths())}; not {', '.join(sorted(unknown))}")
 torch.set_num_threads(args.threads)
 # The shapes whose rows hold whole blocks of the format (a K-quant's 256: the down projection only)
-fits = [(n, k) for n, k in LAYER_SHAPES + [HEAD_SHAPE] if k % BLOCKS[args.format][0] == 0]
-shapes = [s for s in LAYER_SHAPES if s in fits] * args.layers + ([HEAD_SHAPE] if args.head and HEAD_SHAPE in fits else [])
+def fits(shape):
+    return shape[1] % BLOCKS[args.format][0] == 0
+
+
+shapes = list(filter(fits, LAYER_SHAPES)) * args.layers + ([HEAD_SHAPE] if args.head and fits(HEAD_SHAPE) else [])
 raw = [random_gguf_rows(args.format, n, k, seed=i) for i, (n, k) in enumerate(shapes)]
 layouts = {"planar": [kernel_layout(args.format, w) for w in raw],
            "rows16": [rows16_layout(args.format, w) for w in raw]}

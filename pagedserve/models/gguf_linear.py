@@ -5,7 +5,7 @@ Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, one row of blocks per output 
 32-weight formats' bytes regrouped per row into planes, :func:`kernel_layout`) and multiplies it
 two ways (``pagedserve/kernels/gguf_matmul.cpp``):
 
-* up to ``kernel_rows`` rows of activations (decode batches): ``gguf_matmul`` reads the blocks
+* up to ``kernel_rows`` rows of activations (decode batches, short prompt chunks; kernel_rows_default): ``gguf_matmul`` reads the blocks
   once and multiplies their integers with the activations quantized per 32 values to int8, as
   llama.cpp does; float32 out. An LM head (``float_output``) takes int16 activations (an int8 byte
   and the int8 of its remainder, joined in the kernel's integer sums): near-tied logits keep their
@@ -122,7 +122,8 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(self.widths)
         # Segments in the rows16 layout where this CPU's kernels read it (rows16_default), or every
         # rows16 format (True) or none (False) where asked.
-        chosen = rows16_default(str(ops.best_isa())) if rows16 is None else ROWS16_FORMATS if rows16 else ()
+        isa = str(ops.best_isa())
+        chosen = rows16_default(isa) if rows16 is None else ROWS16_FORMATS if rows16 else ()
         self.rows16 = [fmt in chosen for fmt in self.formats]
         for i, (fmt, w) in enumerate(segments):
             if fmt not in BLOCKS:
@@ -136,7 +137,7 @@ class GGUFLinear(nn.Module):
         # Each segment's kernel and dequantization, by its layout
         self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
         self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
-        self.kernel_rows = kernel_rows_default(str(ops.best_isa())) if kernel_rows is None else kernel_rows
+        self.kernel_rows = kernel_rows_default(isa) if kernel_rows is None else kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other

@@ -136,6 +136,10 @@ def test_the_layout_goes_where_the_cpus_kernels_read_it():
     assert rows16_default("amx") == ("Q4_0", "Q4_1", "Q8_0")  # the others' batches go to the planar tiles
     assert rows16_default("avx2") == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # maddubs would overflow on Q8_0
     assert rows16_default("scalar") == ()
+    from pagedserve.models.gguf_linear import KERNEL_ROWS, kernel_rows_default
+
+    assert kernel_rows_default("avx512") == 128  # the rows16 VNNI kernels beat dequantize + GEMM up to there
+    assert [kernel_rows_default(isa) for isa in ("amx", "avx2", "scalar")] == [KERNEL_ROWS] * 3
 
 
 @pytest.mark.parametrize("rows16", [True, False])

@@ -75,12 +75,16 @@ def _grammar(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     kind, text = spec.key
+    if kind == "json":
+        return _json_grammar(text)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
     if kind == "choice":
-        text = choice_ebnf(spec.choice or [])
-    elif kind == "json_object":  # OpenAI's JSON mode, any object (xgrammar's builtin JSON grammar takes arrays too)
-        kind, text = "json", '{"type": "object"}'
-    # choice and grammar: EBNF
-    return {"json": _json_grammar, "regex": xgr.Grammar.from_regex}.get(kind, xgr.Grammar.from_ebnf)(text)
+        return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice or []))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(text)
+    # json_object: OpenAI's JSON mode, any object (xgrammar's builtin JSON grammar takes arrays too)
+    return _json_grammar('{"type": "object"}')
 
 
 def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
