@@ -118,6 +118,51 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
     return out
 
 
+@dataclass
+class DequantizeTimes:
+    format: str
+    layout: str
+    out_features: int
+    in_features: int
+    dtype: str
+    path: str  # the instruction-set path (scalar, avx2, avx512)
+    us: float  # median over the rounds
+    scalar_us: float  # the scalar path's, in the same rounds
+
+
+def measure_dequantize(formats, rounds: int, calls: int, dtype: torch.dtype, layout: str = "auto",
+                       out_features: int = 3072) -> list[DequantizeTimes]:
+    """What a prompt chunk pays before its GEMM: one weight (``out_features`` x SmolLM2's 576, or
+    1,024 for the K-quants) dequantized into ``dtype`` on every vector path this CPU runs and on
+    the scalar reference, alternating round by round."""
+    from pagedserve.kernels import isa_paths, native_ops
+    from pagedserve.models.gguf_linear import BLOCKS, kernel_layout, rows16_default, rows16_layout
+
+    ops = native_ops()
+    if ops is None:
+        raise RuntimeError("the native kernels are not available here")
+    paths = [p for p in isa_paths() if p != "amx"]  # the tiles dequantize on the AVX-512 path
+    out: list[DequantizeTimes] = []
+    for fmt in formats:
+        k = 1024 if BLOCKS[fmt][0] == 256 else 576
+        rows16 = fmt in rows16_default(str(ops.best_isa())) if layout == "auto" else layout == "rows16"
+        w = (rows16_layout if rows16 else kernel_layout)(fmt, random_gguf_rows(fmt, out_features, k))
+        dense = torch.empty(out_features, k, dtype=dtype)
+        if rows16:
+            ways = [lambda p=p: ops.gguf_dequantize16(dense, w, fmt, None, p) for p in paths]
+        else:
+            ways = [lambda p=p: ops.gguf_dequantize(dense, w, fmt, p) for p in paths]
+        per_way: list[list[float]] = [[] for _ in paths]
+        for _ in range(rounds):
+            for i, fn in enumerate(ways):
+                per_way[i].append(median_call_us(fn, calls))
+        medians = [statistics.median(t) for t in per_way]
+        out += [DequantizeTimes(fmt, "rows16" if rows16 else "planar", out_features, k,
+                                str(dtype).removeprefix("torch."), p, us, medians[0])
+                for p, us in zip(paths, medians, strict=True) if p != "scalar"]
+    return out
+
+
 def add_parser(bench) -> None:
     p = bench.add_parser("gguf-kernels", help="GGUF kernel vs dequantize + GEMM vs float32, per row count",
                          description=__doc__)
@@ -132,6 +177,9 @@ def add_parser(bench) -> None:
     p.add_argument("--layout", default="auto", choices=LAYOUTS,
                    help="the weights' layout: auto (the one GGUFLinear gives each format on this CPU), planar or "
                         "rows16 (kernels/gguf_formats.h)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="time instead what a prompt chunk pays before its GEMM: each format's weight dequantized "
+                        "on every vector path against the scalar reference (--rows and --gguf-activations unused)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the rows as JSON here")
     p.set_defaults(func=run)
 
@@ -147,8 +195,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedserve.kernels import best_isa
+    from pagedserve.kernels import best_isa, cpu_has_native_bf16
 
+    if args.dequantize:
+        from pagedserve.models.gguf_linear import BLOCKS
+
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # what --dtype auto computes in
+        timed = measure_dequantize(list(BLOCKS), args.rounds, args.calls, dtype, args.layout)
+        print(f"GGUF dequantization into {dtype} ({machine_summary()}), medians of {args.rounds} alternated rounds")
+        print(f"{'format':6} {'layout':6} {'out x in':>10} {'path':>6} {'us':>8} {'G weights/s':>11} {'scalar us':>10} "
+              f"{'x scalar':>8}")
+        for t in timed:
+            print(f"{t.format:6} {t.layout:6} {f'{t.out_features}x{t.in_features}':>10} {t.path:>6} {t.us:>8.1f} "
+                  f"{t.out_features * t.in_features / t.us / 1e3:>11.2f} {t.scalar_us:>10.1f} "
+                  f"{t.scalar_us / t.us:>7.2f}x")
+        write_result(args.json_out, {"machine": machine_summary(), "dequantize": [asdict(t) for t in timed]})
+        return 0
     results = measure(SHAPES, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout)
     print(f"GGUF kernels ({best_isa()} path, {args.gguf_activations} activations; {machine_summary()}), medians "
           f"of {args.rounds} alternated rounds")

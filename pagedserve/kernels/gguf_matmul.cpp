@@ -454,12 +454,14 @@ void gguf_matmul16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   gguf_matmul16(out, x, w, format, bias, residual, isa_name, nullptr);
 }
 
-// out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized, row by row
-// straight from the groups; with `ids` [n] (int64), out [n, K] = those rows only (a quantized
-// embedding's lookups: each id's bytes out of its group, not the group's 16 rows).
+// out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized straight from
+// the groups, a group at a time on the SIMD paths (gguf_simd.inc's dequantize_group); with `ids`
+// [n] (int64), out [n, K] = those rows only (a quantized embedding's lookups: each id's bytes out
+// of its group, not the group's 16 rows), row by row. Every path gives the same bits.
 void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view format,
-                       const std::optional<at::Tensor>& ids) {
+                       const std::optional<at::Tensor>& ids, c10::string_view isa_name) {
   const char* op = "gguf_dequantize16";
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [rows, in_features]");
   // With ids the weight's row count is not given: its groups' 16 rows each (the last padded).
   const int64_t K = out.size(1), rows = ids ? 16 * w.size(0) : out.size(0);
@@ -478,6 +480,16 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     T* o = out.data_ptr<T>();
+#if PS_X86
+    if (!id && isa != Isa::scalar) {
+      const auto group = isa == Isa::avx512 ? &avx512::dequantize_group<T> : &avx2::dequantize_group<T>;
+      at::parallel_for(0, w.size(0), std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+          group(f, wp + g * w.size(1), blocks, static_cast<int>(std::min<int64_t>(16, rows - 16 * g)), o + 16 * g * K, K);
+      });
+      return;
+    }
+#endif
     // A decode step's few lookups stay on the calling thread (no OpenMP team woken for them).
     at::parallel_for(0, out.size(0), std::max<int64_t>(1, 32768 / K), [&](int64_t i0, int64_t i1) {
       float buf[256];
@@ -493,9 +505,11 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
   });
 }
 
-// out [N, K] (float32, bfloat16 or float16) = the weight's blocks dequantized.
-void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view format) {
+// out [N, K] (float32, bfloat16 or float16) = the weight's blocks dequantized (a row at a time on
+// the SIMD paths: gguf_simd.inc's dequantize_rows; the same bits).
+void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view format, c10::string_view isa_name) {
   const char* op = "gguf_dequantize";
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
   const FormatInfo fi = info(f);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % fi.elems == 0, op,
@@ -508,6 +522,15 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     T* o = out.data_ptr<T>();
+#if PS_X86
+    if (isa != Isa::scalar) {
+      const auto rows = isa == Isa::avx512 ? &avx512::dequantize_rows<T> : &avx2::dequantize_rows<T>;
+      at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+        rows(f, wp, w.size(1), blocks, n0, n1, o, K);
+      });
+      return;
+    }
+#endif
     // Split only above 32k values: a decode step's embedding lookups (up to 56 rows of 576) stay on
     // the calling thread, outside OpenMP, whose worker would then spin on the core the decode
     // stack's pool thread needs (work_pool.h); a prefill chunk's lookups and whole weights split.
@@ -551,10 +574,10 @@ void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, cons
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
-  m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format) -> ()");
+  m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format, str isa='auto') -> ()");
   m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
-  m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None) -> ()");
+  m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None, str isa='auto') -> ()");
   m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
         "Tensor(d!)? low=None) -> ()");
 }

@@ -1,6 +1,7 @@
 """``pagedserve bench gguf-kernels``: every shape is timed three ways at every row count asked for, in
-the layout GGUFLinear gives it here or the one asked for, the weights it times are valid GGUF rows of
-their format, and bad arguments are one-line refusals."""
+the layout GGUFLinear gives it here or the one asked for; ``--dequantize`` times every vector path
+against the scalar one; the weights it times are valid GGUF rows of their format, and bad arguments
+are one-line refusals."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from pagedserve.bench import gguf_kernels
-from pagedserve.kernels import best_isa, kernel_error, native_ops
-from pagedserve.models.gguf_linear import rows16_default
+from pagedserve.kernels import best_isa, isa_paths, kernel_error, native_ops
+from pagedserve.models.gguf_linear import BLOCKS, rows16_default
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
 
@@ -43,6 +45,20 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
         assert {r["layout"] for r in json.loads(out.read_text())["rows"]} == {layout}
     with pytest.raises(SystemExit):
         parse("--gguf-activations", "int4")
+
+
+def test_dequantize_times_every_vector_path_against_the_scalar_reference(tmp_path, capsys):
+    out = tmp_path / "dequantize.json"
+    timed = gguf_kernels.measure_dequantize(["Q4_1", "Q6_K"], rounds=1, calls=1, dtype=torch.bfloat16,
+                                            out_features=32)
+    vector_paths = [p for p in isa_paths() if p not in ("scalar", "amx")]
+    assert [(t.format, t.path) for t in timed] == [(f, p) for f in ("Q4_1", "Q6_K") for p in vector_paths]
+    assert all(t.us > 0 and t.scalar_us > 0 and t.dtype == "bfloat16" for t in timed)
+    args = parse("--dequantize", "--rounds", "1", "--calls", "1", "--layout", "planar", "--json", str(out))
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["dequantize"]
+    assert {r["format"] for r in rows} == set(BLOCKS) and {r["layout"] for r in rows} == {"planar"}
+    assert "x scalar" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])

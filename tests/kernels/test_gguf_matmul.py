@@ -40,14 +40,15 @@ def _matmul(x, w, fmt, isa="auto", bias=None, residual=False):
     return out
 
 
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
+def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt, isa):
     k = _in_features(fmt)
     w = random_gguf_rows(fmt, 21, k)
     want = reference_dequantize(fmt, w, k)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         got = torch.empty(21, k, dtype=dtype)
-        OPS.gguf_dequantize(got, kernel_layout(fmt, w), fmt)
+        OPS.gguf_dequantize(got, kernel_layout(fmt, w), fmt, isa)
         assert torch.equal(got, want.to(dtype)), dtype
 
 

@@ -34,18 +34,22 @@ def _rows16(x, w16, n, fmt, residual, isa="auto", bias=None):
     return out
 
 
+@pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("fmt", ROWS16_FORMATS)
-@pytest.mark.parametrize("n", [16, 37])
-def test_layout_holds_the_same_weights(fmt, n):
+@pytest.mark.parametrize("n", [16, 37, 3])
+def test_layout_holds_the_same_weights(fmt, n, isa):
+    """Dequantized on every path (the SIMD ones a group at a time), in every model dtype: the planar
+    layout's values bit for bit, rows past the matrix's end never written."""
     K = _k(fmt)
     w = random_gguf_rows(fmt, n, K, seed=n)
     w16 = rows16_layout(fmt, w)
     assert w16.shape == (-(-n // 16), K // BLOCKS[fmt][0] * 16 * BLOCKS[fmt][1])  # GGUF's bytes, 16 rows a group
-    for dtype in (torch.float32, torch.bfloat16):
-        want, got = torch.empty(n, K, dtype=dtype), torch.empty(n, K, dtype=dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want, got = torch.empty(n, K, dtype=dtype), torch.full((n + 1, K), 7.0, dtype=dtype)
         OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
-        OPS.gguf_dequantize16(got, w16, fmt)
-        assert torch.equal(got, want), dtype
+        OPS.gguf_dequantize16(got[:n], w16, fmt, None, isa)
+        assert torch.equal(got[:n], want), dtype
+        assert (got[n] == 7).all(), dtype
 
 
 @pytest.mark.parametrize("residual", [False, True])
