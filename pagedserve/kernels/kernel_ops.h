@@ -26,7 +26,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x, WorkPool* pool = nullptr
 // paged_attention.cpp
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, WorkPool* workers);
+                            const at::Tensor& context_lens, double scale, WorkPool* workers,
+                            const std::optional<at::Tensor>& firsts = std::nullopt);
 
 // tile_matmul.cpp
 void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,

@@ -63,17 +63,18 @@ namespace pagedserve::ops {
 using namespace pagedserve::decode;
 
 // out, q: [seqs, heads, head_dim]; k_cache, v_cache: [kv_heads, blocks, block_size, head_dim] in
-// q's dtype; block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 (tokens each
-// sequence sees).
+// q's dtype; block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 (the table's
+// tokens); firsts: [seqs] int64 or none, the first of them each sequence sees (a sliding window).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, WorkPool* workers) {
+                            const at::Tensor& context_lens, double scale, WorkPool* workers,
+                            const std::optional<at::Tensor>& firsts) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [kvh, blocks, bs, hd]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "tensors must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q, out and the caches must share a dtype");
   const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2), hd = k_cache.size(3);
-  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
+  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale, firsts);
   TORCH_CHECK(hd == sh.hd, "head shapes do not match");
   dispatch_model_dtype(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using E = Plain<decltype(tag)>;
@@ -82,15 +83,16 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     };
     dispatch_group<E>(q.size(1) / kvh, Batch<E>{out.data_ptr<typename E::Store>(), q.data_ptr<typename E::Store>(),
                                                 pool(k_cache), pool(v_cache), block_tables.data_ptr<int64_t>(),
-                                                context_lens.data_ptr<int64_t>(), sh, workers});
+                                                context_lens.data_ptr<int64_t>(), sh, workers,
+                                                firsts ? firsts->data_ptr<int64_t>() : nullptr});
   });
 }
 
 // The registered op: torch's threads.
 void paged_decode_attention_op(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, double scale) {
-  paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, nullptr);
+                               const at::Tensor& context_lens, double scale, const std::optional<at::Tensor>& firsts) {
+  paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, nullptr, firsts);
 }
 
 }  // namespace pagedserve::ops
@@ -142,7 +144,7 @@ void causal_softmax_(at::Tensor& scores, int64_t q_len) {
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> ()");
+        "Tensor context_lens, float scale, Tensor? firsts=None) -> ()");
   m.def("causal_softmax_(Tensor(a!) scores, int q_len) -> ()");
 }
 

@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -225,6 +227,9 @@ struct Batch {
   const int64_t* lens;
   Shapes sh;
   WorkPool* pool = nullptr;  // null: torch's threads
+  // Per sequence, the first position of its table it sees (a sliding window that starts inside
+  // the table's first block, models/attention.py's window_view); null: all of them.
+  const int64_t* firsts = nullptr;
 };
 
 // A context is read in spans of kSpanTokens (whole blocks): each (sequence, KV head, span) is one
@@ -277,6 +282,11 @@ void decode_impl(const Batch<E>& b) {
         if constexpr (E::kQuantized)
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }
+      // Positions before the window's start weigh exp(lowest - max) = 0: the softmax and the sum
+      // over the values are those of the visible positions alone (within the first span's first block).
+      const int64_t hidden = b.firsts != nullptr && task.c == 0 ? b.firsts[s] : 0;
+      for (int g = 0; hidden > 0 && g < G; ++g)
+        std::fill_n(scores.data() + g * len, hidden, std::numeric_limits<float>::lowest());
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -355,10 +365,11 @@ void dispatch_group(int64_t group, const Batch<E>& b) {
 
 // Checks what both decode ops take besides the pools: out, q [seqs, heads, head_dim] sharing a
 // model dtype; block_tables [seqs, max_blocks] and context_lens [seqs], int64. A table naming a
-// block outside the pool would read outside it: refused.
+// block outside the pool would read outside it: refused. `firsts` (int64 [seqs]), where given:
+// each before both the sequence's length and the end of its table's first block.
 inline Shapes check_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& block_tables,
                           const at::Tensor& context_lens, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
-                          double scale) {
+                          double scale, const std::optional<at::Tensor>& firsts = std::nullopt) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [seqs, heads, head_dim]");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "tensors must be contiguous");
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
@@ -372,6 +383,14 @@ inline Shapes check_batch(const at::Tensor& out, const at::Tensor& q, const at::
               "one table row and one length per sequence");
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  if (firsts) {
+    TORCH_CHECK(firsts->scalar_type() == at::kLong && firsts->is_contiguous() && firsts->numel() == sh.num_seqs,
+                "window starts must be a contiguous int64 [seqs]");
+    const int64_t* first = firsts->data_ptr<int64_t>();
+    for (int64_t s = 0; s < sh.num_seqs; ++s)
+      TORCH_CHECK(first[s] >= 0 && first[s] < std::min(lens[s], sh.block_size),
+                  "a window's start must lie in its table's first block, before its length");
+  }
   for (int64_t s = 0; s < sh.num_seqs; ++s) {
     TORCH_CHECK(lens[s] > 0 && lens[s] <= sh.max_blocks * sh.block_size, "context length out of range");
     for (int64_t j = 0; j < (lens[s] + sh.block_size - 1) / sh.block_size; ++j) {

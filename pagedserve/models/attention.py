@@ -66,6 +66,9 @@ class AttentionMetadata:
     # A sliding-window layer's view (:func:`window_view`): a query at position p sees keys at
     # positions > p - window only. None: every earlier key (full attention).
     window: int | None = None
+    # With a window, each decode's first visible position of its table ([num_decodes] int64,
+    # inside the table's first block): what decode_mask hides before it, for the fused kernel.
+    decode_first: torch.Tensor | None = None
 
     @cached_property
     def prefill_tensors(self) -> PrefillTensors:
@@ -113,9 +116,10 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
     tables = meta.decode_block_tables.gather(1, cols).contiguous()
     lens = ctx - first * block_size
     span = torch.arange(width * block_size, device=ctx.device).unsqueeze(0)
-    mask = (span < lens.unsqueeze(1)) & (span >= (lens - window).unsqueeze(1))
+    first = (lens - window).clamp(min=0)
+    mask = (span < lens.unsqueeze(1)) & (span >= first.unsqueeze(1))
     return dataclasses.replace(meta, decode_block_tables=tables, decode_context_lens=lens,
-                               decode_mask=mask[:, None, None, :], window=window)
+                               decode_mask=mask[:, None, None, :], window=window, decode_first=first)
 
 
 def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
@@ -208,8 +212,10 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     """Decodes through the native kernel, reading each block in place from the head-major or the
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
-    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2] or meta.window is not None:
-        # (the kernel reads every position of its table: a window starting mid-block needs the mask)
+    if (q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]
+            or (meta.window is not None and not isinstance(k_cache, HeadMajorKVCache))):
+        # (a window starting mid-block: the model-dtype pools' kernel skips to decode_first, the
+        # quantized pools' kernels read every position of their tables and need the mask)
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
     if isinstance(k_cache, Int4KVCache):
@@ -236,7 +242,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     same = q.dtype == k_cache.dtype
     out = torch.empty_like(q, dtype=k_cache.dtype)
     kernel(out, q if same else q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables,
-           meta.decode_context_lens, scale)
+           meta.decode_context_lens, scale, meta.decode_first)
     return out if same else out.to(q.dtype)
 
 

@@ -11,7 +11,7 @@ import torch
 from pagedserve.kernels import (best_isa, isa_paths, kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
                                 paged_decode_quantized_kernel)
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
-from pagedserve.models.attention import fused_attention, reference_attention
+from pagedserve.models.attention import fused_attention, reference_attention, window_view
 from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, mixed_key_bits, paged_batch, quantized
 
 # Both decode entry points live in the one native library: built, or neither is.
@@ -56,6 +56,32 @@ def test_a_sequences_attention_does_not_depend_on_its_batch():
         paged_decode_kernel()(alone, q[i:i + 1].contiguous(), k_pool, v_pool, tables[i:i + 1].contiguous(),
                               lens[i:i + 1].contiguous(), scale)
         assert torch.equal(alone, whole[i:i + 1]), ctx[i]
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [1, 20, 100, 512])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
+    """A sliding layer's view (window_view: tables from the block holding the oldest key in the
+    window, decode_first inside it) read by the kernel, which skips to each window's start: the
+    reference's masked attention, on contexts shorter and longer than the window, mid-block starts."""
+    ctx = [1, 5, 20, 21, 33, 100, 129, 250, 700]
+    q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=2, heads=6, hd=64, dtype=dtype)
+    view = window_view(meta, window, 16)
+    assert (view.decode_first < 16).all() and view.decode_first.max() > 0 or window >= max(ctx)
+    k_pool, v_pool = head_major(k), head_major(v)
+    want = reference_attention(q, k, v, view, 64 ** -0.5)
+    got = fused_attention(q, k_pool, v_pool, view, 64 ** -0.5)
+    assert torch.allclose(got.float(), want.float(), atol=atol)
+    direct = torch.empty_like(q)
+    paged_decode_kernel()(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
+                          view.decode_context_lens, 64 ** -0.5, view.decode_first)
+    assert torch.equal(direct, got)
+    bad = view.decode_first.clone()
+    bad[-1] = 16  # past the table's first block
+    with pytest.raises(RuntimeError, match="window's start"):
+        paged_decode_kernel()(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
+                              view.decode_context_lens, 64 ** -0.5, bad)
 
 
 @needs_kernels
