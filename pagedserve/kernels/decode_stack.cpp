@@ -1,6 +1,8 @@
 // A decode step's decoder layers in one native call: the Llama block (RMSNorm, fused QKV, rotary
 // embedding, the KV write, paged decode attention, the output projection, RMSNorm, gate/up,
-// SiLU-and-multiply, down) for every layer, over the rows of a decode batch.
+// SiLU-and-multiply, down) for every layer, over the rows of a decode batch; and Gemma 3's
+// (use_gemma3_math: the attention and MLP outputs normed before they join the residual stream,
+// QK-norm by the row kernel, GeGLU, each layer's own RoPE table and KV group, sliding windows).
 //
 // Why: the Python model makes about a dozen calls per layer, each costing microseconds of
 // interpreter and dispatcher work, and between two kernels torch's worker threads idle long enough
@@ -13,6 +15,8 @@
 // runs whatever this does not take: prompt chunks, quantized KV pools, other linear layer kinds.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -20,10 +24,13 @@
 #include "kernel_ops.h"
 #include "work_pool.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pagedserve::decode_stack {
@@ -54,9 +61,12 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm;
-  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  at::Tensor input_norm, post_norm;          // post_norm: the residual-adding norm before the MLP
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's and Gemma 3's per-head norms
   at::Tensor k_pool, v_pool;                 // [kv_heads, blocks, block_size, head_dim]
+  int64_t group = 0;                         // its KV group: which slots, tables and lengths it takes
+  int64_t rope = 0;                          // its RoPE table (add_rope)
+  std::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma 3's norms of each output
   Linear qkv, o, gate_up, down;
 };
 
@@ -68,17 +78,34 @@ class DecodeStack : public torch::CustomClassHolder {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
               at::Tensor cos, at::Tensor sin, at::Tensor final_norm, int64_t threads)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate), eps_(eps),
-        scale_(scale), cos_(std::move(cos)), sin_(std::move(sin)), final_norm_(std::move(final_norm)),
-        pool_(threads > 0 ? std::make_unique<WorkPool>(static_cast<int>(threads)) : nullptr) {}
+        scale_(scale), final_norm_(std::move(final_norm)),
+        pool_(threads > 0 ? std::make_unique<WorkPool>(static_cast<int>(threads)) : nullptr) {
+    add_rope(std::move(cos), std::move(sin));
+  }
+
+  // Another RoPE table (Gemma 3's local one); its index for add_layer.
+  int64_t add_rope(at::Tensor cos, at::Tensor sin) {
+    ropes_.emplace_back(std::move(cos), std::move(sin));
+    return static_cast<int64_t>(ropes_.size()) - 1;
+  }
+
+  // Gemma 3's layer arithmetic (models/gemma3.py): QK-norm through the row kernel over [rows x
+  // heads, head_dim] (Qwen3's stays torch's float32 path), GeGLU (gelu_tanh(gate) x up, torch's
+  // ops) instead of SiLU-and-multiply.
+  void use_gemma3_math() { gemma3_ = true; }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, at::Tensor k_pool, at::Tensor v_pool) {
+                 std::optional<at::Tensor> k_norm, at::Tensor k_pool, at::Tensor v_pool, int64_t group, int64_t rope,
+                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm) {
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.size(0) == kv_heads_ &&
                     k_pool.size(3) == head_dim_ && k_pool.is_contiguous() && v_pool.is_contiguous(),
                 "DecodeStack: pools must be contiguous [kv_heads, blocks, block_size, head_dim]");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q_norm and k_norm go together");
+    TORCH_CHECK(group >= 0 && rope >= 0 && rope < static_cast<int64_t>(ropes_.size()),
+                "DecodeStack: a layer's group must be >= 0 and its RoPE table one added");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                            std::move(k_pool), std::move(v_pool), {}, {}, {}, {}});
+                            std::move(k_pool), std::move(v_pool), group, rope, std::move(attn_out_norm),
+                            std::move(mlp_out_norm), {}, {}, {}, {}});
   }
 
   // Layer `layer`'s linear `name` (qkv, o, gate_up, down), or with layer -1 the LM head (`head`).
@@ -132,11 +159,18 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
-  // each row one decode token at `positions`, written to `slots`, attending through `block_tables`
-  // to `context_lens` tokens.
-  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
-                     at::Tensor context_lens) {
+  // each row one decode token at `positions`. Per KV group g (one for a model without groups): the
+  // rows' `slots[g]`, and the `block_tables[g]` through which they attend to `context_lens[g]`
+  // tokens, from `firsts[g]` on where given (a sliding window's view).
+  at::Tensor forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> slots,
+                     std::vector<at::Tensor> block_tables, std::vector<at::Tensor> context_lens,
+                     std::vector<std::optional<at::Tensor>> firsts) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [rows, hidden]");
+    const size_t groups = slots.size();
+    TORCH_CHECK(block_tables.size() == groups && context_lens.size() == groups && firsts.size() == groups,
+                "DecodeStack: one slot mapping, table, length and start list per KV group");
+    for (const Layer& L : layers_)
+      TORCH_CHECK(L.group < static_cast<int64_t>(groups), "DecodeStack: no metadata for KV group ", L.group);
     const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     // Every layer's intermediates have the same shapes: allocated by the first layer and reused by
     // the rest, so a token makes a dozen allocations, not ~400, and writes the same cache lines.
@@ -157,19 +191,28 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor k = parts[1].view({t, kv_heads_, head_dim_});
       const at::Tensor v = parts[2].view({t, kv_heads_, head_dim_});
       if (L.q_norm) {
-        q = head_norm(q, *L.q_norm);
-        k = head_norm(k, *L.k_norm);
+        q = gemma3_ ? row_norm(q, *L.q_norm) : head_norm(q, *L.q_norm);
+        k = gemma3_ ? row_norm(k, *L.k_norm) : head_norm(k, *L.k_norm);
       }
-      ops::rotary_embedding(q, k, positions, cos_, sin_, pool_.get());
-      write_kv(L.k_pool, slots, k);
-      write_kv(L.v_pool, slots, v);
-      const at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables, context_lens, attended).reshape({t, q_size}),
-                                 &o_out);
+      const auto& [cos, sin] = ropes_[L.rope];
+      ops::rotary_embedding(q, k, positions, cos, sin, pool_.get());
+      const int64_t g = L.group;
+      write_kv(L.k_pool, slots[g], k);
+      write_kv(L.v_pool, slots[g], v);
+      at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables[g], context_lens[g], firsts[g], attended)
+                                    .reshape({t, q_size}),
+                           &o_out);
+      if (L.attn_out_norm) a = normed(a, *L.attn_out_norm);
       ops::rms_norm(h2, a, residual, L.post_norm, eps_, pool_.get());
       const at::Tensor gate_up = apply(L.gate_up, h2, &gate_up_out);
       if (!act.defined()) act = at::empty({t, intermediate_}, gate_up.options());
-      ops::silu_and_mul(act, gate_up, pool_.get());
+      if (gemma3_) {
+        geglu(act, gate_up);
+      } else {
+        ops::silu_and_mul(act, gate_up, pool_.get());
+      }
       x = apply(L.down, act, &down_out);
+      if (L.mlp_out_norm) x = normed(x, *L.mlp_out_norm);
     }
     at::Tensor out = at::empty_like(x);
     ops::rms_norm(out, x, residual, final_norm_, eps_, pool_.get());
@@ -237,6 +280,46 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(false, "DecodeStack: unreachable");
   }
 
+  // RMSNorm of contiguous rows [n, dim] into a new tensor, by the native kernel (models/llama.py's
+  // RMSNorm on 2-D rows).
+  at::Tensor normed(const at::Tensor& x, const at::Tensor& weight) const {
+    at::Tensor out = at::empty_like(x);
+    ops::rms_norm(out, x, std::nullopt, weight, eps_, pool_.get());
+    return out;
+  }
+
+  // Gemma 3's q/k norm: each head's row through the native kernel ([rows x heads, head_dim]). The
+  // heads of x [rows, heads, head_dim] (a view into the fused QKV output) are copied together
+  // here, on this thread: torch's copy splits over 32k values across OpenMP's team, whose
+  // workers then spin on the cores the stack's pool computes on.
+  at::Tensor row_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == head_dim_, "DecodeStack: a row's heads must lie together");
+    at::Tensor rows = at::empty(x.sizes(), x.options());
+    const int64_t width = x.size(1) * head_dim_, bytes = width * x.element_size();
+    const auto* src = static_cast<const char*>(x.data_ptr());
+    auto* dst = static_cast<char*>(rows.data_ptr());
+    for (int64_t i = 0; i < x.size(0); ++i) std::memcpy(dst + i * bytes, src + i * x.stride(0) * x.element_size(), bytes);
+    return normed(rows.view({-1, head_dim_}), weight).view(x.sizes());
+  }
+
+  // Gemma 3's GeGLU, out = gelu_tanh(gate) x up (gate_up [rows, 2 x intermediate]): torch's ops,
+  // as models/gemma3.py's Gemma3MLP computes them (elementwise: the same bits in any split). On the
+  // stack's pool, its rows split over the pool's threads, each call marked as inside a parallel
+  // region so torch runs it on the calling thread: torch's GELU forks OpenMP's team from 16k
+  // values, whose workers then spun on the cores the pool computes on (16 streams of Gemma 3 270M
+  // at 0.7x the Python model's rate).
+  void geglu(at::Tensor& out, const at::Tensor& gate_up) const {
+    const auto rows = [&](int64_t r0, int64_t r1) {
+      c10::InferenceMode inference;  // as the engine's step thread: a pool worker's mode is its own
+      c10::ParallelGuard serial(pool_ != nullptr);
+      const at::Tensor x = gate_up.narrow(0, r0, r1 - r0);
+      at::Tensor dst = out.narrow(0, r0, r1 - r0);
+      at::mul_out(dst, at::gelu(x.narrow(1, 0, intermediate_), "tanh"), x.narrow(1, intermediate_, intermediate_));
+    };
+    if (pool_ == nullptr) return rows(0, gate_up.size(0));  // torch's own threads
+    pagedserve::parallel_for(pool_.get(), 0, gate_up.size(0), 1, rows);
+  }
+
   // Qwen3's q/k norm over each head: RMSNorm's torch path (the native one takes 2-D rows only),
   // in float32 and cast back, as transformers computes it.
   at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -296,16 +379,18 @@ class DecodeStack : public torch::CustomClassHolder {
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
   // the output converted back).
   at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
-                    at::Tensor& out) const {
+                    const std::optional<at::Tensor>& firsts, at::Tensor& out) const {
     if (!out.defined()) out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
     ops::paged_decode_attention(out, converted(q, L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens, scale_,
-                                pool_.get());
+                                pool_.get(), firsts);
     return converted(out, q.scalar_type());
   }
 
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
-  at::Tensor cos_, sin_, final_norm_;
+  at::Tensor final_norm_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> ropes_;  // (cos, sin) tables; 0 the constructor's
+  bool gemma3_ = false;
   std::vector<Layer> layers_;
   std::optional<Linear> head_;
   std::optional<c10::OperatorHandle> onednn_linear_;
@@ -318,6 +403,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   using pagedserve::decode_stack::DecodeStack;
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, int64_t>())
+      .def("add_rope", &DecodeStack::add_rope)
+      .def("use_gemma3_math", &DecodeStack::use_gemma3_math)
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("num_layers", &DecodeStack::num_layers)

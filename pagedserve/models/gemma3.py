@@ -23,6 +23,8 @@ the fused QKV projection, rotary and paged-attention calls written once):
 
 Sliding layers read the KV cache through :func:`~pagedserve.models.attention.window_view` (built
 once per step): decodes read only the blocks covering their window, prompt chunks are masked by it.
+Decode steps run in the native decode stack (:mod:`~pagedserve.models.native_decode`, the layer's
+``NATIVE_MATH`` and ``native_norms``) where the engine builds it; this model stays its reference.
 
 Weights come from the GGUF file through the Llama family's loader
 (:func:`pagedserve.models.gguf.load_gguf_model`, with this layer's ``GGUF_NORMS``).
@@ -141,6 +143,7 @@ class Gemma3DecoderLayer(nn.Module):
     # norm -> its GGUF tensor (blk.<i>.<name>.weight): 1 + w, as the file stores it
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    NATIVE_MATH = "gemma3"  # the decode stack's Gemma arithmetic: QK-norm by rows, GeGLU
 
     def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
         super().__init__()
@@ -151,6 +154,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
         self.mlp = Gemma3MLP(arch)
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+
+    def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The native decode stack's norm weights (DecoderLayer.native_norms' roles)."""
+        return (self.input_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                self.post_attention_layernorm.weight, self.post_feedforward_layernorm.weight)
 
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(normed MLP output, residual)``: the layer's output is their sum, left for the next
@@ -197,15 +205,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         metas = meta if isinstance(meta, list) else [meta] * len(self.kv_groups)
         views = [m if g.window is None else window_view(m, g.window, block_size)  # once per step, not per layer
                  for m, g in zip(metas, self.kv_groups)]
+        native = self.native_decode
+        if native is not None and native.runs(x.shape[0], views[0], kv_caches):
+            return native(x, positions, views)  # the layers below, in one native call
         residual = None
         for layer, kv, g in zip(self.layers, kv_caches, self.layer_group):
             x, residual = layer(x, residual, positions, kv, views[g], self.attention)
         return self.norm(x, residual)[0]
-
-    def enable_native_decode(self, kv_caches: list, ops) -> str:
-        """The engine asks every model; the one-call native decode stack (models/native_decode.py)
-        runs the Llama family's layers, so Gemma 3 decodes through this Python model."""
-        return "python (the native decode stack runs Llama-family layers, not Gemma 3's)"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that will be sampled, soft-capped where the config says."""

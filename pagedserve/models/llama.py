@@ -219,6 +219,7 @@ def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 class DecoderLayer(nn.Module):
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # blk.<i>.<name>.weight
+    NATIVE_MATH = "llama"  # the native decode stack's arithmetic for this layer (models/native_decode.py)
 
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
@@ -226,6 +227,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, rotary)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
+
+    def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The native decode stack's norm weights: the input norm, the residual-adding norm before
+        the MLP, and norms of the attention's and the MLP's outputs (none here)."""
+        return self.input_layernorm.weight, self.post_attention_layernorm.weight, None, None
 
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
@@ -276,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         native = self.native_decode
         if native is not None and native.runs(x.shape[0], meta, kv_caches):
-            return native(x, positions, meta)  # the layers below, in one native call
+            return native(x, positions, [meta])  # the layers below, in one native call
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, meta, self.attention)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)

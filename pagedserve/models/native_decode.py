@@ -69,7 +69,9 @@ class NativeDecode:
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, ops, threads: int | None = None
               ) -> tuple["NativeDecode | None", str]:
-        """The native decode path over ``model`` (a ``LlamaForCausalLM``) and ``kv_caches``, or
+        """The native decode path over ``model`` (a ``LlamaForCausalLM``, Gemma 3's included: each
+        decoder layer class names its arithmetic, ``NATIVE_MATH``, and its norms' roles,
+        ``native_norms``) and ``kv_caches``, or
         ``None``; and why, for the engine's log. ``threads``: the step's threads in the stack's own
         pool; 0 runs its kernels on torch's OpenMP threads. By default torch's thread count, or 0
         where torch computes a layer's linears (oneDNN-packed or plain) or the prompt chunks'
@@ -107,11 +109,18 @@ class NativeDecode:
         stack = torch.classes.pagedserve.DecodeStack(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, model.norm.eps,
             model.layers[0].self_attn.scale, rotary.cos, rotary.sin, model.norm.weight, threads)
+        if model.layers[0].NATIVE_MATH == "gemma3":
+            stack.use_gemma3_math()
+        ropes = {id(rotary): 0}  # each RoPE table once (Gemma 3: a global and a local one)
+        groups = getattr(model, "layer_group", None) or [0] * len(model.layers)  # KV groups (kv/groups.py)
         for i, (layer, (k_pool, v_pool), layer_specs) in enumerate(zip(model.layers, kv_caches, specs)):
             attn = layer.self_attn
-            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            None if attn.q_norm is None else attn.q_norm.weight,
-                            None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data)
+            if id(attn.rotary) not in ropes:
+                ropes[id(attn.rotary)] = stack.add_rope(attn.rotary.cos, attn.rotary.sin)
+            input_norm, pre_mlp_norm, attn_out_norm, mlp_out_norm = layer.native_norms()
+            stack.add_layer(input_norm, pre_mlp_norm, None if attn.q_norm is None else attn.q_norm.weight,
+                            None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data,
+                            groups[i], ropes[id(attn.rotary)], attn_out_norm, mlp_out_norm)
             for name, spec in layer_specs.items():
                 stack.set_linear(i, name, *spec)
         head = head_spec(model, dtype)
@@ -134,7 +143,9 @@ class NativeDecode:
         """``compute_logits(hidden)`` through the stack's LM head, for at most :attr:`head_rows` rows."""
         return self.stack.logits(hidden)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm for the decode rows whose embeddings are ``x``."""
-        return self.stack.forward(x, positions, meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states after the final norm for the decode rows whose embeddings are ``x``; ``metas``:
+        one per KV group (a sliding group's its window view), or the one of a model without groups."""
+        return self.stack.forward(x, positions, [m.slot_mapping for m in metas],
+                                  [m.decode_block_tables for m in metas], [m.decode_context_lens for m in metas],
+                                  [m.decode_first for m in metas])

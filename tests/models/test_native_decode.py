@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels una
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
+def models(checkpoint_dir, tiny_model_dir, tiny_ggufs, request):
     """``models(case)`` → an in-process LLM of that case, built once per module."""
     sources = {
         "llama-onednn": lambda: (checkpoint_dir("llama"), {"dtype": "float32"}),
@@ -34,6 +34,9 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
         "tiny-bf16-tiles": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "auto"}),
         "gguf-q4_1": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {}),
         "gguf-q8_0-int8": lambda: (tiny_ggufs("Q8_0", tokenizer=True), {"gguf_activations": "int8"}),
+        # Gemma 3's layers (four norms, QK-norm by rows, GeGLU, two RoPE tables) over one full and
+        # two window KV groups (window 32)
+        "tiny-gemma3": lambda: (request.getfixturevalue("tiny_gemma3_gguf"), {}),
     }
     built: dict[str, LLM] = {}
 
@@ -49,9 +52,9 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs):
 
 
 CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "tiny-bf16-tiles",
-         "gguf-q4_1", "gguf-q8_0-int8"]
+         "gguf-q4_1", "gguf-q8_0-int8", "tiny-gemma3"]
 KINDS = {"llama-onednn": "onednn", "qwen2-bias": "onednn", "qwen3-qk-norm": "onednn", "tiny-bf16-dense": "dense",
-         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf",
+         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf", "tiny-gemma3": "gguf",
          "tiny-bf16-tiles": "tile" if native_ops() is not None and native_ops().tile_linear_usable() else "onednn"}
 
 
@@ -119,6 +122,23 @@ def _copy(pool: HeadMajorKVCache) -> HeadMajorKVCache:
 
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in blocks", "1 2 3 4 5 6 7 8 9"]
+
+
+def test_gemma3_decodes_alike_either_way_across_its_windows(models):
+    """Gemma 3 through the native stack against its Python model, end to end: prompts longer than
+    the tiny model's 32-token window, decoded past it, so the window layers' views start inside a
+    block and their groups give blocks back (the null block in their tables) while both decode."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 2 for j in range(n)]}
+               for i, n in enumerate((41, 57, 70, 33, 48, 65))]
+    results = []
+    for native in (True, False):
+        llm = models("tiny-gemma3", native)
+        assert (llm.engine.core.runner.model.native_decode is not None) == native
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert_no_leaks(llm.engine)
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("case", ["qwen3-qk-norm", "tiny-half-weights", "gguf-q4_1"])
