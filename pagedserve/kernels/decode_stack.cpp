@@ -24,7 +24,6 @@
 #include "kernel_ops.h"
 #include "work_pool.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
