@@ -102,10 +102,12 @@ struct Int4KV : QuantizedKV<uint8_t, 2> {
 // paged_decode_attention (paged_attention.cpp) over quantized pools, read in place: k_data, v_data
 // [blocks, block_size, kv_heads, head_dim] (int8 for kind "int8"; uint8 bytes for "fp8" (e4m3));
 // k_scales, v_scales [blocks, block_size, kv_heads] float16. q and out share any model dtype.
+// firsts: as paged_decode_attention's (a sliding window's first visible positions).
 void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
                                       const at::Tensor& v_data, const at::Tensor& k_scales,
                                       const at::Tensor& v_scales, const at::Tensor& block_tables,
-                                      const at::Tensor& context_lens, double scale, std::string_view kind) {
+                                      const at::Tensor& context_lens, double scale, std::string_view kind,
+                                      const std::optional<at::Tensor>& firsts) {
   TORCH_CHECK(k_data.dim() == 4 && k_data.sizes() == v_data.sizes() && k_data.scalar_type() == v_data.scalar_type(),
               "quantized caches must be alike [blocks, bs, kvh, width]");
   TORCH_CHECK(k_scales.dim() == 3 && k_scales.sizes() == v_scales.sizes() &&
@@ -115,7 +117,7 @@ void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, cons
   TORCH_CHECK(k_data.is_contiguous() && v_data.is_contiguous() && k_scales.is_contiguous() && v_scales.is_contiguous(),
               "tensors must be contiguous");
   const int64_t nb = k_data.size(0), bs = k_data.size(1), kvh = k_data.size(2), width = k_data.size(3);
-  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
+  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale, firsts);
   // The kernel computes in float32: q and out, small next to the pools, are converted here.
   const at::Tensor qf = q.to(at::kFloat);
   at::Tensor of = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
@@ -131,7 +133,8 @@ void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, cons
     };
     dispatch_group<E>(q.size(1) / kvh, Batch<E>{of.data_ptr<float>(), qf.data_ptr<float>(), pool(k_data, k_scales),
                                                 pool(v_data, v_scales), block_tables.data_ptr<int64_t>(),
-                                                context_lens.data_ptr<int64_t>(), sh});
+                                                context_lens.data_ptr<int64_t>(), sh, nullptr,
+                                                firsts ? firsts->data_ptr<int64_t>() : nullptr});
   };
   if (kind == "int8") {
     run(Int8KV{}, at::kChar);
@@ -707,7 +710,7 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention_quantized(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scales, "
-        "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, str kind) -> ()");
+        "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, str kind, Tensor? firsts=None) -> ()");
   m.def("paged_decode_attention_int4(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_steps, "
         "Tensor k_zeros, Tensor k_bits, Tensor v_scales, Tensor k_tail, Tensor v_tail, Tensor tail_of, "
         "Tensor block_tables, Tensor context_lens, float scale, str isa='auto') -> ()");

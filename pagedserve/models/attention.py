@@ -213,9 +213,9 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
     if (q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]
-            or (meta.window is not None and not isinstance(k_cache, HeadMajorKVCache))):
-        # (a window starting mid-block: the model-dtype pools' kernel skips to decode_first, the
-        # quantized pools' kernels read every position of their tables and need the mask)
+            or (meta.window is not None and isinstance(k_cache, Int4KVCache))):
+        # (a window starting mid-block: the int8 / fp8 / model-dtype pools' kernel skips to
+        # decode_first, int4's reads every position of its table and needs the mask)
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
     if isinstance(k_cache, Int4KVCache):
@@ -232,7 +232,8 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
         if kernel is not None:
             out = torch.empty_like(q)
             kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                   meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype)
+                   meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype,
+                   meta.decode_first)
             return out
     kernel = paged_decode_kernel()
     if kernel is None or not isinstance(k_cache, HeadMajorKVCache):

@@ -64,7 +64,8 @@ def test_a_sequences_attention_does_not_depend_on_its_batch():
 def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     """A sliding layer's view (window_view: tables from the block holding the oldest key in the
     window, decode_first inside it) read by the kernel, which skips to each window's start: the
-    reference's masked attention, on contexts shorter and longer than the window, mid-block starts."""
+    reference's masked attention, on contexts shorter and longer than the window, mid-block starts;
+    from the model-dtype pools and from int8 / fp8 ones."""
     ctx = [1, 5, 20, 21, 33, 100, 129, 250, 700]
     q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=2, heads=6, hd=64, dtype=dtype)
     view = window_view(meta, window, 16)
@@ -77,6 +78,15 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     paged_decode_kernel()(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
                           view.decode_context_lens, 64 ** -0.5, view.decode_first)
     assert torch.equal(direct, got)
+    for kind in ("int8", "fp8"):  # and over quantized pools: the reference over the same stored values
+        k_q, v_q = quantized(k, kind), quantized(v, kind)
+        exact = reference_attention(q.float(), in_float32(k_q), in_float32(v_q), view, 64 ** -0.5)
+        got_q = fused_attention(q, k_q, v_q, view, 64 ** -0.5)
+        assert torch.allclose(got_q.float(), exact, atol=1e-5, rtol=0 if dtype == torch.float32 else 2 ** -8), kind
+        paged_decode_quantized_kernel()(direct, q.contiguous(), k_q.data, v_q.data, k_q.scales, v_q.scales,
+                                        view.decode_block_tables, view.decode_context_lens, 64 ** -0.5, kind,
+                                        view.decode_first)
+        assert torch.equal(direct, got_q), kind
     bad = view.decode_first.clone()
     bad[-1] = 16  # past the table's first block
     with pytest.raises(RuntimeError, match="window's start"):
