@@ -345,7 +345,7 @@ struct Int4Layout {
 // Mt are the path's block math: the plain loops (scalar), AVX2 or AVX-512.
 template <typename Kq, typename Mv, typename Mt, int G>
 void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* tables, const int64_t* lens,
-                 const Shapes& sh) {
+                 const int64_t* firsts, const Shapes& sh) {
   const int64_t kvh = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kvh * G;
   const Int4Layout lay{kvh, bs, hd, kvh * hd / 2, kvh * hd};
   const KeyPlanes& kp = *p.k_planes;
@@ -383,6 +383,9 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         }
         Kq::scores(qs.data(), lay.k_planes(p, blk, h), kp, h, bs, n, bias, scores.data() + start, len);
       }
+      const int64_t hidden = firsts != nullptr ? firsts[s] : 0;  // before a window's start: weight 0 (decode_impl)
+      for (int g = 0; hidden > 0 && g < G; ++g)
+        std::fill_n(scores.data() + g * len, hidden, std::numeric_limits<float>::lowest());
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum);
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -611,17 +614,17 @@ struct PlanesAvx2 {
 // the plain bit loop otherwise.
 template <int G>
 void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, const int64_t* t, const int64_t* l,
-                      const Shapes& sh) {
+                      const int64_t* f, const Shapes& sh) {
 #ifdef PAGEDSERVE_INT4_X86
   if (isa == Isa::avx2) {
     using K = PlanesAvx2<G>;
     switch (sh.hd) {
-      case 64: return decode_int4<K, Avx2Math<Int4x16, G, 64>, Avx2Math<Halfx16, G, 64>, G>(out, q, p, t, l, sh);
-      case 128: return decode_int4<K, Avx2Math<Int4x16, G, 128>, Avx2Math<Halfx16, G, 128>, G>(out, q, p, t, l, sh);
+      case 64: return decode_int4<K, Avx2Math<Int4x16, G, 64>, Avx2Math<Halfx16, G, 64>, G>(out, q, p, t, l, f, sh);
+      case 128: return decode_int4<K, Avx2Math<Int4x16, G, 128>, Avx2Math<Halfx16, G, 128>, G>(out, q, p, t, l, f, sh);
       default:
         if (sh.hd % 16 == 0)
-          return decode_int4<K, Avx2Math<Int4x16, G, 0>, Avx2Math<Halfx16, G, 0>, G>(out, q, p, t, l, sh);
-        return decode_int4<K, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, sh);
+          return decode_int4<K, Avx2Math<Int4x16, G, 0>, Avx2Math<Halfx16, G, 0>, G>(out, q, p, t, l, f, sh);
+        return decode_int4<K, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, f, sh);
     }
   }
 #endif
@@ -629,13 +632,13 @@ void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, c
   if (isa == Isa::avx512) {
     using K = PlanesAvx512<G>;
     switch (sh.hd) {
-      case 64: return decode_int4<K, BlockMath<Int4KV, G, 64>, BlockMath<HalfRows, G, 64>, G>(out, q, p, t, l, sh);
-      case 128: return decode_int4<K, BlockMath<Int4KV, G, 128>, BlockMath<HalfRows, G, 128>, G>(out, q, p, t, l, sh);
-      default: return decode_int4<K, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, sh);
+      case 64: return decode_int4<K, BlockMath<Int4KV, G, 64>, BlockMath<HalfRows, G, 64>, G>(out, q, p, t, l, f, sh);
+      case 128: return decode_int4<K, BlockMath<Int4KV, G, 128>, BlockMath<HalfRows, G, 128>, G>(out, q, p, t, l, f, sh);
+      default: return decode_int4<K, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, f, sh);
     }
   }
 #endif
-  decode_int4<PlanesScalar<G>, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, sh);
+  decode_int4<PlanesScalar<G>, BlockMath<Int4KV, G, 0>, BlockMath<HalfRows, G, 0>, G>(out, q, p, t, l, f, sh);
 }
 
 // out, q [seqs, heads, head_dim] (any model dtype, computed in float32); k_data [blocks, kvh,
@@ -648,7 +651,8 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
                                  const at::Tensor& v_data, const at::Tensor& k_steps, const at::Tensor& k_zeros,
                                  const at::Tensor& k_bits, const at::Tensor& v_scales, const at::Tensor& k_tail,
                                  const at::Tensor& v_tail, const at::Tensor& tail_of, const at::Tensor& block_tables,
-                                 const at::Tensor& context_lens, double scale, std::string_view isa_name) {
+                                 const at::Tensor& context_lens, double scale, std::string_view isa_name,
+                                 const std::optional<at::Tensor>& firsts) {
   const Isa isa = parse_isa(isa_name, "paged_decode_attention_int4");
   TORCH_CHECK(v_data.dim() == 4 && v_data.scalar_type() == at::kByte,
               "the int4 value pool must be uint8 [blocks, bs, kvh, head_dim / 2]");
@@ -670,11 +674,12 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   for (const at::Tensor* t : {&k_data, &v_data, &k_steps, &k_zeros, &v_scales, &k_tail, &v_tail, &tail_of})
     TORCH_CHECK(t->is_contiguous(), "tensors must be contiguous");
   const KeyPlanes planes(k_bits, kvh, hd);  // checks the widths
-  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale);
+  const Shapes sh = check_batch(out, q, block_tables, context_lens, kvh, nb, bs, scale, firsts);
   TORCH_CHECK(sh.hd == hd, "q's head_dim ", sh.hd, " is not the pools' ", hd);
   const int64_t* slots = tail_of.data_ptr<int64_t>();
   const int64_t* t = block_tables.data_ptr<int64_t>();
   const int64_t* l = context_lens.data_ptr<int64_t>();
+  const int64_t* f = firsts ? firsts->data_ptr<int64_t>() : nullptr;
   for (int64_t s = 0; s < sh.num_seqs; ++s)  // the blocks read (check_batch: in range), not the whole pool's
     for (int64_t j = 0; j < (l[s] + bs - 1) / bs; ++j)
       TORCH_CHECK(slots[t[s * sh.max_blocks + j]] < k_tail.size(0), "tail slot ", slots[t[s * sh.max_blocks + j]],
@@ -693,14 +698,14 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   float* o = of.data_ptr<float>();
   const float* qp = qf.data_ptr<float>();
   switch (q.size(1) / kvh) {
-    case 1: decode_int4_path<1>(isa, o, qp, p, t, l, sh); break;
-    case 2: decode_int4_path<2>(isa, o, qp, p, t, l, sh); break;
-    case 3: decode_int4_path<3>(isa, o, qp, p, t, l, sh); break;
-    case 4: decode_int4_path<4>(isa, o, qp, p, t, l, sh); break;
-    case 5: decode_int4_path<5>(isa, o, qp, p, t, l, sh); break;
-    case 6: decode_int4_path<6>(isa, o, qp, p, t, l, sh); break;
-    case 7: decode_int4_path<7>(isa, o, qp, p, t, l, sh); break;
-    case 8: decode_int4_path<8>(isa, o, qp, p, t, l, sh); break;
+    case 1: decode_int4_path<1>(isa, o, qp, p, t, l, f, sh); break;
+    case 2: decode_int4_path<2>(isa, o, qp, p, t, l, f, sh); break;
+    case 3: decode_int4_path<3>(isa, o, qp, p, t, l, f, sh); break;
+    case 4: decode_int4_path<4>(isa, o, qp, p, t, l, f, sh); break;
+    case 5: decode_int4_path<5>(isa, o, qp, p, t, l, f, sh); break;
+    case 6: decode_int4_path<6>(isa, o, qp, p, t, l, f, sh); break;
+    case 7: decode_int4_path<7>(isa, o, qp, p, t, l, f, sh); break;
+    case 8: decode_int4_path<8>(isa, o, qp, p, t, l, f, sh); break;
     default: TORCH_CHECK(false, "paged_decode_attention_int4: query heads per KV head must be 1..8");
   }
   if (!of.is_same(out)) out.copy_(of);
@@ -713,7 +718,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, str kind, Tensor? firsts=None) -> ()");
   m.def("paged_decode_attention_int4(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_steps, "
         "Tensor k_zeros, Tensor k_bits, Tensor v_scales, Tensor k_tail, Tensor v_tail, Tensor tail_of, "
-        "Tensor block_tables, Tensor context_lens, float scale, str isa='auto') -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, str isa='auto', Tensor? firsts=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

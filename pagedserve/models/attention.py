@@ -212,10 +212,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     """Decodes through the native kernel, reading each block in place from the head-major or the
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
-    if (q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]
-            or (meta.window is not None and isinstance(k_cache, Int4KVCache))):
-        # (a window starting mid-block: the int8 / fp8 / model-dtype pools' kernel skips to
-        # decode_first, int4's reads every position of its table and needs the mask)
+    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
     if isinstance(k_cache, Int4KVCache):
@@ -225,7 +222,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
         out = torch.empty_like(q)
         kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
                v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots(), meta.decode_block_tables,
-               meta.decode_context_lens, scale)
+               meta.decode_context_lens, scale, "auto", meta.decode_first)
         return out
     if isinstance(k_cache, QuantizedKVCache):
         kernel = paged_decode_quantized_kernel()

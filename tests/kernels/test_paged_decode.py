@@ -65,7 +65,7 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     """A sliding layer's view (window_view: tables from the block holding the oldest key in the
     window, decode_first inside it) read by the kernel, which skips to each window's start: the
     reference's masked attention, on contexts shorter and longer than the window, mid-block starts;
-    from the model-dtype pools and from int8 / fp8 ones."""
+    from the model-dtype pools and from int8 / fp8 / int4 ones."""
     ctx = [1, 5, 20, 21, 33, 100, 129, 250, 700]
     q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=2, heads=6, hd=64, dtype=dtype)
     view = window_view(meta, window, 16)
@@ -87,6 +87,17 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
                                         view.decode_block_tables, view.decode_context_lens, 64 ** -0.5, kind,
                                         view.decode_first)
         assert torch.equal(direct, got_q), kind
+    # and int4 pools (written as an engine writes them, read through the window's view)
+    k4, v4, _ = int4_pools(k, v, meta, chunk=13)
+    k4.out_dtype = v4.out_dtype = dtype
+    want4 = reference_attention(q, k4, v4, view, 64 ** -0.5)
+    got4 = fused_attention(q, k4, v4, view, 64 ** -0.5)
+    assert torch.allclose(got4.float(), want4.float(), atol=atol)
+    direct4 = torch.empty(q.shape)
+    paged_decode_int4_kernel()(direct4, q.float(), k4.data, v4.data, k4.scales, k4.zero_points, k4.key_bits,
+                               v4.scales, k4.tail, v4.tail, k4.decode_view().tail_slots(), view.decode_block_tables,
+                               view.decode_context_lens, 64 ** -0.5, "auto", view.decode_first)
+    assert torch.equal((direct4 @ v4.rotation).to(dtype), got4)
     bad = view.decode_first.clone()
     bad[-1] = 16  # past the table's first block
     with pytest.raises(RuntimeError, match="window's start"):
