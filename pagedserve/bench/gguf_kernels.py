@@ -77,20 +77,53 @@ def random_gguf_rows(fmt: str, rows: int, in_features: int, seed: int = 0) -> to
     return torch.from_numpy(raw.reshape(rows, nb * size))
 
 
-def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
-            layout: str = "auto") -> list[ShapeTimes]:
+def _native_ops():
     from pagedserve.kernels import native_ops
-    from pagedserve.models.gguf_linear import kernel_layout, rows16_default, rows16_layout
 
     ops = native_ops()
     if ops is None:
         raise RuntimeError("the native kernels are not available here")
-    out: list[ShapeTimes] = []
-    for fmt, n, k in shapes:
+    return ops
+
+
+@dataclass
+class LaidOut:
+    """Random ``[n, k]`` rows of a format in a layout (``auto``: the one GGUFLinear gives the format
+    on this CPU, ``rows16_default``) and the ops that read that layout."""
+
+    layout: str  # planar or rows16
+    weight: torch.Tensor
+    matmul: object
+    dequantize: object  # (out, w, format[, ids, isa] for rows16 | [, isa] for planar)
+
+    @classmethod
+    def of(cls, ops, fmt: str, n: int, k: int, layout: str) -> "LaidOut":
+        from pagedserve.models.gguf_linear import kernel_layout, rows16_default, rows16_layout
+
         rows16 = fmt in rows16_default(str(ops.best_isa())) if layout == "auto" else layout == "rows16"
         w = (rows16_layout if rows16 else kernel_layout)(fmt, random_gguf_rows(fmt, n, k))
-        matmul = ops.gguf_matmul16 if rows16 else ops.gguf_matmul
-        dequantize = ops.gguf_dequantize16 if rows16 else ops.gguf_dequantize
+        if rows16:
+            return cls("rows16", w, ops.gguf_matmul16, ops.gguf_dequantize16)
+        return cls("planar", w, ops.gguf_matmul, ops.gguf_dequantize)
+
+
+def _alternated(ways, rounds: int, calls: int) -> list[float]:
+    """Each way's median µs a call over ``rounds`` rounds taking the ways in turn (so drift hits
+    every way alike)."""
+    per_way: list[list[float]] = [[] for _ in ways]
+    for _ in range(rounds):
+        for i, fn in enumerate(ways):
+            per_way[i].append(median_call_us(fn, calls))
+    return [statistics.median(t) for t in per_way]
+
+
+def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
+            layout: str = "auto") -> list[ShapeTimes]:
+    ops = _native_ops()
+    out: list[ShapeTimes] = []
+    for fmt, n, k in shapes:
+        laid = LaidOut.of(ops, fmt, n, k, layout)
+        w, matmul, dequantize = laid.weight, laid.matmul, laid.dequantize
         dense = torch.empty(n, k)
         dequantize(dense, w, fmt)
         for m in rows:
@@ -108,13 +141,8 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             def float_gemm():
                 return F.linear(x, dense)
 
-            ways = (kernel, dequant_gemm, float_gemm)
-            per_way: list[list[float]] = [[], [], []]
-            for _ in range(rounds):  # alternating, so drift hits every way alike
-                for i, fn in enumerate(ways):
-                    per_way[i].append(median_call_us(fn, calls))
-            out.append(ShapeTimes(fmt, "rows16" if rows16 else "planar", n, k, m,
-                                  *(statistics.median(t) for t in per_way)))
+            out.append(ShapeTimes(fmt, laid.layout, n, k, m, *_alternated((kernel, dequant_gemm, float_gemm),
+                                                                           rounds, calls)))
     return out
 
 
@@ -135,30 +163,20 @@ def measure_dequantize(formats, rounds: int, calls: int, dtype: torch.dtype, lay
     """What a prompt chunk pays before its GEMM: one weight (``out_features`` x SmolLM2's 576, or
     1,024 for the K-quants) dequantized into ``dtype`` on every vector path this CPU runs and on
     the scalar reference, alternating round by round."""
-    from pagedserve.kernels import isa_paths, native_ops
-    from pagedserve.models.gguf_linear import BLOCKS, kernel_layout, rows16_default, rows16_layout
+    from pagedserve.kernels import isa_paths
+    from pagedserve.models.gguf_linear import BLOCKS
 
-    ops = native_ops()
-    if ops is None:
-        raise RuntimeError("the native kernels are not available here")
+    ops = _native_ops()
     paths = [p for p in isa_paths() if p != "amx"]  # the tiles dequantize on the AVX-512 path
     out: list[DequantizeTimes] = []
     for fmt in formats:
         k = 1024 if BLOCKS[fmt][0] == 256 else 576
-        rows16 = fmt in rows16_default(str(ops.best_isa())) if layout == "auto" else layout == "rows16"
-        w = (rows16_layout if rows16 else kernel_layout)(fmt, random_gguf_rows(fmt, out_features, k))
+        laid = LaidOut.of(ops, fmt, out_features, k, layout)
         dense = torch.empty(out_features, k, dtype=dtype)
-        if rows16:
-            ways = [lambda p=p: ops.gguf_dequantize16(dense, w, fmt, None, p) for p in paths]
-        else:
-            ways = [lambda p=p: ops.gguf_dequantize(dense, w, fmt, p) for p in paths]
-        per_way: list[list[float]] = [[] for _ in paths]
-        for _ in range(rounds):
-            for i, fn in enumerate(ways):
-                per_way[i].append(median_call_us(fn, calls))
-        medians = [statistics.median(t) for t in per_way]
-        out += [DequantizeTimes(fmt, "rows16" if rows16 else "planar", out_features, k,
-                                str(dtype).removeprefix("torch."), p, us, medians[0])
+        rows16 = laid.layout == "rows16"
+        ways = [lambda p=p: laid.dequantize(dense, laid.weight, fmt, *((None, p) if rows16 else (p,))) for p in paths]
+        medians = _alternated(ways, rounds, calls)
+        out += [DequantizeTimes(fmt, laid.layout, out_features, k, str(dtype).removeprefix("torch."), p, us, medians[0])
                 for p, us in zip(paths, medians, strict=True) if p != "scalar"]
     return out
 

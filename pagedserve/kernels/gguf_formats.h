@@ -206,15 +206,24 @@ constexpr int rows16_halves_at(Format f) { return f == Format::q6_k ? info(f).by
 constexpr int rows16_vectors(Format f) { return (info(f).bytes - 2 * rows16_halves(f)) / 4; }
 constexpr int rows16_block_bytes(Format f) { return 64 * rows16_vectors(f) + 32 * rows16_halves(f); }
 
+// Where the body lies in GGUF's block: after the float16 fields, or before Q6_K's d.
+constexpr int rows16_body_at(Format f) { return rows16_halves_at(f) == 0 ? 2 * rows16_halves(f) : 0; }
+
+// A row's float16 fields into its GGUF block at `block`, from a group's (`fields`: the row's d; its
+// m or dmin 32 bytes on).
+inline void rows16_put_halves(Format f, const uint8_t* fields, uint8_t* block) {
+  for (int h = 0; h < rows16_halves(f); ++h) std::memcpy(block + rows16_halves_at(f) + 2 * h, fields + 32 * h, 2);
+}
+
 // Row r (0-15) of a rows16 group's block b in GGUF's layout (info(f).bytes at `out`).
 inline void rows16_gguf_block(Format f, const uint8_t* group, int64_t b, int r, uint8_t* out) {
   const uint8_t* g = group + b * rows16_block_bytes(f);
-  const int V = rows16_vectors(f), halves = rows16_halves(f), at = rows16_halves_at(f);
-  uint8_t* body = out + (at == 0 ? 2 * halves : 0);
+  const int V = rows16_vectors(f);
+  uint8_t* body = out + rows16_body_at(f);
   const uint8_t flip = f == Format::q8_0 ? 0x80 : 0;
   for (int j = 0; j < V; ++j)
     for (int t = 0; t < 4; ++t) body[4 * j + t] = g[64 * j + 4 * r + t] ^ flip;
-  for (int h = 0; h < halves; ++h) std::memcpy(out + at + 2 * h, g + 64 * V + 32 * h + 2 * r, 2);
+  rows16_put_halves(f, g + 64 * V + 2 * r, out);
 }
 
 // Row r (0-15) of a rows16 group's block b as floats (32, or a K-quant's 256), straight from the
@@ -272,14 +281,26 @@ inline void rows16_to_planar(Format f, const uint8_t* group, int64_t blocks, uin
   }
 }
 
+// Block b of a planar row (`blocks` blocks of a 32-weight format): where its integer bytes, its d
+// and (with_min) its m lie.
+struct PlanarBlock {
+  const uint8_t* q;
+  const uint8_t* d;
+  const uint8_t* m;  // null without one
+};
+inline PlanarBlock planar_block(Format f, const uint8_t* row, int64_t blocks, int64_t b) {
+  const int qb = quant_bytes(f);
+  return {row + qb * b, row + blocks * qb + 2 * b, with_min(f) ? row + (qb + 2) * blocks + 2 * b : nullptr};
+}
+
 // Block b of a row (`blocks` blocks) in the kernels' layout, as floats.
 inline void dequantize_row_block(Format f, const uint8_t* row, int64_t blocks, int64_t b, float* y) {
   if (!planar(f)) return dequantize_block(f, row + b * info(f).bytes, y);
   uint8_t block[34];  // reassembled in GGUF's order: d, m (with_min), then the integer bytes
-  const int qb = quant_bytes(f), head = with_min(f) ? 4 : 2;
-  std::memcpy(block, row + blocks * qb + 2 * b, 2);
-  if (with_min(f)) std::memcpy(block + 2, row + blocks * qb + 2 * blocks + 2 * b, 2);
-  std::memcpy(block + head, row + qb * b, qb);
+  const PlanarBlock p = planar_block(f, row, blocks, b);
+  std::memcpy(block, p.d, 2);
+  if (p.m) std::memcpy(block + 2, p.m, 2);
+  std::memcpy(block + (p.m ? 4 : 2), p.q, quant_bytes(f));
   dequantize_block(f, block, y);
 }
 

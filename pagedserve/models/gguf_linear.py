@@ -5,11 +5,11 @@ Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, one row of blocks per output 
 32-weight formats' bytes regrouped per row into planes, :func:`kernel_layout`) and multiplies it
 two ways (``pagedserve/kernels/gguf_matmul.cpp``):
 
-* up to ``kernel_rows`` rows of activations (decode batches, short prompt chunks; kernel_rows_default): ``gguf_matmul`` reads the blocks
-  once and multiplies their integers with the activations quantized per 32 values to int8, as
-  llama.cpp does; float32 out. An LM head (``float_output``) takes int16 activations (an int8 byte
-  and the int8 of its remainder, joined in the kernel's integer sums): near-tied logits keep their
-  order.
+* up to ``kernel_rows`` rows of activations (decode batches, short prompt chunks:
+  :func:`kernel_rows_default`): ``gguf_matmul`` reads the blocks once and multiplies their
+  integers with the activations quantized per 32 values to int8, as llama.cpp does; float32 out.
+  An LM head (``float_output``) takes int16 activations (an int8 byte and the int8 of its
+  remainder, joined in the kernel's integer sums): near-tied logits keep their order.
 * more rows (prefill chunks): the blocks are dequantized once per call into a float matrix of the
   activations' dtype and the GEMM of that dtype runs over it, reusing each weight across the rows.
 
@@ -28,8 +28,9 @@ from torch import nn
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
-# Up to this many activation rows the integer kernel runs; beyond, dequantize + GEMM. Measured on
-# SmolLM2-135M's shapes (docs/QUANTIZATION.md, "GGUF kernels").
+# Up to this many activation rows the integer kernel runs, beyond them dequantize + GEMM, on a CPU
+# without AVX-512 VNNI (kernel_rows_default). Measured on SmolLM2-135M's shapes (docs/QUANTIZATION.md,
+# "GGUF kernels").
 KERNEL_ROWS = 32
 
 
