@@ -1,7 +1,8 @@
 """``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 or int16 activations × the blocks' integers)
-against dequantizing the blocks and running torch's float32 GEMM, and against a float32 ``F.linear``
-over weights already dequantized (what a float32 model pays), at the row counts of a decode batch
-and of a prefill chunk, alternating round by round. The crossover row count is where
+against dequantizing the blocks and running torch's float32 GEMM, against a float32 ``F.linear``
+over weights already dequantized (what a float32 model pays) and, on a CPU with AVX-512 BF16, against
+``gguf_gemm`` (bf16 activations, the weights dequantized a panel at a time), at the row counts of a
+decode batch and of a prefill chunk, alternating round by round. The crossover row count is where
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM. Each format
 is timed in the layout GGUFLinear gives it on this CPU (``rows16_default``), or in the one asked for."""
 
@@ -38,6 +39,7 @@ class ShapeTimes:
     kernel_us: float  # medians over the rounds
     dequant_gemm_us: float
     float_us: float
+    gemm_us: float | None = None  # gguf_gemm in bf16 (prompt chunks' path on a CPU with AVX-512 BF16)
 
     @property
     def gb_per_s(self) -> float:
@@ -119,7 +121,10 @@ def _alternated(ways, rounds: int, calls: int) -> list[float]:
 
 def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
             layout: str = "auto") -> list[ShapeTimes]:
+    from pagedserve.kernels import gguf_gemm_usable
+
     ops = _native_ops()
+    own_gemm = gguf_gemm_usable()
     out: list[ShapeTimes] = []
     for fmt, n, k in shapes:
         laid = LaidOut.of(ops, fmt, n, k, layout)
@@ -141,8 +146,13 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             def float_gemm():
                 return F.linear(x, dense)
 
-            out.append(ShapeTimes(fmt, laid.layout, n, k, m, *_alternated((kernel, dequant_gemm, float_gemm),
-                                                                           rounds, calls)))
+            x16, y16 = x.bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
+
+            def gemm():
+                ops.gguf_gemm(y16, x16, w, fmt, None, laid.layout == "rows16")
+
+            ways = (kernel, dequant_gemm, float_gemm) + ((gemm,) if own_gemm else ())
+            out.append(ShapeTimes(fmt, laid.layout, n, k, m, *_alternated(ways, rounds, calls)))
     return out
 
 
@@ -181,6 +191,36 @@ def measure_dequantize(formats, rounds: int, calls: int, dtype: torch.dtype, lay
     return out
 
 
+def file_shapes(path: Path) -> list[tuple[tuple[str, int, int], int]]:
+    """Each ``(format, out_features, in_features)`` among a GGUF file's layer matrices that GGUFLinear
+    keeps as blocks (those a prompt chunk multiplies: the token embedding and the LM head aside),
+    with how many matrices have it. The engine fuses some of them (QKV, gate/up); timed apart here."""
+    from collections import Counter
+
+    from pagedserve.models.gguf import open_gguf_tensors
+    from pagedserve.models.gguf_linear import BLOCKS
+
+    found: Counter = Counter()
+    for t in open_gguf_tensors(path).tensors:
+        if t.tensor_type.name in BLOCKS and len(t.shape) == 2 and t.name.startswith("blk."):
+            found[(t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))] += 1
+    return sorted(found.items())
+
+
+def file_totals(counted: list[tuple[tuple[str, int, int], int]], timed: list[ShapeTimes]) -> list[dict]:
+    """Per row count, each way's µs summed over the file's matrices (each shape's median x its count)."""
+    count = dict(counted)
+    totals: dict[int, dict] = {}
+    for t in timed:
+        row = totals.setdefault(t.rows, {"rows": t.rows, "kernel_us": 0.0, "dequant_gemm_us": 0.0, "gemm_us": None})
+        n = count[(t.format, t.out_features, t.in_features)]
+        row["kernel_us"] += n * t.kernel_us
+        row["dequant_gemm_us"] += n * t.dequant_gemm_us
+        if t.gemm_us is not None:
+            row["gemm_us"] = (row["gemm_us"] or 0.0) + n * t.gemm_us
+    return list(totals.values())
+
+
 def add_parser(bench) -> None:
     p = bench.add_parser("gguf-kernels", help="GGUF kernel vs dequantize + GEMM vs float32, per row count",
                          description=__doc__)
@@ -198,6 +238,9 @@ def add_parser(bench) -> None:
     p.add_argument("--dequantize", action="store_true",
                    help="time instead what a prompt chunk pays before its GEMM: each format's weight dequantized "
                         "on every vector path against the scalar reference (--rows and --gguf-activations unused)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file: time its layer matrices' shapes and formats (random blocks) instead of the "
+                        "built-in shapes, and print each way's total over the file's matrices per row count")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the rows as JSON here")
     p.set_defaults(func=run)
 
@@ -229,15 +272,36 @@ def run(args: argparse.Namespace) -> int:
                   f"{t.scalar_us / t.us:>7.2f}x")
         write_result(args.json_out, {"machine": machine_summary(), "dequantize": [asdict(t) for t in timed]})
         return 0
-    results = measure(SHAPES, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout)
+    counted = None
+    if args.model is not None:
+        if not args.model.is_file():
+            print(f"error: --model {args.model} is not a file")
+            return 2
+        counted = file_shapes(args.model)
+        if not counted:
+            print(f"error: {args.model} has no layer matrices in a format the GGUF kernels read")
+            return 2
+    shapes = SHAPES if counted is None else [shape for shape, _ in counted]
+    results = measure(shapes, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout)
     print(f"GGUF kernels ({best_isa()} path, {args.gguf_activations} activations; {machine_summary()}), medians "
           f"of {args.rounds} alternated rounds")
     print(f"{'format':6} {'layout':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
-          f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}")
+          f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}"
+          + (f" {'bf16 gguf_gemm us':>17} {'kernel/gguf_gemm':>16}" if results and results[0].gemm_us else ""))
     for r in results:
         print(f"{r.format:6} {r.layout:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
               f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
-              f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x")
+              f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x"
+              + (f" {r.gemm_us:>17.1f} {r.kernel_us / r.gemm_us:>15.2f}x" if r.gemm_us else ""))
+    totals = None
+    if counted is not None:
+        totals = file_totals(counted, results)
+        print(f"{args.model.name}: {sum(n for _, n in counted)} layer matrices, each way's total per row count")
+        print(f"{'rows':>5} {'kernel ms':>10} {'deq+GEMM ms':>12}"
+              + (f" {'gguf_gemm ms':>12} {'kernel/gguf_gemm':>16}" if totals[0]["gemm_us"] else ""))
+        for t in totals:
+            print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f}"
+                  + (f" {t['gemm_us'] / 1e3:>12.2f} {t['kernel_us'] / t['gemm_us']:>15.2f}x" if t["gemm_us"] else ""))
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
-                                 "rows": [asdict(r) for r in results]})
+                                 "rows": [asdict(r) for r in results]} | ({"totals": totals} if totals else {}))
     return 0

@@ -82,7 +82,7 @@ _SOURCES = [Path(__file__).with_name(name)
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
                          "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc",
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
                          "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
@@ -250,6 +250,13 @@ def best_isa() -> str | None:
     """The path ``auto`` takes on this CPU, or ``None`` without the native kernels."""
     ops = native_ops()
     return None if ops is None else str(ops.best_isa())
+
+
+def gguf_gemm_usable() -> bool:
+    """Whether prompt chunks over GGUF weights run the native bf16 GEMM here (``gguf_gemm``: AVX-512
+    BF16), rather than dequantizing each weight whole for torch's GEMM."""
+    ops = native_ops()
+    return ops is not None and bool(ops.gguf_gemm_usable())
 
 
 _ISA_WORDS = {"scalar": "the scalar reference (no AVX2 here)", "avx2": "AVX2 maddubs/madd",

@@ -56,18 +56,27 @@ inline bool amx_int8_usable() {
   return usable;
 }
 
-// AMX-BF16 (leaf 7 EDX bit 22) and AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5) besides the tiles: bf16
-// tile products and the conversions around them (tile_matmul.cpp). Asked once: CPUID traps to the
-// hypervisor in a VM (measured: 11 % of a one-row linear's time when asked per call).
+// AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5): vdpbf16ps and the bf16 conversions. Asked once: CPUID
+// traps to the hypervisor in a VM (measured: 11 % of a one-row linear's time when asked per call).
+inline bool avx512_bf16_in_cpuid() {
+  static const bool present = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;
+  }();
+  return present;
+}
+
+// AMX-BF16 (leaf 7 EDX bit 22) and AVX512-BF16 besides the tiles: bf16 tile products and the
+// conversions around them (tile_matmul.cpp).
 inline bool amx_bf16_usable() {
   static const bool usable = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!amx_int8_usable() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;
+    return amx_int8_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && avx512_bf16_in_cpuid();
   }();
   return usable;
 }
 #else
+inline bool avx512_bf16_in_cpuid() { return false; }
 inline bool amx_bf16_usable() { return false; }
 #endif
 
@@ -103,6 +112,9 @@ inline bool cpu_runs(Isa isa) {
   return isa == Isa::scalar;
 #endif
 }
+
+// The AVX-512 path plus AVX512-BF16: the GGUF GEMM's bf16 kernel (gguf_gemm.inc) runs here.
+inline bool bf16_gemm_usable() { return cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid(); }
 
 inline Isa best_isa() {
   static const Isa best = cpu_runs(Isa::amx)      ? Isa::amx

@@ -1,6 +1,7 @@
 // y = x W^T (+ bias) straight from GGUF's quantized blocks (gguf_formats.h), never dequantized to
-// memory, for decode-sized batches; and the blocks dequantized to a float matrix, for the GEMM of
-// prefill-sized ones and for embedding lookups.
+// memory, for decode-sized batches; the GEMM of prefill-sized ones in bf16 over the blocks
+// dequantized a panel at a time (gguf_gemm.inc, AVX-512 BF16); and the blocks dequantized to a
+// float matrix, for torch's GEMM elsewhere and for embedding lookups.
 //
 // The product is llama.cpp's recipe, written anew: each activation row is quantized per 32 values
 // to int8 (scale max|x| / 127), each 32 weights' integers are multiplied with those in int8 x int8
@@ -180,6 +181,13 @@ namespace avx512 {
 #include "gguf_simd.inc"
 #undef PS_VNNI
 }  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#include "gguf_gemm.inc"
+}  // namespace avx512bf16
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -546,6 +554,73 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
   });
 }
 
+// out [M, N] (bfloat16 or float32, unit column stride: it may be a column slice of a wider one) =
+// x [M, K] (bfloat16) W^T (+ bias), W in the rows16 layout (`rows16`) or planar: a prompt chunk's
+// GEMM. "auto" (or "avx512", "amx") runs gguf_gemm.inc's kernel, which needs AVX-512 BF16
+// (gguf_gemm_usable); "scalar" the reference: the weight dequantized as gguf_dequantize does,
+// rounded to bfloat16 as the kernel reads it, each product summed in float32 in k order.
+void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name) {
+  const char* op = "gguf_gemm";
+  const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
+  TORCH_CHECK(isa == Isa::scalar || bf16_gemm_usable(), op, ": this CPU has no AVX-512 BF16 (the scalar path runs anywhere)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
+              ": x must be a contiguous bfloat16 [rows, in_features]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : 0;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.stride(0) >= N &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              op, ": out must be a bfloat16 or float32 [rows, out_features] with unit column stride");
+  Format f;
+  if (rows16) {
+    f = rows16_format(w, format, N, K, op);
+  } else {
+    f = parse_format(std::string_view(format.data(), format.size()), op);
+    const FormatInfo fi = info(f);
+    TORCH_CHECK(K % fi.elems == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                    w.size(0) == N && w.size(1) == K / fi.elems * fi.bytes,
+                op, ": weight must be a contiguous uint8 [", N, ", ", K / fi.elems * fi.bytes, "] of ", fi.name, " blocks");
+  }
+  if (bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [out_features]");
+  if (M == 0 || N == 0) return;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const int64_t blocks = K / info(f).elems, stride = w.size(1), ldo = out.stride(0);
+  dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      TORCH_CHECK(false, op, ": out must be bfloat16 or float32");
+    } else {
+      T* o = out.data_ptr<T>();
+#if PS_X86
+      if (isa != Isa::scalar) return avx512bf16::gemm<T>(f, rows16, wp, stride, N, K, xp, K, M, b, o, ldo);
+#endif
+      std::vector<float> wf(N * K);
+      at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            float* y = wf.data() + n * K + blk * info(f).elems;
+            if (rows16)
+              dequantize_rows16_block(f, wp + n / 16 * stride, blk, static_cast<int>(n % 16), y);
+            else
+              dequantize_row_block(f, wp + n * stride, blocks, blk, y);
+            for (int j = 0; j < info(f).elems; ++j) y[j] = round_to<c10::BFloat16>(y[j]);
+          }
+      });
+      at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; ++k) sum += to_float(xp[m * K + k]) * wf[n * K + k];
+            o[m * ldo + n] = from_float<T>(sum + (b ? b[n] : 0.f));
+          }
+      });
+    }
+  });
+}
+
 // The int8 activations every path computes with, and with `low` the int16 ones (tests: the paths
 // agree on them).
 void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, const at::Tensor& x,
@@ -579,6 +654,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
   m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None, str isa='auto') -> ()");
+  m.def("gguf_gemm(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool rows16=True, "
+        "str isa='auto') -> ()");
+  m.def("gguf_gemm_usable() -> bool", &pagedserve::bf16_gemm_usable);
   m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
         "Tensor(d!)? low=None) -> ()");
 }
@@ -588,5 +666,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("gguf_dequantize", &pagedserve::gguf::gguf_dequantize);
   m.impl("gguf_matmul16", &pagedserve::gguf::gguf_matmul16_op);
   m.impl("gguf_dequantize16", &pagedserve::gguf::gguf_dequantize16);
+  m.impl("gguf_gemm", &pagedserve::gguf::gguf_gemm);
   m.impl("gguf_quantize_activations", &pagedserve::gguf::gguf_quantize_activations);
 }

@@ -10,8 +10,11 @@ two ways (``pagedserve/kernels/gguf_matmul.cpp``):
   integers with the activations quantized per 32 values to int8, as llama.cpp does; float32 out.
   An LM head (``float_output``) takes int16 activations (an int8 byte and the int8 of its
   remainder, joined in the kernel's integer sums): near-tied logits keep their order.
-* more rows (prefill chunks): the blocks are dequantized once per call into a float matrix of the
-  activations' dtype and the GEMM of that dtype runs over it, reusing each weight across the rows.
+* more rows (prefill chunks): on a CPU with AVX-512 BF16, bf16 activations go through
+  ``gguf_gemm``, which dequantizes 32 weight rows at a time into a buffer that stays in cache and
+  multiplies every row of the chunk with them (``kernels/gguf_gemm.inc``); elsewhere the blocks are
+  dequantized once per call into a float matrix of the activations' dtype and torch's GEMM of that
+  dtype runs over it.
 
 A fused layer (QKV, gate/up) whose parts have different formats (a Q4_K_M file mixes Q4_K and
 Q6_K) holds one segment per run of output rows with the same format; each segment writes its
@@ -34,13 +37,16 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 32
 
 
-def kernel_rows_default(isa: str) -> int:
+def kernel_rows_default(isa: str, gemm: bool = False) -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
-    path is ``isa``: 128 on AVX-512 VNNI, whose rows16 kernels (every format) prefilled a 64-token
-    prompt 1.6-2.1x and a 128-token one 1.2-1.5x faster than dequantize + bf16 GEMM, level at 256,
-    behind at 512 (docs/BENCHMARKS.md, "The integer kernels up to 128 rows"); KERNEL_ROWS elsewhere,
-    where no such measurement exists (AMX tiles and AVX2 keep their own)."""
-    return 128 if isa == "avx512" else KERNEL_ROWS
+    path is ``isa``, ``gemm`` saying whether it runs ``gguf_gemm`` (AVX-512 BF16): KERNEL_ROWS
+    there, the GEMM being level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64
+    (every format of SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own
+    GEMM"); 128 on AVX-512 VNNI without it, whose rows16 kernels prefilled a 64-token prompt
+    1.6-2.1x and a 128-token one 1.2-1.5x faster than dequantize + torch's GEMM ("The integer
+    kernels up to 128 rows"); KERNEL_ROWS elsewhere, where no such measurement exists (AMX tiles
+    and AVX2 keep their own)."""
+    return 128 if isa == "avx512" and not gemm else KERNEL_ROWS
 
 
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -115,7 +121,7 @@ class GGUFLinear(nn.Module):
     stacked along the output dimension; ``bias`` float ``[out]`` or None; ``ops`` the native namespace."""
 
     def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 ops, kernel_rows: int | None = None, rows16: bool | None = None):
+                 ops, kernel_rows: int | None = None, rows16: bool | None = None, gemm: bool | None = None):
         super().__init__()
         self.in_features = in_features
         self.formats = [fmt for fmt, _ in segments]
@@ -138,7 +144,10 @@ class GGUFLinear(nn.Module):
         # Each segment's kernel and dequantization, by its layout
         self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
         self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
-        self.kernel_rows = kernel_rows_default(isa) if kernel_rows is None else kernel_rows
+        # Prompt chunks in bf16 through gguf_gemm where the CPU has AVX-512 BF16 (or where asked),
+        # else dequantized whole for torch's GEMM
+        self.gemm = bool(ops.gguf_gemm_usable()) if gemm is None else gemm
+        self.kernel_rows = kernel_rows_default(isa, self.gemm) if kernel_rows is None else kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
@@ -188,6 +197,13 @@ class GGUFLinear(nn.Module):
                     self.matmuls[i](y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
+        elif self.gemm and x2.dtype == torch.bfloat16:
+            # A panel of the weight dequantized at a time, into the order the bf16 kernel reads
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32 if self.float_output else x.dtype)
+            for fmt, w, offset, width, i in self._segments():
+                bias = None if self.bias is None else self.bias[offset:offset + width]
+                self.ops.gguf_gemm(y[:, offset:offset + width], x2, w, fmt, bias, self.rows16[i])
         else:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantized_weight(x.dtype), bias)

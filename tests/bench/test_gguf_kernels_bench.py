@@ -1,4 +1,4 @@
-"""``pagedserve bench gguf-kernels``: every shape is timed three ways at every row count asked for, in
+"""``pagedserve bench gguf-kernels``: every shape is timed three ways (four with AVX-512 BF16) at every row count asked for, in
 the layout GGUFLinear gives it here or the one asked for; ``--dequantize`` times every vector path
 against the scalar one; the weights it times are valid GGUF rows of their format, and bad arguments
 are one-line refusals."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.bench import gguf_kernels
-from pagedserve.kernels import best_isa, isa_paths, kernel_error, native_ops
+from pagedserve.kernels import best_isa, gguf_gemm_usable, isa_paths, kernel_error, native_ops
 from pagedserve.models.gguf_linear import BLOCKS, rows16_default
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason=f"native kernels unavailable: {kernel_error()}")
@@ -33,10 +33,13 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["rows"]) for r in rows] == [("Q4_1", 1), ("Q4_1", 5), ("Q6_K", 1), ("Q6_K", 5)]
     assert all(r["kernel_us"] > 0 and r["dequant_gemm_us"] > 0 and r["float_us"] > 0 for r in rows)
+    # a fourth way, the bf16 gguf_gemm, where this CPU runs it
+    assert all((r["gemm_us"] > 0) if gguf_gemm_usable() else r["gemm_us"] is None for r in rows)
     chosen = rows16_default(best_isa())  # the layout GGUFLinear gives each format on this CPU
     assert [r["layout"] for r in rows] == [("rows16" if r["format"] in chosen else "planar") for r in rows]
     text = capsys.readouterr().out
     assert "GEMM/kernel" in text and "int8 activations" in text
+    assert ("kernel/gguf_gemm" in text) == gguf_gemm_usable()
     args = parse("--rows", "1", "--rounds", "1", "--calls", "1", "--gguf-activations", "int16")
     assert args.func(args) == 0 and "int16 activations" in capsys.readouterr().out
     for layout in ("planar", "rows16"):
@@ -59,6 +62,25 @@ def test_dequantize_times_every_vector_path_against_the_scalar_reference(tmp_pat
     rows = json.loads(out.read_text())["dequantize"]
     assert {r["format"] for r in rows} == set(BLOCKS) and {r["layout"] for r in rows} == {"planar"}
     assert "x scalar" in capsys.readouterr().out
+
+
+def test_a_files_matrices_are_timed_and_summed_per_row_count(tiny_ggufs, tmp_path, capsys):
+    """--model: the file's layer matrices by shape and format (embedding and head aside), each timed
+    once and counted as often as the file holds it in the per-row-count totals."""
+    path = tiny_ggufs("Q4_1")
+    counted = gguf_kernels.file_shapes(path)
+    assert counted and all(fmt == "Q4_1" and n > 0 for (fmt, _, _), n in counted)
+    out = tmp_path / "file.json"
+    args = parse("--model", str(path), "--rows", "2,40", "--rounds", "1", "--calls", "1", "--json", str(out))
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert [t["rows"] for t in result["totals"]] == [2, 40]
+    per_shape = {(r["format"], r["out_features"], r["in_features"], r["rows"]): r["kernel_us"] for r in result["rows"]}
+    want = sum(n * per_shape[(*shape, 2)] for shape, n in counted)
+    assert result["totals"][0]["kernel_us"] == pytest.approx(want)
+    assert "layer matrices, each way's total per row count" in capsys.readouterr().out
+    args = parse("--model", str(tmp_path / "missing.gguf"))
+    assert args.func(args) == 2 and "is not a file" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])

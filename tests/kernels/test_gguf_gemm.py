@@ -1,0 +1,133 @@
+"""Prefill's GEMM over GGUF weights (gguf_gemm, kernels/gguf_gemm.inc): every format in both layouts,
+bf16 and float32 out, on the AVX-512 BF16 kernel where this CPU has it and on the scalar reference
+always; the kernel's weights bit for bit the dequantizer's; column slices of a wider output; GGUFLinear
+sending prompt chunks through it; one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.bench.gguf_kernels import random_gguf_rows
+from pagedserve.kernels import gguf_gemm_usable, kernel_error, native_ops
+from pagedserve.models.gguf_linear import BLOCKS, KERNEL_ROWS, GGUFLinear, kernel_layout, rows16_layout
+
+OPS = native_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
+PATHS = ["scalar"] + (["auto"] if OPS is not None and gguf_gemm_usable() else [])
+
+
+def _k(fmt):
+    """in_features: 10 blocks of 32, or two K-quant super-blocks of 256."""
+    return 512 if BLOCKS[fmt][0] == 256 else 320
+
+
+def _laid(fmt, w, rows16):
+    return rows16_layout(fmt, w) if rows16 else kernel_layout(fmt, w)
+
+
+def _gemm(x, wl, n, fmt, rows16, isa, dtype=torch.float32, bias=None):
+    out = torch.empty(x.shape[0], n, dtype=dtype)
+    OPS.gguf_gemm(out, x, wl, fmt, bias, rows16, isa)
+    return out
+
+
+@pytest.mark.parametrize("rows16", [True, False])
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_every_path_reads_the_dequantized_weights_bit_for_bit(fmt, rows16):
+    """Identity rows of x read the weights back: each output is one weight times 1, so the kernel's
+    packed panels (straight from the rows16 groups for the 32-weight formats, or dequantized then
+    transposed) must be gguf_dequantize's bf16 weights exactly, on every path, partial panels too."""
+    K = _k(fmt)
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    for n in (16, 37, 64):
+        w = random_gguf_rows(fmt, n, K, seed=n)
+        want = torch.empty(n, K, dtype=torch.bfloat16)
+        OPS.gguf_dequantize(want, kernel_layout(fmt, w), fmt)
+        for isa in PATHS:
+            got = _gemm(eye, _laid(fmt, w, rows16), n, fmt, rows16, isa)
+            assert torch.equal(got.T, want.float()), (n, isa)
+
+
+@pytest.mark.parametrize("rows16", [True, False])
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_products_match_the_reference_and_the_float_matmul(fmt, rows16):
+    """Random rows (1 to 30: micro-kernels of every height, a row count split unevenly) against the
+    scalar reference (float32 sums in k order: the kernel's differ in order only) and against the
+    float matmul over the dequantized weights, with a bias, in float32 and bf16 out."""
+    K, n = _k(fmt), 50  # a whole panel of 32 and one of 18 columns
+    w = random_gguf_rows(fmt, n, K, seed=3)
+    dense = torch.empty(n, K, dtype=torch.bfloat16)
+    OPS.gguf_dequantize(dense, kernel_layout(fmt, w), fmt)
+    wl, bias = _laid(fmt, w, rows16), torch.randn(n)
+    torch.manual_seed(0)
+    for m in (1, 5, 13, 30):
+        x = torch.randn(m, K).bfloat16()
+        want = F.linear(x.float(), dense.float(), bias)
+        scale = want.abs().max().item()
+        ref = _gemm(x, wl, n, fmt, rows16, "scalar", bias=bias)
+        assert torch.allclose(ref, want, atol=1e-5 * scale, rtol=0), m
+        for isa in PATHS:
+            got = _gemm(x, wl, n, fmt, rows16, isa, bias=bias)
+            assert torch.allclose(got, ref, atol=1e-5 * scale, rtol=0), (m, isa)
+            got16 = _gemm(x, wl, n, fmt, rows16, isa, torch.bfloat16, bias)
+            assert torch.allclose(got16.float(), ref, atol=8e-3 * scale, rtol=0), (m, isa)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_a_column_slice_of_a_wider_output_is_written_and_nothing_else(isa):
+    fmt, K, n = "Q4_1", 320, 40
+    w = random_gguf_rows(fmt, n, K, seed=9)
+    x = torch.randn(7, K).bfloat16()
+    whole = _gemm(x, rows16_layout(fmt, w), n, fmt, True, isa, torch.bfloat16)
+    wide = torch.full((7, n + 24), 5.0, dtype=torch.bfloat16)
+    OPS.gguf_gemm(wide[:, 8:8 + n], x, rows16_layout(fmt, w), fmt, None, True, isa)
+    assert torch.equal(wide[:, 8:8 + n], whole)
+    assert (wide[:, :8] == 5).all() and (wide[:, 8 + n:] == 5).all()
+
+
+@pytest.mark.parametrize("gemm", [True, False])
+def test_gguf_linear_sends_prompt_chunks_through_it(gemm):
+    """A mixed-format layer (QKV-like segments, one partial group each) with a bias: a prompt chunk in
+    bf16 through gguf_gemm or through dequantize + torch's GEMM gives the float layer's values; the
+    integer kernels keep the rows up to kernel_rows."""
+    if gemm and "auto" not in PATHS:
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    k = 512
+    segments = [("Q4_1", random_gguf_rows("Q4_1", 21, k, seed=1)), ("Q8_0", random_gguf_rows("Q8_0", 11, k, seed=2)),
+                ("Q4_K", random_gguf_rows("Q4_K", 37, k, seed=3))]
+    layer = GGUFLinear(segments, k, torch.randn(69), OPS, gemm=gemm)
+    assert layer.gemm is gemm
+    dense = layer.dequantized_weight(torch.bfloat16).float()
+    x = torch.randn(layer.kernel_rows + 40, k).bfloat16()
+    want = F.linear(x.float(), dense, layer.bias)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, atol=8e-3 * want.abs().max().item(), rtol=0)
+    layer.float_output = True  # an LM head's prompt logprobs: float32 out
+    assert layer(x).dtype == torch.float32
+
+
+def test_the_gemm_takes_prompt_chunks_from_32_rows():
+    layer = GGUFLinear([("Q4_0", random_gguf_rows("Q4_0", 16, 64))], 64, None, OPS, gemm=True)
+    assert layer.kernel_rows == KERNEL_ROWS == 32
+
+
+def test_bad_calls_are_one_line_errors():
+    fmt, K = "Q4_1", 64
+    w16 = rows16_layout(fmt, random_gguf_rows(fmt, 16, K))
+    x = torch.randn(3, K).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16"):
+        OPS.gguf_gemm(torch.empty(3, 16), x.float(), w16, fmt, None, True, "scalar")
+    with pytest.raises(RuntimeError, match="out must be a bfloat16 or float32"):
+        OPS.gguf_gemm(torch.empty(3, 16, dtype=torch.float16), x, w16, fmt, None, True, "scalar")
+    with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):  # 32 outputs: two groups
+        OPS.gguf_gemm(torch.empty(3, 32), x, w16, fmt, None, True, "scalar")
+    with pytest.raises(RuntimeError, match=r"uint8 \[16, 40\] of Q4_1 blocks"):
+        OPS.gguf_gemm(torch.empty(3, 16), x, w16, fmt, None, False, "scalar")
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        OPS.gguf_gemm(torch.empty(3, 16), x, w16, fmt, torch.zeros(15), True, "scalar")
+    if "auto" not in PATHS:
+        with pytest.raises(RuntimeError, match="no AVX-512 BF16"):
+            OPS.gguf_gemm(torch.empty(3, 16), x, w16, fmt, None, True, "auto")
