@@ -45,9 +45,9 @@ import torch
 from torch import nn
 
 from pagedserve.config import cache_dir
-from pagedserve.kernels import isa_summary, native_ops
+from pagedserve.kernels import best_isa, isa_summary, native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
-from pagedserve.models.gguf_linear import GGUFLinear, row_bytes
+from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, row_bytes
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
 from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
@@ -404,6 +404,8 @@ class GGUFBuilder:
         # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
         self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
         self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
+        # prompt chunks through the native bf16 GEMM: computing in bf16 on a CPU with AVX-512 BF16
+        self.gemm = self.ops is not None and dtype == torch.bfloat16 and bool(self.ops.gguf_gemm_usable())
         # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
         self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
@@ -473,7 +475,8 @@ class GGUFBuilder:
                 segments[-1][1].append(rows)
             else:
                 segments.append((kind, [rows]))
-        return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops)
+        return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops,
+                          gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -580,7 +583,9 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    kernels = f"; GGUF kernels: {isa_summary()}" if b.ops is not None else ""
+    chunks = "bf16 GEMM over panels dequantized in cache (gguf_gemm)" if b.gemm else "dequantize + torch's GEMM"
+    kernels = (f"; GGUF kernels: {isa_summary()}, prompt chunks of more than {kernel_rows_default(best_isa(), b.gemm)} "
+               f"rows: {chunks}" if b.ops is not None else "")
     logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
                 kernels)
     return model.eval().requires_grad_(False)
