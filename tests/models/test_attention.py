@@ -20,6 +20,19 @@ def test_backend_matches_reference(backend, dtype, atol):
     assert torch.allclose(got.float(), want.float(), atol=atol)
 
 
+@pytest.mark.parametrize("backend", ["matmul", "fused"])
+def test_long_chunks_in_causal_blocks_match_the_reference(backend):
+    """Chunks of more than _CAUSAL_BLOCK_ROWS queries go in blocks, each against the keys up to its last
+    query (a whole prompt, and a chunk after a cached prefix), with the reference's values."""
+    from pagedserve.models import attention
+
+    assert attention._CAUSAL_BLOCK_ROWS < 300
+    q, k, v, meta = paged_batch([3], [(300, 300), (290, 410)], block_size=16, heads=6, kvh=2, num_blocks=64)
+    want = reference_attention(q, k, v, meta, 0.2)
+    got = ATTENTION_BACKENDS[backend](q, k, v, meta, 0.2)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_reference_matches_dense_causal_attention():
     """One contiguous prompt: the paged reference equals plain causal attention."""
     q, k, v, meta = paged_batch([], [(12, 12)], kvh=2, heads=2)
