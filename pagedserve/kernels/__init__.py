@@ -254,7 +254,8 @@ def best_isa() -> str | None:
 
 def gguf_gemm_usable() -> bool:
     """Whether prompt chunks over GGUF weights run the native bf16 GEMM here (``gguf_gemm``: AVX-512
-    BF16), rather than dequantizing each weight whole for torch's GEMM."""
+    BF16 without AMX-BF16, whose tiles torch's GEMM uses), rather than dequantizing each weight
+    whole for torch's GEMM."""
     ops = native_ops()
     return ops is not None and bool(ops.gguf_gemm_usable())
 

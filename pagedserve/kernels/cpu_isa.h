@@ -113,8 +113,10 @@ inline bool cpu_runs(Isa isa) {
 #endif
 }
 
-// The AVX-512 path plus AVX512-BF16: the GGUF GEMM's bf16 kernel (gguf_gemm.inc) runs here.
-inline bool bf16_gemm_usable() { return cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid(); }
+// The AVX-512 path plus AVX512-BF16, and no AMX-BF16: the GGUF GEMM's bf16 kernel (gguf_gemm.inc)
+// runs here. Where Linux grants AMX-BF16 tiles torch's bf16 GEMM runs on them (oneDNN), whose
+// products per cycle no vector kernel reaches, so prompt chunks keep dequantize + that GEMM.
+inline bool bf16_gemm_usable() { return cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid() && !amx_bf16_usable(); }
 
 inline Isa best_isa() {
   static const Isa best = cpu_runs(Isa::amx)      ? Isa::amx

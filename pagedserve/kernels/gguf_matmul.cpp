@@ -556,14 +556,16 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
 
 // out [M, N] (bfloat16 or float32, unit column stride: it may be a column slice of a wider one) =
 // x [M, K] (bfloat16) W^T (+ bias), W in the rows16 layout (`rows16`) or planar: a prompt chunk's
-// GEMM. "auto" (or "avx512", "amx") runs gguf_gemm.inc's kernel, which needs AVX-512 BF16
-// (gguf_gemm_usable); "scalar" the reference: the weight dequantized as gguf_dequantize does,
+// GEMM. "auto" (or "avx512", "amx") runs gguf_gemm.inc's kernel, which needs AVX-512 BF16 (where
+// GGUFLinear calls it: gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM); "scalar" the
+// reference: the weight dequantized as gguf_dequantize does,
 // rounded to bfloat16 as the kernel reads it, each product summed in float32 in k order.
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name) {
   const char* op = "gguf_gemm";
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
-  TORCH_CHECK(isa == Isa::scalar || bf16_gemm_usable(), op, ": this CPU has no AVX-512 BF16 (the scalar path runs anywhere)");
+  TORCH_CHECK(isa == Isa::scalar || (cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid()), op,
+              ": this CPU has no AVX-512 BF16 (the scalar path runs anywhere)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
               ": x must be a contiguous bfloat16 [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : 0;

@@ -404,7 +404,7 @@ class GGUFBuilder:
         # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
         self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
         self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
-        # prompt chunks through the native bf16 GEMM: computing in bf16 on a CPU with AVX-512 BF16
+        # prompt chunks through the native bf16 GEMM: computing in bf16 on a CPU with AVX-512 BF16, no AMX
         self.gemm = self.ops is not None and dtype == torch.bfloat16 and bool(self.ops.gguf_gemm_usable())
         # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
         self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu

@@ -10,7 +10,7 @@ two ways (``pagedserve/kernels/gguf_matmul.cpp``):
   integers with the activations quantized per 32 values to int8, as llama.cpp does; float32 out.
   An LM head (``float_output``) takes int16 activations (an int8 byte and the int8 of its
   remainder, joined in the kernel's integer sums): near-tied logits keep their order.
-* more rows (prefill chunks): on a CPU with AVX-512 BF16, bf16 activations go through
+* more rows (prefill chunks): on a CPU with AVX-512 BF16 (and no AMX tiles), bf16 activations go through
   ``gguf_gemm``, which dequantizes 32 weight rows at a time into a buffer that stays in cache and
   multiplies every row of the chunk with them (``kernels/gguf_gemm.inc``); elsewhere the blocks are
   dequantized once per call into a float matrix of the activations' dtype and torch's GEMM of that
@@ -39,7 +39,7 @@ KERNEL_ROWS = 32
 
 def kernel_rows_default(isa: str, gemm: bool = False) -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
-    path is ``isa``, ``gemm`` saying whether it runs ``gguf_gemm`` (AVX-512 BF16): KERNEL_ROWS
+    path is ``isa``, ``gemm`` saying whether it runs ``gguf_gemm`` (AVX-512 BF16, no AMX): KERNEL_ROWS
     there, the GEMM being level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64
     (every format of SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own
     GEMM"); 128 on AVX-512 VNNI without it, whose rows16 kernels prefilled a 64-token prompt
@@ -144,7 +144,7 @@ class GGUFLinear(nn.Module):
         # Each segment's kernel and dequantization, by its layout
         self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
         self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
-        # Prompt chunks in bf16 through gguf_gemm where the CPU has AVX-512 BF16 (or where asked),
+        # Prompt chunks in bf16 through gguf_gemm where the CPU has AVX-512 BF16 and no AMX (or where asked),
         # else dequantized whole for torch's GEMM
         self.gemm = bool(ops.gguf_gemm_usable()) if gemm is None else gemm
         self.kernel_rows = kernel_rows_default(isa, self.gemm) if kernel_rows is None else kernel_rows

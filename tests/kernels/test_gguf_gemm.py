@@ -15,7 +15,21 @@ from pagedserve.models.gguf_linear import BLOCKS, KERNEL_ROWS, GGUFLinear, kerne
 
 OPS = native_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
-PATHS = ["scalar"] + (["auto"] if OPS is not None and gguf_gemm_usable() else [])
+
+
+def _kernel_runs() -> bool:
+    """Whether the bf16 kernel runs here: on any CPU with AVX-512 BF16 (GGUFLinear calls it only
+    where gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM; the tests run it there too)."""
+    try:
+        OPS.gguf_gemm(torch.empty(1, 16), torch.zeros(1, 32, dtype=torch.bfloat16),
+                      rows16_layout("Q4_0", random_gguf_rows("Q4_0", 16, 32)), "Q4_0", None, True, "auto")
+    except RuntimeError as e:
+        assert "no AVX-512 BF16" in str(e)
+        return False
+    return True
+
+
+PATHS = ["scalar"] + (["auto"] if OPS is not None and _kernel_runs() else [])
 
 
 def _k(fmt):
@@ -93,7 +107,7 @@ def test_gguf_linear_sends_prompt_chunks_through_it(gemm):
     bf16 through gguf_gemm or through dequantize + torch's GEMM gives the float layer's values; the
     integer kernels keep the rows up to kernel_rows."""
     if gemm and "auto" not in PATHS:
-        pytest.skip("no AVX-512 BF16 on this CPU")
+        pytest.skip("no AVX-512 BF16 on this CPU")  # (GGUFLinear(gemm=True) is asked for the kernel)
     k = 512
     segments = [("Q4_1", random_gguf_rows("Q4_1", 21, k, seed=1)), ("Q8_0", random_gguf_rows("Q8_0", 11, k, seed=2)),
                 ("Q4_K", random_gguf_rows("Q4_K", 37, k, seed=3))]
@@ -107,6 +121,10 @@ def test_gguf_linear_sends_prompt_chunks_through_it(gemm):
     assert torch.allclose(got.float(), want, atol=8e-3 * want.abs().max().item(), rtol=0)
     layer.float_output = True  # an LM head's prompt logprobs: float32 out
     assert layer(x).dtype == torch.float32
+
+
+def test_the_gemm_is_chosen_where_the_cpu_has_avx512_bf16_without_amx_tiles():
+    assert gguf_gemm_usable() == ("auto" in PATHS and not OPS.tile_linear_usable())
 
 
 def test_the_gemm_takes_prompt_chunks_from_32_rows():
