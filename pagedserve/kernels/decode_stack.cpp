@@ -24,6 +24,8 @@
 #include "kernel_ops.h"
 #include "work_pool.h"
 
+#include <omp.h>
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -57,6 +59,7 @@ struct Linear {
   bool float_output = false;         // gguf: float32 out whatever x is (an LM head's logits)
   std::vector<bool> rows16;          // gguf: each segment in the rows16 layout or not (set_linear reads it
                                      // from a format named "Q4_1:rows16")
+  int64_t gemm_above = 0;            // gguf: more rows than this (in bf16) go through gguf_gemm; 0: never
 };
 
 struct Layer {
@@ -110,11 +113,14 @@ class DecodeStack : public torch::CustomClassHolder {
   // Layer `layer`'s linear `name` (qkv, o, gate_up, down), or with layer -1 the LM head (`head`).
   void set_linear(int64_t layer, const std::string& name, const std::string& kind, std::vector<at::Tensor> weights,
                   std::vector<std::string> formats, std::vector<int64_t> widths, std::optional<at::Tensor> bias,
-                  bool residual) {
+                  bool residual, int64_t gemm_above) {
     const bool head = layer == -1 && name == "head";
     TORCH_CHECK(head || (layer >= 0 && layer < static_cast<int64_t>(layers_.size())), "DecodeStack: no layer ", layer);
     Linear l{parse_kind(kind), std::move(weights), std::move(formats), std::move(widths), std::move(bias), residual, 0,
              head};
+    TORCH_CHECK(gemm_above >= 0 && (gemm_above == 0 || l.kind == Kind::gguf),
+                "DecodeStack: only a GGUF linear takes gemm_above (>= 0)");
+    l.gemm_above = gemm_above;
     TORCH_CHECK(!l.weights.empty(), "DecodeStack: a linear needs a weight");
     if (l.kind == Kind::gguf) {
       TORCH_CHECK(l.formats.size() == l.weights.size() && l.widths.size() == l.weights.size(),
@@ -154,6 +160,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // as compute_logits in models/llama.py: the head's output, then .float().
   at::Tensor logits(at::Tensor x) const {
     TORCH_CHECK(head_.has_value(), "DecodeStack: no LM head was set");
+    const OneOpenMPThread serial(pool_ != nullptr);  // as forward
     return converted(apply(*head_, x), at::kFloat);
   }
 
@@ -165,6 +172,7 @@ class DecodeStack : public torch::CustomClassHolder {
                      std::vector<at::Tensor> block_tables, std::vector<at::Tensor> context_lens,
                      std::vector<std::optional<at::Tensor>> firsts) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [rows, hidden]");
+    const OneOpenMPThread serial(pool_ != nullptr);
     const size_t groups = slots.size();
     TORCH_CHECK(block_tables.size() == groups && context_lens.size() == groups && firsts.size() == groups,
                 "DecodeStack: one slot mapping, table, length and start list per KV group");
@@ -219,6 +227,27 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // With a pool, the torch ops the calling thread runs between the kernels (q made contiguous,
+  // Qwen3's head norms) stay on it: from 32k values torch splits them over OpenMP's team, whose
+  // worker then spins on a core the pool computes on (64 streams of the default file, q's copy
+  // alone: 0.63x the rate). OpenMP's thread count is this thread's own setting (its nthreads ICV),
+  // so it is 1 for the call and restored after; c10::ParallelGuard does not stop torch's
+  // TensorIterator loops from forking on an OpenMP build.
+  struct OneOpenMPThread {
+    int saved = 0;
+    explicit OneOpenMPThread(bool on) {
+      if (on) {
+        saved = omp_get_max_threads();
+        omp_set_num_threads(1);
+      }
+    }
+    ~OneOpenMPThread() {
+      if (saved > 0) omp_set_num_threads(saved);
+    }
+    OneOpenMPThread(const OneOpenMPThread&) = delete;
+    OneOpenMPThread& operator=(const OneOpenMPThread&) = delete;
+  };
+
   // A GGUF linear's outputs in one step, kept from layer to layer (forward): the kernel's float32
   // and its conversion to the compute dtype. Empty until the first layer allocates them.
   struct Outputs {
@@ -233,6 +262,21 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor rows = x.contiguous();
         Outputs fresh;
         Outputs& o = reuse ? *reuse : fresh;
+        if (l.gemm_above > 0 && rows.size(0) > l.gemm_above && rows.scalar_type() == at::kBFloat16) {
+          // A batch past the integer kernels' rows: GGUFLinear's bf16 GEMM (gguf_gemm.inc), on the pool
+          at::Tensor& y = l.float_output ? o.y : o.converted;
+          if (!y.defined() || y.size(1) != l.out_features)
+            y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(l.float_output ? at::kFloat : at::kBFloat16));
+          int64_t offset = 0;
+          for (size_t i = 0; i < l.weights.size(); ++i) {
+            at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
+            const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
+                ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
+            gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", pool_.get());
+            offset += l.widths[i];
+          }
+          return y;
+        }
         if (!o.y.defined() || o.y.size(1) != l.out_features) {
           o.y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
           o.converted = at::Tensor();

@@ -47,4 +47,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
 
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool);
+
+void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool);
 }  // namespace pagedserve::gguf

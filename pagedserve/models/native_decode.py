@@ -27,22 +27,25 @@ UNLIMITED_ROWS = 1 << 30
 
 
 def linear_spec(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
-    """``((kind, weights, formats, widths, bias, residual), rows it takes)`` for ``DecodeStack.set_linear``,
-    or why ``layer`` has no native decode path."""
+    """``((kind, weights, formats, widths, bias, residual, gemm_above), rows it takes)`` for
+    ``DecodeStack.set_linear``, or why ``layer`` has no native decode path. A GGUF linear that runs
+    ``gguf_gemm`` takes any number of rows (more than ``kernel_rows`` through the GEMM, as in Python)."""
     if isinstance(layer, GGUFLinear):
         weights = [getattr(layer, f"weight{i}") for i in range(len(layer.formats))]
         formats = [f"{fmt}:rows16" if rows16 else fmt for fmt, rows16 in zip(layer.formats, layer.rows16)]
-        return ("gguf", weights, formats, list(layer.widths), layer.bias, layer.residual), layer.kernel_rows
+        gemm_above = layer.kernel_rows if layer.gemm else 0
+        return (("gguf", weights, formats, list(layer.widths), layer.bias, layer.residual, gemm_above),
+                UNLIMITED_ROWS if layer.gemm else layer.kernel_rows)
     if isinstance(layer, HalfWeightLinear):
         if layer.ops is None or dtype != torch.float32:
             return "16-bit decode weights without their kernel"
-        return ("half", [layer.weight], [], [], layer.bias, False), layer.max_kernel_rows
+        return ("half", [layer.weight], [], [], layer.bias, False, 0), layer.max_kernel_rows
     if isinstance(layer, TileLinear):
-        return ("tile", [layer.tiles], [], [layer.out_features], layer.bias, False), UNLIMITED_ROWS
+        return ("tile", [layer.tiles], [], [layer.out_features], layer.bias, False, 0), UNLIMITED_ROWS
     if isinstance(layer, PackedLinear):
-        return ("onednn", [layer.packed_weight], [], [layer.out_features], layer.bias, False), UNLIMITED_ROWS
+        return ("onednn", [layer.packed_weight], [], [layer.out_features], layer.bias, False, 0), UNLIMITED_ROWS
     if type(layer) is nn.Linear:
-        return ("dense", [layer.weight], [], [], layer.bias, False), UNLIMITED_ROWS
+        return ("dense", [layer.weight], [], [], layer.bias, False, 0), UNLIMITED_ROWS
     return f"{type(layer).__name__} layers have no native decode path"
 
 
@@ -52,7 +55,7 @@ def head_spec(model: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
     if model.lm_head is not None:
         return linear_spec(model.lm_head, dtype)
     if type(model.embed_tokens) is nn.Embedding:
-        return ("dense", [model.embed_tokens.weight], [], [], None, False), UNLIMITED_ROWS
+        return ("dense", [model.embed_tokens.weight], [], [], None, False, 0), UNLIMITED_ROWS
     return f"a tied {type(model.embed_tokens).__name__} table"
 
 

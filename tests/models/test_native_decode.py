@@ -64,7 +64,7 @@ def _decode_batch(model, rows: int, block_size: int, seed: int):
     arch = model.arch
     g = torch.Generator().manual_seed(seed)
     kv_dtype = model.native_decode.kv_caches[0][0].dtype
-    num_blocks = 112  # 32 rows of up to 3 blocks each, scattered
+    num_blocks = 3 * rows + 16  # up to 3 blocks a row, scattered
     pools = []
     for _ in range(arch.num_layers):
         pair = []
@@ -96,7 +96,8 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
     # other kernels join it rather than a pool beside it
     assert ("on OpenMP's threads" in native.what) == (KINDS[case] in ("onednn", "dense", "tile")), native.what
     assert native.head_rows > 0 and "the LM head too" in native.what
-    for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2)):
+    # 40 rows: past the GGUF integer kernels' 32, through gguf_gemm where the CPU runs it
+    for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2), (min(native.max_rows, 40), 3)):
         pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)
         python_pools = [tuple(_copy(p) for p in pair) for pair in pools]
         model.native_decode, _ = NativeDecode.build(model, pools, native_ops())  # over these pools
@@ -225,10 +226,11 @@ probe.add_(1)
 woken = asleep()
 assert any(woken[t] > idle[t] for t in idle), f"no thread but this one ran an OpenMP region: {idle} {woken}"
 params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-for i in range(16):  # a 16-stream batch: the logits' rows were an OpenMP region of their own
+streams = int(sys.argv[2])
+for i in range(streams):  # a 16-stream batch: the logits' rows were an OpenMP region of their own
     engine.add_request(str(i), [5 + i, 17, 33, 9, 41 + i, 2], params)
 started = set()
-while len(started) < 16:  # the prompts (in chunks): torch's ops, on OpenMP's threads
+while len(started) < streams:  # the prompts (in chunks): torch's ops, on OpenMP's threads
     started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
 settled = asleep()
 steps = 0
@@ -243,12 +245,14 @@ print("ok", steps)
 """
 
 
-def test_decode_steps_open_no_openmp_region(smollm2_gguf):
+@pytest.mark.parametrize("streams", [16, 48])
+def test_decode_steps_open_no_openmp_region(smollm2_gguf, streams):
     """A decode step's work outside the native stack (the runner's inputs, the embedding lookup,
     the logits' rows) stays off OpenMP: a region wakes OpenMP's worker, which then spins on the core
     the stack's pool thread computes on. On the default model's file, 16 streams: the runner's
     torch.repeat_interleave, the embedding rows' dequantization and the index picking the rows to
-    sample each opened one, every step."""
+    sample each opened one, every step. 48 streams (past the integer kernels' rows where gguf_gemm
+    runs): the embedding rows' dequantization again and the stack's copy of q, from 32k values."""
     import subprocess
     import sys
     from pathlib import Path
@@ -256,7 +260,8 @@ def test_decode_steps_open_no_openmp_region(smollm2_gguf):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("OpenMP runs no worker thread on one CPU")
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _OPENMP_PROBE, str(smollm2_gguf)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _OPENMP_PROBE, str(smollm2_gguf), str(streams)], capture_output=True,
+                         text=True,
                          timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
