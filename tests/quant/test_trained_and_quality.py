@@ -84,10 +84,11 @@ def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tin
 
     # Kept quantized and computed in float32, as `bench quality` scores a GGUF: bf16 rounding would hide it.
     gguf = quality.gguf_compute_view(str(resolve_model_dir(str(tiny_ggufs("Q4_1", tokenizer=True)))), "float32")
-    from pagedserve.kernels import best_isa, gguf_gemm_usable
+    from pagedserve.kernels import best_isa
     from pagedserve.models.gguf_linear import kernel_rows_default
 
-    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), gguf_gemm_usable()) + 32))  # a whole prefill past the kernels' rows
+    # a whole prefill past the kernels' rows (computing in float32: dequantize + torch's GEMM, no gguf_gemm)
+    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), gemm=False) + 32))
     lps = {}
     for act in ("int16", "int8"):
         e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,
