@@ -16,7 +16,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
-#include <c10/util/ParallelGuard.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -27,7 +26,6 @@
 #include <omp.h>
 
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -227,12 +225,12 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  // With a pool, the torch ops the calling thread runs between the kernels (q made contiguous,
-  // Qwen3's head norms) stay on it: from 32k values torch splits them over OpenMP's team, whose
-  // worker then spins on a core the pool computes on (64 streams of the default file, q's copy
-  // alone: 0.63x the rate). OpenMP's thread count is this thread's own setting (its nthreads ICV),
-  // so it is 1 for the call and restored after; c10::ParallelGuard does not stop torch's
-  // TensorIterator loops from forking on an OpenMP build.
+  // With a pool, the torch ops a thread runs between the kernels (q made contiguous, the q/k
+  // norms, Gemma's GELU on the pool's workers) stay on it: from 16-32k values torch splits them over
+  // OpenMP's team, whose worker then spins on a core the pool computes on (64 streams of the default
+  // file, q's copy alone: 0.63x the rate). OpenMP's thread count is each thread's own setting (its
+  // nthreads ICV), so it is 1 for the call and restored after; c10::ParallelGuard did not stop
+  // torch's TensorIterator loops from forking on the calling thread.
   struct OneOpenMPThread {
     int saved = 0;
     explicit OneOpenMPThread(bool on) {
@@ -262,35 +260,30 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor rows = x.contiguous();
         Outputs fresh;
         Outputs& o = reuse ? *reuse : fresh;
-        if (l.gemm_above > 0 && rows.size(0) > l.gemm_above && rows.scalar_type() == at::kBFloat16) {
-          // A batch past the integer kernels' rows: GGUFLinear's bf16 GEMM (gguf_gemm.inc), on the pool
-          at::Tensor& y = l.float_output ? o.y : o.converted;
-          if (!y.defined() || y.size(1) != l.out_features)
-            y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(l.float_output ? at::kFloat : at::kBFloat16));
-          int64_t offset = 0;
-          for (size_t i = 0; i < l.weights.size(); ++i) {
-            at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
-            const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
-                ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
-            gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", pool_.get());
-            offset += l.widths[i];
-          }
-          return y;
+        // A batch past the integer kernels' rows goes through GGUFLinear's bf16 GEMM (gguf_gemm.inc),
+        // which writes the compute dtype (an LM head's float32) itself; the integer kernels write
+        // float32, converted below.
+        const bool gemm = l.gemm_above > 0 && rows.size(0) > l.gemm_above && rows.scalar_type() == at::kBFloat16;
+        const bool direct = gemm && !l.float_output;
+        at::Tensor& y = direct ? o.converted : o.y;
+        if (!y.defined() || y.size(1) != l.out_features) {
+          y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(direct ? at::kBFloat16 : at::kFloat));
+          if (!direct) o.converted = at::Tensor();
         }
-        if (!o.y.defined() || o.y.size(1) != l.out_features) {
-          o.y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(at::kFloat));
-          o.converted = at::Tensor();
-        }
-        at::Tensor& y = o.y;
         int64_t offset = 0;
         for (size_t i = 0; i < l.weights.size(); ++i) {
           at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
           const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
               ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
-          const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
-          matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
+          if (gemm) {
+            gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", pool_.get());
+          } else {
+            const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
+            matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
+          }
           offset += l.widths[i];
         }
+        if (gemm) return y;
         // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's
         // team (16 rows of a fused gate_up in bf16, on a CPU with native bf16), whose worker then
         // spins on the core the pool computes on.
@@ -331,30 +324,22 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // Gemma 3's q/k norm: each head's row through the native kernel ([rows x heads, head_dim]). The
-  // heads of x [rows, heads, head_dim] (a view into the fused QKV output) are copied together
-  // here, on this thread: torch's copy splits over 32k values across OpenMP's team, whose
-  // workers then spin on the cores the stack's pool computes on.
+  // Gemma 3's q/k norm: each head's row through the native kernel ([rows x heads, head_dim]), the
+  // heads of x [rows, heads, head_dim] (a view into the fused QKV output) copied together first
+  // (on this thread: forward's OneOpenMPThread).
   at::Tensor row_norm(const at::Tensor& x, const at::Tensor& weight) const {
-    TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == head_dim_, "DecodeStack: a row's heads must lie together");
-    at::Tensor rows = at::empty(x.sizes(), x.options());
-    const int64_t width = x.size(1) * head_dim_, bytes = width * x.element_size();
-    const auto* src = static_cast<const char*>(x.data_ptr());
-    auto* dst = static_cast<char*>(rows.data_ptr());
-    for (int64_t i = 0; i < x.size(0); ++i) std::memcpy(dst + i * bytes, src + i * x.stride(0) * x.element_size(), bytes);
-    return normed(rows.view({-1, head_dim_}), weight).view(x.sizes());
+    return normed(x.contiguous().view({-1, head_dim_}), weight).view(x.sizes());
   }
 
   // Gemma 3's GeGLU, out = gelu_tanh(gate) x up (gate_up [rows, 2 x intermediate]): torch's ops,
   // as models/gemma3.py's Gemma3MLP computes them (elementwise: the same bits in any split). On the
-  // stack's pool, its rows split over the pool's threads, each call marked as inside a parallel
-  // region so torch runs it on the calling thread: torch's GELU forks OpenMP's team from 16k
-  // values, whose workers then spun on the cores the pool computes on (16 streams of Gemma 3 270M
-  // at 0.7x the Python model's rate).
+  // stack's pool, its rows split over the pool's threads, each worker's torch ops kept on it
+  // (OneOpenMPThread): torch's GELU forks OpenMP's team from 16k values, whose workers then spun
+  // on the cores the pool computes on (16 streams of Gemma 3 270M at 0.7x the Python model's rate).
   void geglu(at::Tensor& out, const at::Tensor& gate_up) const {
     const auto rows = [&](int64_t r0, int64_t r1) {
       c10::InferenceMode inference;  // as the engine's step thread: a pool worker's mode is its own
-      c10::ParallelGuard serial(pool_ != nullptr);
+      const OneOpenMPThread serial(pool_ != nullptr);
       const at::Tensor x = gate_up.narrow(0, r0, r1 - r0);
       at::Tensor dst = out.narrow(0, r0, r1 - r0);
       at::mul_out(dst, at::gelu(x.narrow(1, 0, intermediate_), "tanh"), x.narrow(1, intermediate_, intermediate_));

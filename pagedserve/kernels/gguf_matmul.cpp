@@ -237,16 +237,21 @@ const float* float_rows(const at::Tensor& x, float* buffer) {
   return out;
 }
 
+// The bias [N] a matmul call adds, if any.
+void check_bias(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
+                ": bias must be a contiguous float32 [out_features]");
+  }
+}
+
 // The output [M, N] (float32, unit column stride: it may be a column slice of a wider one) and the
 // bias [N] a matmul call writes and adds.
 void check_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t M, int64_t N, const char* op) {
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1 && out.stride(0) >= N,
               op, ": out must be a float32 [rows, out_features] with unit column stride");
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
-                ": bias must be a contiguous float32 [out_features]");
-  }
+  check_bias(bias, N, op);
 }
 
 // The activation rows x [M, K] quantized per 32 for `path` (int16 with `residual`: each value's int8
@@ -398,6 +403,17 @@ Format rows16_format(const at::Tensor& w, c10::string_view format, int64_t N, in
   return f;
 }
 
+// The planar layout's checks: its format, and the weight [N, K / block weights x block bytes].
+Format planar_format(const at::Tensor& w, c10::string_view format, int64_t N, int64_t K, const char* op) {
+  const Format f = parse_format(std::string_view(format.data(), format.size()), op);
+  const FormatInfo fi = info(f);
+  TORCH_CHECK(K % fi.elems == 0, op, ": in_features ", K, " is not a multiple of ", fi.name, "'s block of ", fi.elems);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == N &&
+                  w.size(1) == K / fi.elems * fi.bytes,
+              op, ": weight must be a contiguous uint8 [", N, ", ", K / fi.elems * fi.bytes, "] of ", fi.name, " blocks");
+  return f;
+}
+
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
 // (gguf_formats.h). The AVX-512 VNNI path, and the AVX2 one for Q4_0 / Q4_1, run rows16_group over
 // 16 weight rows and up to 4 activation rows at a time, with the same bits; on an AMX CPU, Q8_0
@@ -522,14 +538,11 @@ void gguf_dequantize16(at::Tensor& out, const at::Tensor& w, c10::string_view fo
 void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view format, c10::string_view isa_name) {
   const char* op = "gguf_dequantize";
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
-  const Format f = parse_format(std::string_view(format.data(), format.size()), op);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), op, ": out must be a contiguous [rows, in_features]");
+  const int64_t N = out.size(0), K = out.size(1);
+  const Format f = planar_format(w, format, N, K, op);
   const FormatInfo fi = info(f);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % fi.elems == 0, op,
-              ": out must be a contiguous [rows, in_features] with in_features a multiple of ", fi.elems);
-  const int64_t N = out.size(0), K = out.size(1), blocks = K / fi.elems;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == N &&
-                  w.size(1) == blocks * fi.bytes,
-              op, ": weight must be a contiguous uint8 [rows, ", blocks * fi.bytes, "] of ", fi.name, " blocks");
+  const int64_t blocks = K / fi.elems;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
@@ -575,19 +588,8 @@ void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::s
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.stride(0) >= N &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               op, ": out must be a bfloat16 or float32 [rows, out_features] with unit column stride");
-  Format f;
-  if (rows16) {
-    f = rows16_format(w, format, N, K, op);
-  } else {
-    f = parse_format(std::string_view(format.data(), format.size()), op);
-    const FormatInfo fi = info(f);
-    TORCH_CHECK(K % fi.elems == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                    w.size(0) == N && w.size(1) == K / fi.elems * fi.bytes,
-                op, ": weight must be a contiguous uint8 [", N, ", ", K / fi.elems * fi.bytes, "] of ", fi.name, " blocks");
-  }
-  if (bias)
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op,
-                ": bias must be a contiguous float32 [out_features]");
+  const Format f = rows16 ? rows16_format(w, format, N, K, op) : planar_format(w, format, N, K, op);
+  check_bias(bias, N, op);
   if (M == 0 || N == 0) return;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;

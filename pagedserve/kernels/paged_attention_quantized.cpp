@@ -383,9 +383,7 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         }
         Kq::scores(qs.data(), lay.k_planes(p, blk, h), kp, h, bs, n, bias, scores.data() + start, len);
       }
-      const int64_t hidden = firsts != nullptr ? firsts[s] : 0;  // before a window's start: weight 0 (decode_impl)
-      for (int g = 0; hidden > 0 && g < G; ++g)
-        std::fill_n(scores.data() + g * len, hidden, std::numeric_limits<float>::lowest());
+      hide_before_window<G>(scores.data(), len, firsts != nullptr ? firsts[s] : 0);
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum);
       std::fill(acc.begin(), acc.end(), 0.f);

@@ -194,6 +194,14 @@ inline void apply_scales(float* rows, int64_t stride, const c10::Half* scales, i
 // The G score rows (len each, one after another) exponentiated in place, max-shifted; inv_sum[g]
 // gets 1 / row g's sum (applied to the output once, not to every weight), and, when asked for,
 // row_max[g] the max it was shifted by and row_sum[g] the sum. exp over whole rows, so it vectorizes.
+// A sliding window's start inside a context's first block: each of G score rows (`len` apart)
+// weighs its first `hidden` positions exp(lowest - max) = 0, so the softmax and the sum over the
+// values are those of the visible positions alone.
+template <int G>
+inline void hide_before_window(float* scores, int64_t len, int64_t hidden) {
+  for (int g = 0; hidden > 0 && g < G; ++g) std::fill_n(scores + g * len, hidden, std::numeric_limits<float>::lowest());
+}
+
 template <int G>
 inline void softmax_rows(float* scores, int64_t len, float* inv_sum, float* row_max = nullptr,
                          float* row_sum = nullptr) {
@@ -282,11 +290,8 @@ void decode_impl(const Batch<E>& b) {
         if constexpr (E::kQuantized)
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }
-      // Positions before the window's start weigh exp(lowest - max) = 0: the softmax and the sum
-      // over the values are those of the visible positions alone (within the first span's first block).
-      const int64_t hidden = b.firsts != nullptr && task.c == 0 ? b.firsts[s] : 0;
-      for (int g = 0; hidden > 0 && g < G; ++g)
-        std::fill_n(scores.data() + g * len, hidden, std::numeric_limits<float>::lowest());
+      // (a window starts within the first span's first block)
+      hide_before_window<G>(scores.data(), len, b.firsts != nullptr && task.c == 0 ? b.firsts[s] : 0);
       float inv_sum[G];
       softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);

@@ -155,15 +155,17 @@ class GGUFLinear(nn.Module):
         self.residual = False
 
     def _segments(self):
+        """Per segment: its format, weight, output columns ``[offset, offset + width)``, index and bias slice."""
         offset = 0
         for i, (fmt, width) in enumerate(zip(self.formats, self.widths)):
-            yield fmt, getattr(self, f"weight{i}"), offset, width, i
+            bias = None if self.bias is None else self.bias[offset:offset + width]
+            yield fmt, getattr(self, f"weight{i}"), offset, width, i, bias
             offset += width
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]`` (exact in float32)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        for fmt, w, offset, width, i in self._segments():
+        for fmt, w, offset, width, i, _ in self._segments():
             self.dequantizers[i](out[offset:offset + width], w, fmt)
         return out
 
@@ -192,8 +194,7 @@ class GGUFLinear(nn.Module):
                 buffers = self._buffers
                 self.matmuls[0](y, x2, buffers["weight0"], self.formats[0], buffers["bias"], self.residual)
             else:
-                for fmt, w, offset, width, i in self._segments():
-                    bias = None if self.bias is None else self.bias[offset:offset + width]
+                for fmt, w, offset, width, i, bias in self._segments():
                     self.matmuls[i](y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
@@ -201,8 +202,7 @@ class GGUFLinear(nn.Module):
             # A panel of the weight dequantized at a time, into the order the bf16 kernel reads
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32 if self.float_output else x.dtype)
-            for fmt, w, offset, width, i in self._segments():
-                bias = None if self.bias is None else self.bias[offset:offset + width]
+            for fmt, w, offset, width, i, bias in self._segments():
                 self.ops.gguf_gemm(y[:, offset:offset + width], x2, w, fmt, bias, self.rows16[i])
         else:
             bias = None if self.bias is None else self.bias.to(x.dtype)
