@@ -70,24 +70,25 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """A snapshot of the engine's load and KV pool, for logs, /metrics and /load."""
+    """A snapshot of the engine's load and KV pool, for logs, /metrics and /load (an idle pool's
+    counts are the defaults)."""
 
-    num_running: int
-    num_waiting: int
-    max_num_seqs: int
-    max_model_len: int
-    block_size: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_cached_free: int
-    kv_tokens_in_use: int
-    kv_slots_allocated: int
-    naive_reserved_tokens: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    kv_bytes_per_token: int
-    generation_tokens: int  # cumulative: every token sampled, whether or not an output carried it yet
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    block_size: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached_free: int = 0
+    kv_tokens_in_use: int = 0
+    kv_slots_allocated: int = 0
+    naive_reserved_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    kv_bytes_per_token: int = 0
+    generation_tokens: int = 0  # cumulative: every token sampled, whether or not an output carried it yet
     failed_requests: int = 0  # cumulative: requests ended by an error in their own processing
     # Speculative decoding, cumulative (vLLM's vllm:spec_decode_* counters): verification steps of a
     # sequence with at least one draft, draft tokens proposed, draft tokens the target accepted.

@@ -26,7 +26,6 @@ from pagedserve.engine.block_map import (
     CACHED, FREE, MAX_LISTED_REQUESTS, OWNED, SHARED, BlockMap, BlockMapRequest,
 )
 from pagedserve.engine.core.sequence import Sequence
-from pagedserve.kv.block_manager import ROOT_CONTENT_ID
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.engine_core import EngineCore
@@ -104,18 +103,13 @@ def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
 
 def _root(content_id: int, parent_of: dict[int, int], root_of: dict[int, int]) -> int:
     """The content id of the first block of ``content_id``'s prefix chain (memoized in ``root_of``)."""
-    path = []
-    node = content_id
-    while node not in root_of:
-        parent = parent_of.get(node, ROOT_CONTENT_ID)
-        path.append(node)
-        if parent == ROOT_CONTENT_ID or parent not in parent_of:  # a chain root, or its parent was evicted
-            root_of[node] = node
-            break
-        node = parent
-    root = root_of[node]
-    for visited in path:
-        root_of[visited] = root
+    path = [content_id]
+    # Up the chain to a block whose root is known, or to a chain root: its parent is the root content
+    # id (never a cached block's) or was evicted.
+    while path[-1] not in root_of and parent_of[path[-1]] in parent_of:
+        path.append(parent_of[path[-1]])
+    root = root_of.get(path[-1], path[-1])
+    root_of.update(dict.fromkeys(path, root))
     return root
 
 

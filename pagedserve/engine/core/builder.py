@@ -115,7 +115,6 @@ class KVPool:
     num_blocks: int
     block_size: int
     tail_slots: int = 0  # int4: open blocks held in float16 (kv/int4.py), one per sequence and KV group
-    tail_bytes: int = 0  # what they take out of the budget
 
     @property
     def tokens(self) -> int:
@@ -267,8 +266,7 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
         tails = f" beside int4's tail blocks ({tail_slots} × {tail_bytes // tail_slots} B)" if tail_slots else ""
         raise ValueError(f"a KV budget of {config.kv_cache_memory} bytes holds no block of "
                          f"{config.block_size} tokens × {per_token} B{tails}; raise --kv-cache-memory")
-    kv = KVPool(groups, pool_layers, per_token, kv_dtype, pool_dtype, num_blocks, config.block_size, tail_slots,
-                tail_bytes)
+    kv = KVPool(groups, pool_layers, per_token, kv_dtype, pool_dtype, num_blocks, config.block_size, tail_slots)
     if kv.tokens < config.max_model_len and not groups:
         logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request of that length "
                        "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
@@ -300,18 +298,13 @@ def _block_manager(config: EngineConfig, kv: KVPool) -> tuple[BlockManager | Gro
     return BlockManager(kv.num_blocks, config.block_size, config.enable_prefix_caching, events=event_log), event_log
 
 
-def _scheduler(config: EngineConfig, kv_dtype: str, block_manager: BlockManager | GroupedBlockManager) -> Scheduler:
+def _scheduler(c: EngineConfig, kv_dtype: str, block_manager: BlockManager | GroupedBlockManager) -> Scheduler:
     return Scheduler(SchedulerConfig(
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-        max_waiting=config.max_waiting,
-        reserve_max_model_len=config.kv_reservation == "max",
-        kv_cache_dtype=kv_dtype,
-        num_speculative_tokens=config.num_speculative_tokens if config.speculative == "ngram" else 0,
-        ngram_max=config.ngram_prompt_lookup_max, ngram_min=config.ngram_prompt_lookup_min,
-        priority_prefill_first=config.priority_prefill_first,
-        priority_prefill_max_pause=config.priority_prefill_max_pause,
+        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+        max_waiting=c.max_waiting, reserve_max_model_len=c.kv_reservation == "max", kv_cache_dtype=kv_dtype,
+        num_speculative_tokens=c.num_speculative_tokens if c.speculative == "ngram" else 0,
+        ngram_max=c.ngram_prompt_lookup_max, ngram_min=c.ngram_prompt_lookup_min,
+        priority_prefill_first=c.priority_prefill_first, priority_prefill_max_pause=c.priority_prefill_max_pause,
     ), block_manager)
 
 

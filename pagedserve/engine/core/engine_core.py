@@ -128,7 +128,7 @@ class EngineCore:
         if self.compiling:
             self._admit_compiled(failed)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if not plan.scheduled:
             if self.compiling and not failed:
                 # Nothing else to run: wait (briefly, so aborts and new requests are seen) for a grammar.
                 concurrent.futures.wait([f for _, f in self.compiling.values()], timeout=0.005,

@@ -30,6 +30,7 @@ import torch
 
 from pagedserve.config import cache_dir
 from pagedserve.kv.int4 import KEY_BITS, MAX_KEY_BITS
+from pagedserve.engine.core.profile_run import prefill_metadata
 from pagedserve.models.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -95,10 +96,7 @@ def calibrate_key_bits(model: torch.nn.Module, token_ids: list[int], num_kv_head
                    for _ in range(2)) for _ in model.layers]
     stats = _KeyStatistics(model.attention, pools, block_size)
     positions = torch.arange(chunk, device=dev)
-    meta = AttentionMetadata(slot_mapping=positions, num_decodes=0,
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=dev),
-                             decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_mask=None,
-                             prefills=[(0, chunk, chunk, torch.arange(num_blocks, device=dev))])
+    meta = prefill_metadata(positions, [(0, chunk, chunk, torch.arange(num_blocks, device=dev))])
     model.attention = AttentionBackend(stats.attend, stats.write)
     try:
         for c in range(chunks):

@@ -63,7 +63,7 @@ class ZmqEventPublisher:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
-            self._close_sockets()
+            self._ctx.destroy(linger=100)
             raise OSError(f"KV events: cannot open {config.endpoint} / {config.replay_endpoint}: {exc}") from None
         self._thread = threading.Thread(target=self._run, name="pagedserve-kv-events", daemon=True)
         self._thread.start()
@@ -92,13 +92,7 @@ class ZmqEventPublisher:
                 pass
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
-            self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=100)
-        self._ctx.term()
+            self._ctx.destroy(linger=100)  # its sockets too
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()

@@ -67,17 +67,13 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
     gc.collect()
     gc.freeze()
     ctx = zmq.Context(io_threads=1)
-    commands, results = [], []
-    for input_addr, output_addr in addrs:
-        pull = ctx.socket(zmq.PULL)
+    # A send blocks only while the server's queue is full; wake up every second to check that it
+    # still exists instead of blocking forever on a peer that is gone (the command sockets never send).
+    ctx.setsockopt(zmq.SNDTIMEO, 1000)
+    commands, results = [ctx.socket(zmq.PULL) for _ in addrs], [ctx.socket(zmq.PUSH) for _ in addrs]
+    for (input_addr, output_addr), pull, push in zip(addrs, commands, results):
         pull.connect(input_addr)
-        commands.append(pull)
-        push = ctx.socket(zmq.PUSH)
-        # A send blocks only while the server's queue is full; wake up every second to check that it
-        # still exists instead of blocking forever on a peer that is gone.
-        push.setsockopt(zmq.SNDTIMEO, 1000)
         push.connect(output_addr)
-        results.append(push)
     unpin_helper_threads(cpus)  # ZMQ starts its I/O thread with the first socket: it exists now
     ready.send(("ready", core.facts()))
     ready.close()
@@ -87,11 +83,7 @@ def run_engine_core(config: EngineConfig, addrs: list[tuple[str, str]], ready: A
         logger.warning("the server process is gone: engine core exiting")
     finally:
         core.close()
-        for sock in commands:
-            sock.close(linger=0)
-        for sock in results:
-            sock.close(linger=1000)
-        ctx.term()
+        ctx.destroy(linger=1000)  # every socket: the last batches still go out (the command sockets hold none)
 
 
 def _log_priority() -> None:

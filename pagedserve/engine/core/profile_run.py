@@ -36,6 +36,13 @@ class ProfileStep:
         return self.input_ids.numel()
 
 
+def prefill_metadata(slot_mapping: torch.Tensor, prefills: list) -> AttentionMetadata:
+    """The attention inputs of a batch of prompt chunks alone (no decode rows)."""
+    empty = torch.zeros(0, dtype=torch.long, device=slot_mapping.device)
+    return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=0, decode_block_tables=empty.view(0, 1),
+                             decode_context_lens=empty, decode_mask=None, prefills=prefills)
+
+
 def profile_step(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int,
                  device: torch.device) -> ProfileStep:
     """The largest step the scheduler can form (see the module's docstring)."""
@@ -47,10 +54,7 @@ def profile_step(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: 
     for n in lens:
         prefills.append((start, n, n, torch.zeros(-(-n // block_size), dtype=torch.long, device=device)))
         start += n
-    meta = AttentionMetadata(slot_mapping=torch.zeros(start, dtype=torch.long, device=device), num_decodes=0,
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
-                             decode_context_lens=torch.zeros(0, dtype=torch.long, device=device), decode_mask=None,
-                             prefills=prefills)
+    meta = prefill_metadata(torch.zeros(start, dtype=torch.long, device=device), prefills)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     rows = torch.arange(max(0, start - max_num_seqs), start, device=device)
     return ProfileStep(torch.zeros(start, dtype=torch.long, device=device), positions, meta, rows, block_size)

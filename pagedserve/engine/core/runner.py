@@ -198,14 +198,10 @@ class ModelRunner:
             prefills.append((int(query_starts[i]), int(lens[i]), ctx,
                              tables[i, :(ctx + self.block_size - 1) // self.block_size].to(self.device)))
         dev = self.device
-        return AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            num_decodes=num_decodes,
-            decode_block_tables=decode_tables.to(dev),
-            decode_context_lens=context_lens[:num_decodes].to(dev),
-            decode_mask=decode_mask.to(dev) if decode_mask is not None else None,
-            prefills=prefills,
-        )
+        return AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes,
+                                 decode_block_tables=decode_tables.to(dev),
+                                 decode_context_lens=context_lens[:num_decodes].to(dev),
+                                 decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=prefills)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

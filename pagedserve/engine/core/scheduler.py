@@ -88,10 +88,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     """Owns the waiting heap and the running list; asks the BlockManager for pages, never touches tensors."""
@@ -152,9 +148,8 @@ class Scheduler:
         return (self.config.kv_cache_dtype, seq.request.cache_salt)
 
     def _target_tokens(self, seq: Sequence, num_new: int) -> int:
-        if self.config.reserve_max_model_len:
-            return max(seq.num_computed_tokens + num_new, self.config.max_model_len)
-        return seq.num_computed_tokens + num_new
+        target = seq.num_computed_tokens + num_new
+        return max(target, self.config.max_model_len) if self.config.reserve_max_model_len else target
 
     # ---- the step plan -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -170,24 +165,24 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         floor = self._prefill_floor(chunking)
-        # Running work is held back only when some of it is worse than the floor (the running list
-        # is sorted by priority first); otherwise the plan is the plain rule's, draft order included.
-        holds_running = floor is not None and bool(self.running) and self.running[-1].priority > floor
-        if holds_running:
+        # Running work is held back only when some of it is worse than the floor; otherwise the plan
+        # is the plain rule's, draft order included.
+        held_running = [s for s in self.running if s.priority > floor] if floor is not None else []
+        if held_running:
             decoding = [s for s in decoding if s.priority <= floor]
             chunking = [s for s in chunking if s.priority <= floor]
         budget = self._plan_running(decoding + chunking, planned, out, self.config.max_num_batched_tokens)
         # Drafts come after every running sequence has its blocks, so they never cause a preemption.
         # In a step held for a better prompt they come after admission, so they cannot take the
         # budget that prompt needs.
-        if not holds_running:
+        if not held_running:
             budget = self._plan_all_drafts(decoding, planned, budget)
 
         # 2. Waiting sequences, best (priority, arrival) first.
         budget, held_waiting = self._admit_waiting(planned, out, budget, floor, now)
-        if holds_running:
+        if held_running:
             budget = self._plan_all_drafts(decoding, planned, budget)
-        self._count_pause(floor, held_waiting)
+        self._count_pause(floor, held_running, held_waiting)
 
         # Batch order: the order sequences were planned in (decodes first).
         out.scheduled = [(s, n) for s, n in planned.items() if s.status is SequenceStatus.RUNNING]
@@ -279,12 +274,10 @@ class Scheduler:
             return None  # (the count restarts: this step holds nothing back)
         return min(prompts)
 
-    def _count_pause(self, floor: int | None, held_waiting: bool) -> None:
+    def _count_pause(self, floor: int | None, held_running: list[Sequence], held_waiting: bool) -> None:
         """Count a step that held worse work back (running sequences left out, or waiting ones not
         admitted) toward the bound; a step that held nothing back resets the count."""
-        # Running is sorted by priority first, and nothing worse than floor was planned or admitted.
-        held_running = [s for s in self.running if s.priority > floor] \
-            if floor is not None and self.running and self.running[-1].priority > floor else []
+        held_running = [s for s in held_running if s.status is SequenceStatus.RUNNING]  # some preempted since
         if not held_running and not held_waiting:
             self.consecutive_pauses = 0
             return

@@ -33,15 +33,13 @@ def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def accept_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
     """The tokens a sampled sequence gains from ``probs`` (``[k + 1, vocab]``, the target's rows)
     and its ``k`` drafts: the accepted drafts, then one token drawn by the rejection rule."""
-    k = len(drafts)
+    k = a = len(drafts)  # a: the drafts accepted
     if k:
         draft_idx = torch.tensor(drafts, device=probs.device)
         p_draft = probs[:k].gather(1, draft_idx.unsqueeze(1)).squeeze(1)
         u = torch.rand(k, generator=generator, device=probs.device)
         rejected = (u >= p_draft).nonzero()
         a = int(rejected[0]) if rejected.numel() else k
-    else:
-        a = 0
     if a == k:
         return drafts + [_draw_one(probs[k], generator)]
     residual = probs[a].clone()
@@ -51,13 +49,8 @@ def accept_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Gene
 
 def accept_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
     """Accepted drafts while each equals the target's argmax, then the target's own token."""
-    out: list[int] = []
-    for j, d in enumerate(drafts):
-        if d != argmax[j]:
-            break
-        out.append(d)
-    out.append(argmax[len(out)])
-    return out
+    accepted = next((j for j, d in enumerate(drafts) if d != argmax[j]), len(drafts))
+    return drafts[:accepted] + [argmax[accepted]]
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],

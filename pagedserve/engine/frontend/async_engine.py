@@ -95,7 +95,6 @@ class AsyncEngine(CoreClient):
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         await self._drain(drain_timeout_s)
-        self._shutting_down = True
         self._transport.put(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)

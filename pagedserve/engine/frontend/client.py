@@ -162,6 +162,8 @@ class EngineClient(abc.ABC):
     # The latest block-map snapshot while watch_block_map(True), else None (the dashboard's grid).
     block_map: BlockMap | None
     dead_error: BaseException | None
+    # Engine cores started in place of one that died (``serve --restart-engine-core``).
+    core_restarts: int = 0
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -198,11 +200,6 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def is_running(self) -> bool:
         """True while the engine serves."""
-
-    @property
-    def core_restarts(self) -> int:
-        """Engine cores started in place of one that died (``serve --restart-engine-core``)."""
-        return 0
 
     @abc.abstractmethod
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:

@@ -74,9 +74,9 @@ class CoreClient(EngineClient):
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
                           prompt: str | None = None) -> RequestStream:
-        stream = self._check_accepting(request_id)
+        self._check_accepting(request_id)
         check_request(self.facts, prompt_token_ids, params)  # the front end's one check; the core trusts it
-        stream.priority = priority
+        stream = RequestStream(request_id, self, priority)
         assert self._loop is not None, "start() the client first"
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._admissions[request_id] = admitted
@@ -95,14 +95,13 @@ class CoreClient(EngineClient):
             raise
         return stream
 
-    def _check_accepting(self, request_id: str) -> RequestStream:
+    def _check_accepting(self, request_id: str) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down; send the request to another replica")
         if request_id in self._streams:
             raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
-        return RequestStream(request_id, self)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -215,13 +214,15 @@ class CoreClient(EngineClient):
         self._streams.clear()
 
     async def _drain(self, drain_timeout_s: float) -> None:
-        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest."""
+        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest; from then on
+        the client is shutting down (it sends the core no more aborts)."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self.dead_error is None:
             await asyncio.sleep(0.02)
         for request_id in list(self._streams):
             self.abort(request_id)
+        self._shutting_down = True
 
     def _die(self, error: EngineDeadError) -> None:
         """The core is gone for good: fail everything, tell the server (once)."""
@@ -235,8 +236,5 @@ class CoreClient(EngineClient):
 
 def idle_stats(f: ModelFacts) -> EngineStats:
     """An idle pool's stats, shown until a core sends its first."""
-    return EngineStats(
-        num_running=0, num_waiting=0, max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len,
-        block_size=f.block_size, kv_blocks_total=f.num_kv_blocks, kv_blocks_used=0, kv_blocks_cached_free=0,
-        kv_tokens_in_use=0, kv_slots_allocated=0, naive_reserved_tokens=0, prefix_queried_tokens=0,
-        prefix_hit_tokens=0, num_preemptions=0, kv_bytes_per_token=f.kv_bytes_per_token, generation_tokens=0)
+    return EngineStats(max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len, block_size=f.block_size,
+                       kv_blocks_total=f.num_kv_blocks, kv_bytes_per_token=f.kv_bytes_per_token)

@@ -67,8 +67,7 @@ class CoreProcess:
         return CoreLink(input_addr, output_addr, self.facts, self.process.pid or 0)
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
+        self.process.kill()  # a no-op once it has exited
         self.process.join(5)
 
     def cleanup(self) -> None:
@@ -141,8 +140,7 @@ class CoreLaunch:
 
     def kill(self) -> None:
         """Give up on a launch (the server failed to start its own side)."""
-        if self.process.is_alive():
-            self.process.kill()
+        self.process.kill()
         self.process.join(5)
         self.receiver.close()
         self.socket_dir.cleanup()

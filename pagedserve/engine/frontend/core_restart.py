@@ -21,14 +21,11 @@ from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreProcess, laun
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
 
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_WINDOW_S = 60.0
-
 
 class RestartBudget:
     """At most ``max_restarts`` restarts within any ``window_s`` seconds (a sliding window)."""
 
-    def __init__(self, max_restarts: int = DEFAULT_MAX_RESTARTS, window_s: float = DEFAULT_WINDOW_S):
+    def __init__(self, max_restarts: int = 3, window_s: float = 60.0):
         if max_restarts < 1 or not window_s > 0:
             raise ValueError(f"a restart budget needs max_restarts >= 1 and window_s > 0, got {max_restarts}, "
                              f"{window_s}")

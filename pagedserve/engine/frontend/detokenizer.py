@@ -58,12 +58,8 @@ class Detokenizer:
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, int] | None:
     """The first stop string that now occurs in ``text`` (searching only where it can be new)."""
-    if not stops or not num_new_chars:
+    if not num_new_chars:
         return None
-    best: tuple[str, int] | None = None
-    for stop in stops:
-        start = max(0, len(text) - num_new_chars - len(stop) + 1)
-        idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[1]):
-            best = (stop, idx)
-    return best
+    # Each stop string from the first position where it could overlap the new characters.
+    found = [(stop, text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))) for stop in stops]
+    return min((f for f in found if f[1] != -1), key=lambda f: f[1], default=None)  # the earliest

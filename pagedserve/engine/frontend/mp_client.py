@@ -38,7 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.engine.frontend.client import EngineDeadError, RequestStream
+from pagedserve.engine.frontend.client import EngineDeadError
 from pagedserve.engine.frontend.core_client import CoreClient, idle_stats
 from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess
 from pagedserve.engine.frontend.core_restart import CoreRestarter, describe_exit
@@ -62,7 +62,6 @@ class MPEngineClient(CoreClient):
         # core and hands the new one over through attach(); a death only fails the open requests.
         self.restarted_by_supervisor = restarted_by_supervisor
         self._restarting = False  # between a core's death and its replacement's attach
-        self._core_restarts = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._launch: CoreLaunch | None = None  # a replacement core while it loads
         self._encoder = msgspec.msgpack.Encoder()
@@ -91,7 +90,6 @@ class MPEngineClient(CoreClient):
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         await self._drain(drain_timeout_s)
-        self._shutting_down = True
         if self._restart_task is not None:  # a replacement still loading: kill it, let the task see that
             if self._launch is not None:
                 self._launch.process.kill()
@@ -106,11 +104,8 @@ class MPEngineClient(CoreClient):
         self.core.kill()
         if self._reader is not None:
             self._reader.cancel()
-        for sock in (self._input, self._output):
-            if sock is not None:
-                sock.close(linger=0)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # its sockets too
         self.core.cleanup()
 
     @property
@@ -128,14 +123,10 @@ class MPEngineClient(CoreClient):
         # high-water mark is far above anything one server holds in flight).
         self._input.send(self._encoder.encode([command]), copy=False)
 
-    @property
-    def core_restarts(self) -> int:
-        return self._core_restarts
-
-    def _check_accepting(self, request_id: str) -> RequestStream:
+    def _check_accepting(self, request_id: str) -> None:
         if self._restarting and not self._shutting_down:
             raise EngineDeadError("the engine core is restarting after its process died; retry in a few seconds")
-        return super()._check_accepting(request_id)
+        super()._check_accepting(request_id)
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -180,13 +171,10 @@ class MPEngineClient(CoreClient):
             self._begin_restart(f"the engine core process died ({how})")
             self._restart_task = asyncio.create_task(self._restart(), name="pagedserve-core-restart")
             return
-        if budget is not None:
-            logger.error("the engine core process died (%s) and the %d restarts allowed per %.0f s are spent "
-                         "(--engine-core-max-restarts): giving up, failing %d open requests", how,
-                         budget.max_restarts, budget.window_s, len(self._streams))
-        else:
-            logger.error("the engine core process died (%s): failing %d open requests, refusing new ones",
-                         how, len(self._streams))
+        spent = "" if budget is None else (f" and the {budget.max_restarts} restarts allowed per {budget.window_s:.0f}"
+                                           " s are spent (--engine-core-max-restarts): giving up")
+        logger.error("the engine core process died (%s)%s; failing %d open requests, refusing new ones", how, spent,
+                     len(self._streams))
         self._die(EngineDeadError(f"the engine core process died ({how}); "
                                   "this server is restarting, retry on another replica"))
 
@@ -217,7 +205,7 @@ class MPEngineClient(CoreClient):
         self._restart_task = None
         self._attach(core)
         logger.warning("engine core restarted in process %d after %.1f s (restart %d)", core.process.pid,
-                       time.monotonic() - started, self._core_restarts)
+                       time.monotonic() - started, self.core_restarts)
 
     def attach(self, link: CoreLink) -> None:
         """Serve through the core a supervisor started in place of the dead one (``restarted_by_supervisor``)."""
@@ -243,7 +231,7 @@ class MPEngineClient(CoreClient):
         self._last_counts = None  # its cumulative counters start again from zero
         self.block_map = None
         self._loop.add_reader(core.sentinel, self._core_exited)
-        self._core_restarts += 1
+        self.core_restarts += 1
         self.dead_error = None
         self._restarting = False
         if self._watching_blocks:
