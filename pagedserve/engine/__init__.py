@@ -28,12 +28,9 @@ __all__ = ["CompletionOutput", "CoreFactory", "CoreLaunch", "CoreLink", "CorePro
 
 def __getattr__(name: str):
     # The offline LLM and the synchronous Engine hold a core in this process: torch loads with them.
-    if name == "LLM":
+    if name in ("LLM", "Engine"):
+        from pagedserve.engine.frontend.engine import Engine
         from pagedserve.engine.frontend.llm import LLM
 
-        return LLM
-    if name == "Engine":
-        from pagedserve.engine.frontend.engine import Engine
-
-        return Engine
+        return {"LLM": LLM, "Engine": Engine}[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

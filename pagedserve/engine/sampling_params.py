@@ -181,7 +181,10 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequest:
             return InvalidRequest(msg, param=param)
 
-        def integer(name: str, value: object, lo: int, hi: int, what: str) -> None:
+        def integer(name: str, lo: int, hi: int, what: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise bad(name, f"{name} must be an integer, got {value!r}.")
             if not lo <= value <= hi:
@@ -199,30 +202,26 @@ class SamplingParams:
             if not ok(value):
                 raise bad(name, f"{name} must be {what}, got {value}.")
 
-        integer("n", self.n, 1, MAX_N, f"between 1 and {MAX_N}")
-        integer("stream_interval", self.stream_interval, 1, MAX_STREAM_INTERVAL,
+        integer("n", 1, MAX_N, f"between 1 and {MAX_N}")
+        integer("stream_interval", 1, MAX_STREAM_INTERVAL,
                 f"between 1 and {MAX_STREAM_INTERVAL} (tokens per streamed output)")
-        if self.max_tokens is not None:
-            integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT, f"between 1 and {MAX_TOKENS_LIMIT}")
-        integer("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT, f"between 0 and {MAX_TOKENS_LIMIT}")
+        integer("max_tokens", 1, MAX_TOKENS_LIMIT, f"between 1 and {MAX_TOKENS_LIMIT}", optional=True)
+        integer("min_tokens", 0, MAX_TOKENS_LIMIT, f"between 0 and {MAX_TOKENS_LIMIT}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         real("temperature", self.temperature, lambda v: 0.0 <= v <= TEMPERATURE_MAX,
              f"in [0, {TEMPERATURE_MAX:g}]")
         real("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
-        integer("top_k", self.top_k, 0, MAX_TOP_K,
-                f"-1 or 0 (disabled) or a positive count up to {MAX_TOP_K} (a count at or above the "
-                "vocabulary size keeps every token)")
+        integer("top_k", 0, MAX_TOP_K, f"-1 or 0 (disabled) or a positive count up to {MAX_TOP_K} (a count at or "
+                "above the vocabulary size keeps every token)")
         real("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             real(name, getattr(self, name), lambda v: -PENALTY_MAX <= v <= PENALTY_MAX,
                  f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]")
         real("repetition_penalty", self.repetition_penalty, lambda v: 0.0 < v <= REPETITION_PENALTY_MAX,
              f"in (0, {REPETITION_PENALTY_MAX:g}]")
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS} (logprobs / top_logprobs)")
-        if self.seed is not None:
-            integer("seed", self.seed, SEED_MIN, SEED_MAX, "a 64-bit signed integer ([-2**63, 2**63 - 1])")
+        integer("logprobs", 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS} (logprobs / top_logprobs)", optional=True)
+        integer("seed", SEED_MIN, SEED_MAX, "a 64-bit signed integer ([-2**63, 2**63 - 1])", optional=True)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "stop must be a string or a list of strings.")
         if len(self.stop) > MAX_STOP:
@@ -245,8 +244,7 @@ class SamplingParams:
                 token_id("logit_bias", t, "logit_bias keys")
                 real("logit_bias", v, lambda x: -LOGIT_BIAS_MAX <= x <= LOGIT_BIAS_MAX,
                      f"in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] (the bias of token {t})")
-        if self.prompt_logprobs is not None:
-            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}", optional=True)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams.")

@@ -7,6 +7,7 @@ rows raise are failed (``failed``: request id → message, shared with the core'
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -178,18 +179,10 @@ class OutputAssembler:
         acceptance rule on them (engine/core/spec_decode.py); the rest, one row each, are returned for
         the plain sampler. If verification raises, it is retried per sequence and only the
         requests whose own rows raise are failed."""
-        plain_seqs: list[Sequence] = []
-        plain_rows: list[int] = []
-        spec: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
-        row = 0
-        for seq in sampled:
-            if seq.draft_token_ids:
-                spec.append((seq, row))
-                row += 1 + len(seq.draft_token_ids)
-            else:
-                plain_seqs.append(seq)
-                plain_rows.append(row)
-                row += 1
+        # (sequence, its first logits row), for those that verify drafts and for the plain ones
+        firsts = list(zip(sampled, itertools.accumulate((1 + len(s.draft_token_ids) for s in sampled), initial=0)))
+        spec = [(s, r) for s, r in firsts if s.draft_token_ids]
+        plain = [(s, r) for s, r in firsts if not s.draft_token_ids]
 
         def rows_of(group: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[SamplingRow], list[list[int]]]:
             idx = [r + j for seq, r in group for j in range(1 + len(seq.draft_token_ids))]
@@ -212,9 +205,8 @@ class OutputAssembler:
                     accepted[seq] = verify(*rows_of([(seq, r)]), self.generator, native)[0]
                 except Exception as exc:
                     failed[seq.request.request_id] = f"{type(exc).__name__}: {exc}"
-        accepted = {s: t for s, t in accepted.items() if s.request.request_id not in failed}
-        plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
-        return plain_seqs, plain_logits, accepted
+        plain_logits = logits[torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)]
+        return [s for s, _ in plain], plain_logits, accepted
 
     def _append_accepted(self, seq: Sequence, tokens: list[int]) -> None:
         """Append a verified run (accepted drafts, then the target's token) until a stop condition

@@ -88,8 +88,7 @@ class CoreLoop:
 
     def _flush(self) -> None:
         for front, batch in enumerate(self._batches):
-            if batch.admissions or batch.aborted or batch.outputs or batch.stats is not None \
-                    or batch.block_map is not None:
+            if batch != CoreBatch():  # something to say
                 self.transport.send(front, batch)
 
     def _step(self) -> None:

@@ -162,24 +162,20 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, chunk: int = 256) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Each row's log-probability of its ``targets`` token, that token's rank and the row's top ``k``
     (prompt logprobs: row ``q`` is the logits at prompt position ``q``, its target the token at ``q + 1``).
 
-    Rows go through in chunks, so a long prompt never holds more than ``chunk`` rows of
-    vocabulary-wide log-probabilities at once.
+    Every row's log-probabilities are vocabulary-wide: the caller (``EngineCore._collect_prompt_logprobs``)
+    passes a long prompt's rows a few hundred at a time.
     """
-    out: list[TokenLogprob] = []
-    for start in range(0, logits.shape[0], chunk):
-        lp = logits[start:start + chunk].log_softmax(dim=-1)
-        tgt = targets[start:start + chunk].unsqueeze(1)
-        chosen = lp.gather(1, tgt)
-        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())] if k else None
-        for j, (t, v) in enumerate(zip(tgt.squeeze(1).tolist(), chosen.squeeze(1).tolist())):
-            out.append(TokenLogprob(t, v, tops[j] if tops else [], ranks[j]))
-    return out
+    lp = logits.log_softmax(dim=-1)
+    chosen = lp.gather(1, targets.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+    tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())] if k else [[] for _ in ranks]
+    return [TokenLogprob(t, v, top, rank)
+            for t, v, top, rank in zip(targets.tolist(), chosen.squeeze(1).tolist(), tops, ranks)]
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

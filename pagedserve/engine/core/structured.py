@@ -75,16 +75,11 @@ def _grammar(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     kind, text = spec.key
-    if kind == "json":
-        return _json_grammar(text)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice or []))
-    if kind == "grammar":
-        return xgr.Grammar.from_ebnf(text)
-    # json_object: OpenAI's JSON mode, any object (xgrammar's builtin JSON grammar takes arrays too)
-    return _json_grammar('{"type": "object"}')
+    build = {"json": _json_grammar, "regex": xgr.Grammar.from_regex, "grammar": xgr.Grammar.from_ebnf,
+             "choice": lambda _: xgr.Grammar.from_ebnf(choice_ebnf(spec.choice or [])),
+             # OpenAI's JSON mode, any object (xgrammar's builtin JSON grammar takes arrays too)
+             "json_object": lambda _: _json_grammar('{"type": "object"}')}
+    return build[kind](text)
 
 
 def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
