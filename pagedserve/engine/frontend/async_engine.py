@@ -3,11 +3,11 @@
 ```
  event loop (server)                                   step thread (owns the EngineCore)
  ───────────────────                                   ─────────────────────────────────
- CoreClient._send ──▶ command list (condition) ──────▶ CoreLoop: apply, step, send
- CoreClient._handle ◀── call_soon_threadsafe(CoreBatch) ◀──┘
+ EngineClient._send ──▶ command list (condition) ────▶ CoreLoop: apply, step, send
+ EngineClient._handle ◀── call_soon_threadsafe(CoreBatch) ◀──┘
 ```
 
-The same core loop and :class:`~pagedserve.engine.frontend.core_client.CoreClient` as the
+The same core loop and :class:`~pagedserve.engine.frontend.client.EngineClient` as the
 multiprocess client; only the transport differs (no encoding; the thread sleeps on the condition
 when there is no work). The core is not thread-safe, so only the step thread touches it while the
 client runs. It shares the server's process, GIL and fate: the server uses the multiprocess client
@@ -23,8 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.frontend.client import EngineDeadError
-from pagedserve.engine.frontend.core_client import CoreClient
+from pagedserve.engine.frontend.client import EngineClient, EngineDeadError
 from pagedserve.engine.core.loop import CoreLoop
 from pagedserve.engine.wire import AddRequest, Command, CoreBatch, Shutdown
 from pagedserve.tokenizer import load_tokenizer
@@ -76,7 +75,7 @@ class _ThreadTransport:
         pass  # the loop lives and dies with this process
 
 
-class AsyncEngine(CoreClient):
+class AsyncEngine(EngineClient):
     """Runs a :class:`~pagedserve.engine.core.loop.CoreLoop` over ``core`` on a dedicated thread;
     :meth:`start` it inside the event loop that will consume the streams, and call it only there."""
 

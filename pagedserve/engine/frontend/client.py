@@ -1,4 +1,4 @@
-"""EngineClient: all a server (or anything else that serves) knows of the engine.
+"""EngineClient: all a server (or anything else that serves) knows of the engine, written once.
 
 ```
  server process                                               engine core
@@ -11,30 +11,39 @@
  EngineClient.abort() / load() / stats() / facts
 ```
 
-Both implementations (:mod:`~pagedserve.engine.frontend.async_engine`: in-process;
-:mod:`~pagedserve.engine.frontend.mp_client`: the core in its own process) are a
-:class:`~pagedserve.engine.frontend.core_client.CoreClient`, built by
-:mod:`pagedserve.engine.frontend.factory`. Every method is called from the one event loop that
-consumes the streams.
+Inside, whatever carries the messages to the core loop (engine/core/loop.py)::
+
+ event loop (server)                                     the core loop
+ ───────────────────                                     ─────────────
+ add_request() ── AddRequest ──▶ _send ──▶ transport ──▶ EngineCore.add_request
+   awaits its Admission ◀── _handle(CoreBatch) ◀── transport ◀── admissions, outputs, stats
+   OutputProcessor: text, stop strings ──▶ RequestStream queues; a stop string hit ──▶ Abort(index)
+
+Its two subclasses (:mod:`~pagedserve.engine.frontend.async_engine`: the core loop on a thread of this
+process; :mod:`~pagedserve.engine.frontend.mp_client`: the core in its own process, over ZMQ) differ only
+in the transport; detokenization, stop strings, admissions and the load report are this module's, once.
+They are built by :mod:`pagedserve.engine.frontend.factory`. Every method is called from the one event
+loop that consumes the streams.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
-from dataclasses import dataclass
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagedserve import errors
 from pagedserve.engine.block_map import BlockMap
-from pagedserve.engine.wire import ModelFacts
+from pagedserve.engine.frontend.output_processor import OutputProcessor
+from pagedserve.engine.frontend.request_check import check_request
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedserve.engine.frontend.core_client import CoreClient
+from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, ModelFacts, Shutdown, WatchBlocks
 
 logger = logging.getLogger(__name__)
 # log_requests writes here: one key=value line per finished request, easy to grep or parse.
@@ -97,7 +106,7 @@ class RequestStream:
     way the consumer stops. An output carrying an error raises :class:`RequestFailed`.
     """
 
-    def __init__(self, request_id: str, client: CoreClient, priority: int = 0):
+    def __init__(self, request_id: str, client: EngineClient, priority: int = 0):
         self.request_id = request_id
         self.priority = priority
         self._client = client
@@ -148,63 +157,57 @@ class RequestStream:
 class EngineClient(abc.ABC):
     """The engine as a server sees it: submit, stream, abort, load, stats and the model's facts.
 
-    Everything a server reads or sets on a client is declared here; it needs nothing else of the
-    engine (no isinstance, no attribute of one implementation)."""
+    Its public methods and attributes are everything a server reads or sets on a client; it needs
+    nothing else of the engine (no isinstance, no attribute of one subclass). A subclass is a
+    transport to a :class:`~pagedserve.engine.core.loop.CoreLoop`: it :meth:`start` s and
+    :meth:`shutdown` s it, delivers each command with :meth:`_send`, and calls :meth:`_handle` on the
+    event loop with every batch the core sends."""
 
-    facts: ModelFacts
-    # The tokenizer the client detokenizes with, on its event loop; the server's event loop may
-    # share it (the text of logprobs), never another thread (it tokenizes prompts with its own).
-    tokenizer: Any
-    # Called on the event loop with every batch of outputs and every abort (the server's metrics).
-    observer: StepObserver | None
-    # Called once, on the event loop, when the engine died for good: the server stops and exits 1.
-    on_death: Callable[[], None] | None
-    # The latest block-map snapshot while watch_block_map(True), else None (the dashboard's grid).
-    block_map: BlockMap | None
-    dead_error: BaseException | None
     # Engine cores started in place of one that died (``serve --restart-engine-core``).
     core_restarts: int = 0
+
+    def __init__(self, facts: ModelFacts, tokenizer: Any, log_requests: bool = False):
+        self.facts = facts
+        # The front end's tokenizer for the event loop (detokenization here, the text of logprobs in
+        # the server); the server tokenizes prompts with others, on its worker thread.
+        self.tokenizer = tokenizer
+        self.observer: StepObserver | None = None  # the server's metrics, set after construction
+        self.on_death: Callable[[], None] | None = None  # the server's exit, set after construction
+        self.log_requests = log_requests  # one request_log line per request that runs to its end
+        self.dead_error: BaseException | None = None
+        self.block_map: BlockMap | None = None  # the latest snapshot while watch_block_map(True)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._stats = idle_stats(facts)  # until the core's first stats arrive
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = True
+        self._shutting_down = False
+        self._dead = False  # for good: no restart follows
+        self._watching_blocks = False
+        # (time, generated tokens, finished requests) per delivery, for rates over RATE_WINDOW_S.
+        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._recent_e2e: collections.deque[float] = collections.deque(maxlen=64)
+        self._rates_from_stats = False  # True: the rates come from the core's counters (not per delivery)
+        self._last_counts: tuple[int, int] | None = None
+
+    @abc.abstractmethod
+    def _send(self, command: AddRequest | Abort | Shutdown | WatchBlocks) -> None:
+        """Deliver one command to the core loop (never blocks)."""
 
     @abc.abstractmethod
     async def start(self) -> None:
         """Start serving; call from the event loop that will consume the streams."""
 
     @abc.abstractmethod
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, cache_salt: str | None = None,
-                          prompt: str | None = None) -> RequestStream:
-        """Submit a tokenized request and wait until the engine admits it.
-
-        Raises the engine's typed errors (``InvalidRequest``, ``RequestTooLong``, ``QueueFull``,
-        ``DuplicateRequestId``) or :class:`EngineDeadError`.
-        """
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already ended); its blocks are freed before the next step."""
-
-    @abc.abstractmethod
-    def stats(self) -> EngineStats:
-        """The engine's latest stats snapshot (never waits for a step)."""
-
-    @abc.abstractmethod
-    def watch_block_map(self, on: bool) -> None:
-        """Start (or stop) the core's block-map snapshots; the latest lands in ``block_map``.
-        They cost the core a bounded share of its loop, so only a watched dashboard turns them on."""
-
-    @abc.abstractmethod
-    def load(self) -> LoadReport:
-        """Running/waiting requests, KV blocks, tokens/s and the queue wait a new request would see."""
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the
+        rest, stop the engine. Afterwards it holds no KV blocks."""
 
     @property
     @abc.abstractmethod
     def is_running(self) -> bool:
         """True while the engine serves."""
-
-    @abc.abstractmethod
-    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the
-        rest, stop the engine. Afterwards it holds no KV blocks."""
 
     def attach(self, link: Any) -> None:
         """Serve through the core (a ``CoreLink``) a supervisor started in place of a dead one; only
@@ -214,6 +217,181 @@ class EngineClient(abc.ABC):
     def kill(self) -> None:
         """Stop the engine at once, whatever state it is in (after :meth:`shutdown`, or instead of
         it when the server is going down anyway): no engine process outlives the server."""
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt: str | None = None) -> RequestStream:
+        """Submit a tokenized request and wait until the engine admits it.
+
+        Raises the engine's typed errors (``InvalidRequest``, ``RequestTooLong``, ``QueueFull``,
+        ``DuplicateRequestId``) or :class:`EngineDeadError`.
+        """
+        self._check_accepting(request_id)
+        check_request(self.facts, prompt_token_ids, params)  # the front end's one check; the core trusts it
+        stream = RequestStream(request_id, self, priority)
+        assert self._loop is not None, "start() the client first"
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._admissions[request_id] = admitted
+        self._streams[request_id] = stream
+        self.output_processor.add(request_id, prompt_token_ids, params, prompt)
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
+        try:
+            await admitted
+        except BaseException:
+            # Refused, or the caller gave up while waiting: take it back out (a no-op if refused).
+            self._admissions.pop(request_id, None)
+            self._streams.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            if self.dead_error is None:
+                self._send(Abort(request_id))
+            raise
+        return stream
+
+    def _check_accepting(self, request_id: str) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down; send the request to another replica")
+        if request_id in self._streams:
+            raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already ended); its blocks are freed before the next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream._put(_END)
+        self.output_processor.abort(request_id)
+        if self.dead_error is None and not self._shutting_down:
+            self._send(Abort(request_id))
+
+    def watch_block_map(self, on: bool) -> None:
+        """Start (or stop) the core's block-map snapshots; the latest lands in ``block_map``.
+        They cost the core a bounded share of its loop, so only a watched dashboard turns them on."""
+        self._watching_blocks = on
+        if not on:
+            self.block_map = None  # stale once nobody watches: the next viewer waits for a fresh one
+        if self.dead_error is None and not self._shutting_down:
+            self._send(WatchBlocks(on))
+
+    def stats(self) -> EngineStats:
+        """The engine's latest stats snapshot (never waits for a step)."""
+        return self._stats
+
+    def load(self) -> LoadReport:
+        """Running/waiting requests, KV blocks, tokens/s and the queue wait a new request would see."""
+        s = self.stats()
+        now = time.monotonic()
+        history = [h for h in list(self._history) if now - h[0] <= RATE_WINDOW_S]
+        span = max(now - history[0][0], 1.0) if history else RATE_WINDOW_S
+        tokens_per_s = sum(h[1] for h in history) / span if history else 0.0
+        finished_per_s = sum(h[2] for h in history) / span if history else 0.0
+        mean_e2e = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
+        return LoadReport(
+            running=s.num_running, waiting=s.num_waiting, max_num_seqs=s.max_num_seqs,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_cached=s.kv_blocks_cached_free,
+            kv_blocks_total=s.kv_blocks_total, kv_utilization=s.kv_utilization, tokens_per_s=tokens_per_s,
+            est_queue_wait_s=queue_wait_estimate(s.num_running, s.num_waiting, s.max_num_seqs, finished_per_s,
+                                                 mean_e2e))
+
+    # ---- what the core sends ---------------------------------------------------------------
+
+    def _handle(self, batch: CoreBatch) -> None:
+        for admission in batch.admissions:
+            future = self._admissions.pop(admission.request_id, None)
+            if future is None or future.done():
+                continue
+            if admission.error_class is None:
+                future.set_result(None)
+            else:
+                future.set_exception(admission.to_exception())
+        if batch.stats is not None:
+            self._stats = batch.stats
+            if self._rates_from_stats:
+                self._count_from_stats(batch.stats)
+        if batch.block_map is not None and self._watching_blocks:
+            self.block_map = batch.block_map
+        if self.observer is not None and batch.aborted:
+            now = time.monotonic()
+            for request_id in batch.aborted:
+                self.observer.on_abort(request_id, now)
+        if batch.outputs:
+            processed = self.output_processor.process(batch.outputs)
+            for request_id, index in processed.finish_in_core:
+                self._send(Abort(request_id, index))
+            if processed.outputs:
+                self._deliver(processed.outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a batch of outputs to their streams (on the event loop); feed the rates and observer."""
+        now = time.monotonic()
+        new_tokens = finished = 0
+        for out in outputs:
+            new_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
+            if out.finished:
+                finished += 1
+                self._recent_e2e.append(now - out.metrics.arrival_time)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: aborted meanwhile, the output is dropped
+                stream._put(out)
+                if out.finished and self.log_requests and out.error is None:
+                    log_finished(out, stream.priority)
+        if not self._rates_from_stats:
+            self._record_rates(now, new_tokens, finished)
+        if self.observer is not None:
+            self.observer.on_outputs(outputs, now)
+
+    def _record_rates(self, now: float, new_tokens: int, finished: int) -> None:
+        self._history.append((now, new_tokens, finished))
+        while self._history and now - self._history[0][0] > RATE_WINDOW_S:
+            self._history.popleft()
+
+    def _count_from_stats(self, s: EngineStats) -> None:
+        """Feed /load's rate window from the core's cumulative counters (tokens sampled, requests ended)."""
+        counts = (s.generation_tokens, s.ended_requests)
+        if self._last_counts is not None:
+            self._record_rates(time.monotonic(), counts[0] - self._last_counts[0], counts[1] - self._last_counts[1])
+        self._last_counts = counts
+
+    # ---- failure ---------------------------------------------------------------------------
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """End every open request and admission with ``error``; refuse new ones until cleared."""
+        self.dead_error = error
+        for future in self._admissions.values():
+            if not future.done():
+                future.set_exception(error)
+        self._admissions.clear()
+        self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
+        for stream in list(self._streams.values()):
+            stream._put(error)
+        self._streams.clear()
+
+    async def _drain(self, drain_timeout_s: float) -> None:
+        """Stop accepting; wait up to ``drain_timeout_s`` for open streams; abort the rest; from then on
+        the client is shutting down (it sends the core no more aborts)."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self.dead_error is None:
+            await asyncio.sleep(0.02)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._shutting_down = True
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The core is gone for good: fail everything, tell the server (once)."""
+        if self._dead:
+            return
+        self._dead = True
+        self._fail(error)
+        if self.on_death is not None:
+            self.on_death()
+
 
 
 def queue_wait_estimate(running: int, waiting: int, seats: int, finished_per_s: float, mean_e2e_s: float) -> float:
@@ -244,3 +422,9 @@ def log_finished(out: RequestOutput, priority: int) -> None:
         sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
         ms(m.arrival_time, m.queued_time), ms(m.queued_time, m.first_scheduled_time),
         ms(m.arrival_time, m.first_token_time), ms(m.arrival_time, m.finished_time))
+
+
+def idle_stats(f: ModelFacts) -> EngineStats:
+    """An idle pool's stats, shown until a core sends its first."""
+    return EngineStats(max_num_seqs=f.max_num_seqs, max_model_len=f.max_model_len, block_size=f.block_size,
+                       kv_blocks_total=f.num_kv_blocks, kv_bytes_per_token=f.kv_bytes_per_token)

@@ -3,13 +3,13 @@
 ```
  server process: event loop                                     core process (core/proc.py)
  ──────────────────────────                                     ───────────────────────────
- CoreClient._send ── AddRequest / Abort ──▶ PUSH ════ ipc ════▶ PULL ──▶ CoreLoop
+ EngineClient._send ── AddRequest / Abort ──▶ PUSH ════ ipc ════▶ PULL ──▶ CoreLoop
  output task: PULL ◀════ ipc ════ PUSH ◀── CoreBatch (admissions, token-id outputs, stats)
-   CoreClient._handle: admissions, OutputProcessor (text, stop strings), RequestStream queues
+   EngineClient._handle: admissions, OutputProcessor (text, stop strings), RequestStream queues
  death watch: the process's sentinel fd on the loop ──▶ every stream fails at once, on_death()
 ```
 
-Over :class:`~pagedserve.engine.frontend.core_client.CoreClient` this module adds the sockets, the
+Over :class:`~pagedserve.engine.frontend.client.EngineClient` this module adds the sockets, the
 death watch and the restart of a dead core; it attaches to a loaded core (``CoreLaunch.wait_ready``)
 in :meth:`MPEngineClient.start`, inside the event loop.
 
@@ -38,8 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.engine.frontend.client import EngineDeadError
-from pagedserve.engine.frontend.core_client import CoreClient, idle_stats
+from pagedserve.engine.frontend.client import EngineClient, EngineDeadError, idle_stats
 from pagedserve.engine.frontend.core_launch import CoreLaunch, CoreLink, CoreProcess
 from pagedserve.engine.frontend.core_restart import CoreRestarter, describe_exit
 from pagedserve.engine.wire import Abort, AddRequest, CoreBatch, Shutdown, WatchBlocks
@@ -48,15 +47,14 @@ from pagedserve.tokenizer import TokenizerPreload, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class MPEngineClient(CoreClient):
+class MPEngineClient(EngineClient):
     """The :class:`EngineClient` over a core process. All methods run on one event loop."""
 
     def __init__(self, core: CoreProcess | CoreLink, log_requests: bool = False, restarter: CoreRestarter | None = None,
                  restarted_by_supervisor: bool = False, preload: TokenizerPreload | None = None):
         super().__init__(core.facts, load_tokenizer(core.facts.tokenizer, preload=preload), log_requests)
         self.core = core
-        if restarter is not None and not core.owned:
-            raise ValueError("only the client that started the engine core can restart it")
+        assert restarter is None or core.owned, "only the client that started the engine core can restart it"
         self.restarter = restarter
         # A front of `serve --api-server-count N --restart-engine-core`: the supervisor restarts the
         # core and hands the new one over through attach(); a death only fails the open requests.

@@ -2,7 +2,7 @@
 
 Validation happens once per layer: the HTTP schema (the server's pydantic models, bounded by the
 constants of :mod:`pagedserve.engine.sampling_params`), then this check, run by whatever takes a
-request for the engine (:class:`~pagedserve.engine.frontend.core_client.CoreClient.add_request` for both
+request for the engine (:meth:`~pagedserve.engine.frontend.client.EngineClient.add_request` for both
 clients, :meth:`~pagedserve.engine.frontend.engine.Engine.add_request` offline), then the core, which
 trusts its input and only asserts it. The core still refuses what depends on its state: a
 duplicate request id, a full queue, a request its KV pool can never hold.
