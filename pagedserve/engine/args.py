@@ -42,10 +42,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--decode-weights", default="auto", choices=list(DECODE_WEIGHTS),
                    help="with a model computed in float32 (the default on a CPU without native bf16; --dtype "
                         "float32 elsewhere): how linear weights are stored. float16 / bfloat16 keep them 16-bit and "
-                        "widen them in registers, so "
-                        "decode reads half float32's bytes (prompt chunks still run float32 GEMMs); auto does so "
-                        "only where lossless, for a bf16 or f16 checkpoint (a float32 one stays float32); float16 "
-                        "rounds a float32 checkpoint's weights. Ignored elsewhere (default auto)")
+                        "widen them in registers, so decode reads half float32's bytes (prompt chunks still run "
+                        "float32 GEMMs); auto does so only where lossless, for a bf16 or f16 checkpoint (a float32 "
+                        "one stays float32); float16 rounds a float32 checkpoint's weights. Ignored elsewhere "
+                        "(default auto)")
     g.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS),
                    help="how the native GGUF kernels quantize a layer's activations before the integer dot "
                         "products: int16 (int8 plus the int8 of its remainder: logits within ~0.001 of a float "
@@ -130,8 +130,7 @@ def _add_backend_args(g: argparse._ArgumentGroup) -> None:
                    help="on CUDA with the triton backend, run every decode step eagerly instead of replaying the "
                         "CUDA graphs captured at start for padded batch sizes (1, 2, 4, 8, then every 8 up to "
                         "--max-num-seqs); graphs remove the per-kernel launch cost that dominates small decode "
-                        "batches, at a few seconds of capture and some memory at start (--enforce-eager: vLLM's "
-                        "name)")
+                        "batches, at a few seconds of capture and some memory at start (--enforce-eager: vLLM's name)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's generator for unseeded sampling")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the model step (torch's intra-op pool, in the engine core's process), "

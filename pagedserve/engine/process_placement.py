@@ -73,10 +73,8 @@ def bind_step_threads(num_threads: int | None) -> bool:
     that servers sharing a machine are not stacked onto the same cores."""
     if any(name in os.environ for name in OPENMP_AFFINITY_VARIABLES):
         return False
-    cores = usable_cores()
-    threads = num_threads
-    if threads is None:
-        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else cores
+    cores, env = usable_cores(), os.environ.get("OMP_NUM_THREADS", "")
+    threads = num_threads if num_threads is not None else int(env) if env.isdigit() else cores
     if threads != cores or cores < 2:
         return False
     os.environ["OMP_NUM_THREADS"] = str(threads)  # what torch would pick; made explicit to match the places

@@ -78,8 +78,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        return set_[0] if set_ else "json_object"
+        return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None), "json_object")
 
     @property
     def key(self) -> tuple[str, str]:

@@ -35,7 +35,6 @@ class OutputAssembler:
                  eos_token_ids: set[int], device: torch.device, fault_point: FaultPoint):
         self.config = config
         self.scheduler = scheduler
-        self.block_manager = scheduler.block_manager
         self.grammars = grammars
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -74,18 +73,16 @@ class OutputAssembler:
         """One sampling row per sequence; a prompt of an n > 1 request that just finished prefill
         samples n rows (its new branches) from one logits row. Returns the rows' sequences, the
         rows, the logits to sample (a grammar's mask applied) and the raw logits (for logprobs)."""
-        rows: list[SamplingRow] = []
         targets: list[Sequence] = []
-        row_index: list[int] = []
+        row_index: list[int] = []  # each target's logits row
         for i, seq in enumerate(sampled):
             req = seq.request
             branch = [seq]
             if req.params.n > 1 and not req.forked:
                 branch += [self.new_sequence(req, k, list(seq.token_ids)) for k in range(1, req.params.n)]
-            for s in branch:
-                rows.append(self._sampling_row(s))
-                targets.append(s)
-                row_index.append(i)
+            targets += branch
+            row_index += [i] * len(branch)
+        rows = [self._sampling_row(s) for s in targets]
         if len(row_index) != logits.shape[0]:
             logits = logits[torch.tensor(row_index, dtype=torch.long, device=logits.device)]
         raw = logits
@@ -128,7 +125,7 @@ class OutputAssembler:
             if seq.index > 0 and not req.forked and req.request_id not in failed:
                 parent = req.seqs[0]
                 seq.num_computed_tokens = parent.num_computed_tokens
-                self.block_manager.fork(parent.seq_id, seq.seq_id)
+                self.scheduler.block_manager.fork(parent.seq_id, seq.seq_id)
                 self.scheduler.add_running(seq)
                 req.seqs.append(seq)
 

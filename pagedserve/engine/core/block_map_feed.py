@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedserve.engine.block_map import (
-    CACHED, FREE, MAX_LISTED_REQUESTS, OWNED, SHARED, BlockMap, BlockMapRequest,
-)
+from pagedserve.engine.block_map import CACHED, FREE, MAX_LISTED_REQUESTS, OWNED, SHARED, BlockMap, BlockMapRequest
 from pagedserve.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -79,16 +77,12 @@ def build_block_map(core: EngineCore, version: int = 0) -> BlockMap:
         owner[held[::-1]] = np.asarray(owners[::-1], np.int32)  # the last write wins: the first holder
     state = np.where(refs > 1, SHARED, np.where(refs == 1, OWNED, FREE)).astype(np.uint8)
     # Free blocks still in the prefix cache, coloured by the first block of their prefix chain.
-    parent_of: dict[int, int] = {}
-    cached_free: list = []
-    for block in bm.cached_blocks():
-        parent_of[block.content_id] = block.cache_key[0]
-        if block.ref_count == 0:
-            cached_free.append(block)
+    parent_of = {block.content_id: block.cache_key[0] for block in bm.cached_blocks()}
     root_of: dict[int, int] = {}
-    for block in cached_free:
-        state[block.block_id] = CACHED
-        owner[block.block_id] = _root(block.content_id, parent_of, root_of)
+    for block in bm.cached_blocks():
+        if block.ref_count == 0:
+            state[block.block_id] = CACHED
+            owner[block.block_id] = _root(block.content_id, parent_of, root_of)
     if grouped:
         state |= _group_bits(bm, state)
     requests = [_listed(s, "running", held_by.get(s.seq_id, 0)) for s in sched.running[:MAX_LISTED_REQUESTS]]

@@ -267,9 +267,8 @@ class EngineCore:
         filled: dict[int, int] = {}
         for seq in sched.running:
             for i, block_id in enumerate(bm.block_ids(seq.seq_id)):
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                if n > filled.get(block_id, 0):
-                    filled[block_id] = n
+                n = min(bs, max(0, seq.num_computed_tokens - i * bs))  # its computed tokens in this block
+                filled[block_id] = max(filled.get(block_id, 0), n)
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting) + len(self.compiling),
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len, block_size=bs,

@@ -55,10 +55,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(config.hwm)
         self._replay: zmq.Socket | None = None
         try:
-            if binds(config.endpoint):
-                self._pub.bind(config.endpoint)
-            else:
-                self._pub.connect(config.endpoint)
+            (self._pub.bind if binds(config.endpoint) else self._pub.connect)(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(config.replay_endpoint)

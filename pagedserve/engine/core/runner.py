@@ -48,9 +48,10 @@ def _decode_mask(context_lens: torch.Tensor, slots: int) -> torch.Tensor:
     return (torch.arange(slots) < context_lens.unsqueeze(1))[:, None, None, :]
 
 
-def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: torch.Tensor
+def _prompt_logprob_rows(rows: list[tuple[Sequence, int, int]], query_starts: torch.Tensor
                          ) -> tuple[list[tuple[Sequence, int, int]], list[int]]:
-    """Which rows of the flat batch give prompt logprobs still missing.
+    """Which rows of the flat batch give prompt logprobs still missing (``rows``: (sequence, first
+    position, query tokens) per row of the batch).
 
     The logits at prompt position ``q`` give the logprob of prompt token ``q + 1``; a request that
     has entries for tokens ``0..c-1`` needs positions ``c-1 .. P-2`` (``P`` prompt tokens), of
@@ -58,20 +59,19 @@ def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], query_starts: to
     sequences that ask; the rest cost one attribute test each.
     """
     spans: list[tuple[Sequence, int, int]] = []
-    rows: list[int] = []
-    for i, (seq, n) in enumerate(scheduled):
+    flat: list[int] = []
+    for i, (seq, s, n) in enumerate(rows):
         have = seq.request.prompt_logprobs
         if have is None or len(have) >= seq.num_prompt_tokens:
             continue
         q_start = int(query_starts[i])
-        s = seq.num_computed_tokens
         if s > len(have) - 1:  # cannot happen (such requests skip the prefix cache); never leave a gap
             continue
         first, end = max(s, len(have) - 1), min(s + n, seq.num_prompt_tokens - 1)
         if first < end:
             spans.append((seq, first, end - first))
-            rows.extend(range(q_start + first - s, q_start + end - s))
-    return spans, rows
+            flat.extend(range(q_start + first - s, q_start + end - s))
+    return spans, flat
 
 
 class ModelRunner:
@@ -107,20 +107,15 @@ class ModelRunner:
         chunks = []
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
-            if seq.draft_token_ids:
-                verify_ids = [seq.token_ids[start]] + seq.draft_token_ids
-                rows.extend((seq, start + j, 1) for j in range(len(verify_ids)))
-                input_ids.extend(verify_ids)
-            elif n == 1:
-                rows.append((seq, start, 1))
-                input_ids.append(seq.token_ids[start])
+            if seq.draft_token_ids or n == 1:  # a decode, verifying its drafts if it has any
+                ids = [seq.token_ids[start]] + seq.draft_token_ids
+                rows.extend((seq, start + j, 1) for j in range(len(ids)))
+                input_ids.extend(ids)
             else:
                 chunks.append((seq, start, n))
         num_decodes = len(rows)
-        for seq, start, n in chunks:
-            rows.append((seq, start, n))
-            input_ids.extend(seq.token_ids[start:start + n])
-        scheduled = [(s, n) for s, _, n in rows]
+        rows += chunks
+        input_ids += [t for seq, start, n in chunks for t in seq.token_ids[start:start + n]]
         seqs = [s for s, _, _ in rows]
         starts = torch.tensor([p for _, p, _ in rows], dtype=torch.long)
         lens = torch.tensor([n for _, _, n in rows], dtype=torch.long)
@@ -140,7 +135,7 @@ class ModelRunner:
         # for 16 rows of 576 values (its worker then spins on the decode stack's pool core).
         sample_indices = None if len(sampled) == total else (query_starts + lens - 1)[sampled].to(self.device)
         sampled_seqs = [seqs[i] for i in sampled if not (i and seqs[i - 1] is seqs[i])]  # 1 + k rows: once
-        spans, prompt_rows = _prompt_logprob_rows(scheduled, query_starts)
+        spans, prompt_rows = _prompt_logprob_rows(rows, query_starts)
         dev = self.device
         return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.to(dev), meta,
                           sample_indices, sampled_seqs, spans or None,

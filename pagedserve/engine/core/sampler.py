@@ -107,9 +107,8 @@ def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Te
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab, device = logits.shape[1], logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    rep, pres, freq = (torch.tensor([getattr(r.params, name) for r in rows], device=device).unsqueeze(1)
+                       for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"))
     out_counts = _counts([r.output_token_ids for r in rows], vocab, device)
     if any(r.params.repetition_penalty != 1.0 for r in rows):  # asked of the rows, not of a GPU tensor
         seen = (_counts([r.prompt_token_ids for r in rows], vocab, device) + out_counts) > 0

@@ -138,7 +138,7 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
-            self._client._forget(self.request_id)
+            self._client._streams.pop(self.request_id, None)
             if item.error is not None:
                 raise RequestFailed(f"the engine failed while processing this request ({item.error}); "
                                     "other requests were not affected, retry it")
@@ -149,9 +149,6 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._client.abort(self.request_id)
-
-    def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
 
 
 class EngineClient(abc.ABC):
@@ -257,15 +254,12 @@ class EngineClient(abc.ABC):
         if request_id in self._streams:
             raise errors.DuplicateRequestId(f"request id {request_id!r} is already running", param="request_id")
 
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already ended); its blocks are freed before the next step."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        stream._put(_END)
+        stream._queue.put_nowait(_END)
         self.output_processor.abort(request_id)
         if self.dead_error is None and not self._shutting_down:
             self._send(Abort(request_id))
@@ -338,7 +332,7 @@ class EngineClient(abc.ABC):
                 self._recent_e2e.append(now - out.metrics.arrival_time)
             stream = self._streams.get(out.request_id)
             if stream is not None:  # None: aborted meanwhile, the output is dropped
-                stream._put(out)
+                stream._queue.put_nowait(out)
                 if out.finished and self.log_requests and out.error is None:
                     log_finished(out, stream.priority)
         if not self._rates_from_stats:
@@ -369,7 +363,7 @@ class EngineClient(abc.ABC):
         self._admissions.clear()
         self.output_processor.requests.clear()  # their late tokens, if any still arrive, are dropped
         for stream in list(self._streams.values()):
-            stream._put(error)
+            stream._queue.put_nowait(error)
         self._streams.clear()
 
     async def _drain(self, drain_timeout_s: float) -> None:

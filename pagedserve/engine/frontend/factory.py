@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.frontend.core_launch import (
-    CoreLaunch, CoreLink, CoreProcess, EngineStartupError, spawn_core_process,
-)
+from pagedserve.engine.frontend.core_launch import (CoreLaunch, CoreLink, CoreProcess, EngineStartupError,
+                                                    spawn_core_process)
 from pagedserve.engine.process_placement import die_with_parent
 from pagedserve.engine.frontend.core_restart import CoreRestarter, RestartBudget, describe_exit
 

@@ -66,7 +66,6 @@ class MPEngineClient(EngineClient):
         self._decoder = msgspec.msgpack.Decoder(CoreBatch)
         self._ctx: zmq.asyncio.Context | None = None
         self._input: zmq.asyncio.Socket | None = None
-        self._output: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         # One front among several sees only its own requests' outputs: /load's rates then come from
         # the engine-wide counters in the core's stats instead, so every front reports the same.
@@ -81,10 +80,10 @@ class MPEngineClient(EngineClient):
         self._ctx = zmq.asyncio.Context(io_threads=1)
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.bind(self.core.input_addr)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(self.core.output_addr)
+        output = self._ctx.socket(zmq.PULL)
+        output.bind(self.core.output_addr)
         self._loop.add_reader(self.core.sentinel, self._core_exited)
-        self._reader = asyncio.create_task(self._read_outputs(), name="pagedserve-core-outputs")
+        self._reader = asyncio.create_task(self._read_outputs(output), name="pagedserve-core-outputs")
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         await self._drain(drain_timeout_s)
@@ -128,11 +127,10 @@ class MPEngineClient(EngineClient):
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    async def _read_outputs(self) -> None:
-        assert self._output is not None
+    async def _read_outputs(self, output: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                frame = await self._output.recv(copy=False)
+                frame = await output.recv(copy=False)
                 self._handle(self._decoder.decode(frame.buffer))
         except asyncio.CancelledError:
             raise
