@@ -11,12 +11,24 @@ from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACT
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags: the engine group, then speculative decoding's."""
     g = parser.add_argument_group("engine")
     _add_model_args(g)
-    _add_kv_args(g)
     _add_scheduling_args(g)
     _add_backend_args(g)
-    _add_speculative_args(parser.add_argument_group("speculative decoding"))
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: ngram = prompt lookup (vLLM's ngram method): each decode step drafts "
+                        "the tokens that followed the latest earlier occurrence of the sequence's last few tokens "
+                        "in its own prompt + output, and verifies them in the same forward pass; greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help=f"with --speculative: most draft tokens per sequence per step, 1..{MAX_SPECULATIVE_TOKENS} "
+                        "(default 4)")
+    s.add_argument("--ngram-prompt-lookup-max", type=int, default=4, metavar="N",
+                   help=f"with --speculative ngram: longest n-gram matched, 1..{MAX_NGRAM} (default 4)")
+    s.add_argument("--ngram-prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="with --speculative ngram: shortest n-gram matched, 1..--ngram-prompt-lookup-max (default 1)")
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
@@ -75,8 +87,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "size (docs/QUANTIZATION.md; default off)")
 
 
-def _add_kv_args(g: argparse._ArgumentGroup) -> None:
-    """The device and the KV pool."""
+def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
+    """The device, the KV pool, and what one step batches and in which order."""
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (page)")
     g.add_argument("--kv-cache-memory", default="1GiB",
@@ -91,10 +103,7 @@ def _add_kv_args(g: argparse._ArgumentGroup) -> None:
                         "users counted against it, as vLLM's --gpu-memory-utilization), of the available memory "
                         "on CPU (default 0.9)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
-
-
-def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
-    """What one step batches and in which order."""
+    # what one step batches and in which order
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
@@ -153,21 +162,6 @@ def _add_backend_args(g: argparse._ArgumentGroup) -> None:
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
                         "(also replay_endpoint, buffer_steps, hwm, max_queue_size); --kv-events-endpoint, "
                         "if given too, sets its endpoint and turns it on")
-
-
-def _add_speculative_args(s: argparse._ArgumentGroup) -> None:
-    s.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding: ngram = prompt lookup (vLLM's ngram method): each decode step drafts "
-                        "the tokens that followed the latest earlier occurrence of the sequence's last few tokens "
-                        "in its own prompt + output, and verifies them in the same forward pass; greedy output is "
-                        "unchanged, sampled output keeps its distribution (default: off)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help=f"with --speculative: most draft tokens per sequence per step, 1..{MAX_SPECULATIVE_TOKENS} "
-                        "(default 4)")
-    s.add_argument("--ngram-prompt-lookup-max", type=int, default=4, metavar="N",
-                   help=f"with --speculative ngram: longest n-gram matched, 1..{MAX_NGRAM} (default 4)")
-    s.add_argument("--ngram-prompt-lookup-min", type=int, default=1, metavar="N",
-                   help="with --speculative ngram: shortest n-gram matched, 1..--ngram-prompt-lookup-max (default 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:

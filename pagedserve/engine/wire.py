@@ -81,7 +81,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
+    """Stop the core loop, once what its pass applied has gone out with the final stats."""
 
 
 class WatchBlocks(msgspec.Struct, tag=True, array_like=True):

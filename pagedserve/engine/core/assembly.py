@@ -7,6 +7,7 @@ rows raise are failed (``failed``: request id → message, shared with the core'
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -96,11 +97,9 @@ class OutputAssembler:
                 failed: dict[str, str], raw: torch.Tensor) -> SampleResult:
         """Sample every row at once; if that raises, row by row, failing the requests whose rows raise."""
         native = self.config.native_kernels
-        try:
+        with contextlib.suppress(Exception):  # and if it raises, row by row below
             self.fault_point("sample", targets)
             return sample(logits, rows, self.generator, raw, native)
-        except Exception:
-            pass
         result = SampleResult([], [])
         for i, (row, seq) in enumerate(zip(rows, targets)):
             request_id = seq.request.request_id
@@ -208,10 +207,9 @@ class OutputAssembler:
     def _append_accepted(self, seq: Sequence, tokens: list[int]) -> None:
         """Append a verified run (accepted drafts, then the target's token) until a stop condition
         ends it; then roll the sequence's KV back to what was accepted."""
-        num_drafts = len(seq.draft_token_ids)
         num_accepted = len(tokens) - 1
         self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_draft_tokens += len(seq.draft_token_ids)
         self.spec_num_accepted_tokens += num_accepted
         for token in tokens:
             self._append_token(seq, token, None)
@@ -234,9 +232,8 @@ class OutputAssembler:
         """The sampler's view of ``seq``'s next position, or of the position after ``drafts``
         (a verification row: penalties and min_tokens count the drafts before it as output)."""
         p = seq.request.params
-        banned: list[int] = []
-        if seq.num_output_tokens + len(drafts) < p.min_tokens:
-            banned = list(self.eos_token_ids | set(p.stop_token_ids))
+        early = seq.num_output_tokens + len(drafts) < p.min_tokens
+        banned = list(self.eos_token_ids | set(p.stop_token_ids)) if early else []
         output = seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids
         return SamplingRow(p, seq.generator, seq.request.prompt_token_ids, output, banned)
 
@@ -274,15 +271,12 @@ class OutputAssembler:
             if not new and (seq.finish_sent or not seq.is_finished):
                 continue  # nothing new for this completion
             seq.finish_sent = seq.is_finished
-            lps = None
-            if seq.logprobs is not None:
-                lps = seq.logprobs[seq.sent_logprob_len:]
-                seq.sent_logprob_len = len(seq.logprobs)
+            lps = None if seq.logprobs is None else seq.logprobs[seq.sent_logprob_len:]
+            seq.sent_logprob_len = len(seq.logprobs or ())
             seq.sent_token_len += len(new)
             deltas.append(SeqDelta(seq.index, new, lps, seq.finish_reason, seq.stop_reason,
                                    seq.cumulative_logprob))
-        prompt_lps = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent, prompt_lps = True, req.prompt_logprobs
+        prompt_lps = None if req.prompt_logprobs_sent else req.prompt_logprobs  # once, when computed
+        req.prompt_logprobs_sent = req.prompt_logprobs is not None
         return CoreOutput(req.request_id, deltas, finished, req.num_cached_tokens, req.metrics,
                           prompt_logprobs=prompt_lps)

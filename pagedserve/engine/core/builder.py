@@ -85,13 +85,10 @@ def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
 
 def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, device: torch.device) -> EngineConfig:
     """A copy of ``config`` with every ``None``/``auto`` that the model decides filled in."""
-    limit = arch.max_position_embeddings
-    if arch.sliding_window:  # attention beyond the window is not implemented: cap instead
-        limit = min(limit, arch.sliding_window)
-    max_model_len = config.max_model_len
-    if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
+    # Attention beyond a sliding window is not implemented: the window caps the length instead.
+    limit = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
+    max_model_len = limit if config.max_model_len is None else config.max_model_len
+    if max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
     # CPU: vLLM's API-server default there. Chunks of 1,024 (the earlier default) fell where oneDNN's
     # bf16 GEMM ran a 768-wide linear on one of two threads (1.2-1.3 against 2.3-2.6 TFLOP/s at

@@ -40,8 +40,7 @@ class EngineCore:
     """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe."""
 
     def __init__(self, config: EngineConfig):
-        parts = build_core(config)
-        self.parts = parts
+        self.parts = parts = build_core(config)
         self.config, self.device, self.arch, self.dtype = parts.config, parts.device, parts.arch, parts.dtype
         self.tokenizer_source, self.weight_bytes = parts.tokenizer_source, parts.weight_bytes
         self.num_kv_blocks, self.kv_bytes_per_token, self.kv_dtype = parts.kv.num_blocks, parts.kv.bytes_per_token, \
@@ -125,8 +124,7 @@ class EngineCore:
         """Run one scheduled batch and return the outputs due (``stream_interval``: the assembler's) of
         the requests it advanced; a step may return none."""
         failed: dict[str, str] = {}
-        if self.compiling:
-            self._admit_compiled(failed)
+        self._admit_compiled(failed)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self.compiling and not failed:

@@ -39,8 +39,7 @@ def keep_step_memory() -> int | None:
         logger.info("C library is not glibc: step temporaries use its default allocation")
         return None
     try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -15,7 +15,7 @@ over, so a batch dropped because the queue was full shows up as a gap a subscrib
 from __future__ import annotations
 
 import collections
-import itertools
+import contextlib
 import logging
 import queue
 import threading
@@ -45,7 +45,6 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
-        self._seq = itertools.count()
         self.published = 0  # batches handed over (the next sequence number)
         self.dropped = 0
         # Sockets are made and bound here, so a taken port fails the engine's start with its
@@ -71,8 +70,8 @@ class ZmqEventPublisher:
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Hand one step's events to the thread (non-blocking; dropped with a warning if it is behind)."""
         batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)  # one engine, no data parallelism
-        seq = next(self._seq)
-        self.published = seq + 1
+        seq = self.published
+        self.published += 1
         try:
             self._queue.put_nowait((seq, batch))
         except queue.Full:
@@ -83,10 +82,8 @@ class ZmqEventPublisher:
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (for up to ``timeout_s``), then close the sockets."""
         if self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Full):  # still full after timeout_s: the thread is stuck
                 self._queue.put(_STOP, timeout=timeout_s)
-            except queue.Full:
-                pass
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._ctx.destroy(linger=100)  # its sockets too

@@ -19,6 +19,7 @@ is also capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens co
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +61,12 @@ def _size(n: int) -> str:
 
 def _meminfo() -> dict[str, int]:
     values = {}
-    try:
+    with contextlib.suppress(OSError):  # not Linux: no figures
         for line in Path("/proc/meminfo").read_text().splitlines():
             key, _, rest = line.partition(":")
             parts = rest.split()
             if parts and parts[0].isdigit():
                 values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
     return values
 
 

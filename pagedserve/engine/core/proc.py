@@ -102,7 +102,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 class _ParentGone(Exception):
-    pass
+    """The server process that started the core is gone: nobody is left to serve."""
 
 
 class ZmqTransport:

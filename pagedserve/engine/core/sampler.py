@@ -46,13 +46,9 @@ def row_argmax(x: torch.Tensor, native: bool = True) -> torch.Tensor:
     chunk holding the row's maximum, and the argmax within that chunk only. Ties and NaN go to the
     first index, as in torch; a vocabulary that is not a multiple of the chunk keeps its tail in a
     second, short comparison."""
-    rows, vocab = x.shape
-    if x.stride(-1) != 1:  # the chunk view needs each row's elements side by side
-        x = x.contiguous()
-    ops = native_ops() if native and x.device.type == "cpu" and x.dtype == torch.float32 and vocab else None
-    if ops is not None:
-        return ops.row_argmax(x)
-    return chunked_argmax(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the chunk view needs each row's elements side by side
+    ops = native_ops() if native and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[1] else None
+    return chunked_argmax(x) if ops is None else ops.row_argmax(x)
 
 
 def chunked_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -121,17 +117,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     """Add every row's ``logit_bias`` in one ``index_add_`` over the flattened batch (a copy).
 
     The Python work is over the bias entries (at most ``MAX_LOGIT_BIAS`` a row), never the vocabulary.
+    Their token ids are the model's: the front end's request check refused any other.
     """
     vocab, device = logits.shape[1], logits.device
-    flat: list[int] = []
-    values: list[float] = []
-    for i, r in enumerate(rows):
-        for token, bias in (r.params.logit_bias or {}).items():
-            if token < vocab:  # the engine refuses larger ids; this keeps the index in range regardless
-                flat.append(i * vocab + token)
-                values.append(bias)
-    if not flat:
+    entries = [(i * vocab + token, bias) for i, r in enumerate(rows)
+               for token, bias in (r.params.logit_bias or {}).items()]
+    if not entries:
         return logits
+    flat, values = zip(*entries)
     out = logits.clone()
     out.view(-1).index_add_(0, torch.tensor(flat, device=device),
                             torch.tensor(values, dtype=logits.dtype, device=device))

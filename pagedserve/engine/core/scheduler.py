@@ -263,9 +263,7 @@ class Scheduler:
         cfg = self.config
         if not cfg.priority_prefill_first:
             return None
-        prompts = [s.priority for s in chunking]
-        if self.waiting:
-            prompts.append(self.waiting[0].priority)  # the heap's head is its best priority
+        prompts = [s.priority for s in chunking + self.waiting[:1]]  # the waiting heap's head is its best
         if not prompts:
             return None
         if self.consecutive_pauses >= cfg.priority_prefill_max_pause:

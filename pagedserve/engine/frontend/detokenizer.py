@@ -44,8 +44,7 @@ class Detokenizer:
     def update(self, state: TextState) -> str:
         """Append the newly decodable text (of tokens already appended to ``state.token_ids``) to
         ``state.output_text`` and return it."""
-        skip = state.skip_special_tokens
-        ids = state.token_ids
+        skip, ids = state.skip_special_tokens, state.token_ids
         prefix_text = self._decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
         new_text = self._decode(ids[state.prefix_offset:], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

@@ -29,9 +29,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:

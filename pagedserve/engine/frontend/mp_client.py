@@ -152,8 +152,7 @@ class MPEngineClient(EngineClient):
         self._loop.remove_reader(self.core.sentinel)
         if self._shutting_down:
             return
-        code = self.core.exit_code()
-        how = describe_exit(code)
+        how = describe_exit(self.core.exit_code())
         if self.restarted_by_supervisor:
             logger.error("the engine core process died: failing %d open requests until the supervisor has "
                          "started a new one", len(self._streams))

@@ -137,16 +137,15 @@ class OutputProcessor:
             text = completion.text.output_text
             done = completion.finish_reason is not None
             visible = len(text) if done else max(completion.sent_text_len, len(text) - state.holdback)
-            delta_lp = None
-            if completion.logprobs is not None:
-                delta_lp = completion.logprobs[completion.sent_logprob_len:]
-                completion.sent_logprob_len = len(completion.logprobs)
+            lps = completion.logprobs
             outputs.append(CompletionOutput(
                 index=completion.index, text=text[:visible], token_ids=list(completion.token_ids),
                 delta_text=text[completion.sent_text_len:visible],
-                delta_token_ids=completion.token_ids[completion.sent_token_len:],
-                logprobs=completion.logprobs, delta_logprobs=delta_lp,
-                cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                delta_token_ids=completion.token_ids[completion.sent_token_len:], logprobs=lps,
+                delta_logprobs=None if lps is None else lps[completion.sent_logprob_len:],
+                cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason))
             completion.sent_text_len, completion.sent_token_len = visible, len(completion.token_ids)
+            completion.sent_logprob_len = len(lps or ())
         return RequestOutput(state.request_id, state.prompt_token_ids, outputs, finished, num_cached_tokens,
                              metrics, state.prompt, prompt_logprobs=state.prompt_logprobs)
