@@ -287,8 +287,7 @@ def _profiled_kv_budget(c: EngineConfig, arch: ModelArchitecture, model: torch.n
 def _block_manager(config: EngineConfig, kv: KVPool) -> tuple[BlockManager | GroupedBlockManager, KVEventLog | None]:
     """The page allocator over the pool, with the prefix cache's event log when KV events are on
     (docs/SCALE_OUT.md; off by default, and then nothing is hashed, recorded or sent)."""
-    events = config.kv_events if config.kv_events is not None and config.kv_events.enabled else None
-    event_log = KVEventLog(config.block_size) if events is not None else None
+    event_log = KVEventLog(config.block_size) if config.kv_events is not None and config.kv_events.enabled else None
     if kv.groups:
         return GroupedBlockManager(kv.num_blocks, config.block_size, kv.groups, config.enable_prefix_caching,
                                    event_log, config.max_num_batched_tokens), event_log

@@ -279,8 +279,7 @@ class EngineClient(abc.ABC):
 
     def load(self) -> LoadReport:
         """Running/waiting requests, KV blocks, tokens/s and the queue wait a new request would see."""
-        s = self.stats()
-        now = time.monotonic()
+        s, now = self.stats(), time.monotonic()
         history = [h for h in list(self._history) if now - h[0] <= RATE_WINDOW_S]
         span = max(now - history[0][0], 1.0) if history else RATE_WINDOW_S
         tokens_per_s = sum(h[1] for h in history) / span if history else 0.0
@@ -385,7 +384,6 @@ class EngineClient(abc.ABC):
         self._fail(error)
         if self.on_death is not None:
             self.on_death()
-
 
 
 def queue_wait_estimate(running: int, waiting: int, seats: int, finished_per_s: float, mean_e2e_s: float) -> float:
