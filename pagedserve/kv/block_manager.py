@@ -86,20 +86,17 @@ class FreeBlockQueue:
         return self._num_blocks - len(self.blocks)
 
     def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free, block.next_free = last, self._tail
-        self._tail.prev_free = block
-        self.num_free += 1
+        self._link_after(self._tail.prev_free, block)
 
     def appendleft(self, block: KVBlock) -> None:
         """Put a block with nothing worth keeping at the head: the next allocation takes it first."""
-        first = self._head.next_free
-        assert first is not None
-        self._head.next_free = block
-        block.prev_free, block.next_free = self._head, first
-        first.prev_free = block
+        self._link_after(self._head, block)
+
+    def _link_after(self, prev: KVBlock | None, block: KVBlock) -> None:
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free, nxt.prev_free = block, block
+        block.prev_free, block.next_free = prev, nxt
         self.num_free += 1
 
     def popleft(self) -> KVBlock:
@@ -181,7 +178,8 @@ class BlockManager:
         self._cache: dict[tuple, KVBlock] = {}
         self._next_content_id = ROOT_CONTENT_ID + 1
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the runner
-        self._num_cached_free = 0  # free blocks still holding reusable cached content
+        # Free blocks whose cached content a prefix hit could still reuse (kept as a count: O(1)).
+        self.num_cached_free_blocks = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.events = events
@@ -208,11 +206,6 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         """Blocks some sequence holds (the null block is not counted: nobody's)."""
         return self.num_blocks - self.free_queue.num_free - (self.null_block is not None)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks whose cached content a prefix hit could still reuse (kept as a count: O(1))."""
-        return self._num_cached_free
 
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
@@ -297,7 +290,7 @@ class BlockManager:
         """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
         for block in self.free_queue:
             self._evict(block)
-        self._num_cached_free = 0
+        self.num_cached_free_blocks = 0
         if self.events is not None and not self._cache:
             self.events.cleared()  # nothing held stays cached: say so in one event, as vLLM does
 
@@ -316,7 +309,7 @@ class BlockManager:
     def _take_free(self) -> KVBlock:
         block = self.free_queue.popleft()
         if block.cache_key is not None:
-            self._num_cached_free -= 1
+            self.num_cached_free_blocks -= 1
             self.num_evictions += 1
         self._evict(block)
         block.ref_count = 1
@@ -325,7 +318,7 @@ class BlockManager:
     def _ref(self, block: KVBlock) -> None:
         if block.ref_count == 0:
             self.free_queue.remove(block)
-            self._num_cached_free -= block.cache_key is not None
+            self.num_cached_free_blocks -= block.cache_key is not None
         block.ref_count += 1
 
     def allocate(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
@@ -341,18 +334,14 @@ class BlockManager:
         if not self.can_allocate(self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens), reserve):
             return False
         table = self.tables.get(seq_id)
-        cow = table is not None and self._needs_copy(table, num_computed_tokens)  # a new table shares nothing yet
-        if table is None:
-            table = self.tables[seq_id] = []
+        if table is None:  # a new table shares nothing yet: no copy
+            table = self.tables[seq_id] = list(cached_prefix)
             self.chains[seq_id] = []
             for block in cached_prefix:
                 self._ref(block)
-                table.append(block)
-        need_new = max(0, self.num_blocks_for(num_tokens) - len(table))
-        if cow:
+        elif self._needs_copy(table, num_computed_tokens):
             self._copy_on_write(table, num_computed_tokens // self.block_size)
-        for _ in range(need_new):
-            table.append(self._take_free())
+        table.extend(self._take_free() for _ in range(self.num_blocks_for(num_tokens) - len(table)))
         return True
 
     def blocks_needed(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
@@ -375,16 +364,12 @@ class BlockManager:
         null = self.null_block
         assert null is not None, "release_leading needs a manager built with null_block=True"
         table = self.tables.get(seq_id, [])
-        released = 0
-        for i in range(min(num_blocks, len(table))):
-            block = table[i]
-            if block is null:
-                continue
-            table[i] = null
-            null.ref_count += 1
-            self._unref([block])
-            released += 1
-        return released
+        leading = table[:num_blocks]
+        released = [block for block in leading if block is not null]
+        table[:len(leading)] = [null] * len(leading)
+        null.ref_count += len(released)
+        self._unref(released)
+        return len(released)
 
     def _unref(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
         """Drop one reference to each block; those no one holds go back to the free queue (``front``:
@@ -398,7 +383,7 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
-                    self._num_cached_free += block.cache_key is not None
+                    self.num_cached_free_blocks += block.cache_key is not None
         if freed and self.on_release is not None:
             self.on_release(freed)
 
@@ -430,12 +415,9 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references, tail first, so its prefix chain is evicted from the end."""
-        table = self.tables.pop(seq_id, None)
         self.chains.pop(seq_id, None)
         self._hash_chains.pop(seq_id, None)
-        if table is None:
-            return
-        self._unref(reversed(table))
+        self._unref(reversed(self.tables.pop(seq_id, [])))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Shrink ``seq_id``'s table to the blocks ``num_tokens`` slots need, dropping the tail
@@ -474,6 +456,6 @@ class BlockManager:
         for key, block in self._cache.items():
             assert block.cache_key == key, f"{block}: cache key mismatch"
         cached_free = sum(1 for b in self.free_queue if b.cache_key is not None)
-        assert cached_free == self._num_cached_free, "cached-free count drifted"
+        assert cached_free == self.num_cached_free_blocks, "cached-free count drifted"
         if self.events is not None:
             assert self.events.hashes() == {b.block_hash for b in self._cache.values()}, "event hashes drifted"

@@ -60,10 +60,7 @@ def kv_groups(layer_windows: Seq[int | None]) -> list[KVGroup]:
 
 def layer_slots(groups: Seq[KVGroup]) -> list[tuple[int, int]]:
     """Per layer, ``(group index, pool slot)``: the slot is the layer's position in its group."""
-    slots: dict[int, tuple[int, int]] = {}
-    for g, group in enumerate(groups):
-        for j, layer in enumerate(group.layers):
-            slots[layer] = (g, j)
+    slots = {layer: (g, j) for g, group in enumerate(groups) for j, layer in enumerate(group.layers)}
     return [slots[i] for i in range(len(slots))]
 
 
