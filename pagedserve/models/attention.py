@@ -105,8 +105,7 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
     the window), so a decode reads about ``window`` tokens, not its whole context; prompt chunks
     keep their tables and every backend masks them by ``window``. Built once per step, shared by
     every sliding layer. The slots written (``slot_mapping``) are unchanged."""
-    d = meta.num_decodes
-    if not d:
+    if not meta.num_decodes:
         return dataclasses.replace(meta, window=window)
     ctx = meta.decode_context_lens
     first = (ctx - window).clamp(min=0) // block_size  # block of the oldest key in the window
@@ -148,19 +147,17 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
     decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
+    block_size = k_cache.shape[1]
     for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
         pools = (decode_k, decode_v) if i < meta.num_decodes else (k_cache, v_cache)
         k, v = (gather_blocks(pool, block_ids).flatten(0, 1)[:ctx_len].float() for pool in pools)
-        block_size = k_cache.shape[1]
         hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
         if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
             lead, block = (ctx_len - q_len) % block_size, int(block_ids[(ctx_len - q_len) // block_size])
-            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block)])
-            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block)])
+            k, v = (torch.cat([x, pool.own_block_rows(start, q_len, lead, block)]) for x, pool in zip((k, v), pools))
             hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
         group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # [ctx, heads, d]
-        v = v.repeat_interleave(group, dim=1)
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # [ctx, heads, d]
         qs = q[start:start + q_len].float()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -171,10 +168,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    tables = meta.decode_block_tables
     # [D, blocks, block_size, kvh, hd] -> [D, kvh, L, hd]
-    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    k, v = (gather_blocks(c, meta.decode_block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+            for c in (k_cache, v_cache))
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)
@@ -190,9 +186,8 @@ def gather_head_major(cache: KVCache, block_ids: torch.Tensor) -> torch.Tensor:
 def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, heads, hd = q.shape
-    tables = meta.decode_block_tables
-    k = gather_head_major(k_cache, tables).flatten(2, 3).to(q.dtype)  # [kvh, D, L, hd]
-    v = gather_head_major(v_cache, tables).flatten(2, 3).to(q.dtype)
+    # [kvh, D, L, hd]
+    k, v = (gather_head_major(c, meta.decode_block_tables).flatten(2, 3).to(q.dtype) for c in (k_cache, v_cache))
     kvh = k.shape[0]
     # The query heads that share each KV head form the rows of one small matmul per (head, seq).
     qg = (q * scale).view(d, kvh, heads // kvh, hd).transpose(0, 1)  # [kvh, D, group, hd]
@@ -212,36 +207,26 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     """Decodes through the native kernel, reading each block in place from the head-major or the
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
-    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+    kernel = None  # and, with one: the dtype it computes in, the pools' tensors, its mode argument
+    if q.device.type == "cpu" and q.shape[1] <= FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+        if isinstance(k_cache, Int4KVCache):
+            kernel, dtype, mode = paged_decode_int4_kernel(), q.dtype, ("auto",)
+            pools = (k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
+                     v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots())
+        elif isinstance(k_cache, QuantizedKVCache):
+            kernel, dtype, mode = paged_decode_quantized_kernel(), q.dtype, (k_cache.kv_cache_dtype,)
+            pools = (k_cache.data, v_cache.data, k_cache.scales, v_cache.scales)
+        elif isinstance(k_cache, HeadMajorKVCache):
+            # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without
+            # native bf16) take q converted and give the output back; otherwise no conversion call at all.
+            kernel, dtype, mode, pools = paged_decode_kernel(), k_cache.dtype, (), (k_cache.data, v_cache.data)
+    if kernel is None:
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
-    if isinstance(k_cache, Int4KVCache):
-        kernel = paged_decode_int4_kernel()
-        if kernel is None:
-            return _decode_matmul(q, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
-        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
-               v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots(), meta.decode_block_tables,
-               meta.decode_context_lens, scale, "auto", meta.decode_first)
-        return out
-    if isinstance(k_cache, QuantizedKVCache):
-        kernel = paged_decode_quantized_kernel()
-        if kernel is not None:
-            out = torch.empty_like(q)
-            kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                   meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype,
-                   meta.decode_first)
-            return out
-    kernel = paged_decode_kernel()
-    if kernel is None or not isinstance(k_cache, HeadMajorKVCache):
-        return _decode_matmul(q, k_cache, v_cache, meta, scale)
-    # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without native
-    # bf16) take q converted and give the output back; otherwise no conversion call at all.
-    same = q.dtype == k_cache.dtype
-    out = torch.empty_like(q, dtype=k_cache.dtype)
-    kernel(out, q if same else q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables,
-           meta.decode_context_lens, scale, meta.decode_first)
-    return out if same else out.to(q.dtype)
+    out = torch.empty_like(q, dtype=dtype)
+    kernel(out, q if q.dtype == dtype else q.to(dtype), *pools, meta.decode_block_tables, meta.decode_context_lens,
+           scale, *mode, meta.decode_first)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
@@ -323,10 +308,10 @@ def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if exact is not None:
         mask = own_block_exact(q_len, ctx_len, exact.block_size, window, qs.device)
         k, v = torch.cat([k, exact.k], 1), torch.cat([v, exact.v], 1)
-        return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    if ctx_len == q_len and (window is None or window >= ctx_len):
+    elif ctx_len == q_len and (window is None or window >= ctx_len):
         return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    mask = _visible(q_len, ctx_len, window, qs.device)
+    else:
+        mask = _visible(q_len, ctx_len, window, qs.device)
     return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -424,18 +409,16 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_size = k_cache.shape[1]
     for start, q_len, ctx_len, block_ids in meta.prefills:
         first = 0 if meta.window is None else max(0, ctx_len - q_len + 1 - meta.window) // block_size
-        # .to: pools may hold bf16 under float32 compute (a CPU without native bf16); no-op otherwise
         ids = block_ids[first:]
         ctx = ctx_len - first * block_size  # counted from the first block read
-        k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
-        v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
+        # [kvh, ctx, hd] each; .to: pools may hold bf16 under float32 compute (a CPU without native bf16), else no-op
+        k, v = (gather_head_major(c, ids).flatten(1, 2)[:, :ctx].to(q.dtype) for c in (k_cache, v_cache))
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
         exact = None
         if isinstance(k_cache, Int4KVCache):  # each query reads its own block from the exact rows
             lead, block = (ctx - q_len) % block_size, int(ids[(ctx - q_len) // block_size])
-            exact = ExactRows(k_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
-                              v_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
-                              lead, block_size)
+            exact = ExactRows(*(c.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)
+                                for c in (k_cache, v_cache)), lead, block_size)
         out[start:start + q_len] = prefill(qs, k, v, scale, meta.window, exact).transpose(0, 1)
     return out
 
