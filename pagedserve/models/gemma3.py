@@ -1,8 +1,8 @@
 """Gemma 3 (text) over a flat token batch with a paged KV cache, loaded from a GGUF file.
 
 What differs from the Llama family (:mod:`pagedserve.models.llama`, whose norm, rotary embedding
-and attention backends are reused as they are, and whose attention and MLP modules are subclassed:
-the fused QKV projection, rotary and paged-attention calls written once):
+and attention backends are reused as they are, and whose decoder layer, attention and MLP modules
+are subclassed: the fused QKV projection, rotary and paged-attention calls written once):
 
 * every layer norms four times: before and after attention, before and after the MLP, the
   attention and MLP outputs normed before they join the residual stream;
@@ -41,8 +41,8 @@ from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
 from pagedserve.models.attention import AttentionMetadata, window_view
-from pagedserve.models.llama import (MLP, Attention, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding,
-                                     input_norm)
+from pagedserve.models.llama import (MLP, Attention, DecoderLayer, LlamaForCausalLM, ModelArchitecture, RMSNorm,
+                                     RotaryEmbedding, input_norm)
 
 MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -115,12 +115,11 @@ class Gemma3Architecture(ModelArchitecture):
 
 
 class Gemma3Attention(Attention):
-    """The Llama family's attention with the ``query_pre_attn_scalar`` scale and the layer's window
-    (None: global)."""
+    """The Llama family's attention with the ``query_pre_attn_scalar`` scale (a layer's window is
+    in the metadata it attends with: :func:`~pagedserve.models.attention.window_view`)."""
 
-    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding):
         super().__init__(arch, rotary)  # arch.qk_norm is True: q_norm and k_norm are built
-        self.window = window
         self.scale = arch.query_pre_attn_scalar ** -0.5
 
     def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,21 +138,20 @@ class Gemma3MLP(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """The Llama layer's norms and modules (Gemma's attention and MLP), and the norms of the
+    attention's and the MLP's outputs before they join the residual stream."""
+
     # norm -> its GGUF tensor (blk.<i>.<name>.weight): 1 + w, as the file stores it
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     NATIVE_MATH = "gemma3"  # the decode stack's Gemma arithmetic: QK-norm by rows, GeGLU
+    ATTENTION, FEED_FORWARD = Gemma3Attention, Gemma3MLP
 
-    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
-        super().__init__()
-        eps = arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.self_attn = Gemma3Attention(arch, rotary, window)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.mlp = Gemma3MLP(arch)
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding):
+        super().__init__(arch, rotary)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The native decode stack's norm weights (DecoderLayer.native_norms' roles)."""
@@ -192,7 +190,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def build_layers(self, arch: Gemma3Architecture, max_positions: int,
                      rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:
         glob, local = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
-        return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w) for w in arch.layer_windows)
+        return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local) for w in arch.layer_windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:

@@ -178,9 +178,8 @@ class Attention(nn.Module):
         q, k = self.query_key_heads(q, k, t)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv
-        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        backend.write(*kv, k, v, meta.slot_mapping)
+        o = backend.attend(q, *kv, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -220,13 +219,14 @@ def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) ->
 class DecoderLayer(nn.Module):
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # blk.<i>.<name>.weight
     NATIVE_MATH = "llama"  # the native decode stack's arithmetic for this layer (models/native_decode.py)
+    ATTENTION, FEED_FORWARD = Attention, MLP  # the modules built as self_attn and mlp (Gemma 3's subclass theirs)
 
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rotary)
+        self.self_attn = self.ATTENTION(arch, rotary)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = self.FEED_FORWARD(arch)
 
     def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The native decode stack's norm weights: the input norm, the residual-adding norm before
