@@ -137,18 +137,14 @@ class TailMap:
                     plan.decode_slots[b] = -1
         return slot
 
-    def _drop(self, block: int, changes: dict[int, int]) -> None:
-        slot = self._slot_of[block]
-        if slot >= 0:
-            self._free.append(slot)
-            self._slot_of[block] = changes[block] = -1
-
     def release(self, block_ids: Iterable[int]) -> None:
         """Blocks no sequence holds any more: their tail slots (if open) are free again. The block
         manager calls this as it frees, truncates or releases blocks."""
         changes: dict[int, int] = {}
         for b in block_ids:
-            self._drop(b, changes)
+            if self._slot_of[b] >= 0:
+                self._free.append(self._slot_of[b])
+                self._slot_of[b] = changes[b] = -1
         self._set(changes)
 
     def ensure_open(self, block_ids: list[int]) -> list[int]:

@@ -128,9 +128,8 @@ def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
         k_cache.write(slot_mapping, k)
         v_cache.write(slot_mapping, v)
         return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _decode_view(cache: KVCache) -> KVCache:

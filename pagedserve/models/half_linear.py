@@ -91,7 +91,7 @@ class HalfWeightLinear(FlatLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"stored {str(self.weight.dtype).removeprefix('torch.')}")
+                f"stored {_name(self.weight.dtype)}")
 
 
 def store_linears_16bit(model: nn.Module, dtype: torch.dtype, ops) -> int:
@@ -107,30 +107,30 @@ def store_linears_16bit(model: nn.Module, dtype: torch.dtype, ops) -> int:
     return count
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, compute_dtype: torch.dtype,
                           device: torch.device, quantization: str, kernel: bool) -> tuple[torch.dtype | None, str]:
     """How a model's linear weights are stored for decode: ``(dtype, why)``, dtype ``None`` when
     they stay in the compute dtype. ``requested`` is ``--decode-weights`` (``auto`` | ``float32`` |
     ``float16`` | ``bfloat16``); ``checkpoint_dtype`` the dtype the checkpoint stores its weights in
     (``None``: unknown or mixed); ``kernel`` whether the native ``half_linear`` kernel is built."""
-    if device.type != "cpu":
-        return None, "16-bit decode weights are a CPU path"
-    if compute_dtype != torch.float32:
-        return None, f"the model computes in {str(compute_dtype).removeprefix('torch.')}"
-    if quantization not in (None, "none"):
-        return None, f"the weights are quantized ({quantization})"
-    if not kernel:
-        return None, "the native half_linear kernel is unavailable"
-    if requested == "float32":
-        return None, "--decode-weights float32"
+    for refused, why in [(device.type != "cpu", "16-bit decode weights are a CPU path"),
+                         (compute_dtype != torch.float32, f"the model computes in {_name(compute_dtype)}"),
+                         (quantization not in (None, "none"), f"the weights are quantized ({quantization})"),
+                         (not kernel, "the native half_linear kernel is unavailable"),
+                         (requested == "float32", "--decode-weights float32")]:
+        if refused:
+            return None, why
     if requested == "auto":
         if checkpoint_dtype in DECODE_WEIGHT_DTYPES.values():
-            name = str(checkpoint_dtype).removeprefix("torch.")
-            return checkpoint_dtype, (f"the checkpoint's own {name}, lossless; decode reads 2 bytes per weight "
-                                      "instead of float32's 4")
+            return checkpoint_dtype, (f"the checkpoint's own {_name(checkpoint_dtype)}, lossless; decode reads 2 "
+                                      "bytes per weight instead of float32's 4")
         return None, ("--decode-weights auto keeps a float32 checkpoint's weights float32; float16 would halve the "
                       "bytes decode reads, rounding them")
     dtype = DECODE_WEIGHT_DTYPES[requested]
     exact = "lossless" if checkpoint_dtype == dtype else "rounded from the checkpoint's " + (
-        str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else "weights")
+        _name(checkpoint_dtype) if checkpoint_dtype is not None else "weights")
     return dtype, f"--decode-weights {requested} ({exact}); decode reads 2 bytes per weight instead of 4"

@@ -210,9 +210,9 @@ class Int4Linear(FlatLinear):
         return w.reshape(packed.shape[0], self.in_features).to(dtype)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        ops = None if self.packed_for_cpu or x2.device.type != "cpu" else self.group_ops
-        if ops is not None:
-            return _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x2.dtype)
+        if self.group_ops is not None and x2.device.type == "cpu":  # (never with the CPU-packed layout)
+            return _native_linear(self.group_ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias,
+                                  x2.dtype)
         if self.packed_for_cpu:
             # A no-op .to() when the activations have the model dtype (no copy per call).
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size,
@@ -278,12 +278,11 @@ class Int8GroupedLinear(FlatLinear):
         return w.transpose(0, 1).reshape(w.shape[1], self.in_features)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        ops = self.group_ops if self.native and x2.device.type == "cpu" else None
-        if ops is not None:
+        if self.native and x2.device.type == "cpu":
             # As the LM head (float_output), the float32 sums are the logits: rounding them to
             # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
             out_dtype = torch.float32 if self.float_output else x2.dtype
-            return _native_linear(ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
+            return _native_linear(self.group_ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
         if (x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
                 and x2.shape[0] <= _INT8_GROUPED_KERNEL_MAX_ROWS):
             xg = x2.reshape(x2.shape[0], -1, self.group_size).transpose(0, 1).contiguous()  # [K/g, T, g]
@@ -338,7 +337,4 @@ def weight_bytes(model: nn.Module) -> int:
     opaque prepacked matrices of :class:`~pagedserve.models.packed.PackedLinear` layers). A tensor
     held by two modules (a quantized table that is both the embedding and the LM head) counts once."""
     packed = sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
-    seen: dict[tuple[int, int], int] = {}
-    for t in model.state_dict().values():
-        seen[(t.data_ptr(), t.nbytes)] = t.nbytes
-    return packed + sum(seen.values())
+    return packed + sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in model.state_dict().values()})
