@@ -32,6 +32,7 @@ nothing is hashed or recorded.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 
 from pagedserve.kv.events import KVEventLog, block_hash
@@ -339,8 +340,11 @@ class BlockManager:
             self.chains[seq_id] = []
             for block in cached_prefix:
                 self._ref(block)
-        elif self._needs_copy(table, num_computed_tokens):
-            self._copy_on_write(table, num_computed_tokens // self.block_size)
+        elif self._needs_copy(table, num_computed_tokens):  # copy-on-write: the block written next, private
+            index = num_computed_tokens // self.block_size
+            shared, table[index] = table[index], self._take_free()
+            self.pending_copies.append((shared.block_id, table[index].block_id))
+            shared.ref_count -= 1  # still > 0: the other writers keep it
         table.extend(self._take_free() for _ in range(self.num_blocks_for(num_tokens) - len(table)))
         return True
 
@@ -392,13 +396,6 @@ class BlockManager:
         return (num_computed_tokens % self.block_size != 0 and index < len(table)
                 and table[index].ref_count > 1)
 
-    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
-        shared = table[index]
-        private = self._take_free()
-        self.pending_copies.append((shared.block_id, private.block_id))
-        shared.ref_count -= 1  # still > 0: the other writers keep it
-        table[index] = private
-
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared by reference count)."""
         table = self.tables[parent_id]
@@ -438,16 +435,13 @@ class BlockManager:
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the allocator's invariants (used by property tests; O(num_blocks))."""
-        refs = [0] * self.num_blocks
+        refs = Counter(block.block_id for table in self.tables.values() for block in table)
         if self.null_block is not None:
             refs[self.null_block.block_id] += 1  # the manager's own reference
-        for table in self.tables.values():
-            for block in table:
-                refs[block.block_id] += 1
         queue = self.free_queue
         built = queue.blocks  # not build_all(): the never-used blocks stay unbuilt, as in service
         assert all(b.block_id == i for i, b in enumerate(built)), "built blocks out of id order"
-        assert not any(refs[len(built):]), "a table holds a block that was never handed out"
+        assert max(refs, default=-1) < len(built), "a table holds a block that was never handed out"
         free_ids = {b.block_id for b in queue}
         assert len(free_ids) + queue.num_unbuilt == queue.num_free, "free queue count drifted"
         for block in built:
