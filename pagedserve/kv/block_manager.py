@@ -353,12 +353,10 @@ class BlockManager:
         """Free blocks :meth:`allocate` would take: new ones, a copy-on-write copy, and hit blocks
         that sit in the free queue (taken out of it)."""
         table = self.tables.get(seq_id)
-        if table is None:
-            table, prefix_cost = [], sum(1 for b in cached_prefix if b.ref_count == 0)
-        else:
-            cached_prefix, prefix_cost = (), 0
-        need_new = max(0, self.num_blocks_for(num_tokens) - len(table) - len(cached_prefix))
-        return need_new + int(self._needs_copy(table, num_computed_tokens)) + prefix_cost
+        if table is None:  # a new table: the hits, then new blocks (no copy)
+            hits_in_queue = sum(b.ref_count == 0 for b in cached_prefix)
+            return max(0, self.num_blocks_for(num_tokens) - len(cached_prefix)) + hits_in_queue
+        return max(0, self.num_blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed_tokens)
 
     def release_leading(self, seq_id: int, num_blocks: int) -> int:
         """Give back the sequence's first ``num_blocks`` blocks (those a sliding-window layer will
@@ -393,8 +391,7 @@ class BlockManager:
 
     def _needs_copy(self, table: list[KVBlock], num_computed_tokens: int) -> bool:
         index = num_computed_tokens // self.block_size
-        return (num_computed_tokens % self.block_size != 0 and index < len(table)
-                and table[index].ref_count > 1)
+        return num_computed_tokens % self.block_size != 0 and index < len(table) and table[index].ref_count > 1
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared by reference count)."""

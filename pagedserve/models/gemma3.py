@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -71,47 +72,30 @@ class Gemma3Architecture(ModelArchitecture):
     def from_hf_config(cls, cfg) -> "Gemma3Architecture":
         """From a ``gemma3_text`` config (transformers' object or :class:`~pagedserve.models.hf_config.HFConfig`,
         whose keys missing from config.json take transformers' defaults)."""
-        def get(key: str):
-            value = getattr(cfg, key, None)
-            return DEFAULTS[key] if value is None else value
-
         if getattr(cfg, "model_type", None) != MODEL_TYPE:
             raise ValueError(f"not a Gemma 3 text config: model_type {getattr(cfg, 'model_type', None)!r}")
-        if get("attn_logit_softcapping") is not None:
+        # the keys read here, each transformers' default where the config has none
+        c = SimpleNamespace(model_type=MODEL_TYPE, **{key: DEFAULTS[key] if getattr(cfg, key, None) is None
+                                                      else getattr(cfg, key) for key in DEFAULTS})
+        if c.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
-        if get("use_bidirectional_attention"):
+        if c.use_bidirectional_attention:
             raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
-        if get("hidden_activation") != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported Gemma 3 activation {get('hidden_activation')!r} "
-                             "(supported: gelu_pytorch_tanh)")
-        layers = int(get("num_hidden_layers"))
-        types = getattr(cfg, "layer_types", None) or [
-            SLIDING if (i + 1) % int(get("sliding_window_pattern")) else FULL for i in range(layers)]
+        if c.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported Gemma 3 activation {c.hidden_activation!r} (supported: gelu_pytorch_tanh)")
+        layers = c.num_hidden_layers
+        types = c.layer_types or [SLIDING if (i + 1) % int(c.sliding_window_pattern) else FULL for i in range(layers)]
         if len(types) != layers or set(types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must name {layers} layers, each {SLIDING!r} or {FULL!r}: {types}")
-        window = int(get("sliding_window"))
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        full = dict(rope.get(FULL) or {})
+        rope = getattr(cfg, "rope_parameters", None) or {}
         local = dict(rope.get(SLIDING) or {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"rope scaling on Gemma 3's sliding layers is not supported: {local}")
-        full_theta = float(full.pop("rope_theta", DEFAULT_THETA[FULL]))
-        full_type = full.get("rope_type", full.get("type", "default"))
-        heads = int(get("num_attention_heads"))
-        return cls(
-            model_type=MODEL_TYPE, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")), num_layers=layers, num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")),
-            rms_norm_eps=float(get("rms_norm_eps")), rope_theta=full_theta,
-            rope_scaling=full if full_type != "default" else None,
-            max_position_embeddings=int(get("max_position_embeddings")),
-            tie_word_embeddings=bool(get("tie_word_embeddings")), qkv_bias=bool(get("attention_bias")),
-            qk_norm=True, sliding_window=None,
-            layer_windows=tuple(window if t == SLIDING else None for t in types),
+        return cls.from_shared_fields(
+            c, rope.get(FULL) or {}, DEFAULT_THETA[FULL], qkv_bias=bool(c.attention_bias), qk_norm=True,
+            sliding_window=None, layer_windows=tuple(int(c.sliding_window) if t == SLIDING else None for t in types),
             local_rope_theta=float(local.get("rope_theta", DEFAULT_THETA[SLIDING])),
-            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-            final_logit_softcapping=get("final_logit_softcapping"),
-        )
+            query_pre_attn_scalar=float(c.query_pre_attn_scalar), final_logit_softcapping=c.final_logit_softcapping)
 
 
 class Gemma3Attention(Attention):

@@ -50,32 +50,30 @@ class ModelArchitecture:
         model_type = cfg.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        rope_theta = float(rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = getattr(cfg, "sliding_window", None)
         if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=rope_theta,
-            rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=window,
-        )
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        return cls.from_shared_fields(cfg, rope, getattr(cfg, "rope_theta", None) or 10000.0, sliding_window=window,
+                                      qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+                                      qk_norm=model_type == "qwen3")
+
+    @classmethod
+    def from_shared_fields(cls, cfg, rope: dict, default_theta: float, **fields) -> "ModelArchitecture":
+        """The fields every family reads alike from ``cfg`` (``head_dim`` and ``num_key_value_heads``
+        derived where it has none, as the Llama family's configs do), the rotary base and scaling
+        from ``rope`` (its ``rope_theta``, else ``default_theta``), and the family's own ``fields``."""
+        rope = dict(rope)
+        rope_theta = float(rope.pop("rope_theta", None) or default_theta)
+        scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+        heads = cfg.num_attention_heads
+        return cls(model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   rms_norm_eps=cfg.rms_norm_eps, rope_theta=rope_theta, rope_scaling=rope if scaled else None,
+                   max_position_embeddings=cfg.max_position_embeddings,
+                   tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), **fields)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
