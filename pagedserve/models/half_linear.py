@@ -50,17 +50,15 @@ class HalfWeightLinear(FlatLinear):
     and the bias float32; ``ops`` is the native kernels' namespace (``None``: torch only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, ops=None):
-        super().__init__()
+        super().__init__(weight.shape, None if bias is None else bias.detach().float().contiguous())
         if dtype not in DECODE_WEIGHT_DTYPES.values():
             raise ValueError(f"HalfWeightLinear stores float16 or bfloat16, not {dtype}")
-        self.out_features, self.in_features = weight.shape
         stored = weight.detach().to(dtype).contiguous()
         if not torch.isfinite(stored).all() and torch.isfinite(weight).all():
             # float16 tops out at 65504: a larger weight would become inf and every output NaN.
             raise ValueError(f"a weight of magnitude {weight.detach().abs().max().item():.4g} exceeds {dtype}'s "
                              "range; store it as bfloat16 or float32 (--decode-weights)")
         self.register_buffer("weight", stored)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.ops = ops
         self.max_kernel_rows = KERNEL_MAX_ROWS
 

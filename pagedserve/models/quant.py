@@ -81,12 +81,15 @@ def _native_linear(ops, kind: str, x2: torch.Tensor, weight: torch.Tensor, scale
 
 
 class FlatLinear(nn.Module):
-    """What the weight-only twins of ``nn.Linear`` share: the input flattened to rows ``[-1, in]``
+    """What the weight-only twins of ``nn.Linear`` share: their shape and ``bias`` buffer (None or
+    added to the output, each layout's way); the input flattened to rows ``[-1, in]``
     for :meth:`matmul` (``rows Wᵀ + b``, each layout's own), the output shaped back; and the whole
     dequantized weight as the rows of it (:meth:`rows`, all rows for None)."""
 
-    in_features: int
-    out_features: int
+    def __init__(self, weight_shape: torch.Size, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight_shape
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -100,11 +103,9 @@ class Int8Linear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` stored as int8 and one scale per output channel."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
+        super().__init__(weight_int8.shape, bias)
         self.register_buffer("weight", weight_int8)
         self.register_buffer("scales", scales)
-        self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -162,8 +163,7 @@ class Int4Linear(FlatLinear):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, dtype: torch.dtype, packed_for_cpu: bool, group_ops=None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(q.shape, bias)
         self.group_size = group_size
         if self.in_features % group_size or group_size % 2:
             raise ValueError(f"int4 groups of {group_size} need in_features divisible by it, got {self.in_features}")
@@ -184,7 +184,6 @@ class Int4Linear(FlatLinear):
             # z − 8 s is exact in float32 whenever z = m + 8 s was (a GGUF Q4_1 m; −8 d for Q4_0).
             self.register_buffer("scales", s.to(torch.float16).contiguous())
             self.register_buffer("offsets", (zeros.float() - 8.0 * s).to(torch.float16).contiguous())
-        self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE,
@@ -192,10 +191,9 @@ class Int4Linear(FlatLinear):
         """Quantize a float linear layer; ``packed_for_cpu`` defaults to whether it lives on the CPU."""
         w = linear.weight.detach()
         q, scales, zeros = quantize_int4_groups(w, group_size)
-        if packed_for_cpu is None:
-            packed_for_cpu = w.device.type == "cpu"
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu, group_ops)
+        return cls(q, scales, zeros, bias, group_size, w.dtype,
+                   w.device.type == "cpu" if packed_for_cpu is None else packed_for_cpu, group_ops)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight (all rows for None): the lookups of a quantized
@@ -247,23 +245,20 @@ class Int8GroupedLinear(FlatLinear):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                  dtype: torch.dtype, group_ops=None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(q.shape, bias)
         if self.in_features % group_size or scales.shape != (self.out_features, self.in_features // group_size):
             raise ValueError(f"int8 groups of {group_size}: weight {tuple(q.shape)} and scales {tuple(scales.shape)} "
                              "do not match")
         self.group_size = group_size
-        groups = self.in_features // group_size
         self.group_ops = group_kernel_ops(group_ops, q.device, group_size)
         self.native = self.group_ops is not None
         if self.native:
             self.register_buffer("weight", q.to(torch.int8).contiguous())  # [N, K]
             self.register_buffer("scales", scales.to(torch.float16).contiguous())  # [N, K/g]
         else:
-            self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, groups, group_size)
+            self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, -1, group_size)
                                  .transpose(0, 1).contiguous())  # [K/g, N, g]
             self.register_buffer("scales", scales.t().contiguous().to(dtype))  # [K/g, N]
-        self.register_buffer("bias", bias)
         self.float_output = False  # True: return float32 sums (an LM head's logits)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -311,8 +306,7 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return self.table.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, quantized"
