@@ -121,8 +121,7 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
                                decode_mask=mask[:, None, None, :], window=window, decode_first=first)
 
 
-def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
-             v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[T, kv_heads, head_dim]`` into their slots."""
     if not isinstance(k_cache, torch.Tensor):  # a pool object (head-major or quantized) stores itself
         k_cache.write(slot_mapping, k)
@@ -170,9 +169,8 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [D, blocks, block_size, kvh, hd] -> [D, kvh, L, hd]
     k, v = (gather_blocks(c, meta.decode_block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
             for c in (k_cache, v_cache))
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
+                                          enable_gqa=True).squeeze(2)
 
 
 def gather_head_major(cache: KVCache, block_ids: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,7 @@ def store_linears_16bit(model: nn.Module, dtype: torch.dtype, ops) -> int:
     """Replace every float32 ``nn.Linear`` of ``model`` by a :class:`HalfWeightLinear` storing
     ``dtype``, in place; a tied LM head gets one too, which the token lookups then read as well
     (the float32 table is dropped: one 16-bit table). Returns how many layers were replaced."""
-    tied = "lm_head" in vars(model) and model.lm_head is None and isinstance(getattr(model, "embed_tokens", None),
-                                                                                 nn.Embedding)
+    tied = getattr(model, "lm_head", False) is None  # (replace_linears builds a head only over an nn.Embedding)
     count = replace_linears(model, lambda linear: HalfWeightLinear.from_linear(linear, dtype, ops),
                             lambda linear: linear.weight.dtype == torch.float32, tied_head=True)
     if tied and isinstance(model.lm_head, HalfWeightLinear):
