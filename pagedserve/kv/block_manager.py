@@ -77,8 +77,7 @@ class FreeBlockQueue:
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_free = 0
         if num_blocks > 0:
-            self._fresh.prev_free, self._fresh.next_free = self._head, self._tail
-            self._head.next_free = self._tail.prev_free = self._fresh
+            self._link_after(self._head, self._fresh)
             self.num_free = num_blocks
 
     @property
@@ -134,15 +133,13 @@ class FreeBlockQueue:
     def build_all(self) -> list[KVBlock]:
         """Every block, built (the never-used ones take the marker's place in the queue, in id order)."""
         if self.num_unbuilt:
-            prev, nxt = self._fresh.prev_free, self._fresh.next_free
-            assert prev is not None and nxt is not None
-            self._unlink(self._fresh)
+            self.num_free -= self.num_unbuilt  # counted through the marker until now, one by one below
+            prev = self._fresh
             for block_id in range(len(self.blocks), self._num_blocks):
-                block = KVBlock(block_id)
-                self.blocks.append(block)
-                prev.next_free, block.prev_free = block, prev
-                prev = block
-            prev.next_free, nxt.prev_free = nxt, prev
+                self.blocks.append(KVBlock(block_id))
+                self._link_after(prev, self.blocks[-1])
+                prev = self.blocks[-1]
+            self._unlink(self._fresh)
         return self.blocks
 
     def __iter__(self):
@@ -238,10 +235,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
         hits: list[KVBlock] = []
         parent = ROOT_CONTENT_ID
-        for i in range(max_blocks):
+        for i in range((len(token_ids) - 1) // bs):
             block = self._cache.get(self._key(parent, token_ids[i * bs:(i + 1) * bs], i, extra))
             if block is None:
                 break
@@ -264,8 +260,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, chain = self.tables[seq_id], self.chains[seq_id]
-        events = self.events
-        hashes = self._hash_chains.setdefault(seq_id, []) if events is not None else None
+        hashes = self._hash_chains.setdefault(seq_id, []) if self.events is not None else None
         bs = self.block_size
         for i in range(len(chain), num_computed_tokens // bs):
             block = table[i]
@@ -282,7 +277,7 @@ class BlockManager:
                     if hashes is not None:
                         parent_hash = hashes[i - 1] if i else None
                         block.block_hash = block_hash(parent_hash, tokens, extra if i == 0 else None)
-                        events.stored(block.block_hash, parent_hash, tokens)
+                        self.events.stored(block.block_hash, parent_hash, tokens)
             chain.append(block.content_id)
             if hashes is not None:
                 hashes.append(block.block_hash)
@@ -304,9 +299,6 @@ class BlockManager:
                 block.block_hash = None
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
-        return num_blocks + reserve <= self.free_queue.num_free
-
     def _take_free(self) -> KVBlock:
         block = self.free_queue.popleft()
         if block.cache_key is not None:
@@ -332,7 +324,7 @@ class BlockManager:
         compute falls into it, it gets a private copy first (copy-on-write). ``reserve`` blocks
         must stay free afterwards (a watermark that keeps room for running sequences to grow).
         """
-        if not self.can_allocate(self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens), reserve):
+        if self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens) + reserve > self.num_free_blocks:
             return False
         table = self.tables.get(seq_id)
         if table is None:  # a new table shares nothing yet: no copy

@@ -77,7 +77,7 @@ def _forwarding(*names: str):
 # forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
 @_forwarding("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
              "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
-             "cached_block_hashes", "cached_blocks", "can_allocate", "record_prefix_lookup", "reset_prefix_cache",
+             "cached_block_hashes", "cached_blocks", "record_prefix_lookup", "reset_prefix_cache",
              "take_pending_copies", "check_invariants")
 class GroupedBlockManager:
     """The :class:`BlockManager` interface the scheduler calls, fanned out to a table per sequence and
@@ -143,7 +143,7 @@ class GroupedBlockManager:
         per_group = [[hit[g] for hit in cached_prefix] for g in range(len(self.groups))]
         keys = [self._key(seq_id, g) for g in range(len(self.groups))]
         need = sum(self.inner.blocks_needed(k, num_tokens, p, num_computed_tokens) for k, p in zip(keys, per_group))
-        if not self.inner.can_allocate(need, reserve):
+        if need + reserve > self.inner.num_free_blocks:
             return False
         for g, (k, p) in enumerate(zip(keys, per_group)):
             # blocks from here on may be new: appended, or a copy-on-write copy of the last held one
