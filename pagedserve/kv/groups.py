@@ -102,8 +102,7 @@ class GroupedBlockManager:
     def tables(self) -> dict[int, list[KVBlock]]:
         """Each sequence's first group's table (a full group's when the model has one: no null
         entries, so its length counts the sequence's slots, as the scheduler reads it)."""
-        n = len(self.groups)
-        return {key // n: table for key, table in self.inner.tables.items() if key % n == 0}
+        return {seq_id: table for seq_id, group, table in self.group_tables() if group == 0}
 
     def group_tables(self) -> Iterable[tuple[int, int, list[KVBlock]]]:
         """``(seq_id, group, table)`` for every table (the block map's owners)."""

@@ -66,9 +66,9 @@ class HalfWeightLinear(FlatLinear):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, ops=None) -> "HalfWeightLinear":
         return cls(linear.weight, linear.bias, dtype, ops)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the weight (all for None) in ``dtype``: the lookups of a tied embedding."""
-        return (self.weight if ids is None else self.weight[ids]).to(dtype)
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight (a tensor, or a slice) in ``dtype``: the lookups of a tied embedding."""
+        return self.weight[ids].to(dtype)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and rows.dtype == torch.float32 and rows.shape[0] <= self.max_kernel_rows:

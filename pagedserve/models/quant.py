@@ -84,7 +84,7 @@ class FlatLinear(nn.Module):
     """What the weight-only twins of ``nn.Linear`` share: their shape and ``bias`` buffer (None or
     added to the output, each layout's way); the input flattened to rows ``[-1, in]``
     for :meth:`matmul` (``rows Wᵀ + b``, each layout's own), the output shaped back; and the whole
-    dequantized weight as the rows of it (:meth:`rows`, all rows for None)."""
+    dequantized weight as the rows of it (:meth:`rows` of ``slice(None)``)."""
 
     def __init__(self, weight_shape: torch.Size, bias: torch.Tensor | None):
         super().__init__()
@@ -96,7 +96,7 @@ class FlatLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]``."""
-        return self.rows(None, dtype)
+        return self.rows(slice(None), dtype)
 
 
 class Int8Linear(FlatLinear):
@@ -195,13 +195,12 @@ class Int4Linear(FlatLinear):
         return cls(q, scales, zeros, bias, group_size, w.dtype,
                    w.device.type == "cpu" if packed_for_cpu is None else packed_for_cpu, group_ops)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None): the lookups of a quantized
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (a tensor, or a slice): the lookups of a quantized
         embedding table (:class:`QuantizedEmbedding`). Readable layout only."""
         if self.packed_for_cpu:
             raise RuntimeError("the CPU-packed int4 layout is opaque; build with packed_for_cpu=False to read it")
-        pick = slice(None) if ids is None else ids
-        packed, s, b = self.weight[pick], self.scales[pick], self.offsets[pick]
+        packed, s, b = self.weight[ids], self.scales[ids], self.offsets[ids]
         p = packed.reshape(packed.shape[0], -1, self.group_size // 2)
         q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()  # [rows, K/g, g]
         w = q * s.float().unsqueeze(-1) + b.float().unsqueeze(-1)  # float32, one rounding to dtype
@@ -261,14 +260,13 @@ class Int8GroupedLinear(FlatLinear):
             self.register_buffer("scales", scales.t().contiguous().to(dtype))  # [K/g, N]
         self.float_output = False  # True: return float32 sums (an LM head's logits)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None), ``[rows, in]``."""
-        pick = slice(None) if ids is None else ids
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (a tensor, or a slice), ``[rows, in]``."""
         if self.native:
-            q, s = self.weight[pick], self.scales[pick]
+            q, s = self.weight[ids], self.scales[ids]
             w = q.reshape(q.shape[0], -1, self.group_size).float() * s.float().unsqueeze(-1)  # exact in float32
             return w.reshape(q.shape[0], self.in_features).to(dtype)
-        q, s = self.weight[:, pick], self.scales[:, pick]
+        q, s = self.weight[:, ids], self.scales[:, ids]
         w = q.to(dtype) * s.to(dtype).unsqueeze(-1)  # [K/g, rows, g]; q * s is exact before the one rounding
         return w.transpose(0, 1).reshape(w.shape[1], self.in_features)
 
