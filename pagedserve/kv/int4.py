@@ -31,7 +31,7 @@ first, ``block_size`` bits saying which tokens' codes have that bit set, channel
 a block plane by plane: q_c · step_c · 2^p added to the tokens whose bit is set.
 Values have no such channels; they are stored as before, per vector, rotated by the normalised
 Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
-back (``models.attention.in_stored_basis``).
+back (``models.attention._attention``: in the stored basis).
 
 A per-channel scale needs the block's 16 keys, so a block is quantized when it fills; until then
 its K and V rows sit in a tail slot at float16. The query's nearest keys carry most of its
@@ -466,5 +466,5 @@ class Int4KVCache:
 
     def stored_basis(self) -> Int4KVCache:
         """The same storage read as stored (V rotated), in float32: attention rotates its output
-        back instead of every value row (``models.attention.in_stored_basis``)."""
+        back instead of every value row (``models.attention._attention``)."""
         return replace(self, rotation=None, out_dtype=torch.float32)

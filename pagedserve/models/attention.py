@@ -22,7 +22,7 @@ keys per channel within a block with zero points, values rotated per token, each
 block in a float16 tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
 one copy, quantized pools dequantizing only the blocks gathered), except the fused decode kernel,
 which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
-stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
+stored rotated by a Hadamard matrix (:func:`_attention`): ``sdpa``, ``matmul`` and ``fused``
 then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
 gathered value back. Over int4 pools every query reads its own block exact: a decode from the
 tail (the block it fills this step included), a prompt chunk's queries from the step's rows at
@@ -396,7 +396,17 @@ def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Batched decodes through ``decode``, then each prompt chunk through ``prefill``. Under a
-    window, a chunk reads its context from the block holding the first key its first query sees."""
+    window, a chunk reads its context from the block holding the first key its first query sees.
+
+    Over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`), all *in the
+    stored basis*: the pools read as stored (:meth:`Int4KVCache.stored_basis`), in float32, and the
+    output rotated back. With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same
+    attention, for one ``head_dim × head_dim`` product per output row, where rotating back every
+    gathered value row would cost one per context token (and the fused kernel reads the stored rows
+    in place, so it could not)."""
+    if isinstance(v_cache, Int4KVCache) and v_cache.rotation is not None:
+        out = _attention(decode, prefill, q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
+        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
         return decode(q, _decode_view(k_cache), _decode_view(v_cache), meta, scale)
@@ -420,42 +430,19 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def in_stored_basis(backend):
-    """``backend`` over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`):
-    the output rotated back, the pools read as stored (:meth:`Int4KVCache.stored_basis`), all in
-    float32.
-
-    With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same attention, for one
-    ``head_dim × head_dim`` product per output row, where rotating back every gathered value row
-    would cost one per context token (and the fused kernel reads the stored rows in place, so it
-    could not). Other pools pass straight through.
-    """
-    def run(q, k_cache, v_cache, meta, scale):
-        if not isinstance(v_cache, Int4KVCache):
-            return backend(q, k_cache, v_cache, meta, scale)
-        out = backend(q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
-        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
-
-    run.__name__, run.__doc__ = backend.__name__, backend.__doc__
-    return run
-
-
-# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
-# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
+# The fast backends read int4 pools in the stored basis (_attention). The reference does not: it gathers
+# the values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
 # testing the others against it tests the rotation algebra too.
-@in_stored_basis
 def sdpa_attention(q, k_cache, v_cache, meta, scale):
     """Decodes batched through SDPA (good on GPU); prompt chunks through SDPA."""
     return _attention(_decode_sdpa, _prefill_sdpa, q, k_cache, v_cache, meta, scale)
 
 
-@in_stored_basis
 def matmul_attention(q, k_cache, v_cache, meta, scale):
     """Decodes and prompt chunks as grouped batched matmuls (fast on CPU)."""
     return _attention(_decode_matmul, _prefill_matmul, q, k_cache, v_cache, meta, scale)
 
 
-@in_stored_basis
 def fused_attention(q, k_cache, v_cache, meta, scale):
     """Decodes through the fused native kernel (no gathered copy); prompt chunks as grouped matmuls
     around a native causal softmax."""
