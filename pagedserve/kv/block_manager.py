@@ -267,9 +267,8 @@ class BlockManager:
             if block.cache_key is None:  # not a shared full block (e.g. a prefix hit)
                 tokens = token_ids[i * bs:(i + 1) * bs]
                 key = self._key(chain[i - 1] if i else ROOT_CONTENT_ID, tokens, i, extra)
-                existing = self._cache.get(key)
-                if existing is not None:
-                    block = existing  # the chain goes on from the cached copy; this block stays private
+                if key in self._cache:
+                    block = self._cache[key]  # the chain goes on from the cached copy; this block stays private
                 else:
                     block.cache_key, block.content_id = key, self._next_content_id
                     self._next_content_id += 1

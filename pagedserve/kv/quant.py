@@ -137,8 +137,7 @@ class QuantizedKVCache:
         """Overwrite blocks with other quantized blocks, bit for bit (copy-on-write)."""
         if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype:
             raise TypeError("a quantized KV cache takes only quantized blocks of the same precision")
-        self.data[index] = blocks.data
-        self.scales[index] = blocks.scales
+        self.data[index], self.scales[index] = blocks.data, blocks.scales
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize ``x [T, kv_heads, head_dim]`` and store token i at flat slot ``slot_mapping[i]``."""

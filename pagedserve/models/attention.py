@@ -141,7 +141,6 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Plain, per-sequence paged attention. ``q`` is ``[T, heads, head_dim]``."""
     out = torch.empty_like(q)
-    num_heads = q.shape[1]
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
     decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
@@ -154,7 +153,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             lead, block = (ctx_len - q_len) % block_size, int(block_ids[(ctx_len - q_len) // block_size])
             k, v = (torch.cat([x, pool.own_block_rows(start, q_len, lead, block)]) for x, pool in zip((k, v), pools))
             hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
-        group = num_heads // k.shape[1]
+        group = q.shape[1] // k.shape[1]
         k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # [ctx, heads, d]
         qs = q[start:start + q_len].float()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale

@@ -183,10 +183,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = self.embed_tokens(input_ids)
         # √hidden in the compute dtype, as transformers rounds it (bf16: 25.25, not 25.298)
         x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
-        block_size = kv_caches[0][0].shape[1]
         metas = meta if isinstance(meta, list) else [meta] * len(self.kv_groups)
-        views = [m if g.window is None else window_view(m, g.window, block_size)  # once per step, not per layer
-                 for m, g in zip(metas, self.kv_groups)]
+        views = [m if g.window is None else window_view(m, g.window, kv_caches[0][0].shape[1])  # block size
+                 for m, g in zip(metas, self.kv_groups)]  # once per step, not per layer
         native = self.native_decode
         if native is not None and native.runs(x.shape[0], views[0], kv_caches):
             return native(x, positions, views)  # the layers below, in one native call

@@ -176,8 +176,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         backend.write(*kv, k, v, meta.slot_mapping)
-        o = backend.attend(q, *kv, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(backend.attend(q, *kv, meta, self.scale).reshape(t, self.q_size))
 
 
     def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,8 +232,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
         h, residual = input_norm(self.input_layernorm, x, residual)
-        a = self.self_attn(h, positions, kv, meta, backend)
-        h, residual = self.post_attention_layernorm(a, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta, backend), residual)
         return self.mlp(h), residual
 
 

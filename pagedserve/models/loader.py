@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -67,10 +68,8 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
 
     The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``) for :func:`load_model`:
     a GGUF's quantized tensors stay quantized under ``auto``, are dequantized to an asked-for dtype."""
-    try:
+    with contextlib.suppress(AttributeError):  # a config object that takes no new ones: GGUF tensors stay quantized
         hf_config.pagedserve_requested_dtype = requested
-    except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
-        pass
     if requested != "auto":
         return DTYPES[requested], "asked for with --dtype", DTYPES[requested]
     # a name or a torch dtype; float32 when absent or none of DTYPES
