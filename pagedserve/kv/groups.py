@@ -64,26 +64,12 @@ def layer_slots(groups: Seq[KVGroup]) -> list[tuple[int, int]]:
     return [slots[i] for i in range(len(slots))]
 
 
-def _forwarding(*names: str):
-    """Class decorator: each of ``names`` a property asking the inner manager as it is."""
-    def add(cls: type) -> type:
-        for name in names:
-            setattr(cls, name, property(attrgetter(f"inner.{name}")))
-        return cls
-    return add
-
-
-# What the BlockManager answers for the whole pool, asked of the inner manager as it is; named, not
-# forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
-@_forwarding("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
-             "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
-             "cached_block_hashes", "cached_blocks", "record_prefix_lookup", "reset_prefix_cache",
-             "take_pending_copies", "check_invariants")
 class GroupedBlockManager:
     """The :class:`BlockManager` interface the scheduler calls, fanned out to a table per sequence and
     group over one pool: group ``g``'s table for sequence ``s`` is the inner manager's ``s * G + g``.
     ``max_chunk_tokens``: the most tokens one step computes for a sequence (a prompt chunk), which
-    a window group holds on top of its window while computing it."""
+    a window group holds on top of its window while computing it. What the inner manager answers
+    for the whole pool is asked of it as it is (the properties set below the class)."""
 
     def __init__(self, num_blocks: int, block_size: int, groups: Seq[KVGroup], enable_prefix_caching: bool = True,
                  events: KVEventLog | None = None, max_chunk_tokens: int = 0):
@@ -175,3 +161,12 @@ class GroupedBlockManager:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         for g in range(len(self.groups)):
             self.inner.truncate(self._key(seq_id, g), num_tokens)
+
+
+# What the BlockManager answers for the whole pool, asked of the inner manager as it is: each a
+# property, named, not forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
+for _name in ("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
+              "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
+              "cached_block_hashes", "cached_blocks", "record_prefix_lookup", "reset_prefix_cache",
+              "take_pending_copies", "check_invariants"):
+    setattr(GroupedBlockManager, _name, property(attrgetter(f"inner.{_name}")))
