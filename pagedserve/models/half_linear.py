@@ -77,10 +77,7 @@ class HalfWeightLinear(FlatLinear):
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
             self.ops.half_linear(y, rows, self.weight, self.bias)
             return y
-        return self._widened_linear(rows)
-
-    def _widened_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """Prefill-sized batches: torch's GEMM over the weight widened a block of outputs at a time."""
+        # Prefill-sized batches: torch's GEMM over the weight widened a block of outputs at a time.
         step = max(1, _WIDEN_BLOCK_BYTES // (4 * self.in_features))
         bias = None if self.bias is None else self.bias.to(rows.dtype)
         parts = [F.linear(rows, self.weight[n:n + step].to(rows.dtype), None if bias is None else bias[n:n + step])
