@@ -189,8 +189,7 @@ def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qg = (q * scale).view(d, kvh, heads // kvh, hd).transpose(0, 1)  # [kvh, D, group, hd]
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, D, group, L]
     scores.masked_fill_(~meta.decode_mask.view(1, d, 1, -1), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1).reshape(d, heads, hd)
+    return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).reshape(d, heads, hd)
 
 
 # The native decode kernel keeps one KV head's query group in registers: up to this many query
@@ -243,6 +242,12 @@ class ExactRows:
     v: torch.Tensor
     lead: int
     block_size: int
+
+    def from_query(self, first: int, n: int) -> ExactRows:
+        """The rows queries ``first .. first + n`` of the chunk read: from their first one's block start."""
+        lead = (self.lead + first) % self.block_size
+        start = self.lead + first - lead  # the exact row where query first's block starts
+        return ExactRows(self.k[:, start:start + lead + n], self.v[:, start:start + lead + n], lead, self.block_size)
 
 
 def _diagonal_tiles(grid: torch.Tensor, first: int, block_size: int) -> torch.Tensor:
@@ -374,12 +379,7 @@ def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for first in range(0, q_len, rows):
         n = min(rows, q_len - first)
         seen = ctx_len - q_len + first + n  # keys up to the block's last query
-        own = None
-        if exact is not None:
-            lead = (exact.lead + first) % exact.block_size
-            start = exact.lead + first - lead  # the exact row where this block's first query's block starts
-            own = ExactRows(exact.k[:, start:start + lead + n], exact.v[:, start:start + lead + n], lead,
-                            exact.block_size)
+        own = None if exact is None else exact.from_query(first, n)
         out[:, first:first + n] = _prefill_gemms(qs[:, first:first + n], k[:, :seen], v[:, :seen], scale, window,
                                                  own, causal_softmax)
     return out

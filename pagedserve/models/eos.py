@@ -106,10 +106,8 @@ def eos_ids_from_transformers(tokenizer_dir: str | Path, model_dir: str | Path) 
     """The same answer through transformers' tokenizer and generation config (module docstring)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    ids = set()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    ids = set() if eos is None else {int(eos)}
     try:
         gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))

@@ -113,8 +113,7 @@ class Int8Linear(FlatLinear):
         w = linear.weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = (w / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales.to(linear.weight.dtype), bias)
+        return cls(q, scales.to(linear.weight.dtype), None if linear.bias is None else linear.bias.detach().clone())
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]``."""
@@ -191,8 +190,7 @@ class Int4Linear(FlatLinear):
         """Quantize a float linear layer; ``packed_for_cpu`` defaults to whether it lives on the CPU."""
         w = linear.weight.detach()
         q, scales, zeros = quantize_int4_groups(w, group_size)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales, zeros, bias, group_size, w.dtype,
+        return cls(q, scales, zeros, None if linear.bias is None else linear.bias.detach().clone(), group_size, w.dtype,
                    w.device.type == "cpu" if packed_for_cpu is None else packed_for_cpu, group_ops)
 
     def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:

@@ -51,8 +51,7 @@ CHAT_TEMPLATE = (
 def _stdlib_sources() -> list[str]:
     import sysconfig
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [str(p) for p in sorted(root.glob("*.py"))]
+    return [str(p) for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
