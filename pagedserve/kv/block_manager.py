@@ -32,6 +32,7 @@ nothing is hashed or recorded.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 
 from pagedserve.kv.events import KVEventLog, block_hash
@@ -76,8 +77,7 @@ class FreeBlockQueue:
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_free = 0
         if num_blocks > 0:
-            self._fresh.prev_free, self._fresh.next_free = self._head, self._tail
-            self._head.next_free = self._tail.prev_free = self._fresh
+            self._link_after(self._head, self._fresh)
             self.num_free = num_blocks
 
     @property
@@ -86,20 +86,17 @@ class FreeBlockQueue:
         return self._num_blocks - len(self.blocks)
 
     def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free, block.next_free = last, self._tail
-        self._tail.prev_free = block
-        self.num_free += 1
+        self._link_after(self._tail.prev_free, block)
 
     def appendleft(self, block: KVBlock) -> None:
         """Put a block with nothing worth keeping at the head: the next allocation takes it first."""
-        first = self._head.next_free
-        assert first is not None
-        self._head.next_free = block
-        block.prev_free, block.next_free = self._head, first
-        first.prev_free = block
+        self._link_after(self._head, block)
+
+    def _link_after(self, prev: KVBlock | None, block: KVBlock) -> None:
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free, nxt.prev_free = block, block
+        block.prev_free, block.next_free = prev, nxt
         self.num_free += 1
 
     def popleft(self) -> KVBlock:
@@ -136,15 +133,13 @@ class FreeBlockQueue:
     def build_all(self) -> list[KVBlock]:
         """Every block, built (the never-used ones take the marker's place in the queue, in id order)."""
         if self.num_unbuilt:
-            prev, nxt = self._fresh.prev_free, self._fresh.next_free
-            assert prev is not None and nxt is not None
-            self._unlink(self._fresh)
+            self.num_free -= self.num_unbuilt  # counted through the marker until now, one by one below
+            prev = self._fresh
             for block_id in range(len(self.blocks), self._num_blocks):
-                block = KVBlock(block_id)
-                self.blocks.append(block)
-                prev.next_free, block.prev_free = block, prev
-                prev = block
-            prev.next_free, nxt.prev_free = nxt, prev
+                self.blocks.append(KVBlock(block_id))
+                self._link_after(prev, self.blocks[-1])
+                prev = self.blocks[-1]
+            self._unlink(self._fresh)
         return self.blocks
 
     def __iter__(self):
@@ -181,7 +176,8 @@ class BlockManager:
         self._cache: dict[tuple, KVBlock] = {}
         self._next_content_id = ROOT_CONTENT_ID + 1
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids for the runner
-        self._num_cached_free = 0  # free blocks still holding reusable cached content
+        # Free blocks whose cached content a prefix hit could still reuse (kept as a count: O(1)).
+        self.num_cached_free_blocks = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.events = events
@@ -208,11 +204,6 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         """Blocks some sequence holds (the null block is not counted: nobody's)."""
         return self.num_blocks - self.free_queue.num_free - (self.null_block is not None)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks whose cached content a prefix hit could still reuse (kept as a count: O(1))."""
-        return self._num_cached_free
 
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
@@ -244,10 +235,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
         hits: list[KVBlock] = []
         parent = ROOT_CONTENT_ID
-        for i in range(max_blocks):
+        for i in range((len(token_ids) - 1) // bs):
             block = self._cache.get(self._key(parent, token_ids[i * bs:(i + 1) * bs], i, extra))
             if block is None:
                 break
@@ -270,17 +260,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, chain = self.tables[seq_id], self.chains[seq_id]
-        events = self.events
-        hashes = self._hash_chains.setdefault(seq_id, []) if events is not None else None
+        hashes = self._hash_chains.setdefault(seq_id, []) if self.events is not None else None
         bs = self.block_size
         for i in range(len(chain), num_computed_tokens // bs):
             block = table[i]
             if block.cache_key is None:  # not a shared full block (e.g. a prefix hit)
                 tokens = token_ids[i * bs:(i + 1) * bs]
                 key = self._key(chain[i - 1] if i else ROOT_CONTENT_ID, tokens, i, extra)
-                existing = self._cache.get(key)
-                if existing is not None:
-                    block = existing  # the chain goes on from the cached copy; this block stays private
+                if key in self._cache:
+                    block = self._cache[key]  # the chain goes on from the cached copy; this block stays private
                 else:
                     block.cache_key, block.content_id = key, self._next_content_id
                     self._next_content_id += 1
@@ -288,7 +276,7 @@ class BlockManager:
                     if hashes is not None:
                         parent_hash = hashes[i - 1] if i else None
                         block.block_hash = block_hash(parent_hash, tokens, extra if i == 0 else None)
-                        events.stored(block.block_hash, parent_hash, tokens)
+                        self.events.stored(block.block_hash, parent_hash, tokens)
             chain.append(block.content_id)
             if hashes is not None:
                 hashes.append(block.block_hash)
@@ -297,7 +285,7 @@ class BlockManager:
         """Forget every cached block that no sequence holds (used by benchmarks for cold runs)."""
         for block in self.free_queue:
             self._evict(block)
-        self._num_cached_free = 0
+        self.num_cached_free_blocks = 0
         if self.events is not None and not self._cache:
             self.events.cleared()  # nothing held stays cached: say so in one event, as vLLM does
 
@@ -310,13 +298,10 @@ class BlockManager:
                 block.block_hash = None
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
-        return num_blocks + reserve <= self.free_queue.num_free
-
     def _take_free(self) -> KVBlock:
         block = self.free_queue.popleft()
         if block.cache_key is not None:
-            self._num_cached_free -= 1
+            self.num_cached_free_blocks -= 1
             self.num_evictions += 1
         self._evict(block)
         block.ref_count = 1
@@ -325,7 +310,7 @@ class BlockManager:
     def _ref(self, block: KVBlock) -> None:
         if block.ref_count == 0:
             self.free_queue.remove(block)
-            self._num_cached_free -= block.cache_key is not None
+            self.num_cached_free_blocks -= block.cache_key is not None
         block.ref_count += 1
 
     def allocate(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
@@ -338,21 +323,20 @@ class BlockManager:
         compute falls into it, it gets a private copy first (copy-on-write). ``reserve`` blocks
         must stay free afterwards (a watermark that keeps room for running sequences to grow).
         """
-        if not self.can_allocate(self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens), reserve):
+        if self.blocks_needed(seq_id, num_tokens, cached_prefix, num_computed_tokens) + reserve > self.num_free_blocks:
             return False
         table = self.tables.get(seq_id)
-        cow = table is not None and self._needs_copy(table, num_computed_tokens)  # a new table shares nothing yet
-        if table is None:
-            table = self.tables[seq_id] = []
+        if table is None:  # a new table shares nothing yet: no copy
+            table = self.tables[seq_id] = list(cached_prefix)
             self.chains[seq_id] = []
             for block in cached_prefix:
                 self._ref(block)
-                table.append(block)
-        need_new = max(0, self.num_blocks_for(num_tokens) - len(table))
-        if cow:
-            self._copy_on_write(table, num_computed_tokens // self.block_size)
-        for _ in range(need_new):
-            table.append(self._take_free())
+        elif self._needs_copy(table, num_computed_tokens):  # copy-on-write: the block written next, private
+            index = num_computed_tokens // self.block_size
+            shared, table[index] = table[index], self._take_free()
+            self.pending_copies.append((shared.block_id, table[index].block_id))
+            shared.ref_count -= 1  # still > 0: the other writers keep it
+        table.extend(self._take_free() for _ in range(self.num_blocks_for(num_tokens) - len(table)))
         return True
 
     def blocks_needed(self, seq_id: int, num_tokens: int, cached_prefix: Seq[KVBlock] = (),
@@ -360,12 +344,10 @@ class BlockManager:
         """Free blocks :meth:`allocate` would take: new ones, a copy-on-write copy, and hit blocks
         that sit in the free queue (taken out of it)."""
         table = self.tables.get(seq_id)
-        if table is None:
-            table, prefix_cost = [], sum(1 for b in cached_prefix if b.ref_count == 0)
-        else:
-            cached_prefix, prefix_cost = (), 0
-        need_new = max(0, self.num_blocks_for(num_tokens) - len(table) - len(cached_prefix))
-        return need_new + int(self._needs_copy(table, num_computed_tokens)) + prefix_cost
+        if table is None:  # a new table: the hits, then new blocks (no copy)
+            hits_in_queue = sum(b.ref_count == 0 for b in cached_prefix)
+            return max(0, self.num_blocks_for(num_tokens) - len(cached_prefix)) + hits_in_queue
+        return max(0, self.num_blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed_tokens)
 
     def release_leading(self, seq_id: int, num_blocks: int) -> int:
         """Give back the sequence's first ``num_blocks`` blocks (those a sliding-window layer will
@@ -375,16 +357,12 @@ class BlockManager:
         null = self.null_block
         assert null is not None, "release_leading needs a manager built with null_block=True"
         table = self.tables.get(seq_id, [])
-        released = 0
-        for i in range(min(num_blocks, len(table))):
-            block = table[i]
-            if block is null:
-                continue
-            table[i] = null
-            null.ref_count += 1
-            self._unref([block])
-            released += 1
-        return released
+        leading = table[:num_blocks]
+        released = [block for block in leading if block is not null]
+        table[:len(leading)] = [null] * len(leading)
+        null.ref_count += len(released)
+        self._unref(released)
+        return len(released)
 
     def _unref(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
         """Drop one reference to each block; those no one holds go back to the free queue (``front``:
@@ -398,21 +376,13 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
-                    self._num_cached_free += block.cache_key is not None
+                    self.num_cached_free_blocks += block.cache_key is not None
         if freed and self.on_release is not None:
             self.on_release(freed)
 
     def _needs_copy(self, table: list[KVBlock], num_computed_tokens: int) -> bool:
         index = num_computed_tokens // self.block_size
-        return (num_computed_tokens % self.block_size != 0 and index < len(table)
-                and table[index].ref_count > 1)
-
-    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
-        shared = table[index]
-        private = self._take_free()
-        self.pending_copies.append((shared.block_id, private.block_id))
-        shared.ref_count -= 1  # still > 0: the other writers keep it
-        table[index] = private
+        return num_computed_tokens % self.block_size != 0 and index < len(table) and table[index].ref_count > 1
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared by reference count)."""
@@ -430,12 +400,9 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references, tail first, so its prefix chain is evicted from the end."""
-        table = self.tables.pop(seq_id, None)
         self.chains.pop(seq_id, None)
         self._hash_chains.pop(seq_id, None)
-        if table is None:
-            return
-        self._unref(reversed(table))
+        self._unref(reversed(self.tables.pop(seq_id, [])))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Shrink ``seq_id``'s table to the blocks ``num_tokens`` slots need, dropping the tail
@@ -456,16 +423,13 @@ class BlockManager:
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the allocator's invariants (used by property tests; O(num_blocks))."""
-        refs = [0] * self.num_blocks
+        refs = Counter(block.block_id for table in self.tables.values() for block in table)
         if self.null_block is not None:
             refs[self.null_block.block_id] += 1  # the manager's own reference
-        for table in self.tables.values():
-            for block in table:
-                refs[block.block_id] += 1
         queue = self.free_queue
         built = queue.blocks  # not build_all(): the never-used blocks stay unbuilt, as in service
         assert all(b.block_id == i for i, b in enumerate(built)), "built blocks out of id order"
-        assert not any(refs[len(built):]), "a table holds a block that was never handed out"
+        assert max(refs, default=-1) < len(built), "a table holds a block that was never handed out"
         free_ids = {b.block_id for b in queue}
         assert len(free_ids) + queue.num_unbuilt == queue.num_free, "free queue count drifted"
         for block in built:
@@ -474,6 +438,6 @@ class BlockManager:
         for key, block in self._cache.items():
             assert block.cache_key == key, f"{block}: cache key mismatch"
         cached_free = sum(1 for b in self.free_queue if b.cache_key is not None)
-        assert cached_free == self._num_cached_free, "cached-free count drifted"
+        assert cached_free == self.num_cached_free_blocks, "cached-free count drifted"
         if self.events is not None:
             assert self.events.hashes() == {b.block_hash for b in self._cache.values()}, "event hashes drifted"

@@ -78,14 +78,11 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     ``kv_groups``: slot mappings a step writes), keys at 4 bits a channel until a layer's K pool is
     given its own (:meth:`~pagedserve.kv.int4.Int4KVCache.with_key_bits`), and write through
     ``native_ops`` (the loaded kernels' namespace) where given."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if kv_cache_dtype == "int4":
         tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
-        return [Int4KVCache.allocate_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, tails,
-                                          native_ops)
-                for _ in range(num_layers)]
+        return [Int4KVCache.allocate_pair(*shape, dtype, device, tails, native_ops) for _ in range(num_layers)]
     if kv_cache_dtype != "auto":
-        return [tuple(QuantizedKVCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, kv_cache_dtype,
-                                                dtype, device) for _ in range(2))
+        return [tuple(QuantizedKVCache.allocate(*shape, kv_cache_dtype, dtype, device) for _ in range(2))
                 for _ in range(num_layers)]
-    return [tuple(HeadMajorKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device) for _ in range(2))
-            for _ in range(num_layers)]
+    return [tuple(HeadMajorKVCache(*shape, dtype, device) for _ in range(2)) for _ in range(num_layers)]

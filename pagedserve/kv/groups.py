@@ -60,33 +60,16 @@ def kv_groups(layer_windows: Seq[int | None]) -> list[KVGroup]:
 
 def layer_slots(groups: Seq[KVGroup]) -> list[tuple[int, int]]:
     """Per layer, ``(group index, pool slot)``: the slot is the layer's position in its group."""
-    slots: dict[int, tuple[int, int]] = {}
-    for g, group in enumerate(groups):
-        for j, layer in enumerate(group.layers):
-            slots[layer] = (g, j)
+    slots = {layer: (g, j) for g, group in enumerate(groups) for j, layer in enumerate(group.layers)}
     return [slots[i] for i in range(len(slots))]
 
 
-def _forwarding(*names: str):
-    """Class decorator: each of ``names`` a property asking the inner manager as it is."""
-    def add(cls: type) -> type:
-        for name in names:
-            setattr(cls, name, property(attrgetter(f"inner.{name}")))
-        return cls
-    return add
-
-
-# What the BlockManager answers for the whole pool, asked of the inner manager as it is; named, not
-# forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
-@_forwarding("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
-             "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
-             "cached_block_hashes", "cached_blocks", "can_allocate", "record_prefix_lookup", "reset_prefix_cache",
-             "take_pending_copies", "check_invariants")
 class GroupedBlockManager:
     """The :class:`BlockManager` interface the scheduler calls, fanned out to a table per sequence and
     group over one pool: group ``g``'s table for sequence ``s`` is the inner manager's ``s * G + g``.
     ``max_chunk_tokens``: the most tokens one step computes for a sequence (a prompt chunk), which
-    a window group holds on top of its window while computing it."""
+    a window group holds on top of its window while computing it. What the inner manager answers
+    for the whole pool is asked of it as it is (the properties set below the class)."""
 
     def __init__(self, num_blocks: int, block_size: int, groups: Seq[KVGroup], enable_prefix_caching: bool = True,
                  events: KVEventLog | None = None, max_chunk_tokens: int = 0):
@@ -105,8 +88,7 @@ class GroupedBlockManager:
     def tables(self) -> dict[int, list[KVBlock]]:
         """Each sequence's first group's table (a full group's when the model has one: no null
         entries, so its length counts the sequence's slots, as the scheduler reads it)."""
-        n = len(self.groups)
-        return {key // n: table for key, table in self.inner.tables.items() if key % n == 0}
+        return {seq_id: table for seq_id, group, table in self.group_tables() if group == 0}
 
     def group_tables(self) -> Iterable[tuple[int, int, list[KVBlock]]]:
         """``(seq_id, group, table)`` for every table (the block map's owners)."""
@@ -146,7 +128,7 @@ class GroupedBlockManager:
         per_group = [[hit[g] for hit in cached_prefix] for g in range(len(self.groups))]
         keys = [self._key(seq_id, g) for g in range(len(self.groups))]
         need = sum(self.inner.blocks_needed(k, num_tokens, p, num_computed_tokens) for k, p in zip(keys, per_group))
-        if not self.inner.can_allocate(need, reserve):
+        if need + reserve > self.inner.num_free_blocks:
             return False
         for g, (k, p) in enumerate(zip(keys, per_group)):
             # blocks from here on may be new: appended, or a copy-on-write copy of the last held one
@@ -179,3 +161,12 @@ class GroupedBlockManager:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         for g in range(len(self.groups)):
             self.inner.truncate(self._key(seq_id, g), num_tokens)
+
+
+# What the BlockManager answers for the whole pool, asked of the inner manager as it is: each a
+# property, named, not forwarded by __getattr__, which cost the scheduler's hot calls a failed lookup first.
+for _name in ("num_blocks", "enable_prefix_caching", "events", "blocks", "num_free_blocks", "num_used_blocks",
+              "num_cached_free_blocks", "num_evictions", "prefix_queried_tokens", "prefix_hit_tokens",
+              "cached_block_hashes", "cached_blocks", "record_prefix_lookup", "reset_prefix_cache",
+              "take_pending_copies", "check_invariants"):
+    setattr(GroupedBlockManager, _name, property(attrgetter(f"inner.{_name}")))

@@ -31,7 +31,7 @@ first, ``block_size`` bits saying which tokens' codes have that bit set, channel
 a block plane by plane: q_c · step_c · 2^p added to the tokens whose bit is set.
 Values have no such channels; they are stored as before, per vector, rotated by the normalised
 Hadamard matrix (:func:`~pagedserve.kv.quant.hadamard_matrix`), and attention rotates its output
-back (``models.attention.in_stored_basis``).
+back (``models.attention._attention``: in the stored basis).
 
 A per-channel scale needs the block's 16 keys, so a block is quantized when it fills; until then
 its K and V rows sit in a tail slot at float16. The query's nearest keys carry most of its
@@ -115,10 +115,12 @@ class TailMap:
     def num_open(self) -> int:
         return self.num_slots - len(self._free) - len(self._resting)
 
-    def _set(self, changes: dict[int, int]) -> None:
+    def _set(self, changes: dict[int, int], slot_of: torch.Tensor | None = None) -> None:
+        """Each changed block's slot into ``slot_of`` (the device map by default)."""
+        slot_of = self.slot_of if slot_of is None else slot_of
         if changes:
-            ids = torch.tensor(list(changes), dtype=torch.long)
-            self.slot_of[ids.to(self.slot_of.device)] = torch.tensor(list(changes.values())).to(self.slot_of.device)
+            dev = slot_of.device
+            slot_of[torch.tensor(list(changes)).to(dev)] = torch.tensor(list(changes.values())).to(dev)
 
     def _take(self, block: int, changes: dict[int, int], spare: list[int] | None = None) -> int:
         """A free slot for ``block``; with none, a slot of a block filled this step (``spare``: by
@@ -135,18 +137,14 @@ class TailMap:
                     plan.decode_slots[b] = -1
         return slot
 
-    def _drop(self, block: int, changes: dict[int, int]) -> None:
-        slot = self._slot_of[block]
-        if slot >= 0:
-            self._free.append(slot)
-            self._slot_of[block] = changes[block] = -1
-
     def release(self, block_ids: Iterable[int]) -> None:
         """Blocks no sequence holds any more: their tail slots (if open) are free again. The block
         manager calls this as it frees, truncates or releases blocks."""
         changes: dict[int, int] = {}
         for b in block_ids:
-            self._drop(b, changes)
+            if self._slot_of[b] >= 0:
+                self._free.append(self._slot_of[b])
+                self._slot_of[b] = changes[b] = -1
         self._set(changes)
 
     def ensure_open(self, block_ids: list[int]) -> list[int]:
@@ -176,28 +174,26 @@ class TailMap:
         for i, s in enumerate(slots):
             if s >= 0:
                 rows.setdefault(s // bs, []).append((i, s % bs))
-        full = [b for b, r in rows.items() if any(o == bs - 1 for _, o in r)]
-        full_set = set(full)
+        full = {b: r for b, r in rows.items() if any(o == bs - 1 for _, o in r)}
         lists: dict[str, list[int]] = {name: [] for name in WritePlan.__dataclass_fields__
                                        if name not in ("filled_slots", "decode_slots", "reads_pool")}
         changes: dict[int, int] = {}
         filled_slots = {b: self._slot_of[b] for b in full if self._slot_of[b] >= 0}
         released = list(filled_slots.values())  # free after this step, or in it if no other slot is
-        for j, b in enumerate(full):
-            lists["full_slots"].append(self._slot_of[b])
-            if self._slot_of[b] >= 0:
+        for j, (b, r) in enumerate(full.items()):
+            slot = self._slot_of[b]
+            lists["full_slots"].append(slot)
+            if slot >= 0:
                 lists["full_from_tail"].append(j)
-                lists["full_tail_slots"].append(self._slot_of[b])
-            elif min(o for _, o in rows[b]) > 0:
-                lists["full_from_pool"].append(j)
-            for i, o in rows[b]:
-                lists["full_rows"].append(j * bs + o)
-                lists["full_tokens"].append(i)
-            if self._slot_of[b] >= 0:
+                lists["full_tail_slots"].append(slot)
                 self._slot_of[b] = changes[b] = -1
-        lists["full_blocks"] = full
+            elif min(o for _, o in r) > 0:
+                lists["full_from_pool"].append(j)
+            lists["full_rows"] += [j * bs + o for _, o in r]
+            lists["full_tokens"] += [i for i, _ in r]
+        lists["full_blocks"] = list(full)
         for b, r in rows.items():
-            if b in full_set:
+            if b in full:
                 continue
             slot = self._slot_of[b]
             if slot < 0:  # (a slot taken from `released` is read, then written, in that order per layer)
@@ -205,17 +201,13 @@ class TailMap:
                 if min(o for _, o in r) > 0:  # written before, quantized since (a rollback): reopened
                     lists["reopen_blocks"].append(b)
                     lists["reopen_slots"].append(slot)
-            for i, o in r:
-                lists["tail_rows"].append(slot * bs + o)
-                lists["tail_tokens"].append(i)
+            lists["tail_rows"] += [slot * bs + o for _, o in r]
+            lists["tail_tokens"] += [i for i, _ in r]
         self._set(changes)
         self._resting += released
         filled_slots = {b: s for b, s in filled_slots.items() if s in released}
-        decode_slots = self.slot_of
-        if filled_slots:
-            decode_slots = self.slot_of.clone()
-            decode_slots[torch.tensor(list(filled_slots)).to(decode_slots.device)] = \
-                torch.tensor(list(filled_slots.values())).to(decode_slots.device)
+        decode_slots = self.slot_of.clone() if filled_slots else self.slot_of
+        self._set(filled_slots, decode_slots)
         dev = self.slot_of.device
         return WritePlan(**{k: torch.tensor(v, dtype=torch.long).to(dev) for k, v in lists.items()},
                          filled_slots=filled_slots, decode_slots=decode_slots,
@@ -374,8 +366,7 @@ class Int4KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held: blocks, scales (K: steps and zero points) and tail slots."""
-        extra = 0 if self.zero_points is None else self.zero_points.nbytes
-        return self.data.nbytes + self.scales.nbytes + self.tail.nbytes + extra
+        return sum(t.nbytes for t in (self.data, self.scales, self.tail, self.zero_points) if t is not None)
 
     def _store(self, ids: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize whole blocks ``x [n, block_size, kv_heads, head_dim]`` (float32, as stored) into ``ids``."""
@@ -475,5 +466,5 @@ class Int4KVCache:
 
     def stored_basis(self) -> Int4KVCache:
         """The same storage read as stored (V rotated), in float32: attention rotates its output
-        back instead of every value row (``models.attention.in_stored_basis``)."""
+        back instead of every value row (``models.attention._attention``)."""
         return replace(self, rotation=None, out_dtype=torch.float32)

@@ -137,15 +137,13 @@ class QuantizedKVCache:
         """Overwrite blocks with other quantized blocks, bit for bit (copy-on-write)."""
         if not isinstance(blocks, QuantizedKVCache) or blocks.kv_cache_dtype != self.kv_cache_dtype:
             raise TypeError("a quantized KV cache takes only quantized blocks of the same precision")
-        self.data[index] = blocks.data
-        self.scales[index] = blocks.scales
+        self.data[index], self.scales[index] = blocks.data, blocks.scales
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize ``x [T, kv_heads, head_dim]`` and store token i at flat slot ``slot_mapping[i]``."""
         data, scales = quantize_kv(x, self.kv_cache_dtype)
-        num_slots = self.data.shape[0] * self.data.shape[1]
-        self.data.view(num_slots, *self.data.shape[2:]).index_copy_(0, slot_mapping, data)
-        self.scales.view(num_slots, self.scales.shape[2]).index_copy_(0, slot_mapping, scales)
+        self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slot_mapping, data)
+        self.scales.view(-1, self.scales.shape[2]).index_copy_(0, slot_mapping, scales)
 
     def dequantize(self) -> torch.Tensor:
         """The held blocks as ``out_dtype`` values, shape :attr:`shape`."""

@@ -22,7 +22,7 @@ keys per channel within a block with zero points, values rotated per token, each
 block in a float16 tail): ``write_kv`` quantizes on write. Backends gather the blocks they read (head-major pools in
 one copy, quantized pools dequantizing only the blocks gathered), except the fused decode kernel,
 which reads head-major and quantized pools in place, dequantizing as it goes. int4 values are
-stored rotated by a Hadamard matrix (:func:`in_stored_basis`): ``sdpa``, ``matmul`` and ``fused``
+stored rotated by a Hadamard matrix (:func:`_attention`): ``sdpa``, ``matmul`` and ``fused``
 then attend in the stored basis and rotate the output back; ``reference`` instead rotates every
 gathered value back. Over int4 pools every query reads its own block exact: a decode from the
 tail (the block it fills this step included), a prompt chunk's queries from the step's rows at
@@ -105,8 +105,7 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
     the window), so a decode reads about ``window`` tokens, not its whole context; prompt chunks
     keep their tables and every backend masks them by ``window``. Built once per step, shared by
     every sliding layer. The slots written (``slot_mapping``) are unchanged."""
-    d = meta.num_decodes
-    if not d:
+    if not meta.num_decodes:
         return dataclasses.replace(meta, window=window)
     ctx = meta.decode_context_lens
     first = (ctx - window).clamp(min=0) // block_size  # block of the oldest key in the window
@@ -122,16 +121,14 @@ def window_view(meta: AttentionMetadata, window: int, block_size: int) -> Attent
                                decode_mask=mask[:, None, None, :], window=window, decode_first=first)
 
 
-def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor,
-             v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[T, kv_heads, head_dim]`` into their slots."""
     if not isinstance(k_cache, torch.Tensor):  # a pool object (head-major or quantized) stores itself
         k_cache.write(slot_mapping, k)
         v_cache.write(slot_mapping, v)
         return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _decode_view(cache: KVCache) -> KVCache:
@@ -144,23 +141,20 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Plain, per-sequence paged attention. ``q`` is ``[T, heads, head_dim]``."""
     out = torch.empty_like(q)
-    num_heads = q.shape[1]
     seqs = [(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
             for i in range(meta.num_decodes)] + meta.prefills
     decode_k, decode_v = _decode_view(k_cache), _decode_view(v_cache)
+    block_size = k_cache.shape[1]
     for i, (start, q_len, ctx_len, block_ids) in enumerate(seqs):
         pools = (decode_k, decode_v) if i < meta.num_decodes else (k_cache, v_cache)
         k, v = (gather_blocks(pool, block_ids).flatten(0, 1)[:ctx_len].float() for pool in pools)
-        block_size = k_cache.shape[1]
         hidden = ~_visible(q_len, ctx_len, meta.window, k.device)
         if isinstance(k_cache, Int4KVCache) and i >= meta.num_decodes:  # a prompt chunk's own block, exact
             lead, block = (ctx_len - q_len) % block_size, int(block_ids[(ctx_len - q_len) // block_size])
-            k = torch.cat([k, k_cache.own_block_rows(start, q_len, lead, block)])
-            v = torch.cat([v, v_cache.own_block_rows(start, q_len, lead, block)])
+            k, v = (torch.cat([x, pool.own_block_rows(start, q_len, lead, block)]) for x, pool in zip((k, v), pools))
             hidden = ~own_block_exact(q_len, ctx_len, block_size, meta.window, k.device)
-        group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # [ctx, heads, d]
-        v = v.repeat_interleave(group, dim=1)
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # [ctx, heads, d]
         qs = q[start:start + q_len].float()  # [q_len, heads, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -171,13 +165,11 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    tables = meta.decode_block_tables
     # [D, blocks, block_size, kvh, hd] -> [D, kvh, L, hd]
-    k = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
+    k, v = (gather_blocks(c, meta.decode_block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+            for c in (k_cache, v_cache))
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
+                                          enable_gqa=True).squeeze(2)
 
 
 def gather_head_major(cache: KVCache, block_ids: torch.Tensor) -> torch.Tensor:
@@ -190,16 +182,14 @@ def gather_head_major(cache: KVCache, block_ids: torch.Tensor) -> torch.Tensor:
 def _decode_matmul(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     d, heads, hd = q.shape
-    tables = meta.decode_block_tables
-    k = gather_head_major(k_cache, tables).flatten(2, 3).to(q.dtype)  # [kvh, D, L, hd]
-    v = gather_head_major(v_cache, tables).flatten(2, 3).to(q.dtype)
+    # [kvh, D, L, hd]
+    k, v = (gather_head_major(c, meta.decode_block_tables).flatten(2, 3).to(q.dtype) for c in (k_cache, v_cache))
     kvh = k.shape[0]
     # The query heads that share each KV head form the rows of one small matmul per (head, seq).
     qg = (q * scale).view(d, kvh, heads // kvh, hd).transpose(0, 1)  # [kvh, D, group, hd]
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, D, group, L]
     scores.masked_fill_(~meta.decode_mask.view(1, d, 1, -1), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1).reshape(d, heads, hd)
+    return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).reshape(d, heads, hd)
 
 
 # The native decode kernel keeps one KV head's query group in registers: up to this many query
@@ -212,36 +202,26 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     """Decodes through the native kernel, reading each block in place from the head-major or the
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
-    if q.device.type != "cpu" or q.shape[1] > FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+    kernel = None  # and, with one: the dtype it computes in, the pools' tensors, its mode argument
+    if q.device.type == "cpu" and q.shape[1] <= FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+        if isinstance(k_cache, Int4KVCache):
+            kernel, dtype, mode = paged_decode_int4_kernel(), q.dtype, ("auto",)
+            pools = (k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
+                     v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots())
+        elif isinstance(k_cache, QuantizedKVCache):
+            kernel, dtype, mode = paged_decode_quantized_kernel(), q.dtype, (k_cache.kv_cache_dtype,)
+            pools = (k_cache.data, v_cache.data, k_cache.scales, v_cache.scales)
+        elif isinstance(k_cache, HeadMajorKVCache):
+            # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without
+            # native bf16) take q converted and give the output back; otherwise no conversion call at all.
+            kernel, dtype, mode, pools = paged_decode_kernel(), k_cache.dtype, (), (k_cache.data, v_cache.data)
+    if kernel is None:
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
-    if isinstance(k_cache, Int4KVCache):
-        kernel = paged_decode_int4_kernel()
-        if kernel is None:
-            return _decode_matmul(q, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
-        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
-               v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots(), meta.decode_block_tables,
-               meta.decode_context_lens, scale, "auto", meta.decode_first)
-        return out
-    if isinstance(k_cache, QuantizedKVCache):
-        kernel = paged_decode_quantized_kernel()
-        if kernel is not None:
-            out = torch.empty_like(q)
-            kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                   meta.decode_block_tables, meta.decode_context_lens, scale, k_cache.kv_cache_dtype,
-                   meta.decode_first)
-            return out
-    kernel = paged_decode_kernel()
-    if kernel is None or not isinstance(k_cache, HeadMajorKVCache):
-        return _decode_matmul(q, k_cache, v_cache, meta, scale)
-    # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without native
-    # bf16) take q converted and give the output back; otherwise no conversion call at all.
-    same = q.dtype == k_cache.dtype
-    out = torch.empty_like(q, dtype=k_cache.dtype)
-    kernel(out, q if same else q.to(k_cache.dtype), k_cache.data, v_cache.data, meta.decode_block_tables,
-           meta.decode_context_lens, scale, meta.decode_first)
-    return out if same else out.to(q.dtype)
+    out = torch.empty_like(q, dtype=dtype)
+    kernel(out, q if q.dtype == dtype else q.to(dtype), *pools, meta.decode_block_tables, meta.decode_context_lens,
+           scale, *mode, meta.decode_first)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def _visible(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
@@ -262,6 +242,12 @@ class ExactRows:
     v: torch.Tensor
     lead: int
     block_size: int
+
+    def from_query(self, first: int, n: int) -> ExactRows:
+        """The rows queries ``first .. first + n`` of the chunk read: from their first one's block start."""
+        lead = (self.lead + first) % self.block_size
+        start = self.lead + first - lead  # the exact row where query first's block starts
+        return ExactRows(self.k[:, start:start + lead + n], self.v[:, start:start + lead + n], lead, self.block_size)
 
 
 def _diagonal_tiles(grid: torch.Tensor, first: int, block_size: int) -> torch.Tensor:
@@ -323,10 +309,10 @@ def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if exact is not None:
         mask = own_block_exact(q_len, ctx_len, exact.block_size, window, qs.device)
         k, v = torch.cat([k, exact.k], 1), torch.cat([v, exact.v], 1)
-        return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    if ctx_len == q_len and (window is None or window >= ctx_len):
+    elif ctx_len == q_len and (window is None or window >= ctx_len):
         return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    mask = _visible(q_len, ctx_len, window, qs.device)
+    else:
+        mask = _visible(q_len, ctx_len, window, qs.device)
     return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -393,12 +379,7 @@ def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for first in range(0, q_len, rows):
         n = min(rows, q_len - first)
         seen = ctx_len - q_len + first + n  # keys up to the block's last query
-        own = None
-        if exact is not None:
-            lead = (exact.lead + first) % exact.block_size
-            start = exact.lead + first - lead  # the exact row where this block's first query's block starts
-            own = ExactRows(exact.k[:, start:start + lead + n], exact.v[:, start:start + lead + n], lead,
-                            exact.block_size)
+        own = None if exact is None else exact.from_query(first, n)
         out[:, first:first + n] = _prefill_gemms(qs[:, first:first + n], k[:, :seen], v[:, :seen], scale, window,
                                                  own, causal_softmax)
     return out
@@ -414,7 +395,17 @@ def _prefill_fused(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Batched decodes through ``decode``, then each prompt chunk through ``prefill``. Under a
-    window, a chunk reads its context from the block holding the first key its first query sees."""
+    window, a chunk reads its context from the block holding the first key its first query sees.
+
+    Over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`), all *in the
+    stored basis*: the pools read as stored (:meth:`Int4KVCache.stored_basis`), in float32, and the
+    output rotated back. With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same
+    attention, for one ``head_dim × head_dim`` product per output row, where rotating back every
+    gathered value row would cost one per context token (and the fused kernel reads the stored rows
+    in place, so it could not)."""
+    if isinstance(v_cache, Int4KVCache) and v_cache.rotation is not None:
+        out = _attention(decode, prefill, q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
+        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
         return decode(q, _decode_view(k_cache), _decode_view(v_cache), meta, scale)
@@ -424,58 +415,33 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_size = k_cache.shape[1]
     for start, q_len, ctx_len, block_ids in meta.prefills:
         first = 0 if meta.window is None else max(0, ctx_len - q_len + 1 - meta.window) // block_size
-        # .to: pools may hold bf16 under float32 compute (a CPU without native bf16); no-op otherwise
         ids = block_ids[first:]
         ctx = ctx_len - first * block_size  # counted from the first block read
-        k = gather_head_major(k_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)  # [kvh, ctx, hd]
-        v = gather_head_major(v_cache, ids).flatten(1, 2)[:, :ctx].to(q.dtype)
+        # [kvh, ctx, hd] each; .to: pools may hold bf16 under float32 compute (a CPU without native bf16), else no-op
+        k, v = (gather_head_major(c, ids).flatten(1, 2)[:, :ctx].to(q.dtype) for c in (k_cache, v_cache))
         qs = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, hd]
         exact = None
         if isinstance(k_cache, Int4KVCache):  # each query reads its own block from the exact rows
             lead, block = (ctx - q_len) % block_size, int(ids[(ctx - q_len) // block_size])
-            exact = ExactRows(k_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
-                              v_cache.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype),
-                              lead, block_size)
+            exact = ExactRows(*(c.own_block_rows(start, q_len, lead, block).transpose(0, 1).to(q.dtype)
+                                for c in (k_cache, v_cache)), lead, block_size)
         out[start:start + q_len] = prefill(qs, k, v, scale, meta.window, exact).transpose(0, 1)
     return out
 
 
-def in_stored_basis(backend):
-    """``backend`` over int4 pools, whose values are stored rotated (:attr:`Int4KVCache.rotation`):
-    the output rotated back, the pools read as stored (:meth:`Int4KVCache.stored_basis`), all in
-    float32.
-
-    With an orthogonal, symmetric ``R``, ``(Σ p vR) R = Σ p v``: the same attention, for one
-    ``head_dim × head_dim`` product per output row, where rotating back every gathered value row
-    would cost one per context token (and the fused kernel reads the stored rows in place, so it
-    could not). Other pools pass straight through.
-    """
-    def run(q, k_cache, v_cache, meta, scale):
-        if not isinstance(v_cache, Int4KVCache):
-            return backend(q, k_cache, v_cache, meta, scale)
-        out = backend(q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
-        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
-
-    run.__name__, run.__doc__ = backend.__name__, backend.__doc__
-    return run
-
-
-# The fast backends read int4 pools through in_stored_basis. The reference does not: it gathers the
-# values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
+# The fast backends read int4 pools in the stored basis (_attention). The reference does not: it gathers
+# the values rotated back into the model's basis (Int4KVCache.dequantize), slowly and obviously, so
 # testing the others against it tests the rotation algebra too.
-@in_stored_basis
 def sdpa_attention(q, k_cache, v_cache, meta, scale):
     """Decodes batched through SDPA (good on GPU); prompt chunks through SDPA."""
     return _attention(_decode_sdpa, _prefill_sdpa, q, k_cache, v_cache, meta, scale)
 
 
-@in_stored_basis
 def matmul_attention(q, k_cache, v_cache, meta, scale):
     """Decodes and prompt chunks as grouped batched matmuls (fast on CPU)."""
     return _attention(_decode_matmul, _prefill_matmul, q, k_cache, v_cache, meta, scale)
 
 
-@in_stored_basis
 def fused_attention(q, k_cache, v_cache, meta, scale):
     """Decodes through the fused native kernel (no gathered copy); prompt chunks as grouped matmuls
     around a native causal softmax."""

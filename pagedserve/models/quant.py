@@ -81,30 +81,31 @@ def _native_linear(ops, kind: str, x2: torch.Tensor, weight: torch.Tensor, scale
 
 
 class FlatLinear(nn.Module):
-    """What the weight-only twins of ``nn.Linear`` share: the input flattened to rows ``[-1, in]``
+    """What the weight-only twins of ``nn.Linear`` share: their shape and ``bias`` buffer (None or
+    added to the output, each layout's way); the input flattened to rows ``[-1, in]``
     for :meth:`matmul` (``rows Wᵀ + b``, each layout's own), the output shaped back; and the whole
-    dequantized weight as the rows of it (:meth:`rows`, all rows for None)."""
+    dequantized weight as the rows of it (:meth:`rows` of ``slice(None)``)."""
 
-    in_features: int
-    out_features: int
+    def __init__(self, weight_shape: torch.Size, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight_shape
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]``."""
-        return self.rows(None, dtype)
+        return self.rows(slice(None), dtype)
 
 
 class Int8Linear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` stored as int8 and one scale per output channel."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
+        super().__init__(weight_int8.shape, bias)
         self.register_buffer("weight", weight_int8)
         self.register_buffer("scales", scales)
-        self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -112,8 +113,7 @@ class Int8Linear(FlatLinear):
         w = linear.weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = (w / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales.to(linear.weight.dtype), bias)
+        return cls(q, scales.to(linear.weight.dtype), None if linear.bias is None else linear.bias.detach().clone())
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight this layer computes with, ``[out, in]``."""
@@ -162,8 +162,7 @@ class Int4Linear(FlatLinear):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, dtype: torch.dtype, packed_for_cpu: bool, group_ops=None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(q.shape, bias)
         self.group_size = group_size
         if self.in_features % group_size or group_size % 2:
             raise ValueError(f"int4 groups of {group_size} need in_features divisible by it, got {self.in_features}")
@@ -184,7 +183,6 @@ class Int4Linear(FlatLinear):
             # z − 8 s is exact in float32 whenever z = m + 8 s was (a GGUF Q4_1 m; −8 d for Q4_0).
             self.register_buffer("scales", s.to(torch.float16).contiguous())
             self.register_buffer("offsets", (zeros.float() - 8.0 * s).to(torch.float16).contiguous())
-        self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE,
@@ -192,27 +190,24 @@ class Int4Linear(FlatLinear):
         """Quantize a float linear layer; ``packed_for_cpu`` defaults to whether it lives on the CPU."""
         w = linear.weight.detach()
         q, scales, zeros = quantize_int4_groups(w, group_size)
-        if packed_for_cpu is None:
-            packed_for_cpu = w.device.type == "cpu"
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scales, zeros, bias, group_size, w.dtype, packed_for_cpu, group_ops)
+        return cls(q, scales, zeros, None if linear.bias is None else linear.bias.detach().clone(), group_size, w.dtype,
+                   w.device.type == "cpu" if packed_for_cpu is None else packed_for_cpu, group_ops)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None): the lookups of a quantized
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (a tensor, or a slice): the lookups of a quantized
         embedding table (:class:`QuantizedEmbedding`). Readable layout only."""
         if self.packed_for_cpu:
             raise RuntimeError("the CPU-packed int4 layout is opaque; build with packed_for_cpu=False to read it")
-        pick = slice(None) if ids is None else ids
-        packed, s, b = self.weight[pick], self.scales[pick], self.offsets[pick]
+        packed, s, b = self.weight[ids], self.scales[ids], self.offsets[ids]
         p = packed.reshape(packed.shape[0], -1, self.group_size // 2)
         q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()  # [rows, K/g, g]
         w = q * s.float().unsqueeze(-1) + b.float().unsqueeze(-1)  # float32, one rounding to dtype
         return w.reshape(packed.shape[0], self.in_features).to(dtype)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        ops = None if self.packed_for_cpu or x2.device.type != "cpu" else self.group_ops
-        if ops is not None:
-            return _native_linear(ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias, x2.dtype)
+        if self.group_ops is not None and x2.device.type == "cpu":  # (never with the CPU-packed layout)
+            return _native_linear(self.group_ops, "int4", x2, self.weight, self.scales, self.offsets, self.bias,
+                                  x2.dtype)
         if self.packed_for_cpu:
             # A no-op .to() when the activations have the model dtype (no copy per call).
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size,
@@ -247,43 +242,38 @@ class Int8GroupedLinear(FlatLinear):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                  dtype: torch.dtype, group_ops=None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(q.shape, bias)
         if self.in_features % group_size or scales.shape != (self.out_features, self.in_features // group_size):
             raise ValueError(f"int8 groups of {group_size}: weight {tuple(q.shape)} and scales {tuple(scales.shape)} "
                              "do not match")
         self.group_size = group_size
-        groups = self.in_features // group_size
         self.group_ops = group_kernel_ops(group_ops, q.device, group_size)
         self.native = self.group_ops is not None
         if self.native:
             self.register_buffer("weight", q.to(torch.int8).contiguous())  # [N, K]
             self.register_buffer("scales", scales.to(torch.float16).contiguous())  # [N, K/g]
         else:
-            self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, groups, group_size)
+            self.register_buffer("weight", q.to(torch.int8).reshape(self.out_features, -1, group_size)
                                  .transpose(0, 1).contiguous())  # [K/g, N, g]
             self.register_buffer("scales", scales.t().contiguous().to(dtype))  # [K/g, N]
-        self.register_buffer("bias", bias)
         self.float_output = False  # True: return float32 sums (an LM head's logits)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None), ``[rows, in]``."""
-        pick = slice(None) if ids is None else ids
+    def rows(self, ids: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight (a tensor, or a slice), ``[rows, in]``."""
         if self.native:
-            q, s = self.weight[pick], self.scales[pick]
+            q, s = self.weight[ids], self.scales[ids]
             w = q.reshape(q.shape[0], -1, self.group_size).float() * s.float().unsqueeze(-1)  # exact in float32
             return w.reshape(q.shape[0], self.in_features).to(dtype)
-        q, s = self.weight[:, pick], self.scales[:, pick]
+        q, s = self.weight[:, ids], self.scales[:, ids]
         w = q.to(dtype) * s.to(dtype).unsqueeze(-1)  # [K/g, rows, g]; q * s is exact before the one rounding
         return w.transpose(0, 1).reshape(w.shape[1], self.in_features)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        ops = self.group_ops if self.native and x2.device.type == "cpu" else None
-        if ops is not None:
+        if self.native and x2.device.type == "cpu":
             # As the LM head (float_output), the float32 sums are the logits: rounding them to
             # bfloat16 first would tie near-equal candidates (SmolLM2's "The" / "L" for "Paris").
             out_dtype = torch.float32 if self.float_output else x2.dtype
-            return _native_linear(ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
+            return _native_linear(self.group_ops, "int8", x2, self.weight, self.scales, None, self.bias, out_dtype)
         if (x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
                 and x2.shape[0] <= _INT8_GROUPED_KERNEL_MAX_ROWS):
             xg = x2.reshape(x2.shape[0], -1, self.group_size).transpose(0, 1).contiguous()  # [K/g, T, g]
@@ -312,8 +302,7 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return self.table.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self.table.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, quantized"
@@ -338,7 +327,4 @@ def weight_bytes(model: nn.Module) -> int:
     opaque prepacked matrices of :class:`~pagedserve.models.packed.PackedLinear` layers). A tensor
     held by two modules (a quantized table that is both the embedding and the LM head) counts once."""
     packed = sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
-    seen: dict[tuple[int, int], int] = {}
-    for t in model.state_dict().values():
-        seen[(t.data_ptr(), t.nbytes)] = t.nbytes
-    return packed + sum(seen.values())
+    return packed + sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in model.state_dict().values()})

@@ -21,8 +21,7 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and accept(m)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(linear))
+        setattr(model.get_submodule(parent_name), child, make(linear))  # "": the model itself
     embed = getattr(model, "embed_tokens", None)
     if tied_head and "lm_head" in vars(model) and model.lm_head is None and isinstance(embed, nn.Embedding):
         head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")

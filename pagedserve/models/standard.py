@@ -51,8 +51,7 @@ CHAT_TEMPLATE = (
 def _stdlib_sources() -> list[str]:
     import sysconfig
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [str(p) for p in sorted(root.glob("*.py"))]
+    return [str(p) for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int = 32000):
@@ -91,7 +90,8 @@ def shared_tokenizer_dir(vocab_size: int = 32000) -> Path:
 def build_once(out: Path, marker: str, build: Callable[[Path], object]) -> Path:
     """``out``, built on first use by ``build(tmp)`` into a sibling directory that is then renamed
     into place, so a reader never sees half of it; once across processes (a file lock). ``marker``:
-    the file whose presence means ``out`` is complete. A build that fails leaves nothing behind."""
+    the file whose presence means ``out`` is complete (``""``: ``out`` itself, a file ``build`` writes
+    whole). A build that fails leaves nothing behind."""
     if not (out / marker).exists():
         with _build_lock(out):
             if not (out / marker).exists():

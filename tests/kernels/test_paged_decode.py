@@ -164,7 +164,7 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     got = fused_attention(q, k_pool, v_pool, meta, hd ** -0.5)
     assert torch.allclose(got.float(), want.float(), atol=atol)
     # the decodes really went through the kernel (computing in float32, the output rotated back as
-    # in_stored_basis does), and match the float32 reference over the same bits
+    # the fast backends' _attention does), and match the float32 reference over the same bits
     direct = torch.empty(d, heads, hd)
     paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
                                k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
