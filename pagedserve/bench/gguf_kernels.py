@@ -1,7 +1,7 @@
 """``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 or int16 activations × the blocks' integers)
 against dequantizing the blocks and running torch's float32 GEMM, against a float32 ``F.linear``
-over weights already dequantized (what a float32 model pays) and, on a CPU with AVX-512 BF16, against
-``gguf_gemm`` (bf16 activations, the weights dequantized a panel at a time), at the row counts of a
+over weights already dequantized (what a float32 model pays), against ``gguf_gemm`` in float32 (the
+weights dequantized a panel at a time) and, on a CPU with AVX-512 BF16, ``gguf_gemm`` in bf16, at the row counts of a
 decode batch and of a prefill chunk, alternating round by round. The crossover row count is where
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM. Each format
 is timed in the layout GGUFLinear gives it on this CPU (``rows16_default``), or in the one asked for."""
@@ -40,6 +40,7 @@ class ShapeTimes:
     dequant_gemm_us: float
     float_us: float
     gemm_us: float | None = None  # gguf_gemm in bf16 (prompt chunks' path on a CPU with AVX-512 BF16)
+    gemm_f32_us: float | None = None  # gguf_gemm in float32 (a float32 model's prompt chunks)
 
     @property
     def gb_per_s(self) -> float:
@@ -99,10 +100,11 @@ class LaidOut:
     dequantize: object  # (out, w, format[, ids, isa] for rows16 | [, isa] for planar)
 
     @classmethod
-    def of(cls, ops, fmt: str, n: int, k: int, layout: str) -> "LaidOut":
+    def of(cls, ops, fmt: str, n: int, k: int, layout: str, isa: str = "auto") -> "LaidOut":
         from pagedserve.models.gguf_linear import kernel_layout, rows16_default, rows16_layout
 
-        rows16 = fmt in rows16_default(str(ops.best_isa())) if layout == "auto" else layout == "rows16"
+        path = str(ops.best_isa()) if isa == "auto" else isa
+        rows16 = fmt in rows16_default(path) if layout == "auto" else layout == "rows16"
         w = (rows16_layout if rows16 else kernel_layout)(fmt, random_gguf_rows(fmt, n, k))
         if rows16:
             return cls("rows16", w, ops.gguf_matmul16, ops.gguf_dequantize16)
@@ -120,27 +122,33 @@ def _alternated(ways, rounds: int, calls: int) -> list[float]:
 
 
 def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
-            layout: str = "auto") -> list[ShapeTimes]:
-    from pagedserve.kernels import gguf_gemm_usable
+            layout: str = "auto", isa: str = "auto") -> list[ShapeTimes]:
+    from pagedserve.kernels import best_isa
 
     ops = _native_ops()
-    own_gemm = gguf_gemm_usable()
+    # the bf16 GEMM where it runs (on the CPU's own path only), the float32 one on any vector path
+    own_gemm = isa == "auto" and bool(ops.gguf_gemm_usable())
+    own_gemm_f32 = (best_isa() if isa == "auto" else isa) != "scalar"
     out: list[ShapeTimes] = []
     for fmt, n, k in shapes:
-        laid = LaidOut.of(ops, fmt, n, k, layout)
-        w, matmul, dequantize = laid.weight, laid.matmul, laid.dequantize
+        laid = LaidOut.of(ops, fmt, n, k, layout, isa)
+        w, matmul, rows16 = laid.weight, laid.matmul, laid.layout == "rows16"
+
+        def dequantize(into: torch.Tensor) -> None:
+            laid.dequantize(into, w, fmt, *((None, isa) if rows16 else (isa,)))
+
         dense = torch.empty(n, k)
-        dequantize(dense, w, fmt)
+        dequantize(dense)
         for m in rows:
             x = torch.randn(m, k)
             y = torch.empty(m, n)
 
             def kernel():
-                matmul(y, x, w, fmt, None, int16)
+                matmul(y, x, w, fmt, None, int16, isa)
 
             def dequant_gemm():
                 full = torch.empty(n, k)
-                dequantize(full, w, fmt)
+                dequantize(full)
                 return F.linear(x, full)
 
             def float_gemm():
@@ -149,10 +157,16 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             x16, y16 = x.bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
 
             def gemm():
-                ops.gguf_gemm(y16, x16, w, fmt, None, laid.layout == "rows16")
+                ops.gguf_gemm(y16, x16, w, fmt, None, rows16)
 
-            ways = (kernel, dequant_gemm, float_gemm) + ((gemm,) if own_gemm else ())
-            out.append(ShapeTimes(fmt, laid.layout, n, k, m, *_alternated(ways, rounds, calls)))
+            def gemm_f32():
+                ops.gguf_gemm(y, x, w, fmt, None, rows16, isa)
+
+            ways = (kernel, dequant_gemm, float_gemm) + ((gemm_f32,) if own_gemm_f32 else ()) + \
+                ((gemm,) if own_gemm else ())
+            times = _alternated(ways, rounds, calls)
+            gemms = {"gemm_f32_us": times[3] if own_gemm_f32 else None, "gemm_us": times[-1] if own_gemm else None}
+            out.append(ShapeTimes(fmt, laid.layout, n, k, m, *times[:3], **gemms))
     return out
 
 
@@ -212,12 +226,14 @@ def file_totals(counted: list[tuple[tuple[str, int, int], int]], timed: list[Sha
     count = dict(counted)
     totals: dict[int, dict] = {}
     for t in timed:
-        row = totals.setdefault(t.rows, {"rows": t.rows, "kernel_us": 0.0, "dequant_gemm_us": 0.0, "gemm_us": None})
+        row = totals.setdefault(t.rows, {"rows": t.rows, "kernel_us": 0.0, "dequant_gemm_us": 0.0, "float_us": 0.0,
+                                         "gemm_f32_us": None, "gemm_us": None})
         n = count[(t.format, t.out_features, t.in_features)]
-        row["kernel_us"] += n * t.kernel_us
-        row["dequant_gemm_us"] += n * t.dequant_gemm_us
-        if t.gemm_us is not None:
-            row["gemm_us"] = (row["gemm_us"] or 0.0) + n * t.gemm_us
+        for way in ("kernel_us", "dequant_gemm_us", "float_us"):
+            row[way] += n * getattr(t, way)
+        for way in ("gemm_f32_us", "gemm_us"):
+            if getattr(t, way) is not None:
+                row[way] = (row[way] or 0.0) + n * getattr(t, way)
     return list(totals.values())
 
 
@@ -238,6 +254,10 @@ def add_parser(bench) -> None:
     p.add_argument("--dequantize", action="store_true",
                    help="time instead what a prompt chunk pays before its GEMM: each format's weight dequantized "
                         "on every vector path against the scalar reference (--rows and --gguf-activations unused)")
+    p.add_argument("--isa", default="auto", choices=("auto", "scalar", "avx2", "avx512", "amx"),
+                   help="the native kernels' path (default: this CPU's best; the one named must run here): "
+                        "with MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 in the environment too, an AVX2 "
+                        "CPU's ways on an AVX-512 one")
     p.add_argument("--model", type=Path, default=None,
                    help="a GGUF file: time its layer matrices' shapes and formats (random blocks) instead of the "
                         "built-in shapes, and print each way's total over the file's matrices per row count")
@@ -282,25 +302,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {args.model} has no layer matrices in a format the GGUF kernels read")
             return 2
     shapes = SHAPES if counted is None else [shape for shape, _ in counted]
-    results = measure(shapes, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout)
-    print(f"GGUF kernels ({best_isa()} path, {args.gguf_activations} activations; {machine_summary()}), medians "
+    results = measure(shapes, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout, args.isa)
+    path = best_isa() if args.isa == "auto" else args.isa
+    print(f"GGUF kernels ({path} path, {args.gguf_activations} activations; {machine_summary()}), medians "
           f"of {args.rounds} alternated rounds")
     print(f"{'format':6} {'layout':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
           f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}"
+          + (f" {'f32 gguf_gemm us':>16} {'deq+GEMM/f32':>12}" if results and results[0].gemm_f32_us else "")
           + (f" {'bf16 gguf_gemm us':>17} {'kernel/gguf_gemm':>16}" if results and results[0].gemm_us else ""))
     for r in results:
         print(f"{r.format:6} {r.layout:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
               f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
               f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x"
+              + (f" {r.gemm_f32_us:>16.1f} {r.dequant_gemm_us / r.gemm_f32_us:>11.2f}x" if r.gemm_f32_us else "")
               + (f" {r.gemm_us:>17.1f} {r.kernel_us / r.gemm_us:>15.2f}x" if r.gemm_us else ""))
     totals = None
     if counted is not None:
         totals = file_totals(counted, results)
         print(f"{args.model.name}: {sum(n for _, n in counted)} layer matrices, each way's total per row count")
-        print(f"{'rows':>5} {'kernel ms':>10} {'deq+GEMM ms':>12}"
+        print(f"{'rows':>5} {'kernel ms':>10} {'deq+GEMM ms':>12} {'fp32 ms':>9}"
+              + (f" {'f32 gguf_gemm ms':>16}" if totals[0]["gemm_f32_us"] else "")
               + (f" {'gguf_gemm ms':>12} {'kernel/gguf_gemm':>16}" if totals[0]["gemm_us"] else ""))
         for t in totals:
-            print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f}"
+            print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f} {t['float_us'] / 1e3:>9.2f}"
+                  + (f" {t['gemm_f32_us'] / 1e3:>16.2f}" if t["gemm_f32_us"] else "")
                   + (f" {t['gemm_us'] / 1e3:>12.2f} {t['kernel_us'] / t['gemm_us']:>15.2f}x" if t["gemm_us"] else ""))
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
                                  "rows": [asdict(r) for r in results]} | ({"totals": totals} if totals else {}))

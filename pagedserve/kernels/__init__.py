@@ -82,7 +82,7 @@ _SOURCES = [Path(__file__).with_name(name)
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
                          "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
-            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
+            for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc", "gguf_gemm_f32.inc",
                          "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
@@ -252,12 +252,16 @@ def best_isa() -> str | None:
     return None if ops is None else str(ops.best_isa())
 
 
-def gguf_gemm_usable() -> bool:
-    """Whether prompt chunks over GGUF weights run the native bf16 GEMM here (``gguf_gemm``: AVX-512
-    BF16 without AMX-BF16, whose tiles torch's GEMM uses), rather than dequantizing each weight
-    whole for torch's GEMM."""
+def gguf_gemm_usable(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether prompt chunks over GGUF weights computing in ``dtype`` run the native GEMM here
+    (``gguf_gemm``), rather than dequantizing each weight whole for torch's GEMM: in bf16 on AVX-512
+    BF16 without AMX-BF16 (whose tiles torch's GEMM uses), in float32 on the AVX2 and AVX-512 paths."""
     ops = native_ops()
-    return ops is not None and bool(ops.gguf_gemm_usable())
+    if ops is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(ops.gguf_gemm_usable())
+    return dtype == torch.float32 and str(ops.best_isa()) != "scalar"
 
 
 _ISA_WORDS = {"scalar": "the scalar reference (no AVX2 here)", "avx2": "AVX2 maddubs/madd",

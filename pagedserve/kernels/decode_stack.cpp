@@ -57,7 +57,7 @@ struct Linear {
   bool float_output = false;         // gguf: float32 out whatever x is (an LM head's logits)
   std::vector<bool> rows16;          // gguf: each segment in the rows16 layout or not (set_linear reads it
                                      // from a format named "Q4_1:rows16")
-  int64_t gemm_above = 0;            // gguf: more rows than this (in bf16) go through gguf_gemm; 0: never
+  int64_t gemm_above = 0;            // gguf: more rows than this go through gguf_gemm; 0: never
 };
 
 struct Layer {
@@ -260,14 +260,14 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor rows = x.contiguous();
         Outputs fresh;
         Outputs& o = reuse ? *reuse : fresh;
-        // A batch past the integer kernels' rows goes through GGUFLinear's bf16 GEMM (gguf_gemm.inc),
-        // which writes the compute dtype (an LM head's float32) itself; the integer kernels write
-        // float32, converted below.
-        const bool gemm = l.gemm_above > 0 && rows.size(0) > l.gemm_above && rows.scalar_type() == at::kBFloat16;
+        // A batch past the integer kernels' rows goes through GGUFLinear's GEMM (gguf_gemm.inc in bf16,
+        // gguf_gemm_f32.inc in float32), which writes the compute dtype (an LM head's float32) itself;
+        // the integer kernels write float32, converted below.
+        const bool gemm = l.gemm_above > 0 && rows.size(0) > l.gemm_above;
         const bool direct = gemm && !l.float_output;
         at::Tensor& y = direct ? o.converted : o.y;
         if (!y.defined() || y.size(1) != l.out_features) {
-          y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(direct ? at::kBFloat16 : at::kFloat));
+          y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(direct ? rows.scalar_type() : at::kFloat));
           if (!direct) o.converted = at::Tensor();
         }
         int64_t offset = 0;

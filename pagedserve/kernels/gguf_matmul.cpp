@@ -28,6 +28,7 @@
 #include "work_pool.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -170,6 +171,7 @@ int64_t matmul_tasks(int64_t N, int64_t K, int64_t M, bool wide) {
 namespace avx2 {
 #define PS_VNNI 0
 #include "gguf_simd.inc"
+#include "gguf_gemm_f32.inc"
 #undef PS_VNNI
 }  // namespace avx2
 #pragma GCC pop_options
@@ -179,6 +181,7 @@ namespace avx2 {
 namespace avx512 {
 #define PS_VNNI 1
 #include "gguf_simd.inc"
+#include "gguf_gemm_f32.inc"
 #undef PS_VNNI
 }  // namespace avx512
 #pragma GCC pop_options
@@ -570,59 +573,82 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
   });
 }
 
-// out [M, N] (bfloat16 or float32, unit column stride: it may be a column slice of a wider one) =
-// x [M, K] (bfloat16) W^T (+ bias), W in the rows16 layout (`rows16`) or planar: a prompt chunk's
-// GEMM. "auto" (or "avx512", "amx") runs gguf_gemm.inc's kernel, which needs AVX-512 BF16 (where
-// GGUFLinear calls it: gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM); "scalar" the
-// reference: the weight dequantized as gguf_dequantize does,
-// rounded to bfloat16 as the kernel reads it, each product summed in float32 in k order.
+// gguf_gemm's reference: the weight dequantized as gguf_dequantize does, rounded to bfloat16 for
+// bfloat16 x (as that kernel reads it), each product summed in float32 in k order.
+template <typename X, typename T>
+void gemm_reference(Format f, bool rows16, const uint8_t* wp, int64_t stride, int64_t N, int64_t K, const X* xp,
+                    int64_t M, const float* b, T* o, int64_t ldo, WorkPool* pool) {
+  const int elems = info(f).elems;
+  const int64_t blocks = K / elems;
+  std::vector<float> wf(N * K);
+  pagedserve::parallel_for(pool, 0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        float* y = wf.data() + n * K + blk * elems;
+        if (rows16)
+          dequantize_rows16_block(f, wp + n / 16 * stride, blk, static_cast<int>(n % 16), y);
+        else
+          dequantize_row_block(f, wp + n * stride, blocks, blk, y);
+        if constexpr (std::is_same_v<X, c10::BFloat16>)
+          for (int j = 0; j < elems; ++j) y[j] = round_to<c10::BFloat16>(y[j]);
+      }
+  });
+  pagedserve::parallel_for(pool, 0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += to_float(xp[m * K + k]) * wf[n * K + k];
+        o[m * ldo + n] = from_float<T>(sum + (b ? b[n] : 0.f));
+      }
+  });
+}
+
+// out [M, N] (unit column stride: it may be a column slice of a wider one) = x [M, K] W^T (+ bias),
+// W in the rows16 layout (`rows16`) or planar: a prompt chunk's GEMM. x in bfloat16 (out bfloat16
+// or float32): gguf_gemm.inc's kernel, which needs AVX-512 BF16 (where GGUFLinear calls it:
+// gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM). x in float32 (out float32):
+// gguf_gemm_f32.inc's, on the AVX2 or the AVX-512 path ("auto": the CPU's best; "amx" runs the
+// AVX-512 one). "scalar" the reference: the weight dequantized as gguf_dequantize does (rounded to
+// bfloat16 for bf16 x, as that kernel reads it), each product summed in float32 in k order.
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_gemm";
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
-  TORCH_CHECK(isa == Isa::scalar || (cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid()), op,
-              ": this CPU has no AVX-512 BF16 (the scalar path runs anywhere)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
-              ": x must be a contiguous bfloat16 [rows, in_features]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat), op,
+              ": x must be a contiguous bfloat16 or float32 [rows, in_features]");
+  TORCH_CHECK(!bf16 || isa == Isa::scalar || (cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid()), op,
+              ": this CPU has no AVX-512 BF16 for bfloat16 x (the scalar path runs anywhere)");
   const int64_t M = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : 0;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.stride(0) >= N &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
-              op, ": out must be a bfloat16 or float32 [rows, out_features] with unit column stride");
+                  (out.scalar_type() == at::kFloat || (bf16 && out.scalar_type() == at::kBFloat16)),
+              op, ": out must be a float32 (or, for bfloat16 x, bfloat16) [rows, out_features] with unit column stride");
   const Format f = rows16 ? rows16_format(w, format, N, K, op) : planar_format(w, format, N, K, op);
   check_bias(bias, N, op);
   if (M == 0 || N == 0) return;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const int64_t blocks = K / info(f).elems, stride = w.size(1), ldo = out.stride(0);
-  dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      TORCH_CHECK(false, op, ": out must be bfloat16 or float32");
-    } else {
-      T* o = out.data_ptr<T>();
+  const int64_t stride = w.size(1), ldo = out.stride(0);
+  dispatch_model_dtype(x.scalar_type(), op, [&](auto x_tag) {
+    using X = decltype(x_tag);
+    if constexpr (!std::is_same_v<X, c10::Half>) {
+      const X* xp = x.data_ptr<X>();
+      dispatch_model_dtype(out.scalar_type(), op, [&](auto tag) {
+        using T = decltype(tag);
+        if constexpr (!std::is_same_v<T, c10::Half>) {
+          T* o = out.data_ptr<T>();
 #if PS_X86
-      if (isa != Isa::scalar) return avx512bf16::gemm<T>(f, rows16, wp, stride, N, K, xp, K, M, b, o, ldo, pool);
+          if constexpr (std::is_same_v<X, c10::BFloat16>) {
+            if (isa != Isa::scalar) return avx512bf16::gemm<T>(f, rows16, wp, stride, N, K, xp, K, M, b, o, ldo, pool);
+          } else if constexpr (std::is_same_v<T, float>) {
+            if (isa != Isa::scalar) {
+              const auto kernel = isa == Isa::avx2 ? &avx2::gemm_f32 : &avx512::gemm_f32;
+              return kernel(f, rows16, wp, stride, N, K, xp, K, M, b, o, ldo, pool);
+            }
+          }
 #endif
-      std::vector<float> wf(N * K);
-      pagedserve::parallel_for(pool, 0, N, 1, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t blk = 0; blk < blocks; ++blk) {
-            float* y = wf.data() + n * K + blk * info(f).elems;
-            if (rows16)
-              dequantize_rows16_block(f, wp + n / 16 * stride, blk, static_cast<int>(n % 16), y);
-            else
-              dequantize_row_block(f, wp + n * stride, blocks, blk, y);
-            for (int j = 0; j < info(f).elems; ++j) y[j] = round_to<c10::BFloat16>(y[j]);
-          }
-      });
-      pagedserve::parallel_for(pool, 0, M, 1, [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m)
-          for (int64_t n = 0; n < N; ++n) {
-            float sum = 0.f;
-            for (int64_t k = 0; k < K; ++k) sum += to_float(xp[m * K + k]) * wf[n * K + k];
-            o[m * ldo + n] = from_float<T>(sum + (b ? b[n] : 0.f));
-          }
+          gemm_reference(f, rows16, wp, stride, N, K, xp, M, b, o, ldo, pool);
+        }
       });
     }
   });

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import cache_dir
-from pagedserve.kernels import best_isa, isa_summary, native_ops
+from pagedserve.kernels import best_isa, gguf_gemm_usable, isa_summary, native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
 from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, row_bytes
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
@@ -80,20 +80,14 @@ def find_gguf_file(path: Path) -> Path | None:
     """``path`` if it is a ``.gguf`` file; the one ``.gguf`` in a directory without Hugging Face
     weights; None otherwise. Several candidates or a split file are errors."""
     path = Path(path).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            return None
-        candidates = [path]
-    elif path.is_dir():
-        if any(path.glob("*.safetensors")):
-            return None
+    if path.is_dir() and not any(path.glob("*.safetensors")):
         candidates = sorted(path.glob("*.gguf"))
-        if not candidates:
-            return None
         if len(candidates) > 1:
             raise GGUFError(f"{path} holds {len(candidates)} GGUF files ({', '.join(c.name for c in candidates[:4])}"
                             f"{', ...' if len(candidates) > 4 else ''}): pass the one to load")
     else:
+        candidates = [path] if path.is_file() and path.suffix.lower() == ".gguf" else []
+    if not candidates:
         return None
     gguf = candidates[0]
     if "-of-" in gguf.stem and gguf.stem.rsplit("-of-", 1)[-1].isdigit():
@@ -214,11 +208,8 @@ def gguf_architecture(reader) -> str:
 
 
 def _eos_ids(reader) -> list[int] | int | None:
-    ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        value = _field(reader, key, None)
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
+    values = (_field(reader, f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom"))
+    ids = list(dict.fromkeys(int(v) for v in values if v is not None))  # in order, each once
     return ids[0] if len(ids) == 1 else (ids or None)
 
 
@@ -404,8 +395,9 @@ class GGUFBuilder:
         # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
         self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
         self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
-        # prompt chunks through the native bf16 GEMM: computing in bf16 on a CPU with AVX-512 BF16, no AMX
-        self.gemm = self.ops is not None and dtype == torch.bfloat16 and bool(self.ops.gguf_gemm_usable())
+        # prompt chunks through the native GEMM (gguf_gemm_usable): bf16 on AVX-512 BF16 without AMX, float32
+        self.gemm = self.ops is not None and gguf_gemm_usable(dtype)
+        self.kernel_rows = kernel_rows_default(best_isa(), dtype if self.gemm else None) if self.ops else 0
         # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
         self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
@@ -476,7 +468,7 @@ class GGUFBuilder:
             else:
                 segments.append((kind, [rows]))
         return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops,
-                          gemm=self.gemm)
+                          kernel_rows=self.kernel_rows, gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -583,9 +575,10 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    chunks = "bf16 GEMM over panels dequantized in cache (gguf_gemm)" if b.gemm else "dequantize + torch's GEMM"
-    kernels = (f"; GGUF kernels: {isa_summary()}, prompt chunks of more than {kernel_rows_default(best_isa(), b.gemm)} "
-               f"rows: {chunks}" if b.ops is not None else "")
+    chunks = (f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)" if b.gemm
+              else "dequantize + torch's GEMM")
+    kernels = (f"; GGUF kernels: {isa_summary()}, prompt chunks of more than {b.kernel_rows} rows: {chunks}"
+               if b.ops is not None else "")
     logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
                 kernels)
     return model.eval().requires_grad_(False)

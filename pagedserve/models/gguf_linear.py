@@ -12,9 +12,10 @@ two ways (``pagedserve/kernels/gguf_matmul.cpp``):
   remainder, joined in the kernel's integer sums): near-tied logits keep their order.
 * more rows (prefill chunks): on a CPU with AVX-512 BF16 (and no AMX tiles), bf16 activations go through
   ``gguf_gemm``, which dequantizes 32 weight rows at a time into a buffer that stays in cache and
-  multiplies every row of the chunk with them (``kernels/gguf_gemm.inc``); elsewhere the blocks are
-  dequantized once per call into a float matrix of the activations' dtype and torch's GEMM of that
-  dtype runs over it.
+  multiplies every row of the chunk with them (``kernels/gguf_gemm.inc``); float32 ones through its
+  float32 form on the AVX2 and AVX-512 paths (``kernels/gguf_gemm_f32.inc``), where the model's
+  builder asks for it; elsewhere the blocks are dequantized once per call into a float matrix of the
+  activations' dtype and torch's GEMM of that dtype runs over it.
 
 A fused layer (QKV, gate/up) whose parts have different formats (a Q4_K_M file mixes Q4_K and
 Q6_K) holds one segment per run of output rows with the same format; each segment writes its
@@ -37,16 +38,17 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 32
 
 
-def kernel_rows_default(isa: str, gemm: bool = False) -> int:
+def kernel_rows_default(isa: str, gemm: torch.dtype | None = None) -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
-    path is ``isa``, ``gemm`` saying whether it runs ``gguf_gemm`` (AVX-512 BF16, no AMX): KERNEL_ROWS
-    there, the GEMM being level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64
-    (every format of SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own
-    GEMM"); 128 on AVX-512 VNNI without it, whose rows16 kernels prefilled a 64-token prompt
-    1.6-2.1x and a 128-token one 1.2-1.5x faster than dequantize + torch's GEMM ("The integer
-    kernels up to 128 rows"); KERNEL_ROWS elsewhere, where no such measurement exists (AMX tiles
-    and AVX2 keep their own)."""
-    return 128 if isa == "avx512" and not gemm else KERNEL_ROWS
+    path is ``isa``, ``gemm`` the dtype of the ``gguf_gemm`` that takes the rows past them (None:
+    dequantize + torch's GEMM does). On AVX-512: KERNEL_ROWS before the bf16 GEMM (AVX-512 BF16, no
+    AMX), which is level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64 (every
+    format of SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own GEMM");
+    128 before a float32 one (whose rows16 kernels prefilled a 64-token prompt 1.6-2.1x and a
+    128-token one 1.2-1.5x faster than dequantize + torch's GEMM, "The integer kernels up to 128
+    rows", and stay ahead of the float32 GEMM there, "The float32 GEMM"); KERNEL_ROWS elsewhere
+    (AMX tiles and AVX2 keep their own)."""
+    return KERNEL_ROWS if isa != "avx512" or gemm == torch.bfloat16 else 128
 
 
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -144,10 +146,12 @@ class GGUFLinear(nn.Module):
         # Each segment's kernel and dequantization, by its layout
         self.matmuls = [ops.gguf_matmul16 if r else ops.gguf_matmul for r in self.rows16]
         self.dequantizers = [ops.gguf_dequantize16 if r else ops.gguf_dequantize for r in self.rows16]
-        # Prompt chunks in bf16 through gguf_gemm where the CPU has AVX-512 BF16 and no AMX (or where asked),
-        # else dequantized whole for torch's GEMM
+        # Prompt chunks through gguf_gemm (default: in bf16 where the CPU has AVX-512 BF16 and no AMX;
+        # GGUFBuilder asks for float32 ones too), else dequantized whole for torch's GEMM
         self.gemm = bool(ops.gguf_gemm_usable()) if gemm is None else gemm
-        self.kernel_rows = kernel_rows_default(isa, self.gemm) if kernel_rows is None else kernel_rows
+        if kernel_rows is None:
+            kernel_rows = kernel_rows_default(isa, torch.bfloat16 if self.gemm else None)
+        self.kernel_rows = kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
@@ -198,8 +202,8 @@ class GGUFLinear(nn.Module):
                     self.matmuls[i](y[:, offset:offset + width], x2, w, fmt, bias, self.residual)
             if not self.float_output and x.dtype != torch.float32:
                 y = y.to(x.dtype)
-        elif self.gemm and x2.dtype == torch.bfloat16:
-            # A panel of the weight dequantized at a time, into the order the bf16 kernel reads
+        elif self.gemm and x2.dtype in (torch.bfloat16, torch.float32):
+            # A panel of the weight dequantized at a time, into the order the kernel reads
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32 if self.float_output else x.dtype)
             for fmt, w, offset, width, i, bias in self._segments():

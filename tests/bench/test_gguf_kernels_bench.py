@@ -1,5 +1,6 @@
-"""``pagedserve bench gguf-kernels``: every shape is timed three ways (four with AVX-512 BF16) at every row count asked for, in
-the layout GGUFLinear gives it here or the one asked for; ``--dequantize`` times every vector path
+"""``pagedserve bench gguf-kernels``: every shape is timed three ways, four with the float32 gguf_gemm
+(five with AVX-512 BF16), at every row count asked for, in the layout GGUFLinear gives it here or the
+one asked for, on the CPU's best path or one named; ``--dequantize`` times every vector path
 against the scalar one; the weights it times are valid GGUF rows of their format, and bad arguments
 are one-line refusals."""
 
@@ -33,7 +34,8 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["rows"]) for r in rows] == [("Q4_1", 1), ("Q4_1", 5), ("Q6_K", 1), ("Q6_K", 5)]
     assert all(r["kernel_us"] > 0 and r["dequant_gemm_us"] > 0 and r["float_us"] > 0 for r in rows)
-    # a fourth way, the bf16 gguf_gemm, where this CPU runs it
+    # the float32 gguf_gemm on every vector path; a fifth way, the bf16 one, where this CPU runs it
+    assert all((r["gemm_f32_us"] > 0) if best_isa() != "scalar" else r["gemm_f32_us"] is None for r in rows)
     assert all((r["gemm_us"] > 0) if gguf_gemm_usable() else r["gemm_us"] is None for r in rows)
     chosen = rows16_default(best_isa())  # the layout GGUFLinear gives each format on this CPU
     assert [r["layout"] for r in rows] == [("rows16" if r["format"] in chosen else "planar") for r in rows]
@@ -48,6 +50,21 @@ def test_times_every_shape_three_ways_at_each_row_count(tmp_path, capsys, monkey
         assert {r["layout"] for r in json.loads(out.read_text())["rows"]} == {layout}
     with pytest.raises(SystemExit):
         parse("--gguf-activations", "int4")
+
+
+@pytest.mark.parametrize("isa", [p for p in isa_paths() if p != "amx"])
+def test_a_named_path_times_its_own_kernels_and_layouts(isa, tmp_path, capsys, monkeypatch):
+    """--isa: the integer kernels, the dequantization and the float32 GEMM on that path (the bf16 GEMM
+    on the CPU's own only), each format in the layout GGUFLinear gives it there."""
+    monkeypatch.setattr(gguf_kernels, "SHAPES", [("Q8_0", 16, 64), ("Q4_K", 16, 256)])
+    out = tmp_path / "isa.json"
+    args = parse("--rows", "2", "--rounds", "1", "--calls", "1", "--isa", isa, "--json", str(out))
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == [("rows16" if r["format"] in rows16_default(isa) else "planar") for r in rows]
+    assert all(r["gemm_us"] is None and ((r["gemm_f32_us"] > 0) if isa != "scalar" else r["gemm_f32_us"] is None)
+               for r in rows)
+    assert f"({isa} path" in capsys.readouterr().out
 
 
 def test_dequantize_times_every_vector_path_against_the_scalar_reference(tmp_path, capsys):

@@ -143,7 +143,8 @@ def test_the_layout_goes_where_the_cpus_kernels_read_it():
     from pagedserve.models.gguf_linear import KERNEL_ROWS, kernel_rows_default
 
     assert kernel_rows_default("avx512") == 128  # the rows16 VNNI kernels beat dequantize + GEMM up to there
-    assert kernel_rows_default("avx512", gemm=True) == KERNEL_ROWS  # ... but not gguf_gemm past 24-32 rows
+    assert kernel_rows_default("avx512", torch.float32) == 128  # ... and the float32 gguf_gemm
+    assert kernel_rows_default("avx512", torch.bfloat16) == KERNEL_ROWS  # ... but not the bf16 one past 24-32 rows
     assert [kernel_rows_default(isa) for isa in ("amx", "avx2", "scalar")] == [KERNEL_ROWS] * 3
 
 

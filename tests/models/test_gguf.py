@@ -94,18 +94,18 @@ def test_cpu_kernels_on_kept_weights_match_their_dequantized_matmul(kind, native
             assert torch.allclose(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02), (name, rows)
 
 
-def test_prompt_chunks_take_the_bf16_gemm_only_when_computing_in_bf16_where_it_runs(tiny_ggufs):
-    """gguf_gemm takes bf16 activations: a float32 model keeps dequantize + torch's GEMM and the
-    integer kernels' wider row limit; a bf16 one takes the GEMM where the CPU has AVX-512 BF16."""
+def test_prompt_chunks_take_the_gemm_of_the_compute_dtype_where_it_runs(tiny_ggufs):
+    """gguf_gemm in the model's dtype: a bf16 model takes it where the CPU has AVX-512 BF16 (no AMX), a
+    float32 one on every vector path; the integer kernels keep kernel_rows_default's rows for it."""
     from pagedserve.kernels import best_isa, gguf_gemm_usable
     from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default
 
     for dtype in (torch.float32, torch.bfloat16):
         layers = [m for m in _load(tiny_ggufs("Q4_1"), keep=True, dtype=dtype, packed=True).modules()
                   if isinstance(m, GGUFLinear)]
-        want = dtype == torch.bfloat16 and gguf_gemm_usable()
+        want = gguf_gemm_usable(dtype)
         assert layers and all(m.gemm is want for m in layers), dtype
-        assert {m.kernel_rows for m in layers} == {kernel_rows_default(best_isa(), want)}
+        assert {m.kernel_rows for m in layers} == {kernel_rows_default(best_isa(), dtype if want else None)}
 
 
 def test_kept_weights_take_the_gguf_bytes(tiny_ggufs):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import native_ops
+from pagedserve.kernels import gguf_gemm_usable, native_ops
 from pagedserve.kv.cache import HeadMajorKVCache
 from pagedserve.models.attention import AttentionMetadata
+from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.native_decode import NativeDecode
 from tests.conftest import assert_no_leaks
 
@@ -34,6 +35,8 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs, request):
         "tiny-bf16-tiles": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "auto"}),
         "gguf-q4_1": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {}),
         "gguf-q8_0-int8": lambda: (tiny_ggufs("Q8_0", tokenizer=True), {"gguf_activations": "int8"}),
+        # kept quantized, computed in float32 (as on a CPU without native bf16): the float32 gguf_gemm
+        "gguf-q4_1-float32": lambda: (_float32_view(tiny_ggufs("Q4_1", tokenizer=True)), {}),
         # Gemma 3's layers (four norms, QK-norm by rows, GeGLU, two RoPE tables) over one full and
         # two window KV groups (window 32)
         "tiny-gemma3": lambda: (request.getfixturevalue("tiny_gemma3_gguf"), {}),
@@ -51,10 +54,18 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs, request):
     return get
 
 
+def _float32_view(gguf) -> str:
+    from pagedserve.bench.quality import gguf_compute_view
+    from pagedserve.models.loader import resolve_model_dir
+
+    return gguf_compute_view(str(resolve_model_dir(str(gguf))), "float32")
+
+
 CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "tiny-bf16-tiles",
-         "gguf-q4_1", "gguf-q8_0-int8", "tiny-gemma3"]
+         "gguf-q4_1", "gguf-q8_0-int8", "gguf-q4_1-float32", "tiny-gemma3"]
 KINDS = {"llama-onednn": "onednn", "qwen2-bias": "onednn", "qwen3-qk-norm": "onednn", "tiny-bf16-dense": "dense",
-         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf", "tiny-gemma3": "gguf",
+         "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf", "gguf-q4_1-float32": "gguf",
+         "tiny-gemma3": "gguf",
          "tiny-bf16-tiles": "tile" if native_ops() is not None and native_ops().tile_linear_usable() else "onednn"}
 
 
@@ -96,8 +107,12 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
     # other kernels join it rather than a pool beside it
     assert ("on OpenMP's threads" in native.what) == (KINDS[case] in ("onednn", "dense", "tile")), native.what
     assert native.head_rows > 0 and "the LM head too" in native.what
-    # 40 rows: past the GGUF integer kernels' 32, through gguf_gemm where the CPU runs it
-    for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2), (min(native.max_rows, 40), 3)):
+    # 8 rows past the GGUF integer kernels' (32, or 128 on AVX-512 in float32): through gguf_gemm where it runs
+    past = 8 + next((m.kernel_rows for m in model.modules() if isinstance(m, GGUFLinear)), 32)
+    if case == "gguf-q4_1-float32":
+        assert model.norm.weight.dtype == torch.float32
+        assert all(m.gemm == gguf_gemm_usable(torch.float32) for m in model.modules() if isinstance(m, GGUFLinear))
+    for rows, seed in ((1, 0), (5, 1), (min(native.max_rows, 32), 2), (min(native.max_rows, past), 3)):
         pools, ids, positions, meta = _decode_batch(model, rows, 8, seed)
         python_pools = [tuple(_copy(p) for p in pair) for pair in pools]
         model.native_decode, _ = NativeDecode.build(model, pools, native_ops())  # over these pools

@@ -87,8 +87,8 @@ def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tin
     from pagedserve.kernels import best_isa
     from pagedserve.models.gguf_linear import kernel_rows_default
 
-    # a whole prefill past the kernels' rows (computing in float32: dequantize + torch's GEMM, no gguf_gemm)
-    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), gemm=False) + 32))
+    # a whole prefill past the kernels' rows (computing in float32: the float32 gguf_gemm, exact products)
+    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), torch.float32) + 32))
     lps = {}
     for act in ("int16", "int8"):
         e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,

@@ -198,13 +198,14 @@ def test_the_default_model_answers_a_real_question(smollm2_server):
     The stream is compared with a whole answer taken in the same prefix-cache state (both after the
     first request cached the prompt's blocks): a hit runs the prompt's last tokens through the
     integer kernels, a cold prompt of more rows than GGUFLinear gives them (kernel_rows_default:
-    32, or 128 on AVX-512 VNNI without BF16) through a GEMM, and where the two first tokens lie
+    32, or 128 on AVX-512 VNNI computing in float32) through a GEMM, and where the two first tokens lie
     within ~0.1 of each other (QUANTIZATION.md) the two paths may pick differently (seen on a Zen 5
     computing in bf16 with 32). Where the whole prompt fits the kernels' rows, cold and cached take
     the same path, and the cached answer must be the cold one."""
     import openai
+    import torch
 
-    from pagedserve.kernels import best_isa, gguf_gemm_usable
+    from pagedserve.kernels import best_isa, cpu_has_native_bf16, gguf_gemm_usable
     from pagedserve.models.gguf_linear import kernel_rows_default
 
     with openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="unused", max_retries=0, timeout=120) as client:
@@ -215,7 +216,8 @@ def test_the_default_model_answers_a_real_question(smollm2_server):
         assert "Paris" in cold.choices[0].message.content
         answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
                                                 max_tokens=24, temperature=0)
-        if cold.usage.prompt_tokens <= kernel_rows_default(str(best_isa()), gguf_gemm_usable()):
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # the server's --dtype auto
+        if cold.usage.prompt_tokens <= kernel_rows_default(str(best_isa()), dtype if gguf_gemm_usable(dtype) else None):
             assert answer.choices[0].message.content == cold.choices[0].message.content
         chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
                                                 max_tokens=24, temperature=0, stream=True)
