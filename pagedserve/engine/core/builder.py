@@ -119,9 +119,10 @@ class KVPool:
         return self.num_blocks * self.block_size // (len(self.groups) if self.groups else 1)
 
 
-@dataclass
+@dataclass(eq=False)
 class CoreParts:
-    """What an engine core steps: the resolved config, the model's facts and the wired parts."""
+    """What an engine core steps (the core is these parts, :class:`EngineCore` subclasses it): the resolved
+    config, the model's facts and the wired parts."""
 
     config: EngineConfig  # every auto and None decided
     device: torch.device

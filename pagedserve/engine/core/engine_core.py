@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core.builder import build_core
+from pagedserve.engine.core.builder import CoreParts, build_core
 from pagedserve.engine.core.assembly import OutputAssembler
 from pagedserve.engine.outputs import EngineStats, TokenLogprob
 from pagedserve.engine.core.runner import ModelInput
@@ -30,24 +30,23 @@ from pagedserve.engine.core.sampler import token_logprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.core.scheduler import SchedulerOutput
 from pagedserve.engine.core.sequence import Request, Sequence
-from pagedserve.engine.wire import CoreOutput, ModelFacts
+from pagedserve.engine.wire import CoreOutput
 from pagedserve.errors import DuplicateRequestId, InvalidRequest, RequestTooLong
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCore:
-    """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe."""
+class EngineCore(CoreParts):
+    """A paged-KV, continuously batched inference engine for one model, on token ids. Not thread-safe.
+
+    Its parts (:class:`~pagedserve.engine.core.builder.CoreParts`: config, model facts, block manager,
+    scheduler, runner, ...) are built by :func:`~pagedserve.engine.core.builder.build_core`."""
 
     def __init__(self, config: EngineConfig):
-        self.parts = parts = build_core(config)
-        self.config, self.device, self.arch, self.dtype = parts.config, parts.device, parts.arch, parts.dtype
-        self.tokenizer_source, self.weight_bytes = parts.tokenizer_source, parts.weight_bytes
-        self.num_kv_blocks, self.kv_bytes_per_token, self.kv_dtype = parts.kv.num_blocks, parts.kv.bytes_per_token, \
-            parts.kv.dtype
-        self.block_manager, self.scheduler, self.runner = parts.block_manager, parts.scheduler, parts.runner
-        self.kv_event_publisher, self.grammars = parts.kv_event_publisher, parts.grammars
-        self.assembler = OutputAssembler(self.config, self.scheduler, self.grammars, parts.eos_token_ids, self.device,
+        super().__init__(**vars(build_core(config)))
+        self.num_kv_blocks, self.kv_bytes_per_token = self.kv.num_blocks, self.kv.bytes_per_token
+        self.kv_dtype = self.kv.dtype
+        self.assembler = OutputAssembler(self.config, self.scheduler, self.grammars, self.eos_token_ids, self.device,
                                          self._fault_point)
         self.requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (on the compiler's thread):
@@ -57,9 +56,6 @@ class EngineCore:
         self.num_ended_requests = 0  # requests that left: finished, failed or aborted (for rates)
         self.log_interval_s = 10.0  # how often step() logs throughput, queue and KV figures
         self._last_log, self._tokens_since_log = time.monotonic(), 0
-
-    def facts(self) -> ModelFacts:
-        return self.parts.facts()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -155,8 +151,8 @@ class EngineCore:
     def publish_kv_events(self) -> None:
         """Send what the prefix cache gained and lost since the last call, as one batch (the step
         calls it; so may whoever resets the cache between steps). A no-op with events off."""
-        if self.kv_event_publisher is not None and self.parts.kv_event_log is not None:
-            events = self.parts.kv_event_log.take()
+        if self.kv_event_publisher is not None and self.kv_event_log is not None:
+            events = self.kv_event_log.take()
             if events:
                 self.kv_event_publisher.publish(events)
 

@@ -43,14 +43,6 @@ class CoreProcess:
     owned = True  # the client that attaches stops it (a Shutdown command, then kill)
 
     @property
-    def input_addr(self) -> str:
-        return self.addrs[0][0]
-
-    @property
-    def output_addr(self) -> str:
-        return self.addrs[0][1]
-
-    @property
     def sentinel(self) -> int:
         return self.process.sentinel
 
@@ -63,8 +55,7 @@ class CoreProcess:
 
     def link(self, front: int) -> CoreLink:
         """What front end ``front`` (in another process) needs to attach to this core."""
-        input_addr, output_addr = self.addrs[front]
-        return CoreLink(input_addr, output_addr, self.facts, self.process.pid or 0)
+        return CoreLink([self.addrs[front]], self.facts, self.process.pid or 0)
 
     def kill(self) -> None:
         self.process.kill()  # a no-op once it has exited
@@ -79,8 +70,7 @@ class CoreLink:
     """A core started by another process, as one of its front ends sees it (picklable: it is
     handed to the front's process). :meth:`open` must be called in the front's own process."""
 
-    input_addr: str
-    output_addr: str
+    addrs: list[tuple[str, str]]  # its front's (input, output) pair, alone
     facts: ModelFacts
     pid: int
     owned = False  # the process that started the core stops it

@@ -78,10 +78,11 @@ class MPEngineClient(EngineClient):
         if isinstance(self.core, CoreLink):
             self.core.open()
         self._ctx = zmq.asyncio.Context(io_threads=1)
+        input_addr, output_addr = self.core.addrs[0]  # this front's pair (a CoreLink holds only it)
         self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(self.core.input_addr)
+        self._input.bind(input_addr)
         output = self._ctx.socket(zmq.PULL)
-        output.bind(self.core.output_addr)
+        output.bind(output_addr)
         self._loop.add_reader(self.core.sentinel, self._core_exited)
         self._reader = asyncio.create_task(self._read_outputs(output), name="pagedserve-core-outputs")
 
