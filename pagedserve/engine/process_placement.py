@@ -15,12 +15,11 @@ import threading
 
 def die_with_parent() -> None:
     """On Linux, have the kernel kill this process when the server process dies (even by SIGKILL)."""
-    try:
+    # Not Linux: the core's parent checks still end an orphan within a second or two.
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the core's parent checks still end an orphan within a second or two
 
 
 def yield_cpu_to_front_ends(nice: int) -> None:

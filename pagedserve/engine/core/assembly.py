@@ -100,21 +100,17 @@ class OutputAssembler:
         with contextlib.suppress(Exception):  # and if it raises, row by row below
             self.fault_point("sample", targets)
             return sample(logits, rows, self.generator, raw, native)
-        result = SampleResult([], [])
+        result = SampleResult([-1] * len(rows), [None] * len(rows))  # a failed request's rows stay so
         for i, (row, seq) in enumerate(zip(rows, targets)):
             request_id = seq.request.request_id
             if request_id in failed:
-                token, lp = -1, None
-            else:
-                try:
-                    self.fault_point("sample", [seq])
-                    one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1], native)
-                    token, lp = one.token_ids[0], one.logprobs[0]
-                except Exception as exc:
-                    failed[request_id] = f"{type(exc).__name__}: {exc}"
-                    token, lp = -1, None
-            result.token_ids.append(token)
-            result.logprobs.append(lp)
+                continue
+            try:
+                self.fault_point("sample", [seq])
+                one = sample(logits[i:i + 1], [row], self.generator, raw[i:i + 1], native)
+                result.token_ids[i], result.logprobs[i] = one.token_ids[0], one.logprobs[0]
+            except Exception as exc:
+                failed[request_id] = f"{type(exc).__name__}: {exc}"
         return result
 
     def _fork_branches(self, targets: list[Sequence], failed: dict[str, str]) -> None:
@@ -222,11 +218,8 @@ class OutputAssembler:
         """Whether a running request's output goes out this step under ``stream_interval`` > 1: when any
         of its sequences has its first token unsent (TTFT is never delayed), ``interval`` or more tokens
         unsent, or has finished with tokens unsent (an n > 1 choice's finish goes at once)."""
-        for seq in req.seqs:
-            unsent = seq.num_output_tokens - seq.sent_token_len
-            if unsent > 0 and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished):
-                return True
-        return False
+        return any((unsent := seq.num_output_tokens - seq.sent_token_len) > 0
+                   and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished) for seq in req.seqs)
 
     def _sampling_row(self, seq: Sequence, drafts: list[int] = ()) -> SamplingRow:
         """The sampler's view of ``seq``'s next position, or of the position after ``drafts``

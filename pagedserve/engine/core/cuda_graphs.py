@@ -98,8 +98,8 @@ class DecodeBuffers:
 
 
 class CudaGraphDecoder:
-    """Captures the model's decode forward for each size of :func:`graph_batch_sizes` and replays the
-    one that fits a step."""
+    """Captures the model's decode forward for each size of :func:`graph_batch_sizes` (on construction)
+    and replays the one that fits a step."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
@@ -107,6 +107,7 @@ class CudaGraphDecoder:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture()
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -151,10 +151,8 @@ class EngineCore(CoreParts):
     def publish_kv_events(self) -> None:
         """Send what the prefix cache gained and lost since the last call, as one batch (the step
         calls it; so may whoever resets the cache between steps). A no-op with events off."""
-        if self.kv_event_publisher is not None and self.kv_event_log is not None:
-            events = self.kv_event_log.take()
-            if events:
-                self.kv_event_publisher.publish(events)
+        if self.kv_event_publisher is not None and (events := self.kv_event_log.take()):  # (built with the log)
+            self.kv_event_publisher.publish(events)
 
     def close(self) -> None:
         """Release what outlives a step: the KV event publisher's thread and sockets."""

@@ -89,13 +89,11 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
         self._next_id = 0
 
-    @property
-    def tokenizer(self):
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name for it; the ``tokenizer`` property is the same)."""
         return self.engine.tokenizer
 
-    def get_tokenizer(self):
-        """The tokenizer (vLLM's name for it)."""
-        return self.engine.tokenizer
+    tokenizer = property(get_tokenizer)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
