@@ -40,8 +40,7 @@ PAD_SLOT = -1  # a padding row's slot: the KV write skips it
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes captured: 1, 2, 4, 8, then multiples of 8, up to ``max_num_seqs``
     (which is always included, so every batch the scheduler can form has a graph)."""
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sizes + [max_num_seqs]
+    return [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
 
 
 def padded_batch_size(rows: int, sizes: list[int]) -> int | None:

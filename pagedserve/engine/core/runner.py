@@ -165,10 +165,9 @@ class ModelRunner:
         """Each sequence's block ids, per KV group (kv/groups.py: each group its own tables), or in the
         one table set (a list of one)."""
         bm = self.block_manager
-        groups = getattr(bm, "groups", None)
-        if groups is None:
+        if not hasattr(bm, "groups"):
             return [[bm.block_ids(s.seq_id) for s in seqs]]
-        return [[bm.block_ids(s.seq_id, g) for s in seqs] for g in range(len(groups))]
+        return [[bm.block_ids(s.seq_id, g) for s in seqs] for g in range(len(bm.groups))]
 
     def _per_group(self, metas: list[AttentionMetadata]) -> AttentionMetadata | list[AttentionMetadata]:
         """One metadata per KV group, or the one of a manager without groups."""

@@ -133,9 +133,8 @@ class MPEngineClient(EngineClient):
             while True:
                 frame = await output.recv(copy=False)
                 self._handle(self._decoder.decode(frame.buffer))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a message we cannot read: the core and we disagree, stop serving
+        except Exception as exc:  # a message we cannot read (not shutdown's CancelledError, a BaseException)
+            # The core and we disagree: stop serving.
             logger.exception("reading the engine core's outputs failed")
             self._die(EngineDeadError(f"lost the engine core's output stream: {exc}"))
 
