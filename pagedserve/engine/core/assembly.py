@@ -100,7 +100,7 @@ class OutputAssembler:
         with contextlib.suppress(Exception):  # and if it raises, row by row below
             self.fault_point("sample", targets)
             return sample(logits, rows, self.generator, raw, native)
-        result = SampleResult([-1] * len(rows), [None] * len(rows))  # a failed request's rows stay so
+        result = SampleResult([-1] * len(rows), [None] * len(rows))  # -1, None: a failed request's rows
         for i, (row, seq) in enumerate(zip(rows, targets)):
             request_id = seq.request.request_id
             if request_id in failed:

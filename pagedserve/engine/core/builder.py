@@ -203,8 +203,8 @@ def build_core(config: EngineConfig) -> CoreParts:
         from pagedserve.engine.core.kv_events import ZmqEventPublisher  # zmq only when asked for
 
         publisher = ZmqEventPublisher(config.kv_events)
-    decode_graphs = CudaGraphDecoder(model, kv_caches, config.max_num_seqs, config.max_model_len, config.block_size,
-                                     device) if use_graphs else None
+    decode_graphs = (CudaGraphDecoder(model, kv_caches, config.max_num_seqs, config.max_model_len,
+                                      config.block_size, device) if use_graphs else None)
     runner = ModelRunner(model, kv_caches, block_manager, device, decode_graphs)
     decode_path = (model.enable_native_decode(kv_caches, ops) if config.native_decode
                    else "python (--no-native-decode)")
