@@ -92,7 +92,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fopenmp"]
 _LINK_FLAGS = ["-fopenmp"]
 LIBRARY = "pagedserve_kernels"
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
+_state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none (only one)
 
 
 def _cpu_flags() -> str:
@@ -202,18 +202,16 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
 def native_ops() -> object | None:
     """The ``torch.ops.pagedserve`` namespace once the kernels are built and loaded, or ``None`` when
     they cannot be built here (the reason is logged once)."""
-    if "ops" in _state or "error" in _state:
-        return _state.get("ops")
-    with _lock:
-        if "ops" not in _state and "error" not in _state:
-            try:
-                _build_or_load(kernel_dir())
-                _state["ops"] = torch.ops.pagedserve
-            except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
-                _state["error"] = f"{type(e).__name__}: {e}"
-            if "error" in _state:
-                log.warning("native kernels unavailable (%s); using the pure-torch paths",
-                            str(_state["error"]).splitlines()[0])
+    if not _state:  # decided once: the lock only while deciding
+        with _lock:
+            if not _state:
+                try:
+                    _build_or_load(kernel_dir())
+                    _state["ops"] = torch.ops.pagedserve
+                except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
+                    _state["error"] = f"{type(e).__name__}: {e}"
+                    log.warning("native kernels unavailable (%s); using the pure-torch paths",
+                                _state["error"].splitlines()[0])
     return _state.get("ops")
 
 

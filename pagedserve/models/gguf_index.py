@@ -50,9 +50,9 @@ class GGUFTensorIndex:
             infos, data_offset = self._parse_header(buf)
         self.data = np.memmap(path, mode="r")
         self.data_offset = data_offset
-        self.tensors = [self._tensor(*info) for info in infos]
+        self.tensors = [self._tensor(name, *info) for name, info in infos.items()]
 
-    def _parse_header(self, buf: mmap.mmap) -> tuple[list[tuple[str, list[int], int, int]], int]:
+    def _parse_header(self, buf: mmap.mmap) -> tuple[dict[str, tuple[list[int], int, int]], int]:
         magic, version, tensor_count, kv_count = struct.unpack_from("<IIQQ", buf, 0)
         if magic != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
@@ -81,17 +81,15 @@ class GGUFTensorIndex:
                 offs += struct.calcsize(fmt)
             else:
                 raise ValueError(f"GGUF metadata {key!r} has an unknown value type {kind}")
-        infos, names = [], set()
+        infos = {}  # name -> (dims, type, offset), in the file's order
         for _ in range(tensor_count):
             name, offs = string(offs)
-            if name in names:
+            if name in infos:
                 raise ValueError(f"Found duplicated tensor with name {name}")
-            names.add(name)
             (n_dims,) = struct.unpack_from("<I", buf, offs)
             dims = list(struct.unpack_from(f"<{n_dims}Q", buf, offs + 4))
-            kind, offset = struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims)
+            infos[name] = (dims, *struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims))
             offs += 4 + 8 * n_dims + 12
-            infos.append((name, dims, kind, offset))
         alignment = GGUF_DEFAULT_ALIGNMENT
         if "general.alignment" in self.fields:
             alignment = int(self.fields["general.alignment"].value)
@@ -125,10 +123,7 @@ class GGUFTensorIndex:
         np_dims = tuple(reversed(dims))
         item_type = _ELEMENT_DTYPES.get(ggml_type)
         if item_type is None:  # a quantized type (or BF16): rows of bytes, as GGUFReader has them
-            item_type, count, np_dims = np.uint8, n_bytes, quant_shape_to_byte_shape(np_dims, ggml_type)
-        else:
-            count = n_elems
-        itemsize = np.dtype(item_type).itemsize
-        data = self.data[start:start + itemsize * count].view(dtype=item_type)[:count].reshape(np_dims)
+            item_type, np_dims = np.uint8, quant_shape_to_byte_shape(np_dims, ggml_type)
+        data = self.data[start:start + n_bytes].view(dtype=item_type).reshape(np_dims)  # n_bytes: whole items
         return ReaderTensor(name=name, tensor_type=ggml_type, shape=np.array(dims, dtype=np.uint64),
                             n_elements=n_elems, n_bytes=n_bytes, data_offset=start, data=data, field=None)

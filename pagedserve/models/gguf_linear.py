@@ -149,9 +149,8 @@ class GGUFLinear(nn.Module):
         # Prompt chunks through gguf_gemm (default: in bf16 where the CPU has AVX-512 BF16 and no AMX;
         # GGUFBuilder asks for float32 ones too), else dequantized whole for torch's GEMM
         self.gemm = bool(ops.gguf_gemm_usable()) if gemm is None else gemm
-        if kernel_rows is None:
-            kernel_rows = kernel_rows_default(isa, torch.bfloat16 if self.gemm else None)
-        self.kernel_rows = kernel_rows
+        default_rows = kernel_rows_default(isa, torch.bfloat16 if self.gemm else None)
+        self.kernel_rows = default_rows if kernel_rows is None else kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
@@ -173,10 +172,8 @@ class GGUFLinear(nn.Module):
             self.dequantizers[i](out[offset:offset + width], w, fmt)
         return out
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None): a quantized embedding's lookups."""
-        if ids is None:
-            return self.dequantized_weight(dtype)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight: a quantized embedding's lookups."""
         if len(self.formats) != 1:
             raise RuntimeError("row lookups need a single-format table")
         ids = ids.reshape(-1)
