@@ -221,21 +221,6 @@ def paged_decode_kernel() -> Callable[..., None] | None:
     return None if ops is None else ops.paged_decode_attention
 
 
-def paged_decode_quantized_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention_quantized(out, q, k_data, v_data, k_scales, v_scales, block_tables,
-    context_lens, scale, kind)`` over :class:`~pagedserve.kv.quant.QuantizedKVCache` storage
-    (``kind``: ``int8`` or ``fp8``), or ``None``."""
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention_quantized
-
-
-def paged_decode_int4_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention_int4(out, q, k_data, v_data, k_steps, k_zeros, k_bits, v_scales, k_tail, v_tail, tail_of,
-    block_tables, context_lens, scale)`` over :class:`~pagedserve.kv.int4.Int4KVCache` storage, or ``None``."""
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention_int4
-
-
 def isa_paths() -> list[str]:
     """The instruction-set paths this CPU runs (``scalar`` always, then ``avx2``, ``avx512``,
     ``amx``), for the kernels that dispatch at run time (``cpu_isa.h``); ``[]`` without the native
