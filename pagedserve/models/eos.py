@@ -90,9 +90,7 @@ def generation_eos(model_dir: Path) -> list[int]:
     except ValueError:  # not JSON: as transformers' loader fails on it, it adds nothing
         return []
     ids = config.get("eos_token_id") if isinstance(config, dict) else None
-    if ids is None:
-        return []
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids or []]
 
 
 def eos_ids_from_files(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int] | None:

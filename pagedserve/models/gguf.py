@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -99,9 +100,7 @@ def find_gguf_file(path: Path) -> Path | None:
 def gguf_source(model_dir: Path) -> Path | None:
     """The GGUF file behind a prepared directory, or None for an ordinary checkpoint directory."""
     src = Path(model_dir) / SOURCE_FILE
-    if not src.exists():
-        return None
-    return Path(json.loads(src.read_text())["gguf_file"])
+    return Path(json.loads(src.read_text())["gguf_file"]) if src.exists() else None
 
 
 def prepare_gguf_dir(gguf_path: Path) -> Path:
@@ -454,17 +453,14 @@ class GGUFBuilder:
 
     def _blocks(self, parts: list[_Part], in_features: int, bias: torch.Tensor | None) -> GGUFLinear:
         """The parts' GGUF blocks as they are, one segment per run of parts of one format."""
-        segments: list[tuple[str, list[torch.Tensor]]] = []
-        for p in parts:
-            kind = p.tensor.tensor_type.name
-            rows = p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features)))
-            self._count(p.tensor, f"{kind} blocks", dequantize=False)
-            if segments and segments[-1][0] == kind:
-                segments[-1][1].append(rows)
-            else:
-                segments.append((kind, [rows]))
-        return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops,
-                          kernel_rows=self.kernel_rows, gemm=self.gemm)
+        segments = []
+        for kind, run in itertools.groupby(parts, key=lambda p: p.tensor.tensor_type.name):
+            rows = []
+            for p in run:
+                rows.append(p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features))))
+                self._count(p.tensor, f"{kind} blocks", dequantize=False)
+            segments.append((kind, torch.cat(rows)))
+        return GGUFLinear(segments, in_features, bias, self.ops, kernel_rows=self.kernel_rows, gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, quant_shape_to_byte_shape
@@ -30,11 +30,10 @@ _ELEMENT_DTYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F3
                    GGMLQuantizationType.I64: np.int64}
 
 
-class ScalarField:
+class ScalarField(NamedTuple):
     """One scalar or string metadata value; ``contents()`` as ``gguf.ReaderField`` gives it."""
 
-    def __init__(self, value: Any):
-        self.value = value
+    value: Any
 
     def contents(self) -> Any:
         return self.value
