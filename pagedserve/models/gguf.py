@@ -149,9 +149,7 @@ def _write_prepared_dir(gguf_path: Path, out: Path) -> None:
     config.save_pretrained(out)
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": _eos_ids(reader)}
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
-    tok_dir = _prepared_tokenizer(gguf_path, reader)
-    for f in tok_dir.iterdir():
-        shutil.copy(f, out / f.name)
+    shutil.copytree(_prepared_tokenizer(gguf_path, reader), out, dirs_exist_ok=True)
     (out / SOURCE_FILE).write_text(json.dumps({
         "gguf_file": str(gguf_path), "name": _field(reader, "general.name", gguf_path.stem),
         "file_type": _field(reader, "general.file_type", None),
