@@ -58,6 +58,7 @@ nothing is built for it either.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -96,12 +97,10 @@ _state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why t
 
 
 def _cpu_flags() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return platform.processor()
 
 
@@ -137,17 +136,6 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels" / build_key()
 
 
-def _put_ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the pip package's binary sits in the venv's bin directory,
-    which is not on PATH when the venv's python is run without activating it."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def _compile(work: Path) -> Path:
     """Compile the kernels in the scratch directory ``work`` and load them; returns the library.
 
@@ -155,7 +143,13 @@ def _compile(work: Path) -> Path:
     """
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools
 
-    _put_ninja_on_path()
+    # torch runs ``ninja`` from PATH; the pip package's binary sits in the venv's bin directory,
+    # which is not on PATH when the venv's python is run without activating it.
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     src = work / "src"
     src.mkdir()
     for path in _SOURCES + _HEADERS:
