@@ -46,9 +46,8 @@ class GGUFTensorIndex:
     def __init__(self, path: str | Path):
         self.fields: dict[str, ScalarField] = {}
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            infos, data_offset = self._parse_header(buf)
+            infos, self.data_offset = self._parse_header(buf)
         self.data = np.memmap(path, mode="r")
-        self.data_offset = data_offset
         self.tensors = [self._tensor(name, *info) for name, info in infos.items()]
 
     def _parse_header(self, buf: mmap.mmap) -> tuple[dict[str, tuple[list[int], int, int]], int]:
@@ -89,11 +88,9 @@ class GGUFTensorIndex:
             dims = list(struct.unpack_from(f"<{n_dims}Q", buf, offs + 4))
             infos[name] = (dims, *struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims))
             offs += 4 + 8 * n_dims + 12
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        if "general.alignment" in self.fields:
-            alignment = int(self.fields["general.alignment"].value)
-            if alignment <= 0 or alignment & (alignment - 1):
-                raise ValueError("Invalid alignment: must be a non-zero power of two")
+        alignment = int(self.fields.get("general.alignment", ScalarField(GGUF_DEFAULT_ALIGNMENT)).value)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError("Invalid alignment: must be a non-zero power of two")
         return infos, offs + (-offs % alignment)
 
     @staticmethod

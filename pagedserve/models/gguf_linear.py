@@ -80,11 +80,9 @@ def rows16_default(isa: str) -> tuple[str, ...]:
     ``maddubs`` sums, so it has no group kernel for it); planar elsewhere
     (docs/BENCHMARKS.md, "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on
     AVX2", "Measured 2026-12-06 on an AMD EPYC Zen 5", "K-quants in the rows16 layout")."""
-    if isa == "avx512":
-        return ROWS16_FORMATS
-    if isa == "amx":
-        return ("Q4_0", "Q4_1", "Q8_0")
-    return tuple(f for f in ROWS16_FORMATS if f != "Q8_0") if isa == "avx2" else ()
+    by_isa = {"avx512": ROWS16_FORMATS, "amx": ("Q4_0", "Q4_1", "Q8_0"),
+              "avx2": tuple(f for f in ROWS16_FORMATS if f != "Q8_0")}
+    return by_isa.get(isa, ())
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
