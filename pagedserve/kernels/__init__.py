@@ -184,11 +184,8 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
             return False
         log.info("compiling native kernels into %s (~1.5 min on 2 cores, once per source, compiler and torch build)", build_dir)
         t0 = time.monotonic()
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=build_dir))
-        try:
-            os.replace(compile_into(work), library)  # atomic: loaders see no file or the whole file
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="build-", dir=build_dir, ignore_cleanup_errors=True) as work:
+            os.replace(compile_into(Path(work)), library)  # atomic: loaders see no file or the whole file
         log.info("native kernels built in %.1f s", time.monotonic() - t0)
     return True
 
