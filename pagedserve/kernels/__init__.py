@@ -58,6 +58,7 @@ nothing is built for it either.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -92,16 +93,14 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++20", "-fopenmp"]
 _LINK_FLAGS = ["-fopenmp"]
 LIBRARY = "pagedserve_kernels"
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none
+_state: dict[str, object] = {}  # "ops": the loaded namespace, or "error": why there is none (only one)
 
 
 def _cpu_flags() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return platform.processor()
 
 
@@ -137,17 +136,6 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels" / build_key()
 
 
-def _put_ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the pip package's binary sits in the venv's bin directory,
-    which is not on PATH when the venv's python is run without activating it."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def _compile(work: Path) -> Path:
     """Compile the kernels in the scratch directory ``work`` and load them; returns the library.
 
@@ -155,7 +143,13 @@ def _compile(work: Path) -> Path:
     """
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools
 
-    _put_ninja_on_path()
+    # torch runs ``ninja`` from PATH; the pip package's binary sits in the venv's bin directory,
+    # which is not on PATH when the venv's python is run without activating it.
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     src = work / "src"
     src.mkdir()
     for path in _SOURCES + _HEADERS:
@@ -190,11 +184,8 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
             return False
         log.info("compiling native kernels into %s (~1.5 min on 2 cores, once per source, compiler and torch build)", build_dir)
         t0 = time.monotonic()
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=build_dir))
-        try:
-            os.replace(compile_into(work), library)  # atomic: loaders see no file or the whole file
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="build-", dir=build_dir, ignore_cleanup_errors=True) as work:
+            os.replace(compile_into(Path(work)), library)  # atomic: loaders see no file or the whole file
         log.info("native kernels built in %.1f s", time.monotonic() - t0)
     return True
 
@@ -202,18 +193,16 @@ def _build_or_load(build_dir: Path, compile_into: Callable[[Path], Path] = _comp
 def native_ops() -> object | None:
     """The ``torch.ops.pagedserve`` namespace once the kernels are built and loaded, or ``None`` when
     they cannot be built here (the reason is logged once)."""
-    if "ops" in _state or "error" in _state:
-        return _state.get("ops")
-    with _lock:
-        if "ops" not in _state and "error" not in _state:
-            try:
-                _build_or_load(kernel_dir())
-                _state["ops"] = torch.ops.pagedserve
-            except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
-                _state["error"] = f"{type(e).__name__}: {e}"
-            if "error" in _state:
-                log.warning("native kernels unavailable (%s); using the pure-torch paths",
-                            str(_state["error"]).splitlines()[0])
+    if not _state:  # decided once: the lock only while deciding
+        with _lock:
+            if not _state:
+                try:
+                    _build_or_load(kernel_dir())
+                    _state["ops"] = torch.ops.pagedserve
+                except Exception as e:  # no compiler, no ninja, a build error: run without the kernels
+                    _state["error"] = f"{type(e).__name__}: {e}"
+                    log.warning("native kernels unavailable (%s); using the pure-torch paths",
+                                _state["error"].splitlines()[0])
     return _state.get("ops")
 
 
@@ -221,21 +210,6 @@ def paged_decode_kernel() -> Callable[..., None] | None:
     """``paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)``, or ``None``."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode_attention
-
-
-def paged_decode_quantized_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention_quantized(out, q, k_data, v_data, k_scales, v_scales, block_tables,
-    context_lens, scale, kind)`` over :class:`~pagedserve.kv.quant.QuantizedKVCache` storage
-    (``kind``: ``int8`` or ``fp8``), or ``None``."""
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention_quantized
-
-
-def paged_decode_int4_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention_int4(out, q, k_data, v_data, k_steps, k_zeros, k_bits, v_scales, k_tail, v_tail, tail_of,
-    block_tables, context_lens, scale)`` over :class:`~pagedserve.kv.int4.Int4KVCache` storage, or ``None``."""
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention_int4
 
 
 def isa_paths() -> list[str]:

@@ -68,9 +68,8 @@ def kv_tail_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int
                                block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The bytes int4 KV holds per running sequence besides its blocks: its open block's K and V at
     float16 (kv/int4.py's tail: one block of a 16-bit cache); 0 for the other precisions."""
-    if precision.lower() != "int4":
-        return 0
-    return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, 2)) * block_size
+    is_int4 = precision.lower() == "int4"
+    return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, 2)) * block_size if is_int4 else 0
 
 
 def window_blocks(window: int, block_size: int) -> int:

@@ -9,6 +9,5 @@ from pagedserve.models.llama import ModelArchitecture
 def architecture_from_hf_config(cfg) -> ModelArchitecture:
     """The model's shape from its config: :class:`Gemma3Architecture` for ``gemma3_text``, else
     :class:`ModelArchitecture` (which refuses a model type it does not know, in one line)."""
-    if getattr(cfg, "model_type", None) == GEMMA3:
-        return Gemma3Architecture.from_hf_config(cfg)
-    return ModelArchitecture.from_hf_config(cfg)
+    cls = Gemma3Architecture if getattr(cfg, "model_type", None) == GEMMA3 else ModelArchitecture
+    return cls.from_hf_config(cfg)

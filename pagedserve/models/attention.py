@@ -46,7 +46,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import native_ops, paged_decode_int4_kernel, paged_decode_kernel, paged_decode_quantized_kernel
+from pagedserve.kernels import native_ops
 from pagedserve.kv.cache import HeadMajorKVCache, KVCache
 from pagedserve.kv.int4 import Int4KVCache
 from pagedserve.kv.quant import QuantizedKVCache, gather_blocks
@@ -203,18 +203,19 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     quantized pools (dequantizing as it reads); what it cannot read (plain-tensor pools, more than
     :data:`FUSED_DECODE_MAX_GROUP` query heads per KV head) goes through :func:`_decode_matmul`."""
     kernel = None  # and, with one: the dtype it computes in, the pools' tensors, its mode argument
-    if q.device.type == "cpu" and q.shape[1] <= FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
+    ops = native_ops()
+    if ops is not None and q.device.type == "cpu" and q.shape[1] <= FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
         if isinstance(k_cache, Int4KVCache):
-            kernel, dtype, mode = paged_decode_int4_kernel(), q.dtype, ("auto",)
+            kernel, dtype, mode = ops.paged_decode_attention_int4, q.dtype, ("auto",)
             pools = (k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
                      v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots())
         elif isinstance(k_cache, QuantizedKVCache):
-            kernel, dtype, mode = paged_decode_quantized_kernel(), q.dtype, (k_cache.kv_cache_dtype,)
+            kernel, dtype, mode = ops.paged_decode_attention_quantized, q.dtype, (k_cache.kv_cache_dtype,)
             pools = (k_cache.data, v_cache.data, k_cache.scales, v_cache.scales)
         elif isinstance(k_cache, HeadMajorKVCache):
             # The kernel computes in the pools' dtype: bf16 pools under float32 compute (a CPU without
             # native bf16) take q converted and give the output back; otherwise no conversion call at all.
-            kernel, dtype, mode, pools = paged_decode_kernel(), k_cache.dtype, (), (k_cache.data, v_cache.data)
+            kernel, dtype, mode, pools = ops.paged_decode_attention, k_cache.dtype, (), (k_cache.data, v_cache.data)
     if kernel is None:
         return _decode_matmul(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()

@@ -15,6 +15,7 @@ model directory the suite uses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,7 @@ def generation_eos(model_dir: Path) -> list[int]:
     except ValueError:  # not JSON: as transformers' loader fails on it, it adds nothing
         return []
     ids = config.get("eos_token_id") if isinstance(config, dict) else None
-    if ids is None:
-        return []
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids or []]
 
 
 def eos_ids_from_files(tokenizer_dir: str | Path, model_dir: str | Path) -> set[int] | None:
@@ -108,9 +107,7 @@ def eos_ids_from_transformers(tokenizer_dir: str | Path, model_dir: str | Path) 
 
     eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
     ids = set() if eos is None else {int(eos)}
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no generation_config.json: the tokenizer's EOS is all there is
         gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer's EOS is all there is
     return ids

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -99,9 +100,7 @@ def find_gguf_file(path: Path) -> Path | None:
 def gguf_source(model_dir: Path) -> Path | None:
     """The GGUF file behind a prepared directory, or None for an ordinary checkpoint directory."""
     src = Path(model_dir) / SOURCE_FILE
-    if not src.exists():
-        return None
-    return Path(json.loads(src.read_text())["gguf_file"])
+    return Path(json.loads(src.read_text())["gguf_file"]) if src.exists() else None
 
 
 def prepare_gguf_dir(gguf_path: Path) -> Path:
@@ -150,9 +149,7 @@ def _write_prepared_dir(gguf_path: Path, out: Path) -> None:
     config.save_pretrained(out)
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": _eos_ids(reader)}
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
-    tok_dir = _prepared_tokenizer(gguf_path, reader)
-    for f in tok_dir.iterdir():
-        shutil.copy(f, out / f.name)
+    shutil.copytree(_prepared_tokenizer(gguf_path, reader), out, dirs_exist_ok=True)
     (out / SOURCE_FILE).write_text(json.dumps({
         "gguf_file": str(gguf_path), "name": _field(reader, "general.name", gguf_path.stem),
         "file_type": _field(reader, "general.file_type", None),
@@ -166,9 +163,8 @@ def _prepared_tokenizer(gguf_path: Path, reader) -> Path:
     seconds for a 50k vocabulary; GGUF files sharing a tokenizer share the result)."""
     h = hashlib.sha256()
     for name in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
-        field = reader.fields[name]
         h.update(name.encode())
-        for part in field.parts:
+        for part in reader.fields[name].parts:
             h.update(part.tobytes())
 
     def build(tmp: Path) -> None:
@@ -193,11 +189,9 @@ _MISSING = object()
 
 def _field(reader, key: str, default=_MISSING):
     field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise GGUFError(f"GGUF metadata lacks {key!r}")
-        return default
-    return field.contents()
+    if field is None and default is _MISSING:
+        raise GGUFError(f"GGUF metadata lacks {key!r}")
+    return default if field is None else field.contents()
 
 
 def gguf_architecture(reader) -> str:
@@ -417,11 +411,11 @@ class GGUFBuilder:
         if got != shape:
             raise GGUFError(f"tensor {t.name!r} has shape {list(got)}, the metadata implies {list(shape)}")
 
-    def float_tensor(self, name: str, shape: tuple[int, ...], heads: int | None = None) -> torch.Tensor:
+    def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.get(name)
         self._check(t, shape)
         self._count(t, str(self.dtype).removeprefix("torch."), dequantize=True)
-        return _Part(t, heads).fix(_dequantize(t)).to(device=self.device, dtype=self.dtype)
+        return _dequantize(t).to(device=self.device, dtype=self.dtype)
 
     def norm(self, name: str, size: int) -> nn.Parameter:
         return nn.Parameter(self.float_tensor(name, (size,)))
@@ -431,11 +425,10 @@ class GGUFBuilder:
         QK-norm weights, fused gate/up and down projections, from the ``blk.<i>.`` tensors."""
         a, p, attn, mlp = self.arch, f"blk.{i}.", layer.self_attn, layer.mlp
         hq, hkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
-        q_heads, k_heads = (hq, hkv) if self.permuted else (None, None)
+        heads = {"q": hq, "k": hkv} if self.permuted else {}  # rows to unpermute, by projection
 
         def qkv(kind: str) -> list[_Part]:
-            return [_Part(self.get(f"{p}attn_q.{kind}"), q_heads), _Part(self.get(f"{p}attn_k.{kind}"), k_heads),
-                    _Part(self.get(f"{p}attn_v.{kind}"))]
+            return [_Part(self.get(f"{p}attn_{x}.{kind}"), heads.get(x)) for x in "qkv"]
         attn.qkv_proj = self.linear(qkv("weight"), [hq * hd, hkv * hd, hkv * hd], a.hidden_size,
                                     qkv("bias") if a.qkv_bias else None)
         attn.o_proj = self.linear([_Part(self.get(p + "attn_output.weight"))], [a.hidden_size], hq * hd)
@@ -458,17 +451,14 @@ class GGUFBuilder:
 
     def _blocks(self, parts: list[_Part], in_features: int, bias: torch.Tensor | None) -> GGUFLinear:
         """The parts' GGUF blocks as they are, one segment per run of parts of one format."""
-        segments: list[tuple[str, list[torch.Tensor]]] = []
-        for p in parts:
-            kind = p.tensor.tensor_type.name
-            rows = p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features)))
-            self._count(p.tensor, f"{kind} blocks", dequantize=False)
-            if segments and segments[-1][0] == kind:
-                segments[-1][1].append(rows)
-            else:
-                segments.append((kind, [rows]))
-        return GGUFLinear([(kind, torch.cat(rows)) for kind, rows in segments], in_features, bias, self.ops,
-                          kernel_rows=self.kernel_rows, gemm=self.gemm)
+        segments = []
+        for kind, run in itertools.groupby(parts, key=lambda p: p.tensor.tensor_type.name):
+            rows = []
+            for p in run:
+                rows.append(p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features))))
+                self._count(p.tensor, f"{kind} blocks", dequantize=False)
+            segments.append((kind, torch.cat(rows)))
+        return GGUFLinear(segments, in_features, bias, self.ops, kernel_rows=self.kernel_rows, gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -495,10 +485,8 @@ class GGUFBuilder:
         for p in parts:
             self._count(p.tensor, str(self.dtype).removeprefix("torch."), dequantize=True)
         linear = nn.Linear(in_features, weight.shape[0], bias=b is not None, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if b is not None:
-            linear.bias = nn.Parameter(b, requires_grad=False)
-        return linear
+        linear.weight, linear.bias = nn.Parameter(weight), None if b is None else nn.Parameter(b)
+        return linear  # finish_gguf_model turns gradients off
 
     def quantized_table(self, t) -> nn.Module | None:
         """A kept-quantized embedding table as a lookup-capable layer, or None for a float one."""

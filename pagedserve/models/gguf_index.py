@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, quant_shape_to_byte_shape
@@ -30,11 +30,10 @@ _ELEMENT_DTYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F3
                    GGMLQuantizationType.I64: np.int64}
 
 
-class ScalarField:
+class ScalarField(NamedTuple):
     """One scalar or string metadata value; ``contents()`` as ``gguf.ReaderField`` gives it."""
 
-    def __init__(self, value: Any):
-        self.value = value
+    value: Any
 
     def contents(self) -> Any:
         return self.value
@@ -47,12 +46,11 @@ class GGUFTensorIndex:
     def __init__(self, path: str | Path):
         self.fields: dict[str, ScalarField] = {}
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            infos, data_offset = self._parse_header(buf)
+            infos, self.data_offset = self._parse_header(buf)
         self.data = np.memmap(path, mode="r")
-        self.data_offset = data_offset
-        self.tensors = [self._tensor(*info) for info in infos]
+        self.tensors = [self._tensor(name, *info) for name, info in infos.items()]
 
-    def _parse_header(self, buf: mmap.mmap) -> tuple[list[tuple[str, list[int], int, int]], int]:
+    def _parse_header(self, buf: mmap.mmap) -> tuple[dict[str, tuple[list[int], int, int]], int]:
         magic, version, tensor_count, kv_count = struct.unpack_from("<IIQQ", buf, 0)
         if magic != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
@@ -81,22 +79,18 @@ class GGUFTensorIndex:
                 offs += struct.calcsize(fmt)
             else:
                 raise ValueError(f"GGUF metadata {key!r} has an unknown value type {kind}")
-        infos, names = [], set()
+        infos = {}  # name -> (dims, type, offset), in the file's order
         for _ in range(tensor_count):
             name, offs = string(offs)
-            if name in names:
+            if name in infos:
                 raise ValueError(f"Found duplicated tensor with name {name}")
-            names.add(name)
             (n_dims,) = struct.unpack_from("<I", buf, offs)
             dims = list(struct.unpack_from(f"<{n_dims}Q", buf, offs + 4))
-            kind, offset = struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims)
+            infos[name] = (dims, *struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims))
             offs += 4 + 8 * n_dims + 12
-            infos.append((name, dims, kind, offset))
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        if "general.alignment" in self.fields:
-            alignment = int(self.fields["general.alignment"].value)
-            if alignment <= 0 or alignment & (alignment - 1):
-                raise ValueError("Invalid alignment: must be a non-zero power of two")
+        alignment = int(self.fields.get("general.alignment", ScalarField(GGUF_DEFAULT_ALIGNMENT)).value)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError("Invalid alignment: must be a non-zero power of two")
         return infos, offs + (-offs % alignment)
 
     @staticmethod
@@ -125,10 +119,7 @@ class GGUFTensorIndex:
         np_dims = tuple(reversed(dims))
         item_type = _ELEMENT_DTYPES.get(ggml_type)
         if item_type is None:  # a quantized type (or BF16): rows of bytes, as GGUFReader has them
-            item_type, count, np_dims = np.uint8, n_bytes, quant_shape_to_byte_shape(np_dims, ggml_type)
-        else:
-            count = n_elems
-        itemsize = np.dtype(item_type).itemsize
-        data = self.data[start:start + itemsize * count].view(dtype=item_type)[:count].reshape(np_dims)
+            item_type, np_dims = np.uint8, quant_shape_to_byte_shape(np_dims, ggml_type)
+        data = self.data[start:start + n_bytes].view(dtype=item_type).reshape(np_dims)  # n_bytes: whole items
         return ReaderTensor(name=name, tensor_type=ggml_type, shape=np.array(dims, dtype=np.uint64),
                             n_elements=n_elems, n_bytes=n_bytes, data_offset=start, data=data, field=None)

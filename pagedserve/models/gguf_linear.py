@@ -80,11 +80,9 @@ def rows16_default(isa: str) -> tuple[str, ...]:
     ``maddubs`` sums, so it has no group kernel for it); planar elsewhere
     (docs/BENCHMARKS.md, "The rows16 layout", "Q8_0 in the rows16 layout", "The rows16 layout on
     AVX2", "Measured 2026-12-06 on an AMD EPYC Zen 5", "K-quants in the rows16 layout")."""
-    if isa == "avx512":
-        return ROWS16_FORMATS
-    if isa == "amx":
-        return ("Q4_0", "Q4_1", "Q8_0")
-    return tuple(f for f in ROWS16_FORMATS if f != "Q8_0") if isa == "avx2" else ()
+    by_isa = {"avx512": ROWS16_FORMATS, "amx": ("Q4_0", "Q4_1", "Q8_0"),
+              "avx2": tuple(f for f in ROWS16_FORMATS if f != "Q8_0")}
+    return by_isa.get(isa, ())
 
 
 def rows16_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -149,9 +147,8 @@ class GGUFLinear(nn.Module):
         # Prompt chunks through gguf_gemm (default: in bf16 where the CPU has AVX-512 BF16 and no AMX;
         # GGUFBuilder asks for float32 ones too), else dequantized whole for torch's GEMM
         self.gemm = bool(ops.gguf_gemm_usable()) if gemm is None else gemm
-        if kernel_rows is None:
-            kernel_rows = kernel_rows_default(isa, torch.bfloat16 if self.gemm else None)
-        self.kernel_rows = kernel_rows
+        default_rows = kernel_rows_default(isa, torch.bfloat16 if self.gemm else None)
+        self.kernel_rows = default_rows if kernel_rows is None else kernel_rows
         self.float_output = False  # True for an LM head: float32 logits
         # Activations quantized to ~16 bits (int8 plus the int8 of its remainder) rather than 8: an LM head
         # always (int8 moved SmolLM2's near-tied logits enough to flip a greedy pick), the other
@@ -173,10 +170,8 @@ class GGUFLinear(nn.Module):
             self.dequantizers[i](out[offset:offset + width], w, fmt)
         return out
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight (all rows for None): a quantized embedding's lookups."""
-        if ids is None:
-            return self.dequantized_weight(dtype)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight: a quantized embedding's lookups."""
         if len(self.formats) != 1:
             raise RuntimeError("row lookups need a single-format table")
         ids = ids.reshape(-1)

@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32 for the rows that will be sampled (not every prompt token)."""
         native = self.native_decode
         if native is not None and hidden.shape[0] <= native.head_rows:  # the same bits, on the stack's threads
-            return native.logits(hidden)
+            return native.stack.logits(hidden)
         if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or its quantized twin

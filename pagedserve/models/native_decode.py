@@ -142,10 +142,6 @@ class NativeDecode:
         """Whether this step is one it takes: decodes only, few enough rows, its own pools."""
         return not meta.prefills and num_tokens <= self.max_rows and kv_caches is self.kv_caches
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``compute_logits(hidden)`` through the stack's LM head, for at most :attr:`head_rows` rows."""
-        return self.stack.logits(hidden)
-
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
         """Hidden states after the final norm for the decode rows whose embeddings are ``x``; ``metas``:
         one per KV group (a sliding group's its window view), or the one of a model without groups."""

@@ -99,11 +99,10 @@ def build_once(out: Path, marker: str, build: Callable[[Path], object]) -> Path:
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
                     build(tmp)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)  # e.g. an unsupported GGUF: no half-built directory kept
-                    raise
-                shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no marker)
-                tmp.rename(out)
+                    shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no marker)
+                    tmp.rename(out)
+                finally:  # a failed build (an unsupported GGUF, say) leaves no half-built directory
+                    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -143,8 +142,7 @@ def build_standard_model(name: str, out_dir: Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    for f in shared_tokenizer_dir().iterdir():
-        shutil.copy(f, out_dir / f.name)
+    shutil.copytree(shared_tokenizer_dir(), out_dir, dirs_exist_ok=True)
     (out_dir / "PAGEDSERVE_RANDOM_WEIGHTS").write_text(
         f"Standard model {name!r} of docs/WORKLOADS.md: random weights (seed {seed}); its text is meaningless.\n")
     return out_dir

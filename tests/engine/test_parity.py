@@ -111,17 +111,21 @@ def test_logits_match_transformers(arch, backend, checkpoint_dir):
 def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch):
     """The fused kernel reads the quantized pools in place, matmul gathers and dequantizes them:
     the same greedy tokens (prompts over many blocks of 8, some ending mid-block)."""
-    getter = "paged_decode_int4_kernel" if kv == "int4" else "paged_decode_quantized_kernel"
-    kernel = getattr(attention, getter)()
-    if kernel is None:
+    ops = attention.native_ops()
+    if ops is None:
         pytest.skip("native kernels unavailable")
+    name = "paged_decode_attention_int4" if kv == "int4" else "paged_decode_attention_quantized"
     calls = []
 
     def counted(*args):
         calls.append(args)
-        return kernel(*args)
+        return getattr(ops, name)(*args)
 
-    monkeypatch.setattr(attention, getter, lambda: counted)
+    class CountedOps:  # the native namespace with the quantized decode kernel counted
+        def __getattr__(self, attr):
+            return counted if attr == name else getattr(ops, attr)
+
+    monkeypatch.setattr(attention, "native_ops", CountedOps)  # native_ops() returns the counting view
     model_dir = checkpoint_dir("llama")
     prompts = _prompts([5, 37, 70, 16, 9], seed=10)
     tokens = {}

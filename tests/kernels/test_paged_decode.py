@@ -8,14 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedserve.kernels import (best_isa, isa_paths, kernel_error, paged_decode_int4_kernel, paged_decode_kernel,
-                                paged_decode_quantized_kernel)
+from pagedserve.kernels import best_isa, isa_paths, kernel_error, native_ops, paged_decode_kernel
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention, window_view
 from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, mixed_key_bits, paged_batch, quantized
 
 # Both decode entry points live in the one native library: built, or neither is.
 needs_kernels = pytest.mark.skipif(paged_decode_kernel() is None, reason=f"native kernel unavailable: {kernel_error()}")
+OPS = native_ops()
+decode_quantized = None if OPS is None else OPS.paged_decode_attention_quantized  # int8 / fp8 pools
+decode_int4 = None if OPS is None else OPS.paged_decode_attention_int4
 
 
 def test_native_kernel_builds_here():
@@ -83,9 +85,9 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
         exact = reference_attention(q.float(), in_float32(k_q), in_float32(v_q), view, 64 ** -0.5)
         got_q = fused_attention(q, k_q, v_q, view, 64 ** -0.5)
         assert torch.allclose(got_q.float(), exact, atol=1e-5, rtol=0 if dtype == torch.float32 else 2 ** -8), kind
-        paged_decode_quantized_kernel()(direct, q.contiguous(), k_q.data, v_q.data, k_q.scales, v_q.scales,
-                                        view.decode_block_tables, view.decode_context_lens, 64 ** -0.5, kind,
-                                        view.decode_first)
+        decode_quantized(direct, q.contiguous(), k_q.data, v_q.data, k_q.scales, v_q.scales,
+                         view.decode_block_tables, view.decode_context_lens, 64 ** -0.5, kind,
+                         view.decode_first)
         assert torch.equal(direct, got_q), kind
     # and int4 pools (written as an engine writes them, read through the window's view)
     k4, v4, _ = int4_pools(k, v, meta, chunk=13)
@@ -94,9 +96,9 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     got4 = fused_attention(q, k4, v4, view, 64 ** -0.5)
     assert torch.allclose(got4.float(), want4.float(), atol=atol)
     direct4 = torch.empty(q.shape)
-    paged_decode_int4_kernel()(direct4, q.float(), k4.data, v4.data, k4.scales, k4.zero_points, k4.key_bits,
-                               v4.scales, k4.tail, v4.tail, k4.decode_view().tail_slots(), view.decode_block_tables,
-                               view.decode_context_lens, 64 ** -0.5, "auto", view.decode_first)
+    decode_int4(direct4, q.float(), k4.data, v4.data, k4.scales, k4.zero_points, k4.key_bits,
+                v4.scales, k4.tail, v4.tail, k4.decode_view().tail_slots(), view.decode_block_tables,
+                view.decode_context_lens, 64 ** -0.5, "auto", view.decode_first)
     assert torch.equal((direct4 @ v4.rotation).to(dtype), got4)
     bad = view.decode_first.clone()
     bad[-1] = 16  # past the table's first block
@@ -136,9 +138,9 @@ def test_fused_kernel_reads_quantized_pools_like_the_reference(kind, heads, kvh,
     assert torch.allclose(got[:d].float(), exact[:d], atol=1e-5, rtol=rtol_exact)
     # and the decodes really went through the kernel, not the matmul fallback
     direct = torch.empty_like(q[:d])
-    paged_decode_quantized_kernel()(direct, q[:d].contiguous(), k_pool.data, v_pool.data, k_pool.scales,
-                                    v_pool.scales, meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5,
-                                    kind)
+    decode_quantized(direct, q[:d].contiguous(), k_pool.data, v_pool.data, k_pool.scales,
+                     v_pool.scales, meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5,
+                     kind)
     assert torch.equal(direct, got[:d])
 
 
@@ -166,9 +168,9 @@ def test_fused_kernel_reads_int4_blocks_and_tails_like_the_reference(heads, kvh,
     # the decodes really went through the kernel (computing in float32, the output rotated back as
     # the fast backends' _attention does), and match the float32 reference over the same bits
     direct = torch.empty(d, heads, hd)
-    paged_decode_int4_kernel()(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
-                               k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
-                               meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5)
+    decode_int4(direct, q[:d].float(), k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
+                k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
+                meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5)
     assert torch.equal((direct @ v_pool.rotation).to(dtype), got[:d])
     k_pool.out_dtype = v_pool.out_dtype = torch.float32
     exact = reference_attention(q.float(), k_pool, v_pool, meta, hd ** -0.5)
@@ -197,9 +199,9 @@ def test_every_int4_kernel_path_matches_the_scalar_path_and_the_reference(isa, h
 
     def run(path, meta=meta):
         out = torch.empty(d, heads, hd)
-        paged_decode_int4_kernel()(out, q, k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
-                                   k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
-                                   meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5, path)
+        decode_int4(out, q, k_pool.data, v_pool.data, k_pool.scales, k_pool.zero_points,
+                    k_pool.key_bits, v_pool.scales, k_pool.tail, v_pool.tail, read,
+                    meta.decode_block_tables, meta.decode_context_lens, hd ** -0.5, path)
         return out @ v_pool.rotation
 
     got = run(isa)
@@ -224,17 +226,17 @@ def test_int4_kernel_refuses_a_tail_slot_outside_the_tails():
     bad = kp.tails.slot_of.clone()
     bad[meta.decode_block_tables[0, 1]] = kp.tail.shape[0]  # a block the sequence reads (the slots of others are not read)
     with pytest.raises(RuntimeError, match="tail slot"):
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
-                                   vp.scales, kp.tail, vp.tail, bad, meta.decode_block_tables,
-                                   meta.decode_context_lens, 0.1)
+        decode_int4(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
+                    vp.scales, kp.tail, vp.tail, bad, meta.decode_block_tables,
+                    meta.decode_context_lens, 0.1)
     with pytest.raises(RuntimeError, match="key steps"):  # K's per-channel steps are not V's per-token scales
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, vp.scales, kp.zero_points, kp.key_bits,
-                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
-                                   meta.decode_context_lens, 0.1)
+        decode_int4(torch.empty_like(q), q, kp.data, vp.data, vp.scales, kp.zero_points, kp.key_bits,
+                    vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                    meta.decode_context_lens, 0.1)
     with pytest.raises(RuntimeError, match="key pool"):  # the keys are bit planes, not V's rows of nibbles
-        paged_decode_int4_kernel()(torch.empty_like(q), q, vp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
-                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
-                                   meta.decode_context_lens, 0.1)
+        decode_int4(torch.empty_like(q), q, vp.data, vp.data, kp.scales, kp.zero_points, kp.key_bits,
+                    vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                    meta.decode_context_lens, 0.1)
 
 
 # Key bits the planes cannot be read by: another dtype or shape, a channel of 0 or 9 bits, a head
@@ -261,9 +263,9 @@ def test_int4_kernel_refuses_key_bits_it_cannot_read(change, match):
     kp, vp, meta = int4_pools(k, v, meta, key_bits=mixed_key_bits(2, 64))
     bits = change(kp.key_bits)
     with pytest.raises(RuntimeError, match=match):
-        paged_decode_int4_kernel()(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, bits,
-                                   vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
-                                   meta.decode_context_lens, 0.1)
+        decode_int4(torch.empty_like(q), q, kp.data, vp.data, kp.scales, kp.zero_points, bits,
+                    vp.scales, kp.tail, vp.tail, kp.tails.slot_of, meta.decode_block_tables,
+                    meta.decode_context_lens, 0.1)
 
 
 @needs_kernels
@@ -284,8 +286,8 @@ def test_fused_kernel_dequantizes_every_stored_value_exactly(kind, hd):
     pool.scales[0, 0, 0] = 1e-6  # the smallest scale quantize_kv gives, a float16 subnormal
     q = torch.randn(rows, 2, hd, generator=g)
     out = torch.empty_like(q)
-    paged_decode_quantized_kernel()(out, q, pool.data, pool.data, pool.scales, pool.scales,
-                                    torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.long), 0.1, kind)
+    decode_quantized(out, q, pool.data, pool.data, pool.scales, pool.scales,
+                     torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.long), 0.1, kind)
     want = dequantize_kv(pool.data[:, 0, 0], pool.scales[:, 0, 0], kind, torch.float32)
     assert torch.equal(out, want.unsqueeze(1).expand(rows, 2, hd))
 
@@ -295,7 +297,7 @@ def test_fused_kernel_refuses_mismatched_quantized_pools():
     q, k, v, meta = paged_batch([20], [], block_size=16, kvh=2, heads=4, hd=64)
     pool = quantized(k, "int8")
     args = (meta.decode_block_tables, meta.decode_context_lens, 0.1)
-    kernel = paged_decode_quantized_kernel()
+    kernel = decode_quantized
     with pytest.raises(RuntimeError, match="fp8"):  # int8 bytes are not an fp8 pool
         kernel(torch.empty_like(q), q, pool.data, pool.data, pool.scales, pool.scales, *args, "fp8")
     with pytest.raises(RuntimeError, match="unknown kind"):
