@@ -317,11 +317,14 @@ def models_loaded_once():
     loaded: dict[tuple, torch.nn.Module] = {}
     load = core_builder.load_model
 
-    def cached(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options):
-        key = (str(model_dir), dtype, str(device), max_positions, attention_backend, *options)
+    def cached(model_dir, arch, dtype, device, config):
+        # the config's fields load_model reads (a row's KV precision is not one of them)
+        key = (str(model_dir), dtype, str(device), *(getattr(config, name) for name in (
+            "max_model_len", "attention_backend", "dtype", "quantization", "decode_weights", "gguf_activations",
+            "native_kernels", "pack_weights", "group_kernels")))
         if key not in loaded:
             loaded.clear()  # one model at a time: rows run weight by weight
-            loaded[key] = load(model_dir, hf_config, dtype, device, max_positions, attention_backend, *options)
+            loaded[key] = load(model_dir, arch, dtype, device, config)
         return loaded[key]
 
     with mock.patch.object(core_builder, "load_model", cached):

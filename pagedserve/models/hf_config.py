@@ -36,8 +36,7 @@ _ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 
 class HFConfig:
-    """A config.json as attributes (``cfg.hidden_size``), defaults filled in for supported types;
-    settable (the loader notes ``pagedserve_requested_dtype`` on it)."""
+    """A config.json as attributes (``cfg.hidden_size``), defaults filled in for supported types."""
 
     def __init__(self, values: dict[str, Any]):
         self.__dict__.update(values)

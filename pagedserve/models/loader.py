@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 
@@ -10,8 +9,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from pagedserve.config import EngineConfig
 from pagedserve.kernels import cpu_has_native_bf16, native_ops
-from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.gemma3 import Gemma3Architecture
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
@@ -64,12 +63,7 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     bfloat16 where it multiplies bf16 natively (AVX-512 BF16 or AMX; a float16 checkpoint becomes
     bfloat16 there), float32 elsewhere, where torch emulates bf16 several times slower than float32
     (measured 7x on an AVX2 EPYC). Quantized GGUF weights stay quantized either way; their kernels
-    quantize the activations themselves (:mod:`pagedserve.models.gguf_linear`).
-
-    The request is also noted on ``hf_config`` (``pagedserve_requested_dtype``) for :func:`load_model`:
-    a GGUF's quantized tensors stay quantized under ``auto``, are dequantized to an asked-for dtype."""
-    with contextlib.suppress(AttributeError):  # a config object that takes no new ones: GGUF tensors stay quantized
-        hf_config.pagedserve_requested_dtype = requested
+    quantize the activations themselves (:mod:`pagedserve.models.gguf_linear`)."""
     if requested != "auto":
         return DTYPES[requested], "asked for with --dtype", DTYPES[requested]
     # a name or a torch dtype; float32 when absent or none of DTYPES
@@ -115,32 +109,30 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], arch: ModelArchitecture) -> 
     return out
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               attention_backend: str, quantization: str = "none", decode_weights: str = "auto",
-               gguf_activations: str = "int16", native_kernels: bool = True, pack_weights: str = "auto",
-               group_kernels: bool = False) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint (its safetensors, or
-    the GGUF file behind a prepared directory). The other arguments are the engine flags of the same
-    names (engine/args.py): ``quantization`` (:mod:`~pagedserve.models.quant`), ``decode_weights``
-    (:mod:`~pagedserve.models.half_linear`), ``gguf_activations`` (:mod:`~pagedserve.models.gguf_linear`),
-    ``pack_weights`` (:mod:`~pagedserve.models.packed`), ``native_kernels`` (False: nothing is
-    compiled) and ``group_kernels``; each choice is logged."""
+def load_model(model_dir: Path, arch: ModelArchitecture, dtype: torch.dtype, device: torch.device,
+               c: EngineConfig) -> LlamaForCausalLM:
+    """Build the model of ``arch`` on ``device`` in ``dtype`` and fill it from the checkpoint (its
+    safetensors, or the GGUF file behind a prepared directory), as the engine's resolved config ``c``
+    asks (its ``max_model_len`` and ``attention_backend``): ``quantization`` (:mod:`~pagedserve.models.quant`),
+    ``decode_weights`` (:mod:`~pagedserve.models.half_linear`), ``gguf_activations``
+    (:mod:`~pagedserve.models.gguf_linear`), ``pack_weights`` (:mod:`~pagedserve.models.packed`),
+    ``native_kernels`` (False: nothing is compiled) and ``group_kernels``; a GGUF's quantized tensors
+    stay quantized under ``dtype`` ``auto``, are dequantized to an asked-for one. Each choice is logged."""
     checkpoint_dtype = None  # unknown or mixed (a GGUF file): auto then keeps float32
-    weight_format = quantization  # what choose_decode_weights is told the linears hold
-    arch = architecture_from_hf_config(hf_config)
+    weight_format = c.quantization  # what choose_decode_weights is told the linears hold
     gguf = gguf_source(model_dir)
     if gguf is not None:  # a prepared GGUF directory: weights straight from the GGUF file
-        keep = quantization in (None, "none") and getattr(hf_config, "pagedserve_requested_dtype", "auto") == "auto"
-        model = load_gguf_model(gguf, arch, dtype, device, max_positions, attention_backend, keep_quantized=keep,
-                                native_kernels=native_kernels and device.type == "cpu", activations=gguf_activations,
-                                group_kernels=group_kernels)
+        keep = c.quantization == "none" and c.dtype == "auto"
+        model = load_gguf_model(gguf, arch, dtype, device, c.max_model_len, c.attention_backend, keep_quantized=keep,
+                                native_kernels=c.native_kernels and device.type == "cpu",
+                                activations=c.gguf_activations, group_kernels=c.group_kernels)
         weight_format = "GGUF, kept quantized" if keep else weight_format
     elif isinstance(arch, Gemma3Architecture):
         raise ValueError(f"{model_dir}: Gemma 3 loads from its GGUF file only (--model gemma-3-270m, or a .gguf path)")
     else:
         # Built on the meta device and filled by assignment: no random initialization of weights
         # the checkpoint replaces anyway (the rotary tables: float32, then the model's dtype as before).
-        model = LlamaForCausalLM.on_meta(arch, max_positions, attention_backend, device)
+        model = LlamaForCausalLM.on_meta(arch, c.max_model_len, c.attention_backend, device)
         state = _fused_state_dict(_read_checkpoint(model_dir), arch)
         dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
         checkpoint_dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: the checkpoint mixes several
@@ -153,22 +145,22 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     model.layers[0].self_attn.rotary.float()  # cos/sin tables stay float32
     model.eval().requires_grad_(False)
     # None (torch paths) off the CPU, with native_kernels off, or where the kernels can't be built
-    ops = native_ops() if device.type == "cpu" and native_kernels else None
-    if quantization not in (None, "none"):
+    ops = native_ops() if device.type == "cpu" and c.native_kernels else None
+    if c.quantization != "none":
         full = weight_bytes(model)
-        quantize_model(model, quantization, group_ops=ops if group_kernels else None)
-        logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", quantization,
+        quantize_model(model, c.quantization, group_ops=ops if c.group_kernels else None)
+        logger.info("weights quantized to %s at load: %.1f MiB (from %.1f MiB in %s)", c.quantization,
                     weight_bytes(model) / 2**20, full / 2**20, str(dtype).removeprefix("torch."))
-    half, why = choose_decode_weights(decode_weights, checkpoint_dtype, dtype, device, weight_format,
+    half, why = choose_decode_weights(c.decode_weights, checkpoint_dtype, dtype, device, weight_format,
                                       ops is not None and hasattr(ops, "half_linear"))
     logger.info("decode weights: %s (%s)", str(half if half is not None else dtype).removeprefix("torch."), why)
     if half is not None:  # before prepacking, which then finds no plain float32 linear left
         store_linears_16bit(model, half, ops)
-    if quantization in (None, "none") and pack_weights != "none":
+    if c.quantization == "none" and c.pack_weights != "none":
         # CPU: bf16 into AMX-BF16 tiles where the CPU has them (W2 1.26x oneDNN's, W1 level), the rest
         # prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
         # decode batches, 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.
-        pack_linears(model, ops, layout=pack_weights)
+        pack_linears(model, ops, layout=c.pack_weights)
     if device.type == "cpu":
         model.use_native_ops(ops)
     return model

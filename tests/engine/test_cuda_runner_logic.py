@@ -106,7 +106,8 @@ def test_profile_step_runs_through_the_model(tiny_model_dir):
 
     hf = read_hf_config(tiny_model_dir)
     arch = ModelArchitecture.from_hf_config(hf)
-    model = load_model(tiny_model_dir, hf, torch.float32, torch.device("cpu"), 256, "matmul")
+    model = load_model(tiny_model_dir, arch, torch.float32, torch.device("cpu"),
+                       EngineConfig(str(tiny_model_dir), max_model_len=256, attention_backend="matmul"))
     step = profile_step(300, 256, 8, 16, torch.device("cpu"))
     probs = run_profile_step(model, step, arch.num_kv_heads, arch.head_dim, torch.float32, "auto",
                              torch.device("cpu"))

@@ -22,6 +22,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.args import add_engine_args, engine_config_from_args
 from pagedserve.kernels import isa_paths, kernel_error, native_ops
 from pagedserve.models import half_linear, loader
+from pagedserve.models.architectures import architecture_from_hf_config
 from pagedserve.models.half_linear import HalfWeightLinear, choose_decode_weights
 from pagedserve.models.hf_config import read_hf_config
 from pagedserve.models.quant import QuantizedEmbedding, weight_bytes
@@ -229,9 +230,10 @@ def bf16_checkpoint(checkpoint_dir, tmp_path_factory):
 
 
 def _load(model_dir, decode_weights: str, caplog):
-    cfg = read_hf_config(model_dir)
+    arch = architecture_from_hf_config(read_hf_config(model_dir))
+    config = EngineConfig(str(model_dir), max_model_len=128, attention_backend="reference", decode_weights=decode_weights)
     with caplog.at_level(logging.INFO, logger="pagedserve.models.loader"):
-        model = loader.load_model(model_dir, cfg, torch.float32, CPU, 128, "reference", "none", decode_weights)
+        model = loader.load_model(model_dir, arch, torch.float32, CPU, config)
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode weights: ")]
     caplog.clear()
     assert len(line) == 1  # one startup line says what was chosen and why

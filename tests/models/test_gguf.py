@@ -119,6 +119,19 @@ def test_kept_weights_take_the_gguf_bytes(tiny_ggufs):
     assert weight_bytes(model) == matrices + 2 * vectors
 
 
+def test_the_engine_keeps_gguf_weights_quantized_unless_a_dtype_is_asked_for(tiny_ggufs):
+    """load_model reads the request from the engine's config: ``--dtype auto`` keeps a GGUF's quantized
+    tensors, an asked-for dtype (even the one auto computes in) dequantizes them."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.models.loader import load_model
+
+    model_dir = resolve_model_dir(str(tiny_ggufs("Q8_0", tokenizer=True)))
+    arch = ModelArchitecture.from_hf_config(hf_config_from_gguf(open_gguf(gguf_source(model_dir))))
+    kept, dequantized = (weight_bytes(load_model(model_dir, arch, torch.float32, torch.device("cpu"), EngineConfig(
+        str(model_dir), dtype=dtype, max_model_len=64, attention_backend="reference"))) for dtype in ("auto", "float32"))
+    assert kept < dequantized / 2  # Q8_0: about a byte per weight, float32 four
+
+
 @pytest.mark.parametrize("kind,tokenizer", [(k, False) for k in TYPES] + [("Q8_0", True)])
 def test_tensor_index_describes_the_file_as_the_full_reader(kind, tokenizer, tiny_ggufs):
     """The loader's index (no array parsing) has every tensor exactly as ``gguf.GGUFReader``: name,

@@ -85,7 +85,6 @@ def test_light_config_equals_autoconfig_on_every_field_the_engine_reads(model_di
             assert resolve_dtype("auto", ours, torch.device(device)) == \
                 resolve_dtype("auto", theirs, torch.device(device)), name
         assert ours.max_position_embeddings == theirs.max_position_embeddings, name  # bench retrieval reads it
-        assert ours.pagedserve_requested_dtype == "auto"  # resolve_dtype's note, read by the GGUF loader
 
 
 def test_light_config_refuses_what_the_engine_cannot_run_in_one_line(tmp_path):

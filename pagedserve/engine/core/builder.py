@@ -176,9 +176,7 @@ def build_core(config: EngineConfig) -> CoreParts:
     eos = eos_token_ids(tokenizer_source, str(model_dir))
 
     t0 = time.monotonic()
-    model = load_model(model_dir, hf_config, dtype, device, config.max_model_len,
-                       config.attention_backend, config.quantization, config.decode_weights,
-                       config.gguf_activations, config.native_kernels, config.pack_weights, config.group_kernels)
+    model = load_model(model_dir, arch, dtype, device, config)
     size = weight_bytes(model)
     if device.type == "cpu":
         move_model_to_huge_pages(model)  # before the decode stack takes the tensors (its pointers)
