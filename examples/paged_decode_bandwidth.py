@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagedserve.kernels import kernel_error, paged_decode_kernel
+from pagedserve.kernels import kernel_error, native_ops
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128], help="tokens per KV block")
@@ -25,9 +25,10 @@ parser.add_argument("--context", type=int, default=400, help="tokens each sequen
 parser.add_argument("--repeats", type=int, default=15, help="timed steps; the median is printed")
 args = parser.parse_args()
 
-kernel = paged_decode_kernel()
-if kernel is None:
+ops = native_ops()
+if ops is None:
     raise SystemExit(f"the native kernels are unavailable: {kernel_error()}")
+kernel = ops.paged_decode_attention  # (out, q, k_pool, v_pool, block_tables, context_lens, scale)
 KV_HEADS, GROUP, HEAD_DIM = 4, 3, 64
 torch.manual_seed(0)
 with torch.inference_mode():

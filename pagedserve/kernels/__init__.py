@@ -51,7 +51,7 @@ has a library loads it at once; otherwise it builds under a file lock (one build
 time; waiters then load the winner's library), in a scratch directory, and moves the finished
 ``.so`` into place with an atomic rename, so no process ever loads a half-written file. Every
 build logs one line, and every load names the directory it used. Without a compiler nothing is
-built and :func:`paged_decode_kernel` returns ``None``: callers fall back to the pure-torch path.
+built and :func:`native_ops` returns ``None``: callers fall back to the pure-torch path.
 An engine with ``--no-native-kernels`` (``EngineConfig.native_kernels``) never calls in here, so
 nothing is built for it either.
 """
@@ -204,12 +204,6 @@ def native_ops() -> object | None:
                     log.warning("native kernels unavailable (%s); using the pure-torch paths",
                                 _state["error"].splitlines()[0])
     return _state.get("ops")
-
-
-def paged_decode_kernel() -> Callable[..., None] | None:
-    """``paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)``, or ``None``."""
-    ops = native_ops()
-    return None if ops is None else ops.paged_decode_attention
 
 
 def isa_paths() -> list[str]:

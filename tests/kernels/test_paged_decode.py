@@ -8,21 +8,22 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedserve.kernels import best_isa, isa_paths, kernel_error, native_ops, paged_decode_kernel
+from pagedserve.kernels import best_isa, isa_paths, kernel_error, native_ops
 from pagedserve.kv.quant import QuantizedKVCache, dequantize_kv
 from pagedserve.models.attention import fused_attention, reference_attention, window_view
 from tests.helpers.paged_inputs import head_major, in_float32, int4_pools, mixed_key_bits, paged_batch, quantized
 
 # Both decode entry points live in the one native library: built, or neither is.
-needs_kernels = pytest.mark.skipif(paged_decode_kernel() is None, reason=f"native kernel unavailable: {kernel_error()}")
 OPS = native_ops()
+needs_kernels = pytest.mark.skipif(OPS is None, reason=f"native kernel unavailable: {kernel_error()}")
+decode = None if OPS is None else OPS.paged_decode_attention  # pools in the model dtype
 decode_quantized = None if OPS is None else OPS.paged_decode_attention_quantized  # int8 / fp8 pools
 decode_int4 = None if OPS is None else OPS.paged_decode_attention_int4
 
 
 def test_native_kernel_builds_here():
     """The fused backend is the CPU default: on a machine with a compiler it must actually build."""
-    assert paged_decode_kernel() is not None, kernel_error()
+    assert decode is not None, kernel_error()
 
 
 # head_dim 64 and 128 take the kernel's register-blocked path; 8 and 24 its generic loops.
@@ -38,8 +39,8 @@ def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, a
     assert torch.allclose(got.float(), want.float(), atol=atol)
     # and the decodes really went through the kernel, not the matmul fallback
     direct = torch.empty_like(q[:len(ctx)])
-    paged_decode_kernel()(direct, q[:len(ctx)].contiguous(), k_pool.data, v_pool.data,
-                          meta.decode_block_tables.contiguous(), meta.decode_context_lens, hd ** -0.5)
+    decode(direct, q[:len(ctx)].contiguous(), k_pool.data, v_pool.data,
+           meta.decode_block_tables.contiguous(), meta.decode_context_lens, hd ** -0.5)
     assert torch.equal(direct, got[:len(ctx)])
 
 
@@ -52,11 +53,11 @@ def test_a_sequences_attention_does_not_depend_on_its_batch():
     k_pool, v_pool, scale = head_major(k).data, head_major(v).data, 64 ** -0.5
     tables, lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens
     whole = torch.empty_like(q)
-    paged_decode_kernel()(whole, q.contiguous(), k_pool, v_pool, tables, lens, scale)
+    decode(whole, q.contiguous(), k_pool, v_pool, tables, lens, scale)
     for i in range(len(ctx)):
         alone = torch.empty_like(q[i:i + 1])
-        paged_decode_kernel()(alone, q[i:i + 1].contiguous(), k_pool, v_pool, tables[i:i + 1].contiguous(),
-                              lens[i:i + 1].contiguous(), scale)
+        decode(alone, q[i:i + 1].contiguous(), k_pool, v_pool, tables[i:i + 1].contiguous(),
+               lens[i:i + 1].contiguous(), scale)
         assert torch.equal(alone, whole[i:i + 1]), ctx[i]
 
 
@@ -77,8 +78,8 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     got = fused_attention(q, k_pool, v_pool, view, 64 ** -0.5)
     assert torch.allclose(got.float(), want.float(), atol=atol)
     direct = torch.empty_like(q)
-    paged_decode_kernel()(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
-                          view.decode_context_lens, 64 ** -0.5, view.decode_first)
+    decode(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
+           view.decode_context_lens, 64 ** -0.5, view.decode_first)
     assert torch.equal(direct, got)
     for kind in ("int8", "fp8"):  # and over quantized pools: the reference over the same stored values
         k_q, v_q = quantized(k, kind), quantized(v, kind)
@@ -103,8 +104,8 @@ def test_fused_kernel_attends_within_a_sliding_window(window, dtype, atol):
     bad = view.decode_first.clone()
     bad[-1] = 16  # past the table's first block
     with pytest.raises(RuntimeError, match="window's start"):
-        paged_decode_kernel()(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
-                              view.decode_context_lens, 64 ** -0.5, bad)
+        decode(direct, q.contiguous(), k_pool.data, v_pool.data, view.decode_block_tables,
+               view.decode_context_lens, 64 ** -0.5, bad)
 
 
 @needs_kernels
@@ -113,8 +114,8 @@ def test_fused_kernel_refuses_a_block_outside_the_pool():
     bad = meta.decode_block_tables.clone()
     bad[0, 1] = k.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="out of range"):
-        paged_decode_kernel()(torch.empty_like(q), q, head_major(k).data, head_major(v).data, bad,
-                              meta.decode_context_lens, 0.1)
+        decode(torch.empty_like(q), q, head_major(k).data, head_major(v).data, bad,
+               meta.decode_context_lens, 0.1)
 
 
 # Quantized pools. The reference gathers and dequantizes into the model dtype, then computes in

@@ -29,7 +29,7 @@ from pagedserve.engine.core.runner import ModelRunner
 from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.core.structured import GrammarCompiler
 from pagedserve.engine.wire import ModelFacts
-from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops, paged_decode_kernel
+from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops
 from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
@@ -66,10 +66,10 @@ def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: 
             name = "triton" if why is None else "sdpa"
             logger.info("attention backend: %s%s", name, "" if why is None else f" ({why})")
     elif name == "auto":
-        name = "fused" if native_kernels and paged_decode_kernel() is not None else "matmul"
+        name = "fused" if native_kernels and native_ops() is not None else "matmul"
         why = kernel_error() if native_kernels else "--no-native-kernels"
         logger.info("attention backend: %s%s", name, "" if name == "fused" else f" (fused kernel unavailable: {why})")
-    elif name == "fused" and (device.type != "cpu" or not native_kernels or paged_decode_kernel() is None):
+    elif name == "fused" and (device.type != "cpu" or not native_kernels or native_ops() is None):
         why = "device is not a CPU" if device.type != "cpu" else "--no-native-kernels" if not native_kernels else \
             kernel_error()
         raise ValueError(f"attention_backend 'fused' needs the native CPU kernel, which is unavailable here: {why}")
