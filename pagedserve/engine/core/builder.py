@@ -190,8 +190,7 @@ def build_core(config: EngineConfig) -> CoreParts:
         kv_caches = [kv_caches[slot] for _, slot in layer_slots(kv.groups)]
     if config.kv_cache_dtype == "int4" and config.int4_key_bits == "calibrated":
         # per model layer: a pool slot shared by KV groups holds each group's blocks in its layer's bits
-        key_bits = model_key_bits(model, model_dir, tokenizer_source, arch.num_kv_heads, arch.head_dim,
-                                  config.block_size, dtype, config.quantization, config.max_model_len)
+        key_bits = model_key_bits(model, model_dir, tokenizer_source, arch, dtype, config)
         kv_caches = [(k.with_key_bits(bits), v) for (k, v), bits in zip(kv_caches, key_bits)]
     block_manager, event_log = _block_manager(config, kv)
     if kv.tail_slots:  # a block no table holds gives its tail slot back

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.config import cache_dir
+from pagedserve.config import EngineConfig, cache_dir
 from pagedserve.kv.int4 import KEY_BITS, MAX_KEY_BITS
 from pagedserve.engine.core.profile_run import prefill_metadata
 from pagedserve.models.attention import AttentionBackend, AttentionMetadata
+from pagedserve.models.llama import ModelArchitecture
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +129,13 @@ def _cache_key(model_dir: Path, *settings: object) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def model_key_bits(model: torch.nn.Module, model_dir: Path, tokenizer_source: str, num_kv_heads: int,
-                   head_dim: int, block_size: int, dtype: torch.dtype, quantization: str,
-                   max_model_len: int) -> torch.Tensor:
+def model_key_bits(model: torch.nn.Module, model_dir: Path, tokenizer_source: str, arch: ModelArchitecture,
+                   dtype: torch.dtype, c: EngineConfig) -> torch.Tensor:
     """The key bits of ``model`` (:func:`calibrate_key_bits` on the shipped text, in chunks of
-    :data:`CHUNK` tokens or the whole blocks of ``max_model_len`` if shorter), from the cache when
-    this model, dtype, quantization and block size were calibrated before; logged either way."""
-    chunk = min(CHUNK, max_model_len // block_size * block_size)
-    key = _cache_key(model_dir, dtype, quantization, block_size, chunk)
+    :data:`CHUNK` tokens or the whole blocks of the config's ``max_model_len`` if shorter), from the cache
+    when this model, dtype, weight quantization and block size were calibrated before; logged either way."""
+    chunk = min(CHUNK, c.max_model_len // c.block_size * c.block_size)
+    key = _cache_key(model_dir, dtype, c.quantization, c.block_size, chunk)
     path = cache_dir() / "key-bits" / f"{Path(model_dir).name}-{key}.pt"
     if path.exists():
         bits = torch.load(path)
@@ -143,7 +143,7 @@ def model_key_bits(model: torch.nn.Module, model_dir: Path, tokenizer_source: st
     else:
         t0 = time.monotonic()
         tokens = calibration_tokens(tokenizer_source)
-        bits = calibrate_key_bits(model, tokens, num_kv_heads, head_dim, block_size, dtype, chunk)
+        bits = calibrate_key_bits(model, tokens, arch.num_kv_heads, arch.head_dim, c.block_size, dtype, chunk)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         torch.save(bits, tmp)
