@@ -134,5 +134,6 @@ def test_triton_refuses_int4_pools_and_auto_on_cpu_never_picks_it():
     from pagedserve.engine.core.builder import _resolve_attention_backend
 
     with pytest.raises(ValueError, match="triton"):
-        _resolve_attention_backend("triton", torch.device("cpu"), "int4")
-    assert _resolve_attention_backend("auto", torch.device("cpu"), "auto") in ("fused", "matmul")
+        _resolve_attention_backend(EngineConfig("m", attention_backend="triton", kv_cache_dtype="int4"),
+                                   torch.device("cpu"))
+    assert _resolve_attention_backend(EngineConfig("m"), torch.device("cpu")) in ("fused", "matmul")

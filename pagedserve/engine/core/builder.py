@@ -50,11 +50,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto",
-                               native_kernels: bool = True) -> str:
-    """``auto`` → on GPU the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV
-    dtype (int4); on CPU the fused native decode kernel, or ``matmul`` where it can't be built or
-    ``native_kernels`` is off."""
+def _resolve_attention_backend(c: EngineConfig, device: torch.device) -> str:
+    """``c.attention_backend`` checked against ``device``, the KV dtype and ``native_kernels``; ``auto`` → on GPU
+    the Triton kernels, or SDPA where Triton is missing or has no kernel for the KV dtype (int4); on CPU the
+    fused native decode kernel, or ``matmul`` where it can't be built or ``native_kernels`` is off."""
+    name, kv_cache_dtype, native_kernels = c.attention_backend, c.kv_cache_dtype, c.native_kernels
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         why = triton_unavailable(device)
         if why is None and kv_cache_dtype not in TRITON_KV_DTYPES:
@@ -83,7 +83,7 @@ def eos_token_ids(tokenizer_dir: str, model_dir: str) -> set[int]:
     return ids if ids is not None else eos_ids_from_transformers(tokenizer_dir, model_dir)
 
 
-def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, device: torch.device) -> EngineConfig:
+def resolve_config(config: EngineConfig, arch: ModelArchitecture, device: torch.device) -> EngineConfig:
     """A copy of ``config`` with every ``None``/``auto`` that the model decides filled in."""
     # Attention beyond a sliding window is not implemented: the window caps the length instead.
     limit = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
@@ -95,9 +95,7 @@ def resolve_config(config: EngineConfig, hf_config, arch: ModelArchitecture, dev
     # 1,536-2,048 rows, Sapphire Rapids): W1 on `small` 839 -> 893 output tok/s (docs/BENCHMARKS.md).
     batched = config.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched,
-                               attention_backend=_resolve_attention_backend(config.attention_backend, device,
-                                                                            config.kv_cache_dtype,
-                                                                            config.native_kernels))
+                               attention_backend=_resolve_attention_backend(config, device))
 
 
 @dataclass
@@ -170,7 +168,7 @@ def build_core(config: EngineConfig) -> CoreParts:
         logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
                        "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU "
                        "(a bf16 checkpoint's linear weights then stay bf16 for decode: --decode-weights)")
-    config = resolve_config(config, hf_config, arch, device)
+    config = resolve_config(config, arch, device)
     _warn_under_quality_floor(config.quantization, config.kv_cache_dtype)
     tokenizer_source = str(config.tokenizer or model_dir)
     eos = eos_token_ids(tokenizer_source, str(model_dir))
