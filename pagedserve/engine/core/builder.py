@@ -190,16 +190,21 @@ def build_core(config: EngineConfig) -> CoreParts:
         # per model layer: a pool slot shared by KV groups holds each group's blocks in its layer's bits
         key_bits = model_key_bits(model, model_dir, tokenizer_source, arch, dtype, config)
         kv_caches = [(k.with_key_bits(bits), v) for (k, v), bits in zip(kv_caches, key_bits)]
-    block_manager, event_log = _block_manager(config, kv)
-    if kv.tail_slots:  # a block no table holds gives its tail slot back
-        getattr(block_manager, "inner", block_manager).on_release = kv_caches[0][0].tails.release
-    publisher = None
-    if event_log is not None:
+    # KV events (docs/SCALE_OUT.md): the prefix cache's event log and its publisher; off by default, and then
+    # nothing is hashed, recorded or sent
+    event_log = publisher = None
+    if config.kv_events is not None and config.kv_events.enabled:
         from pagedserve.engine.core.kv_events import ZmqEventPublisher  # zmq only when asked for
 
-        publisher = ZmqEventPublisher(config.kv_events)
-    decode_graphs = (CudaGraphDecoder(model, kv_caches, config.max_num_seqs, config.max_model_len,
-                                      config.block_size, device) if use_graphs else None)
+        event_log, publisher = KVEventLog(config.block_size), ZmqEventPublisher(config.kv_events)
+    if kv.groups:
+        block_manager = GroupedBlockManager(kv.num_blocks, config.block_size, kv.groups, config.enable_prefix_caching,
+                                            event_log, config.max_num_batched_tokens)
+    else:
+        block_manager = BlockManager(kv.num_blocks, config.block_size, config.enable_prefix_caching, events=event_log)
+    if kv.tail_slots:  # a block no table holds gives its tail slot back
+        getattr(block_manager, "inner", block_manager).on_release = kv_caches[0][0].tails.release
+    decode_graphs = CudaGraphDecoder(model, kv_caches, config, device) if use_graphs else None
     runner = ModelRunner(model, kv_caches, block_manager, device, decode_graphs)
     decode_path = (model.enable_native_decode(kv_caches, ops) if config.native_decode
                    else "python (--no-native-decode)")
@@ -275,16 +280,6 @@ def _profiled_kv_budget(c: EngineConfig, arch: ModelArchitecture, model: torch.n
     return profiled_kv_budget(total, free, size, peak, c.kv_cache_memory_fraction,
                               CUDA_GRAPH_ALLOWANCE if use_graphs else 0, kv_budget_cap(c, per_token, tail_bytes),
                               step.num_tokens)
-
-
-def _block_manager(config: EngineConfig, kv: KVPool) -> tuple[BlockManager | GroupedBlockManager, KVEventLog | None]:
-    """The page allocator over the pool, with the prefix cache's event log when KV events are on
-    (docs/SCALE_OUT.md; off by default, and then nothing is hashed, recorded or sent)."""
-    event_log = KVEventLog(config.block_size) if config.kv_events is not None and config.kv_events.enabled else None
-    if kv.groups:
-        return GroupedBlockManager(kv.num_blocks, config.block_size, kv.groups, config.enable_prefix_caching,
-                                   event_log, config.max_num_batched_tokens), event_log
-    return BlockManager(kv.num_blocks, config.block_size, config.enable_prefix_caching, events=event_log), event_log
 
 
 def _scheduler(c: EngineConfig, kv_dtype: str, block_manager: BlockManager | GroupedBlockManager) -> Scheduler:

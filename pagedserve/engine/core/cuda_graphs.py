@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from pagedserve.config import EngineConfig
 from pagedserve.engine.core.runner import ModelInput
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
@@ -100,11 +101,10 @@ class CudaGraphDecoder:
     """Captures the model's decode forward for each size of :func:`graph_batch_sizes` (on construction)
     and replays the one that fits a step."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_caches, c: EngineConfig, device: torch.device):
         self.model, self.kv_caches = model, kv_caches
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.sizes = graph_batch_sizes(c.max_num_seqs)
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-c.max_model_len // c.block_size), device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture()
 
