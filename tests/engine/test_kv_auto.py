@@ -3,6 +3,7 @@ when a pool cannot hold one request of ``max_model_len`` tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -11,6 +12,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import memory
 from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.models.hf_config import read_hf_config
+from pagedserve.models.llama import ModelArchitecture
 from tests.conftest import assert_no_leaks
 
 MIB, GIB = 2**20, 2**30
@@ -59,7 +62,8 @@ def test_budget_is_capped_and_never_negative():
 def test_auto_sizes_the_engine_pool_from_memavailable(tiny_model_dir, monkeypatch, caplog, no_psutil):
     config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="auto", max_model_len=256, max_num_seqs=64,
                           kv_cache_memory_fraction=0.5)
-    reserve = memory.activation_reserve(64, 4, 2, 16, 128, 32000, 2048, 64, 256)  # tiny's shape, CPU defaults
+    arch = ModelArchitecture.from_hf_config(read_hf_config(tiny_model_dir))
+    reserve = memory.activation_reserve(arch, dataclasses.replace(config, max_num_batched_tokens=2048))  # CPU default
     # MemAvailable chosen so that 0.5 × it − reserve is exactly 600 KiB: below the cap (64 × 256 tokens).
     monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 2 * (reserve + 600 * 1024),
                                                      "MemTotal": 8 * GIB})

@@ -106,14 +106,15 @@ def cpu_free_memory(fraction: float) -> FreeMemory:
     return FreeMemory(int(fraction * available), available, total, source)
 
 
-def activation_reserve(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
-                       vocab: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
-    """An upper estimate of one step's transient memory, in bytes (float32 throughout)."""
-    tokens = max_num_batched_tokens
-    per_token = 4 * hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim + 3 * intermediate
+def activation_reserve(arch, config) -> int:
+    """An upper estimate of one step's transient memory, in bytes (float32 throughout), for the model's
+    architecture under the resolved engine config (its token budget, ``max_num_seqs``, ``max_model_len``)."""
+    a, tokens, max_model_len = arch, config.max_num_batched_tokens, config.max_model_len
+    per_token = (4 * a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim
+                 + 3 * a.intermediate_size)
     # A prompt chunk's scores against its whole context (the matmul and reference backends build them).
-    scores = num_heads * min(tokens, max_model_len) * max_model_len
-    logits = 3 * max_num_seqs * vocab  # logits, the sampler's softmax and its working copy
+    scores = a.num_heads * min(tokens, max_model_len) * max_model_len
+    logits = 3 * config.max_num_seqs * a.vocab_size  # logits, the sampler's softmax and its working copy
     return 4 * (tokens * per_token + scores + logits) + HEADROOM
 
 
@@ -126,10 +127,8 @@ def choose_auto_kv_budget(arch, config, kv_bytes_per_token: int, tail_bytes: int
     (CUDA's is measured: :func:`profiled_kv_budget`)."""
     fraction = config.kv_cache_memory_fraction
     free = cpu_free_memory(fraction)
-    reserve = activation_reserve(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                 arch.intermediate_size, arch.vocab_size, config.max_num_batched_tokens,
-                                 config.max_num_seqs, config.max_model_len)
-    return auto_kv_budget(free, fraction, reserve, kv_budget_cap(config, kv_bytes_per_token, tail_bytes))
+    return auto_kv_budget(free, fraction, activation_reserve(arch, config),
+                          kv_budget_cap(config, kv_bytes_per_token, tail_bytes))
 
 
 # Left free for the decode CUDA graphs, captured after the pool: their activations for the largest
