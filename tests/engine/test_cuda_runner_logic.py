@@ -90,7 +90,9 @@ def test_profiled_budget_is_capped_by_the_seats_and_never_negative():
 
 @pytest.mark.parametrize("tokens,max_model_len", [(1024, 256), (100, 4096), (300, 101)])
 def test_profile_step_is_the_largest_batch_the_scheduler_forms(tokens, max_model_len):
-    step = profile_step(tokens, max_model_len, max_num_seqs=64, block_size=16, device=torch.device("cpu"))
+    config = EngineConfig("m", max_num_batched_tokens=tokens, max_model_len=max_model_len, max_num_seqs=64,
+                          block_size=16)
+    step = profile_step(config, torch.device("cpu"))
     assert step.num_tokens == tokens
     assert sum(q for _, q, _, _ in step.meta.prefills) == tokens
     for start, q_len, ctx, table in step.meta.prefills:  # whole prompts, each leaving room for an output token
@@ -104,11 +106,11 @@ def test_profile_step_runs_through_the_model(tiny_model_dir):
     from pagedserve.models.hf_config import read_hf_config
     from pagedserve.models.loader import load_model
 
-    hf = read_hf_config(tiny_model_dir)
-    arch = ModelArchitecture.from_hf_config(hf)
-    model = load_model(tiny_model_dir, arch, torch.float32, torch.device("cpu"),
-                       EngineConfig(str(tiny_model_dir), max_model_len=256, attention_backend="matmul"))
-    step = profile_step(300, 256, 8, 16, torch.device("cpu"))
+    arch = ModelArchitecture.from_hf_config(read_hf_config(tiny_model_dir))
+    config = EngineConfig(str(tiny_model_dir), max_model_len=256, attention_backend="matmul",
+                          max_num_batched_tokens=300, max_num_seqs=8)
+    model = load_model(tiny_model_dir, arch, torch.float32, torch.device("cpu"), config)
+    step = profile_step(config, torch.device("cpu"))
     probs = run_profile_step(model, step, arch.num_kv_heads, arch.head_dim, torch.float32, "auto",
                              torch.device("cpu"))
     assert probs.shape == (8, arch.vocab_size) and torch.isfinite(probs).all()

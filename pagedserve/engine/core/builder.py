@@ -248,8 +248,16 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
     pool_dtype = kv_model_dtype if config.kv_cache_dtype == "auto" else dtype
     auto: AutoKVBudget | ProfiledKVBudget | None = None
     if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
-        auto = (_profiled_kv_budget(config, arch, model, device, size, per_token, pool_dtype, use_graphs, tail_bytes)
-                if device.type == "cuda" else choose_auto_kv_budget(arch, config, per_token, tail_bytes))
+        if device.type == "cuda":  # the card's memory less what is in use and a profile step's peak (memory.py)
+            step = profile_step(config, device)
+            peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, pool_dtype,
+                                           config.kv_cache_dtype, device)
+            free, total = torch.cuda.mem_get_info(device)
+            auto = profiled_kv_budget(total, free, size, peak, config.kv_cache_memory_fraction,
+                                      CUDA_GRAPH_ALLOWANCE if use_graphs else 0,
+                                      kv_budget_cap(config, per_token, tail_bytes), step.num_tokens)
+        else:
+            auto = choose_auto_kv_budget(arch, config, per_token, tail_bytes)
         logger.info("%s", auto.describe())
         config = dataclasses.replace(config, kv_cache_memory=auto.budget)
     num_blocks = config.num_kv_blocks or num_blocks_for_budget(config.kv_cache_memory - tail_bytes, config.block_size,
@@ -267,19 +275,6 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
                        "can never run (it is refused); raise --kv-cache-memory (%d B/token) or lower "
                        "--max-model-len", kv.tokens, config.max_model_len, per_token)
     return config, kv
-
-
-def _profiled_kv_budget(c: EngineConfig, arch: ModelArchitecture, model: torch.nn.Module, device: torch.device,
-                        size: int, per_token: int, kv_pool_dtype: torch.dtype, use_graphs: bool,
-                        tail_bytes: int = 0) -> ProfiledKVBudget:
-    """``auto`` on CUDA: the card's memory less what is in use and a profile step's peak (engine/core/memory.py)."""
-    step = profile_step(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs, c.block_size, device)
-    peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, kv_pool_dtype,
-                                   c.kv_cache_dtype, device)
-    free, total = torch.cuda.mem_get_info(device)
-    return profiled_kv_budget(total, free, size, peak, c.kv_cache_memory_fraction,
-                              CUDA_GRAPH_ALLOWANCE if use_graphs else 0, kv_budget_cap(c, per_token, tail_bytes),
-                              step.num_tokens)
 
 
 def _scheduler(c: EngineConfig, kv_dtype: str, block_manager: BlockManager | GroupedBlockManager) -> Scheduler:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.config import EngineConfig
 from pagedserve.kv.cache import allocate_kv_caches
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
@@ -43,21 +44,20 @@ def prefill_metadata(slot_mapping: torch.Tensor, prefills: list) -> AttentionMet
                              decode_context_lens=empty, decode_mask=None, prefills=prefills)
 
 
-def profile_step(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int,
-                 device: torch.device) -> ProfileStep:
-    """The largest step the scheduler can form (see the module's docstring)."""
-    longest = max(1, max_model_len - 1)  # a prompt leaves room for one output token
-    lens = [longest] * (max_num_batched_tokens // longest)
-    if max_num_batched_tokens % longest:
-        lens.append(max_num_batched_tokens % longest)
+def profile_step(c: EngineConfig, device: torch.device) -> ProfileStep:
+    """The largest step the scheduler can form under the resolved config ``c`` (see the module's docstring)."""
+    longest = max(1, c.max_model_len - 1)  # a prompt leaves room for one output token
+    lens = [longest] * (c.max_num_batched_tokens // longest)
+    if c.max_num_batched_tokens % longest:
+        lens.append(c.max_num_batched_tokens % longest)
     prefills, start = [], 0
     for n in lens:
-        prefills.append((start, n, n, torch.zeros(-(-n // block_size), dtype=torch.long, device=device)))
+        prefills.append((start, n, n, torch.zeros(-(-n // c.block_size), dtype=torch.long, device=device)))
         start += n
     meta = prefill_metadata(torch.zeros(start, dtype=torch.long, device=device), prefills)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    rows = torch.arange(max(0, start - max_num_seqs), start, device=device)
-    return ProfileStep(torch.zeros(start, dtype=torch.long, device=device), positions, meta, rows, block_size)
+    rows = torch.arange(max(0, start - c.max_num_seqs), start, device=device)
+    return ProfileStep(torch.zeros(start, dtype=torch.long, device=device), positions, meta, rows, c.block_size)
 
 
 @torch.inference_mode()
