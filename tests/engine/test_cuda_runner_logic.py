@@ -111,8 +111,7 @@ def test_profile_step_runs_through_the_model(tiny_model_dir):
                           max_num_batched_tokens=300, max_num_seqs=8)
     model = load_model(tiny_model_dir, arch, torch.float32, torch.device("cpu"), config)
     step = profile_step(config, torch.device("cpu"))
-    probs = run_profile_step(model, step, arch.num_kv_heads, arch.head_dim, torch.float32, "auto",
-                             torch.device("cpu"))
+    probs = run_profile_step(model, step, torch.float32, "auto", torch.device("cpu"))
     assert probs.shape == (8, arch.vocab_size) and torch.isfinite(probs).all()
 
 

@@ -250,8 +250,7 @@ def _size_kv_pool(config: EngineConfig, model: torch.nn.Module, arch: ModelArchi
     if config.kv_cache_memory == "auto" and not config.num_kv_blocks:
         if device.type == "cuda":  # the card's memory less what is in use and a profile step's peak (memory.py)
             step = profile_step(config, device)
-            peak = measure_peak_activation(model, step, arch.num_kv_heads, arch.head_dim, pool_dtype,
-                                           config.kv_cache_dtype, device)
+            peak = measure_peak_activation(model, step, pool_dtype, config.kv_cache_dtype, device)
             free, total = torch.cuda.mem_get_info(device)
             auto = profiled_kv_budget(total, free, size, peak, config.kv_cache_memory_fraction,
                                       CUDA_GRAPH_ALLOWANCE if use_graphs else 0,

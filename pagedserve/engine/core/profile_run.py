@@ -61,25 +61,26 @@ def profile_step(c: EngineConfig, device: torch.device) -> ProfileStep:
 
 
 @torch.inference_mode()
-def run_profile_step(model: LlamaForCausalLM, step: ProfileStep, num_kv_heads: int, head_dim: int,
-                     kv_dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> torch.Tensor:
-    """One forward pass over ``step`` on a one-block KV pool, then the sampler's largest tensors;
-    returns the probabilities (the tests check they are finite)."""
-    caches = allocate_kv_caches(len(model.layers), 1, step.block_size, num_kv_heads, head_dim, kv_dtype, device,
-                                kv_cache_dtype)
+def run_profile_step(model: LlamaForCausalLM, step: ProfileStep, kv_dtype: torch.dtype, kv_cache_dtype: str,
+                     device: torch.device) -> torch.Tensor:
+    """One forward pass over ``step`` on a one-block KV pool (the model's KV heads, ``kv_dtype`` pools
+    of ``kv_cache_dtype``), then the sampler's largest tensors; returns the probabilities (the tests
+    check they are finite)."""
+    caches = allocate_kv_caches(len(model.layers), 1, step.block_size, model.arch.num_kv_heads, model.arch.head_dim,
+                                kv_dtype, device, kv_cache_dtype)
     hidden = model(step.input_ids, step.positions, caches, step.meta)
     probs = model.compute_logits(hidden[step.sampled_rows]).softmax(dim=-1)
     probs.cumsum(dim=-1)  # the sampler's running sum: a second vocabulary-wide tensor alive at once
     return probs
 
 
-def measure_peak_activation(model: LlamaForCausalLM, step: ProfileStep, num_kv_heads: int, head_dim: int,
-                            kv_dtype: torch.dtype, kv_cache_dtype: str, device: torch.device) -> int:
+def measure_peak_activation(model: LlamaForCausalLM, step: ProfileStep, kv_dtype: torch.dtype, kv_cache_dtype: str,
+                            device: torch.device) -> int:
     """Bytes the profile step allocates at its peak beyond what was allocated before it (CUDA)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    run_profile_step(model, step, num_kv_heads, head_dim, kv_dtype, kv_cache_dtype, device)
+    run_profile_step(model, step, kv_dtype, kv_cache_dtype, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.empty_cache()  # the step's blocks go back to the card before mem_get_info is read
