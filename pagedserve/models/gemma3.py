@@ -171,9 +171,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = dataclasses.replace(arch, rope_theta=arch.local_rope_theta, rope_scaling=None)  # unscaled
         return RotaryEmbedding(arch, max_positions), RotaryEmbedding(local, max_positions)
 
-    def build_layers(self, arch: Gemma3Architecture, max_positions: int,
-                     rotary: tuple[RotaryEmbedding, RotaryEmbedding] | None) -> nn.ModuleList:
-        glob, local = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
+    def build_layers(self, arch: Gemma3Architecture, rotary: tuple[RotaryEmbedding, RotaryEmbedding]) -> nn.ModuleList:
+        glob, local = rotary  # (rotary_tables: the global and the local layers' tables)
         return nn.ModuleList(Gemma3DecoderLayer(arch, glob if w is None else local) for w in arch.layer_windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,

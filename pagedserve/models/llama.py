@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = self.build_layers(arch, max_positions, rotary)
+        self.layers = self.build_layers(arch, rotary if rotary is not None else self.rotary_tables(arch, max_positions))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = load_attention_backend(attention_backend)
@@ -266,9 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def rotary_tables(arch: ModelArchitecture, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(arch, max_positions)
 
-    def build_layers(self, arch: ModelArchitecture, max_positions: int,
-                     rotary: RotaryEmbedding | None) -> nn.ModuleList:
-        rotary = rotary if rotary is not None else self.rotary_tables(arch, max_positions)
+    def build_layers(self, arch: ModelArchitecture, rotary: RotaryEmbedding) -> nn.ModuleList:
         return nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
