@@ -149,7 +149,7 @@ def _measure(engine, name: str, sizes: Sizes) -> ModelRow:
     whole = median([_run(engine, [w2], lambda r: r.output_len) for _ in range(3)])
     decode_tok_s = (w2.output_len - 1) / max(whole - first, 1e-9)
     mean_context = len(w2.prompt_token_ids) + w2.output_len / 2
-    bytes_per_token = int(engine.core.weight_bytes + engine.core.kv_bytes_per_token * mean_context)
+    bytes_per_token = int(engine.core.weight_bytes + engine.core.kv.bytes_per_token * mean_context)
 
     w1 = w1_offline(sizes.w1_requests, vocab_size=vocab)
     for r in w1:

@@ -113,9 +113,9 @@ def check_sizing(engine: Any, shape: ModelShape, dtype: str, kv_budget: int, kv_
     return SizingCheck(
         model=shape.name, dtype=dtype if kv_cache_dtype == "auto" else f"{dtype}, KV {kv_cache_dtype}", kv_budget=kv_budget, block_size=cfg.block_size,
         max_model_len=cfg.max_model_len, planner_kv_bytes_per_token=bpt,
-        engine_kv_bytes_per_token=engine.core.kv_bytes_per_token, planner_blocks=blocks, engine_blocks=engine.core.num_kv_blocks,
+        engine_kv_bytes_per_token=engine.core.kv.bytes_per_token, planner_blocks=blocks, engine_blocks=engine.core.kv.num_blocks,
         planner_seats=sizing.seats_at_max_len(blocks, cfg.block_size, cfg.max_model_len),
-        engine_seats=engine.core.num_kv_blocks * cfg.block_size // cfg.max_model_len)
+        engine_seats=engine.core.kv.num_blocks * cfg.block_size // cfg.max_model_len)
 
 
 def measure_bandwidth(device: str, size_bytes: int = 512 * 2**20, repeats: int = 7) -> float:

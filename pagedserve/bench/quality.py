@@ -135,8 +135,8 @@ def window_logprobs(engine, token_ids: list[int], chunk: int = 0) -> torch.Tenso
     runner, bs, dev = engine.core.runner, engine.core.config.block_size, engine.core.device
     n = len(token_ids)
     num_blocks = -(-n // bs)
-    if num_blocks > engine.core.num_kv_blocks:
-        raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.core.num_kv_blocks}")
+    if num_blocks > engine.core.kv.num_blocks:
+        raise ValueError(f"a window of {n} tokens needs {num_blocks} KV blocks; the pool has {engine.core.kv.num_blocks}")
     step = chunk if chunk > 0 else n
     logprobs = []
     for start in range(0, n, step):
@@ -364,8 +364,8 @@ def _measure_quality(model_dir: str, weights: list[str], kvs: list[str], args) -
             mean_kl=mean_kl(ref_lp, lp),
             top1_agreement=top1_agreement(ref_lp, lp),
             greedy_agreement=agreement(ref_greedy, greedy), weight_bytes=engine.core.weight_bytes,
-            kv_bytes_per_token=engine.core.kv_bytes_per_token,
-            seats=seats_at_max_len(engine.core.num_kv_blocks, engine.core.config.block_size, args.max_model_len),
+            kv_bytes_per_token=engine.core.kv.bytes_per_token,
+            seats=seats_at_max_len(engine.core.kv.num_blocks, engine.core.config.block_size, args.max_model_len),
             decode_tok_s=speed))
         r = rows[-1]
         tqdm.write(f"{r.weights} x {r.kv}: perplexity {r.perplexity:.3f}, KL {r.mean_kl:.4f}, greedy "

@@ -250,12 +250,12 @@ def measure_retrieval(model: str, kvs: list[str], contexts: list[Context], dtype
             started = time.perf_counter()
             got = answer_context(engine, ctx)
             seconds = (time.perf_counter() - started) / len(got)
-            label = engine.core.kv_dtype if kv == "auto" else kv  # e.g. float32
+            label = engine.core.kv.dtype if kv == "auto" else kv  # e.g. float32
             journal.add(kv, c, [
                 {"kv": label, "length": ctx.length, "needle": j, "depth": n.depth, "name": n.name, "code": n.code,
                  "answer": a, "recalled": recalled(a, n.code), "prompt_tokens": len(p), "seconds": seconds,
                  "other_needle": not recalled(a, n.code) and any(recalled(a, m.code) for m in ctx.needles),
-                 "kv_bytes_per_token": engine.core.kv_bytes_per_token}
+                 "kv_bytes_per_token": engine.core.kv.bytes_per_token}
                 for j, (n, a, p) in enumerate(zip(ctx.needles, got, ctx.prompts))])
             bar.update(len(got))
     for kv, engine in engines.items():

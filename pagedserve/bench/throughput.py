@@ -112,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
                              "total_tok_s": (out_tokens + prompt_tokens) / ps_seconds, "runs": times,
                              "dtype": str(llm.engine.core.dtype),
                              "attention_backend": llm.engine.core.config.attention_backend,
-                             "kv_cache_dtype": llm.engine.core.kv_dtype}}
+                             "kv_cache_dtype": llm.engine.core.kv.dtype}}
     print(f"\nW1 on {args.model}: {len(reqs)} requests, {prompt_tokens} prompt + {out_tokens} output tokens "
           f"({machine_summary()}; pagedserve attention backend: {llm.engine.core.config.attention_backend}, "
-          f"KV {llm.engine.core.kv_dtype})")
+          f"KV {llm.engine.core.kv.dtype})")
     print(f"  pagedserve LLM.generate : {ps_seconds:7.1f} s  {out_tokens / ps_seconds:7.1f} output tok/s  "
           f"{(out_tokens + prompt_tokens) / ps_seconds:7.1f} total tok/s")
     if schema is not None:

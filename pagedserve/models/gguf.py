@@ -389,6 +389,8 @@ class GGUFBuilder:
         # the native kernels (default: on a CPU): GGUF blocks kept as they are (GGUFLinear)
         self.ops = native_ops() if native_kernels is not False and device.type == "cpu" else None
         self.group_ops = self.ops if group_kernels else None  # for int4 / int8 layers (--group-kernels)
+        # the types that stay quantized when keep (else dequantized): as blocks with the kernels, else int8 / int4
+        self.keeps = KERNEL_FORMATS if self.ops is not None else KEPT_TYPES
         # prompt chunks through the native GEMM (gguf_gemm_usable): bf16 on AVX-512 BF16 without AMX, float32
         self.gemm = self.ops is not None and gguf_gemm_usable(dtype)
         self.kernel_rows = kernel_rows_default(best_isa(), dtype if self.gemm else None) if self.ops else 0
@@ -411,14 +413,12 @@ class GGUFBuilder:
         if got != shape:
             raise GGUFError(f"tensor {t.name!r} has shape {list(got)}, the metadata implies {list(shape)}")
 
-    def float_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def parameter(self, name: str, shape: tuple[int, ...]) -> nn.Parameter:
+        """A float tensor of the file (a norm's weight, a float embedding table) in the model dtype."""
         t = self.get(name)
         self._check(t, shape)
         self._count(t, str(self.dtype).removeprefix("torch."), dequantize=True)
-        return _dequantize(t).to(device=self.device, dtype=self.dtype)
-
-    def norm(self, name: str, size: int) -> nn.Parameter:
-        return nn.Parameter(self.float_tensor(name, (size,)))
+        return nn.Parameter(_dequantize(t).to(device=self.device, dtype=self.dtype))
 
     def attention_and_mlp(self, layer: nn.Module, i: int) -> None:
         """Layer ``i``'s fused QKV (and its bias where the architecture has one), output projection,
@@ -433,8 +433,8 @@ class GGUFBuilder:
                                     qkv("bias") if a.qkv_bias else None)
         attn.o_proj = self.linear([_Part(self.get(p + "attn_output.weight"))], [a.hidden_size], hq * hd)
         if a.qk_norm:
-            attn.q_norm.weight = self.norm(p + "attn_q_norm.weight", hd)
-            attn.k_norm.weight = self.norm(p + "attn_k_norm.weight", hd)
+            attn.q_norm.weight = self.parameter(p + "attn_q_norm.weight", (hd,))
+            attn.k_norm.weight = self.parameter(p + "attn_k_norm.weight", (hd,))
         mlp.gate_up_proj = self.linear([_Part(self.get(p + "ffn_gate.weight")), _Part(self.get(p + "ffn_up.weight"))],
                                        [a.intermediate_size] * 2, a.hidden_size)
         mlp.down_proj = self.linear([_Part(self.get(p + "ffn_down.weight"))], [a.hidden_size], a.intermediate_size)
@@ -442,12 +442,8 @@ class GGUFBuilder:
     def _count(self, t, target: str, dequantize: bool) -> None:
         kind = t.tensor_type.name
         self.loaded[f"{kind} -> {target}"] += 1
-        if dequantize and kind not in FLOAT_TYPES and not (self._keeps(kind) and not self.keep):
+        if dequantize and kind not in FLOAT_TYPES and not (kind in self.keeps and not self.keep):
             self.dequantized[kind] += 1
-
-    def _keeps(self, kind: str) -> bool:
-        """Whether tensors of ``kind`` stay quantized when ``keep`` (else they are dequantized)."""
-        return kind in KERNEL_FORMATS if self.ops is not None else kind in KEPT_TYPES
 
     def _blocks(self, parts: list[_Part], in_features: int, bias: torch.Tensor | None) -> GGUFLinear:
         """The parts' GGUF blocks as they are, one segment per run of parts of one format."""
@@ -490,7 +486,7 @@ class GGUFBuilder:
 
     def quantized_table(self, t) -> nn.Module | None:
         """A kept-quantized embedding table as a lookup-capable layer, or None for a float one."""
-        if not self.keep or not self._keeps(t.tensor_type.name):
+        if not self.keep or t.tensor_type.name not in self.keeps:
             return None
         return self.linear([_Part(t)], [self.arch.vocab_size], self.arch.hidden_size, packed_for_cpu=False)
 
@@ -516,9 +512,9 @@ def load_gguf_model(gguf_path: Path, arch: ModelArchitecture, dtype: torch.dtype
     b.used.add("rope_freqs.weight")  # read into config.json's rope parameters
     for i, layer in enumerate(model.layers):
         for norm, name in layer.GGUF_NORMS.items():
-            getattr(layer, norm).weight = b.norm(f"blk.{i}.{name}.weight", arch.hidden_size)
+            getattr(layer, norm).weight = b.parameter(f"blk.{i}.{name}.weight", (arch.hidden_size,))
         b.attention_and_mlp(layer, i)
-    model.norm.weight = b.norm("output_norm.weight", arch.hidden_size)
+    model.norm.weight = b.parameter("output_norm.weight", (arch.hidden_size,))
     load_embedding_and_head(model, b, dtype)
     return finish_gguf_model(model, b, gguf_path, dtype, activations)
 
@@ -541,7 +537,7 @@ def load_embedding_and_head(model: nn.Module, b: GGUFBuilder, dtype: torch.dtype
             else:
                 model.lm_head = table  # one table for lookups and logits
     else:
-        model.embed_tokens.weight = nn.Parameter(b.float_tensor("token_embd.weight", (a.vocab_size, a.hidden_size)))
+        model.embed_tokens.weight = b.parameter("token_embd.weight", (a.vocab_size, a.hidden_size))
     if not a.tie_word_embeddings:
         model.lm_head = b.linear([_Part(b.get("output.weight"))], [a.vocab_size], a.hidden_size)
 

@@ -19,8 +19,8 @@ def engine(tiny_model_dir):
 def test_pool_is_sized_from_the_memory_budget(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="1MiB"))
     # tiny: 2 layers × 2 KV heads × 16 dims × 2 (K and V) × 2 bytes (bf16) = 256 B/token.
-    assert e.core.kv_bytes_per_token == 256
-    assert e.core.num_kv_blocks == 2**20 // (16 * 256)
+    assert e.core.kv.bytes_per_token == 256
+    assert e.core.kv.num_blocks == 2**20 // (16 * 256)
 
 
 def test_the_cpu_token_budget_defaults_to_2048_and_is_logged(tiny_model_dir, caplog):

@@ -71,7 +71,7 @@ def test_auto_sizes_the_engine_pool_from_memavailable(tiny_model_dir, monkeypatc
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):
         engine = Engine(config)
     assert engine.core.config.kv_cache_memory == 600 * 1024
-    assert engine.core.num_kv_blocks == 600 * 1024 // (16 * 256)
+    assert engine.core.kv.num_blocks == 600 * 1024 // (16 * 256)
     line = next(r.getMessage() for r in caplog.records if "kv_cache_memory auto" in r.getMessage())
     assert "0.5 ×" in line and "MemAvailable" in line and "activation reserve" in line
     engine.add_request("a", [5] * 20, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -85,7 +85,7 @@ def test_llm_auto_on_this_machine_is_capped_by_the_seats(tiny_model_dir):
 
     # The real machine's free memory, far more than 4 sequences × 128 tokens of tiny's KV (256 B/token).
     llm = LLM(str(tiny_model_dir), kv_cache_memory="auto", max_model_len=128, max_num_seqs=4)
-    assert llm.engine.core.num_kv_blocks == 4 * 128 // 16
+    assert llm.engine.core.kv.num_blocks == 4 * 128 // 16
     out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert_no_leaks(llm.engine)

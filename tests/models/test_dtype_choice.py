@@ -44,8 +44,8 @@ def test_the_engine_on_this_cpu_computes_and_pages_as_the_rule_says(tiny_model_d
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="1MiB"))
     assert e.core.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
-    assert e.core.kv_dtype == "bfloat16" and e.core.kv_bytes_per_token == 256
+    assert e.core.kv.dtype == "bfloat16" and e.core.kv.bytes_per_token == 256
     e.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     while e.has_unfinished_requests():
         e.step()
-    assert e.core.block_manager.num_free_blocks == e.core.num_kv_blocks  # every block back
+    assert e.core.block_manager.num_free_blocks == e.core.kv.num_blocks  # every block back

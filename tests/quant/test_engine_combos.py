@@ -53,11 +53,11 @@ def test_pool_sizing_uses_real_bytes_so_int8_about_doubles_the_seats(tiny_model_
         if kv == "int4":  # and a float16 tail block per seat, taken from the same budget
             tails = sum(k.tail.nbytes + v.tail.nbytes for k, v in caches)
             # 16 tokens at float16: 256 B each (layers × KV heads = 4, of 20 int4 bytes a token; 16 dims × K, V × 2 B)
-            assert engine.core.kv_bytes_per_token == 4 * 20
+            assert engine.core.kv.bytes_per_token == 4 * 20
             assert caches[0][0].tails.num_slots == 32 and tails == 32 * 16 * 4 * 16 * 2 * 2
-        assert held == engine.core.num_kv_blocks * 16 * engine.core.kv_bytes_per_token + tails <= 4 * 2**20
-        assert engine.stats().kv_bytes_per_token == engine.core.kv_bytes_per_token
-        blocks[kv] = engine.core.num_kv_blocks
+        assert held == engine.core.kv.num_blocks * 16 * engine.core.kv.bytes_per_token + tails <= 4 * 2**20
+        assert engine.stats().kv_bytes_per_token == engine.core.kv.bytes_per_token
+        blocks[kv] = engine.core.kv.num_blocks
     # head_dim 16: int8 stores 16 + 2 scale bytes per vector against 32 (x1.78); int4 8 + 2 per K
     # (a scale per channel and 16 tokens) and per V vector (x3.2), in what the tails leave.
     assert blocks["int8"] / blocks["auto"] == pytest.approx(32 / 18, rel=0.01)

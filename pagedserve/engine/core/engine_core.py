@@ -44,8 +44,6 @@ class EngineCore(CoreParts):
 
     def __init__(self, config: EngineConfig):
         super().__init__(**vars(build_core(config)))
-        self.num_kv_blocks, self.kv_bytes_per_token = self.kv.num_blocks, self.kv.bytes_per_token
-        self.kv_dtype = self.kv.dtype
         self.assembler = OutputAssembler(self.config, self.scheduler, self.grammars, self.eos_token_ids, self.device,
                                          self._fault_point)
         self.requests: dict[str, Request] = {}
@@ -74,9 +72,9 @@ class EngineCore(CoreParts):
         assert params.max_tokens is None or len(token_ids) + params.max_tokens <= cfg.max_model_len
         max_tokens = params.max_tokens or cfg.max_model_len - len(token_ids)
         final_len = cfg.max_model_len if cfg.kv_reservation == "max" else len(token_ids) + max_tokens
-        if self.block_manager.num_blocks_for(final_len) > self.num_kv_blocks:
+        if self.block_manager.num_blocks_for(final_len) > self.kv.num_blocks:
             raise RequestTooLong(f"the request needs {final_len} tokens of KV cache but the whole pool holds "
-                                 f"{self.num_kv_blocks * cfg.block_size}; lower max_tokens", param="max_tokens")
+                                 f"{self.kv.num_blocks * cfg.block_size}; lower max_tokens", param="max_tokens")
         params = dataclasses.replace(params, max_tokens=max_tokens)  # a copy: the caller's stays as it was
         req = Request(request_id, token_ids, params, priority, time.monotonic(), cache_salt)
         if arrival_time is not None:
@@ -269,7 +267,7 @@ class EngineCore(CoreParts):
             kv_slots_allocated=bm.num_used_blocks * bs,
             naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
             prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
-            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv_bytes_per_token,
+            num_preemptions=sched.num_preemptions, kv_bytes_per_token=self.kv.bytes_per_token,
             generation_tokens=out.num_generated_tokens, failed_requests=self.num_failed_requests,
             spec_num_drafts=out.spec_num_drafts, spec_num_draft_tokens=out.spec_num_draft_tokens,
             spec_num_accepted_tokens=out.spec_num_accepted_tokens,
