@@ -157,6 +157,19 @@ RangeKernel range_kernel(Format f) {
 // matmul is then split finely enough that its last task does not keep the other threads waiting
 // (with the pool's default 8, the master thread of a 16-stream decode spent 6 % of its time waiting
 // at the end of each matmul).
+// Rows [0, M) in blocks of at most `max_rows`, as even as that allows (13 rows under 12: 7 + 6, not
+// 12 + 1), each block's first row and row count to fn, in order: the prefill GEMMs' micro-kernels
+// (gguf_gemm.inc, gguf_gemm_f32.inc) take a block each.
+template <typename Fn>
+void for_row_blocks(int64_t M, int64_t max_rows, Fn&& fn) {
+  const int64_t blocks = (M + max_rows - 1) / max_rows;
+  for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+    const int64_t n = (M - r0) / (blocks - b);  // the remaining rows over the remaining blocks
+    fn(r0, n);
+    r0 += n;
+  }
+}
+
 int64_t matmul_tasks(int64_t N, int64_t K, int64_t M, bool wide) {
   return std::clamp<int64_t>(N * K * std::min<int64_t>(M * (wide ? 2 : 1), 64) / (1 << 18), 8, 64);
 }
