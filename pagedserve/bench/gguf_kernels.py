@@ -324,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
               + (f" {'f32 gguf_gemm ms':>16}" if totals[0]["gemm_f32_us"] else "")
               + (f" {'gguf_gemm ms':>12} {'kernel/gguf_gemm':>16}" if totals[0]["gemm_us"] else ""))
         for t in totals:
-            print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f} {t['float_us'] / 1e3:>9.2f}"
+            print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f} "
+                  f"{t['float_us'] / 1e3:>9.2f}"
                   + (f" {t['gemm_f32_us'] / 1e3:>16.2f}" if t["gemm_f32_us"] else "")
                   + (f" {t['gemm_us'] / 1e3:>12.2f} {t['kernel_us'] / t['gemm_us']:>15.2f}x" if t["gemm_us"] else ""))
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
