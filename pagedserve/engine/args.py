@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from pagedserve.config import (ATTENTION_BACKEND_NAMES, DECODE_WEIGHTS, GGUF_ACTIVATIONS, INT4_KEY_BITS,
+from pagedserve.config import (ATTENTION_BACKEND_NAMES, CPU_ISAS, DECODE_WEIGHTS, GGUF_ACTIVATIONS, INT4_KEY_BITS,
                                KV_CACHE_DTYPES, MAX_NGRAM, MAX_PRIORITY_PREFILL_PAUSE, MAX_SPECULATIVE_TOKENS,
                                PACK_WEIGHTS, QUANTIZATIONS, EngineConfig, KVEventsConfig)
 
@@ -80,6 +80,11 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "oneDNN's matmuls), panel (float32 weights in 16-column panels for the native kernel: "
                         "faster than oneDNN on AVX2 for decode batches of up to ~8 rows, slower for large "
                         "batches) or none (left as loaded). Not used with --quantization (default auto)")
+    g.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS),
+                   help="the most the native kernels' CPUID dispatch takes: avx2 runs a newer CPU's kernels as on "
+                        "an AVX2-only one (and --dtype auto then computes in float32, as there), to reproduce or "
+                        "measure that machine; torch's own kernels follow ONEDNN_MAX_CPU_ISA, "
+                        "MKL_ENABLE_INSTRUCTIONS and ATEN_CPU_CAPABILITY (default auto: all this CPU has)")
     g.add_argument("--group-kernels", action="store_true",
                    help="run int4 and grouped-int8 layers (--quantization int4, a GGUF's Q4_0 / Q4_1 / Q8_0 "
                         "when not kept as GGUF blocks) through the native group kernels instead of torch's "

@@ -104,10 +104,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(cpu_isa: str = "auto") -> bool:
     """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX); without either, torch
-    emulates bf16 matmuls, several times slower than float32 (measured 7× on an AVX2 EPYC)."""
-    return not {"avx512_bf16", "amx_bf16"}.isdisjoint(_cpu_flags().split())
+    emulates bf16 matmuls, several times slower than float32 (measured 7× on an AVX2 EPYC).
+    ``cpu_isa`` (``--cpu-isa``) below ``avx512`` answers for the CPU it stands for: no."""
+    return cpu_isa not in ("avx2", "scalar") and not {"avx512_bf16", "amx_bf16"}.isdisjoint(_cpu_flags().split())
 
 
 def _compiler() -> str:
@@ -217,6 +218,15 @@ def best_isa() -> str | None:
     """The path ``auto`` takes on this CPU, or ``None`` without the native kernels."""
     ops = native_ops()
     return None if ops is None else str(ops.best_isa())
+
+
+def limit_isa(cpu_isa: str) -> None:
+    """Let the native kernels' ``auto`` dispatch take at most ``cpu_isa``'s path in this process
+    (``--cpu-isa``; ``auto``: all this CPU runs). Builds the kernels only for a real limit: ``auto``
+    lifts one where they are loaded and is nothing otherwise."""
+    ops = native_ops() if cpu_isa != "auto" else _state.get("ops")
+    if ops is not None:
+        ops.limit_isa("amx" if cpu_isa == "auto" else cpu_isa)
 
 
 def gguf_gemm_usable(dtype: torch.dtype = torch.bfloat16) -> bool:

@@ -9,8 +9,9 @@
 //           process the tile state; the GGUF matmul (gguf_amx.inc) and, with AMX-BF16, the bf16
 //           linear (tile_matmul.cpp) have tile code, every other kernel runs its avx512 form there
 //           (vector_isa)
-// Entry points take the path's name: "auto" is the best this CPU runs; naming one it cannot run is
-// an error, so a test never silently measures another path.
+// Entry points take the path's name: "auto" is the best this CPU runs, under the process's limit
+// (isa_limit: `--cpu-isa`, set once by the engine, so that a newer CPU runs and is measured as an
+// older one); naming one it cannot run is an error, so a test never silently measures another path.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -21,6 +22,8 @@
 #include <unistd.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string_view>
 
@@ -113,18 +116,30 @@ inline bool cpu_runs(Isa isa) {
 #endif
 }
 
-// The AVX-512 path plus AVX512-BF16, and no AMX-BF16: the GGUF GEMM's bf16 kernel (gguf_gemm.inc)
-// runs here. Where Linux grants AMX-BF16 tiles torch's bf16 GEMM runs on them (oneDNN), whose
-// products per cycle no vector kernel reaches, so prompt chunks keep dequantize + that GEMM.
-inline bool bf16_gemm_usable() { return cpu_runs(Isa::avx512) && avx512_bf16_in_cpuid() && !amx_bf16_usable(); }
+// The most "auto" takes in this process (all paths: amx). One per process, as the CPU is: the
+// engine sets it from its config before it loads a model (the engine core is a process of its own).
+inline std::atomic<int>& isa_limit() {
+  static std::atomic<int> limit{static_cast<int>(Isa::amx)};
+  return limit;
+}
 
 inline Isa best_isa() {
   static const Isa best = cpu_runs(Isa::amx)      ? Isa::amx
                           : cpu_runs(Isa::avx512) ? Isa::avx512
                           : cpu_runs(Isa::avx2)   ? Isa::avx2
                                                   : Isa::scalar;
-  return best;
+  return static_cast<Isa>(std::min(static_cast<int>(best), isa_limit().load(std::memory_order_relaxed)));
 }
+
+// The AVX-512 path plus AVX512-BF16, and no AMX-BF16: the GGUF GEMM's bf16 kernel (gguf_gemm.inc)
+// runs here. Where Linux grants AMX-BF16 tiles torch's bf16 GEMM runs on them (oneDNN), whose
+// products per cycle no vector kernel reaches, so prompt chunks keep dequantize + that GEMM.
+inline bool bf16_gemm_usable() {
+  return avx512_bf16_in_cpuid() && (best_isa() == Isa::avx512 || (best_isa() == Isa::amx && !amx_bf16_usable()));
+}
+
+// AMX-BF16 tiles for the bf16 linear (tile_matmul.cpp), where the limit leaves the amx path.
+inline bool bf16_tiles_usable() { return best_isa() == Isa::amx && amx_bf16_usable(); }
 
 // "auto" → best_isa(); otherwise the named path, which this CPU must be able to run. A kernel
 // without tile code (`tiles` false, all but the GGUF matmul) gets amx as avx512 (vector_isa), so

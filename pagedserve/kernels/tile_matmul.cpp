@@ -303,9 +303,9 @@ at::Tensor tile_pack(const at::Tensor& w) {
 void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                  c10::string_view isa_name, WorkPool* pool) {
   constexpr const char* op = "tile_linear";
-  // "auto": the tiles where the CPU has AMX-BF16, else the reference (models/packed.py packs for
-  // this kernel only where it has them).
-  const Isa isa = isa_name == "auto" ? (amx_bf16_usable() ? Isa::amx : Isa::scalar) : parse_isa(isa_name, op, true);
+  // "auto": the tiles where the CPU has AMX-BF16 (and the process's limit leaves amx), else the
+  // reference (models/packed.py packs for this kernel only where they run).
+  const Isa isa = isa_name == "auto" ? (bf16_tiles_usable() ? Isa::amx : Isa::scalar) : parse_isa(isa_name, op, true);
   TORCH_CHECK(isa == Isa::scalar || (isa == Isa::amx && amx_bf16_usable()), op,
               ": the paths are scalar and amx (AMX-BF16), got ", isa_name);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) >= x.size(1), op,
@@ -341,7 +341,7 @@ void tile_linear_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 namespace {
 
 // Whether tile_linear's amx path runs here (models/packed.py packs for it only then).
-bool tile_linear_usable() { return pagedserve::amx_bf16_usable(); }
+bool tile_linear_usable() { return pagedserve::bf16_tiles_usable(); }
 
 }  // namespace
 

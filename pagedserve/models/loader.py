@@ -54,7 +54,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
 
 
-def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torch.dtype, str, torch.dtype]:
+def resolve_dtype(requested: str, hf_config, device: torch.device, cpu_isa: str = "auto"
+                  ) -> tuple[torch.dtype, str, torch.dtype]:
     """The compute dtype, why it was chosen (the engine logs both), and the dtype of the KV pools'
     ``auto`` (the compute dtype, except that a 16-bit checkpoint computed in float32 only because
     this CPU lacks native bf16 keeps bfloat16 KV: float32 would halve the seats a budget holds).
@@ -62,8 +63,9 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     ``auto`` takes the checkpoint's dtype, except that 16-bit compute on a CPU depends on the CPU:
     bfloat16 where it multiplies bf16 natively (AVX-512 BF16 or AMX; a float16 checkpoint becomes
     bfloat16 there), float32 elsewhere, where torch emulates bf16 several times slower than float32
-    (measured 7x on an AVX2 EPYC). Quantized GGUF weights stay quantized either way; their kernels
-    quantize the activations themselves (:mod:`pagedserve.models.gguf_linear`)."""
+    (measured 7x on an AVX2 EPYC); ``cpu_isa`` (``--cpu-isa``) below ``avx512`` decides as for a CPU
+    without it. Quantized GGUF weights stay quantized either way; their kernels quantize the
+    activations themselves (:mod:`pagedserve.models.gguf_linear`)."""
     if requested != "auto":
         return DTYPES[requested], "asked for with --dtype", DTYPES[requested]
     # a name or a torch dtype; float32 when absent or none of DTYPES
@@ -71,10 +73,11 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> tuple[torc
     saved = DTYPES.get(str(saved).removeprefix("torch."), torch.float32)
     name = str(saved).removeprefix("torch.")
     if saved in (torch.float16, torch.bfloat16) and device.type == "cpu":
-        if cpu_has_native_bf16():
+        if cpu_has_native_bf16(cpu_isa):
             return (torch.bfloat16, f"auto: the checkpoint's {name}, computed in bfloat16 (this CPU has native bf16)",
                     torch.bfloat16)
-        return torch.float32, (f"auto: the checkpoint is {name}, but this CPU has no native bf16 (AVX-512 BF16 or "
+        cpu = f"--cpu-isa {cpu_isa} stands for a CPU with" if cpu_isa in ("avx2", "scalar") else "this CPU has"
+        return torch.float32, (f"auto: the checkpoint is {name}, but {cpu} no native bf16 (AVX-512 BF16 or "
                                "AMX), where float32 is several times faster; KV stays bfloat16"), torch.bfloat16
     return saved, f"auto: the checkpoint's {name}", saved
 

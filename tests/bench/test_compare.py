@@ -434,3 +434,36 @@ def test_peer_drivers_time_the_tokens_after_the_first():
     assert calls == [4, 1, 21]  # warm-up, one token, all
     with pytest.raises(RuntimeError, match="cannot time"):
         peer_timing.decode_rate(lambda ids, n: None, [1], 1)
+
+
+def test_cpu_isa_runs_the_worker_as_that_cpu_against_llama_cpp_built_for_it(tiny_model_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """``--cpu-isa avx2``: the worker runs under torch's ISA variables and its own ``--cpu-isa`` (the
+    printed command reproduces it), llama.cpp defaults to its AVX2 build, and the checkpoint peers,
+    which nothing holds to AVX2, are refused beside it."""
+    from pagedserve.kernels import isa_paths
+
+    if "avx2" not in isa_paths():
+        pytest.skip("this CPU cannot run the avx2 path")
+    monkeypatch.setattr(compare, "resolve_gguf", lambda model: tiny_model_dir)
+    monkeypatch.setattr(compare, "peers_dir", lambda: tmp_path / "peers")
+    args = parse("--cpu-isa", "avx2")
+    assert args.func(args) == 2
+    assert f"{tmp_path}/peers/llamacpp-avx2/bin: run scripts/setup_peers.sh llamacpp-avx2" in capsys.readouterr().err
+    args = parse("--cpu-isa", "avx2", "--hf-checkpoint", str(tiny_model_dir))
+    assert args.func(args) == 2
+    assert "leave one out" in capsys.readouterr().err
+
+    bin_dir = _fake_llama_cpp(tmp_path / "peers" / "llamacpp-avx2" / "bin", tmp_path / "calls.log")
+    out = tmp_path / "compare.json"
+    args = parse("--cpu-isa", "avx2", "--rows", "decode", "--rounds", "1", "--decode-tokens", "4", "--threads", "1",
+                 "--json", str(out))
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert f"pagedserve --cpu-isa avx2 (torch's libraries likewise), llama.cpp from {bin_dir}" in printed
+    report = json.loads(out.read_text())
+    assert report["cpu_isa"] == "avx2" and report["files"][0]["rows"]["decode"]["engines"]["pagedserve"]["median"] > 0
+    cmd = report["files"][0]["commands"]["decode"]["pagedserve"]
+    assert cmd.startswith("env ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ")
+    assert "--cpu-isa avx2" in cmd
+    assert report["files"][0]["commands"]["decode"]["llama.cpp"].startswith(f"{bin_dir}/llama-bench ")

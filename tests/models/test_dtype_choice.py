@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("saved", ["bfloat16", "float16", "float32"])
 def test_auto_follows_the_checkpoint_and_the_cpu(saved, native, monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda cpu_isa="auto": native)
     dtype, why, kv = loader.resolve_dtype("auto", SimpleNamespace(dtype=saved), CPU)
     if saved == "float32":
         assert (dtype, kv) == (torch.float32, torch.float32)
@@ -28,7 +28,7 @@ def test_auto_follows_the_checkpoint_and_the_cpu(saved, native, monkeypatch):
 
 
 def test_an_explicit_dtype_is_taken_as_asked(monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda cpu_isa="auto": False)
     assert loader.resolve_dtype("bfloat16", SimpleNamespace(dtype="float32"), CPU) == \
         (torch.bfloat16, "asked for with --dtype", torch.bfloat16)
     gpu = loader.resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), torch.device("cuda"))
@@ -49,3 +49,15 @@ def test_the_engine_on_this_cpu_computes_and_pages_as_the_rule_says(tiny_model_d
     while e.has_unfinished_requests():
         e.step()
     assert e.core.block_manager.num_free_blocks == e.core.kv.num_blocks  # every block back
+
+
+@pytest.mark.parametrize("cpu_isa", ["avx2", "scalar"])
+def test_a_cpu_isa_below_avx512_chooses_as_a_cpu_without_native_bf16(cpu_isa):
+    """``--cpu-isa avx2`` stands for an AVX2-only CPU whatever this one has: float32 compute, bf16 KV."""
+    dtype, why, kv = loader.resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), CPU, cpu_isa)
+    assert (dtype, kv) == (torch.float32, torch.bfloat16)
+    assert f"--cpu-isa {cpu_isa} stands for a CPU with no native bf16" in why
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, amx, avx512, avx2, scalar"):
+        from pagedserve.config import EngineConfig
+
+        EngineConfig(model="m", cpu_isa="avx3")

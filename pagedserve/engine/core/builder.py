@@ -29,7 +29,7 @@ from pagedserve.engine.core.runner import ModelRunner
 from pagedserve.engine.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.engine.core.structured import GrammarCompiler
 from pagedserve.engine.wire import ModelFacts
-from pagedserve.kernels import cpu_has_native_bf16, kernel_error, native_ops
+from pagedserve.kernels import cpu_has_native_bf16, isa_paths, kernel_error, limit_isa, native_ops
 from pagedserve.kernels.triton_paged.availability import TRITON_KV_DTYPES, triton_unavailable
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches, num_blocks_for_budget
@@ -162,9 +162,15 @@ def build_core(config: EngineConfig) -> CoreParts:
     model_dir = resolve_model_dir(config.model, config.revision)
     hf_config = read_hf_config(model_dir)  # without transformers
     arch = architecture_from_hf_config(hf_config)
-    dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, device)
+    if device.type == "cpu" and config.native_kernels:
+        # Before the model loads: its GGUF layers choose their layout and rows by the path "auto" takes.
+        limit_isa(config.cpu_isa)
+        if config.cpu_isa != "auto":
+            logger.info("native kernels: at most the %s path (--cpu-isa; this CPU runs %s)", config.cpu_isa,
+                        ", ".join(isa_paths()))
+    dtype, why, kv_model_dtype = resolve_dtype(config.dtype, hf_config, device, config.cpu_isa)
     logger.info("compute dtype %s (%s)", str(dtype).removeprefix("torch."), why)
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16(config.cpu_isa):
         logger.warning("computing in bfloat16 on a CPU without AVX-512 BF16 or AMX: torch emulates bf16 "
                        "matmuls here, several times slower than float32; --dtype float32 is faster on this CPU "
                        "(a bf16 checkpoint's linear weights then stay bf16 for decode: --decode-weights)")
