@@ -76,7 +76,8 @@ def resolve_dtype(requested: str, hf_config, device: torch.device, cpu_isa: str 
         if cpu_has_native_bf16(cpu_isa):
             return (torch.bfloat16, f"auto: the checkpoint's {name}, computed in bfloat16 (this CPU has native bf16)",
                     torch.bfloat16)
-        cpu = f"--cpu-isa {cpu_isa} stands for a CPU with" if cpu_isa in ("avx2", "scalar") else "this CPU has"
+        # the cap, not the CPU, is what leaves native bf16 out when the CPU itself has it
+        cpu = f"--cpu-isa {cpu_isa} stands for a CPU with" if cpu_has_native_bf16() else "this CPU has"
         return torch.float32, (f"auto: the checkpoint is {name}, but {cpu} no native bf16 (AVX-512 BF16 or "
                                "AMX), where float32 is several times faster; KV stays bfloat16"), torch.bfloat16
     return saved, f"auto: the checkpoint's {name}", saved
