@@ -41,6 +41,7 @@ class ShapeTimes:
     float_us: float
     gemm_us: float | None = None  # gguf_gemm in bf16 (prompt chunks' path on a CPU with AVX-512 BF16)
     gemm_f32_us: float | None = None  # gguf_gemm in float32 (a float32 model's prompt chunks)
+    gemm_int16_us: float | None = None  # gguf_gemm_int16 (the AVX2 path's prompt chunks, int16 activations)
 
     @property
     def gb_per_s(self) -> float:
@@ -128,7 +129,9 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
     ops = _native_ops()
     # the bf16 GEMM where it runs (on the CPU's own path only), the float32 one on any vector path
     own_gemm = isa == "auto" and bool(ops.gguf_gemm_usable())
-    own_gemm_f32 = (best_isa() if isa == "auto" else isa) != "scalar"
+    path = best_isa() if isa == "auto" else isa
+    own_gemm_f32 = path != "scalar"
+    own_gemm_int16 = path == "avx2"  # the integer GEMM is AVX2's (gguf_gemm_int.inc)
     out: list[ShapeTimes] = []
     for fmt, n, k in shapes:
         laid = LaidOut.of(ops, fmt, n, k, layout, isa)
@@ -162,10 +165,14 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             def gemm_f32():
                 ops.gguf_gemm(y, x, w, fmt, None, rows16, isa)
 
-            ways = (kernel, dequant_gemm, float_gemm) + ((gemm_f32,) if own_gemm_f32 else ()) + \
-                ((gemm,) if own_gemm else ())
-            times = _alternated(ways, rounds, calls)
-            gemms = {"gemm_f32_us": times[3] if own_gemm_f32 else None, "gemm_us": times[-1] if own_gemm else None}
+            def gemm_int16():
+                ops.gguf_gemm_int16(y, x, w, fmt, None, rows16, path)
+
+            extra = {"gemm_f32_us": gemm_f32 if own_gemm_f32 else None,
+                     "gemm_int16_us": gemm_int16 if own_gemm_int16 else None, "gemm_us": gemm if own_gemm else None}
+            extra = {name: fn for name, fn in extra.items() if fn is not None}
+            times = _alternated((kernel, dequant_gemm, float_gemm, *extra.values()), rounds, calls)
+            gemms = dict(zip(extra, times[3:]))
             out.append(ShapeTimes(fmt, laid.layout, n, k, m, *times[:3], **gemms))
     return out
 
@@ -227,11 +234,11 @@ def file_totals(counted: list[tuple[tuple[str, int, int], int]], timed: list[Sha
     totals: dict[int, dict] = {}
     for t in timed:
         row = totals.setdefault(t.rows, {"rows": t.rows, "kernel_us": 0.0, "dequant_gemm_us": 0.0, "float_us": 0.0,
-                                         "gemm_f32_us": None, "gemm_us": None})
+                                         "gemm_f32_us": None, "gemm_int16_us": None, "gemm_us": None})
         n = count[(t.format, t.out_features, t.in_features)]
         for way in ("kernel_us", "dequant_gemm_us", "float_us"):
             row[way] += n * getattr(t, way)
-        for way in ("gemm_f32_us", "gemm_us"):
+        for way in ("gemm_f32_us", "gemm_int16_us", "gemm_us"):
             if getattr(t, way) is not None:
                 row[way] = (row[way] or 0.0) + n * getattr(t, way)
     return list(totals.values())
@@ -309,12 +316,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'format':6} {'layout':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
           f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}"
           + (f" {'f32 gguf_gemm us':>16} {'deq+GEMM/f32':>12}" if results and results[0].gemm_f32_us else "")
+          + (f" {'int16 gemm us':>13} {'f32/int16':>9}" if results and results[0].gemm_int16_us else "")
           + (f" {'bf16 gguf_gemm us':>17} {'kernel/gguf_gemm':>16}" if results and results[0].gemm_us else ""))
     for r in results:
         print(f"{r.format:6} {r.layout:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
               f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
               f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x"
               + (f" {r.gemm_f32_us:>16.1f} {r.dequant_gemm_us / r.gemm_f32_us:>11.2f}x" if r.gemm_f32_us else "")
+              + (f" {r.gemm_int16_us:>13.1f} {r.gemm_f32_us / r.gemm_int16_us:>8.2f}x" if r.gemm_int16_us else "")
               + (f" {r.gemm_us:>17.1f} {r.kernel_us / r.gemm_us:>15.2f}x" if r.gemm_us else ""))
     totals = None
     if counted is not None:
@@ -322,11 +331,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.model.name}: {sum(n for _, n in counted)} layer matrices, each way's total per row count")
         print(f"{'rows':>5} {'kernel ms':>10} {'deq+GEMM ms':>12} {'fp32 ms':>9}"
               + (f" {'f32 gguf_gemm ms':>16}" if totals[0]["gemm_f32_us"] else "")
+              + (f" {'int16 gemm ms':>13}" if totals[0]["gemm_int16_us"] else "")
               + (f" {'gguf_gemm ms':>12} {'kernel/gguf_gemm':>16}" if totals[0]["gemm_us"] else ""))
         for t in totals:
             print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f} "
                   f"{t['float_us'] / 1e3:>9.2f}"
                   + (f" {t['gemm_f32_us'] / 1e3:>16.2f}" if t["gemm_f32_us"] else "")
+                  + (f" {t['gemm_int16_us'] / 1e3:>13.2f}" if t["gemm_int16_us"] else "")
                   + (f" {t['gemm_us'] / 1e3:>12.2f} {t['kernel_us'] / t['gemm_us']:>15.2f}x" if t["gemm_us"] else ""))
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
                                  "rows": [asdict(r) for r in results]} | ({"totals": totals} if totals else {}))

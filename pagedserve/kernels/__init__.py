@@ -27,7 +27,9 @@
   Q4_K, Q5_K, Q6_K; ``gguf_formats.h``): the activations quantized per 32 values to int8, multiplied
   with the blocks' integers in int32 (AVX2 maddubs, AVX-512 VNNI vpdpbusd; ``gguf_simd.inc``;
   AMX-INT8 tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once;
-  and the blocks dequantized for prefill GEMMs and lookups (:mod:`pagedserve.models.gguf_linear`).
+  and the blocks dequantized for prefill GEMMs and lookups (:mod:`pagedserve.models.gguf_linear`):
+  prompt chunks' GEMMs in bf16 (``gguf_gemm.inc``), float32 (``gguf_gemm_f32.inc``) and, on the
+  AVX2 path, in int16 integers over panels of 16 weight rows widened once (``gguf_gemm_int.inc``).
 * ``tile_matmul.cpp`` — bf16 linear layers on AMX-BF16 tiles over weights packed once into the tile
   instruction's pair order (:class:`~pagedserve.models.packed.TileLinear`, ``--pack-weights auto``
   where the CPU has AMX-BF16), for every row count a step has, with a scalar reference path.
@@ -84,7 +86,7 @@ _SOURCES = [Path(__file__).with_name(name)
                          "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
-                         "gguf_gemm_f32.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
+                         "gguf_gemm_f32.inc", "gguf_gemm_int.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by

@@ -48,7 +48,7 @@ from torch import nn
 from pagedserve.config import cache_dir
 from pagedserve.kernels import best_isa, gguf_gemm_usable, isa_summary, native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
-from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, row_bytes
+from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, row_bytes, widest_format
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
 from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
@@ -393,7 +393,9 @@ class GGUFBuilder:
         self.keeps = KERNEL_FORMATS if self.ops is not None else KEPT_TYPES
         # prompt chunks through the native GEMM (gguf_gemm_usable): bf16 on AVX-512 BF16 without AMX, float32
         self.gemm = self.ops is not None and gguf_gemm_usable(dtype)
-        self.kernel_rows = kernel_rows_default(best_isa(), dtype if self.gemm else None) if self.ops else 0
+        self.isa = best_isa()
+        # each layer's rows for the integer kernels, by the format holding most of its weights (for the log)
+        self.kernel_rows: dict[str, int] = {}
         # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
         self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
@@ -454,7 +456,9 @@ class GGUFBuilder:
                 rows.append(p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features))))
                 self._count(p.tensor, f"{kind} blocks", dequantize=False)
             segments.append((kind, torch.cat(rows)))
-        return GGUFLinear(segments, in_features, bias, self.ops, kernel_rows=self.kernel_rows, gemm=self.gemm)
+        fmt = widest_format([f for f, _ in segments], [w.shape[0] for _, w in segments])
+        rows = self.kernel_rows.setdefault(fmt, kernel_rows_default(self.isa, self.dtype if self.gemm else None, fmt))
+        return GGUFLinear(segments, in_features, bias, self.ops, kernel_rows=rows, gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -559,10 +563,16 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    chunks = (f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)" if b.gemm
-              else "dequantize + torch's GEMM")
-    kernels = (f"; GGUF kernels: {isa_summary()}, prompt chunks of more than {b.kernel_rows} rows: {chunks}"
-               if b.ops is not None else "")
+    if b.gemm and dtype == torch.float32 and b.isa == "avx2":
+        chunks = "int16 GEMM over panels widened in cache (gguf_gemm_int16; Q6_K the float32 gguf_gemm)"
+    elif b.gemm:
+        chunks = f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)"
+    else:
+        chunks = "dequantize + torch's GEMM"
+    rows = sorted(set(b.kernel_rows.values()))
+    past = (f"more than {rows[0]} rows" if len(rows) == 1 else  # by format where they differ (AVX2 in float32)
+            "more rows than " + ", ".join(f"{n} ({fmt})" for fmt, n in sorted(b.kernel_rows.items())))
+    kernels = f"; GGUF kernels: {isa_summary()}, prompt chunks of {past}: {chunks}" if b.ops is not None and rows else ""
     logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
                 kernels)
     return model.eval().requires_grad_(False)

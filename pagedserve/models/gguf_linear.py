@@ -38,17 +38,40 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 32
 
 
-def kernel_rows_default(isa: str, gemm: torch.dtype | None = None) -> int:
+# On the AVX2 path computing in float32 (a CPU without native bf16), the rows up to which each
+# format's integer kernels beat the GEMM that takes the chunks past them (gguf_gemm_int16; for
+# Q6_K the float32 gguf_gemm): bench gguf-kernels on SmolLM2-135M's Q4_1, Q8_0 and Q4_K_M files,
+# the Zen 5 held to AVX2 (docs/BENCHMARKS.md, "An int16 GEMM for prompt chunks on AVX2"). Q4_1's
+# paired kernels stay ahead to 128 rows, the K-quants' to 64, Q6_K's to 12, Q5_0's to 8, Q8_0's to
+# 4; Q4_0, Q5_1 and Q5_K take their kin's (Q4_1, Q5_0, Q4_K).
+AVX2_FLOAT32_KERNEL_ROWS = {"Q4_0": 128, "Q4_1": 128, "Q5_0": 8, "Q5_1": 8, "Q8_0": 4, "Q4_K": 64, "Q5_K": 64,
+                            "Q6_K": 12}
+
+
+def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | None = None) -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
     path is ``isa``, ``gemm`` the dtype of the ``gguf_gemm`` that takes the rows past them (None:
-    dequantize + torch's GEMM does). On AVX-512: KERNEL_ROWS before the bf16 GEMM (AVX-512 BF16, no
-    AMX), which is level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64 (every
-    format of SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own GEMM");
-    128 before a float32 one (whose rows16 kernels prefilled a 64-token prompt 1.6-2.1x and a
-    128-token one 1.2-1.5x faster than dequantize + torch's GEMM, "The integer kernels up to 128
-    rows", and stay ahead of the float32 GEMM there, "The float32 GEMM"); KERNEL_ROWS elsewhere
-    (AMX tiles and AVX2 keep their own)."""
+    dequantize + torch's GEMM does), ``fmt`` the format holding most of the layer's weights
+    (:func:`widest_format`). On AVX-512: KERNEL_ROWS before the bf16 GEMM (AVX-512 BF16, no AMX),
+    which is level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64 (every format of
+    SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own GEMM"); 128 before a
+    float32 one (whose rows16 kernels prefilled a 64-token prompt 1.6-2.1x and a 128-token one
+    1.2-1.5x faster than dequantize + torch's GEMM, "The integer kernels up to 128 rows", and stay
+    ahead of the float32 GEMM there, "The float32 GEMM"). On AVX2 before a float32 GEMM: the
+    format's own crossover (AVX2_FLOAT32_KERNEL_ROWS). KERNEL_ROWS elsewhere (AMX tiles keep their
+    own)."""
+    if isa == "avx2" and gemm == torch.float32 and fmt is not None:
+        return AVX2_FLOAT32_KERNEL_ROWS[fmt]
     return KERNEL_ROWS if isa != "avx512" or gemm == torch.bfloat16 else 128
+
+
+def widest_format(formats: list[str], widths: list[int]) -> str:
+    """The format of the most output rows among a layer's segments (``formats``, ``widths``; ties: the
+    first): all segments share in_features, so the one holding most of the layer's weights."""
+    rows: dict[str, int] = {}
+    for fmt, width in zip(formats, widths, strict=True):
+        rows[fmt] = rows.get(fmt, 0) + int(width)
+    return max(rows, key=rows.__getitem__)
 
 
 def kernel_layout(fmt: str, blocks: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.bench.gguf_kernels import random_gguf_rows
-from pagedserve.kernels import gguf_gemm_usable, isa_paths, kernel_error, native_ops
+from pagedserve.kernels import best_isa, gguf_gemm_usable, isa_paths, kernel_error, native_ops
 from pagedserve.models.gguf_linear import BLOCKS, KERNEL_ROWS, GGUFLinear, kernel_layout, rows16_layout
 
 OPS = native_ops()
@@ -136,7 +136,9 @@ def test_gguf_linear_sends_prompt_chunks_through_it(gemm, dtype):
     want = F.linear(x.float(), dense, layer.bias)
     got = layer(x)
     assert got.dtype == dtype
-    tolerance = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    # bf16 rounding; in float32 exact products, but on the AVX2 path the int16 GEMM's activations
+    # (gguf_gemm_int16) for all but Q6_K
+    tolerance = 8e-3 if dtype == torch.bfloat16 else 2e-4 if gemm and best_isa() == "avx2" else 1e-5
     assert torch.allclose(got.float(), want, atol=tolerance * want.abs().max().item(), rtol=0)
     layer.float_output = True  # an LM head's prompt logprobs: float32 out
     assert layer(x).dtype == torch.float32

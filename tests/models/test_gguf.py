@@ -98,14 +98,15 @@ def test_prompt_chunks_take_the_gemm_of_the_compute_dtype_where_it_runs(tiny_ggu
     """gguf_gemm in the model's dtype: a bf16 model takes it where the CPU has AVX-512 BF16 (no AMX), a
     float32 one on every vector path; the integer kernels keep kernel_rows_default's rows for it."""
     from pagedserve.kernels import best_isa, gguf_gemm_usable
-    from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default
+    from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, widest_format
 
     for dtype in (torch.float32, torch.bfloat16):
         layers = [m for m in _load(tiny_ggufs("Q4_1"), keep=True, dtype=dtype, packed=True).modules()
                   if isinstance(m, GGUFLinear)]
         want = gguf_gemm_usable(dtype)
         assert layers and all(m.gemm is want for m in layers), dtype
-        assert {m.kernel_rows for m in layers} == {kernel_rows_default(best_isa(), dtype if want else None)}
+        assert all(m.kernel_rows == kernel_rows_default(best_isa(), dtype if want else None,
+                                                        widest_format(m.formats, m.widths)) for m in layers)
 
 
 def test_kept_weights_take_the_gguf_bytes(tiny_ggufs):

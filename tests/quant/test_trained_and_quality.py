@@ -87,8 +87,9 @@ def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tin
     from pagedserve.kernels import best_isa
     from pagedserve.models.gguf_linear import kernel_rows_default
 
-    # a whole prefill past the kernels' rows (computing in float32: the float32 gguf_gemm, exact products)
-    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), torch.float32) + 32))
+    # a whole prefill past the kernels' rows (computing in float32: the float32 gguf_gemm, exact
+    # products; on AVX2 the int16 one, which both activation settings share); the layers are Q4_1
+    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), torch.float32, "Q4_1") + 32))
     lps = {}
     for act in ("int16", "int8"):
         e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,

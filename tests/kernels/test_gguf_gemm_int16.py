@@ -1,0 +1,162 @@
+"""Prefill's integer GEMM on AVX2 (gguf_gemm_int16, kernels/gguf_gemm_int.inc): every format in both
+layouts against the scalar integer reference over the same int16 activations and against the float
+matmul; a row's result whatever rows share its call; partial panels, column slices, bias; gguf_gemm's
+``auto`` handing float32 prompt chunks to it on the AVX2 path (here under ``--cpu-isa avx2``'s limit
+where the CPU runs more); one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.bench.gguf_kernels import random_gguf_rows
+from pagedserve.kernels import isa_paths, kernel_error, limit_isa, native_ops
+from pagedserve.models.gguf_linear import (AVX2_FLOAT32_KERNEL_ROWS, BLOCKS, GGUFLinear, kernel_layout,
+                                           kernel_rows_default, rows16_layout, widest_format)
+
+OPS = native_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
+PATHS = ["scalar"] + (["avx2"] if "avx2" in isa_paths() else [])
+needs_avx2 = pytest.mark.skipif("avx2" not in isa_paths(), reason="this CPU does not run the AVX2 path")
+
+
+def _k(fmt):
+    """in_features: 10 blocks of 32, or two K-quant super-blocks of 256."""
+    return 512 if BLOCKS[fmt][0] == 256 else 320
+
+
+def _laid(fmt, w, rows16):
+    return rows16_layout(fmt, w) if rows16 else kernel_layout(fmt, w)
+
+
+def _int16(x, wl, n, fmt, rows16, isa, bias=None):
+    out = torch.empty(x.shape[0], n)
+    OPS.gguf_gemm_int16(out, x, wl, fmt, bias, rows16, isa)
+    return out
+
+
+@pytest.mark.parametrize("rows16", [True, False])
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_products_match_the_integer_reference_and_the_float_matmul(fmt, rows16):
+    """Rows 1 to 40 (micro-kernels of every height, row counts split unevenly) over a whole and a
+    partial panel of weight rows, with a bias: the AVX2 path gives the scalar integer kernel's values
+    (the same int32 sums, summed in float in another order) and the float matmul's within the int16
+    activations' rounding."""
+    K, n = _k(fmt), 37
+    w = random_gguf_rows(fmt, n, K, seed=5)
+    dense = torch.empty(n, K)
+    OPS.gguf_dequantize(dense, kernel_layout(fmt, w), fmt)
+    wl, bias = _laid(fmt, w, rows16), torch.randn(n)
+    torch.manual_seed(1)
+    for m in (1, 2, 3, 4, 7, 40):
+        x = torch.randn(m, K)
+        want = F.linear(x, dense, bias)
+        scale = want.abs().max().item()
+        ref = _int16(x, wl, n, fmt, rows16, "scalar", bias)
+        assert torch.allclose(ref, want, atol=2e-4 * scale, rtol=0), m
+        for isa in PATHS[1:]:
+            got = _int16(x, wl, n, fmt, rows16, isa, bias)
+            assert torch.allclose(got, ref, atol=1e-5 * scale, rtol=0), (m, isa)
+
+
+@needs_avx2
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(fmt):
+    """Each row alone and in chunks of 2, 5 and 13 rows: the micro-kernel does the same operations per
+    row at every height, so a prompt's values do not depend on its batch."""
+    K, n = _k(fmt), 40
+    wl = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=6))
+    x = torch.randn(13, K)
+    whole = _int16(x, wl, n, fmt, True, "avx2")
+    for rows in (1, 2, 5):
+        parts = [_int16(x[i:i + rows].contiguous(), wl, n, fmt, True, "avx2") for i in range(0, 13, rows)]
+        assert torch.equal(torch.cat(parts), whole), rows
+
+
+@needs_avx2
+def test_a_column_slice_of_a_wider_output_is_written_and_nothing_else():
+    fmt, K, n = "Q5_0", 320, 40
+    wl = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=9))
+    x = torch.randn(7, K)
+    whole = _int16(x, wl, n, fmt, True, "avx2")
+    wide = torch.full((7, n + 24), 5.0)
+    OPS.gguf_gemm_int16(wide[:, 8:8 + n], x, wl, fmt, None, True, "avx2")
+    assert torch.equal(wide[:, 8:8 + n], whole)
+    assert (wide[:, :8] == 5).all() and (wide[:, 8 + n:] == 5).all()
+
+
+@needs_avx2
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_gguf_gemm_auto_hands_float32_chunks_to_it_on_the_avx2_path(fmt):
+    """Where ``auto`` means AVX2 (this CPU's best, or held there by the limit), float32 x goes through
+    the integer GEMM for every format but Q6_K, which keeps the float32 GEMM (gguf_gemm_int.inc:
+    int16_gemm_pays); bf16 x is not the integer GEMM's."""
+    K, n = _k(fmt), 24
+    wl = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=7))
+    x = torch.randn(9, K)
+    limit_isa("avx2")
+    try:
+        auto = torch.empty(9, n)
+        OPS.gguf_gemm(auto, x, wl, fmt, None, True, "auto")
+    finally:
+        limit_isa("auto")
+    chosen = _int16(x, wl, n, fmt, True, "avx2")
+    f32 = torch.empty(9, n)
+    OPS.gguf_gemm(f32, x, wl, fmt, None, True, "avx2")
+    assert torch.equal(auto, f32 if fmt == "Q6_K" else chosen)
+    assert fmt == "Q6_K" or not torch.equal(chosen, f32)  # the two GEMMs are told apart by their bits
+
+
+def test_a_float32_layer_on_avx2_keeps_its_main_format_s_kernel_rows():
+    """Every format has its crossover on AVX2 in float32, taken by the format of most of a layer's
+    rows; other paths and dtypes keep theirs."""
+    assert set(AVX2_FLOAT32_KERNEL_ROWS) == set(BLOCKS)
+    assert widest_format(["Q5_0", "Q8_0", "Q5_0"], [576, 192, 192]) == "Q5_0"
+    assert widest_format(["Q8_0", "Q5_0"], [64, 64]) == "Q8_0"  # a tie: the first
+    assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 128
+    assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 8
+    assert kernel_rows_default("avx2", None, "Q5_0") == kernel_rows_default("avx2") == 32  # no float32 GEMM
+    assert kernel_rows_default("avx512", torch.float32, "Q5_0") == 128
+
+
+@needs_avx2
+def test_a_layer_s_prompt_chunk_past_its_kernel_rows_takes_the_integer_gemm():
+    """A Q5_0 + Q8_0 layer (QKV-like) on the AVX2 path: 9 rows (past Q5_0's 8) give the int16 GEMM's
+    bits in each segment's columns, 8 rows the integer kernels'."""
+    k = 320
+    segments = [("Q5_0", random_gguf_rows("Q5_0", 40, k, seed=1)), ("Q8_0", random_gguf_rows("Q8_0", 16, k, seed=2))]
+    x = torch.randn(9, k)
+    limit_isa("avx2")
+    try:
+        layer = GGUFLinear(segments, k, None, OPS, kernel_rows=kernel_rows_default("avx2", torch.float32, "Q5_0"),
+                           gemm=True)
+        assert layer.kernel_rows == 8
+        chunk, rows = layer(x), layer(x[:8])
+        want_rows = []
+        for i, (fmt, w) in enumerate(segments):
+            laid, kernel = getattr(layer, f"weight{i}"), OPS.gguf_matmul16 if layer.rows16[i] else OPS.gguf_matmul
+            out = torch.empty(8, w.shape[0])
+            kernel(out, x[:8].contiguous(), laid, fmt, None, False, "auto")
+            want_rows.append(out)
+            assert torch.equal(chunk[:, layer.widths[0] * i:][:, :w.shape[0]],
+                               _int16(x, laid, w.shape[0], fmt, layer.rows16[i], "avx2")), fmt
+    finally:
+        limit_isa("auto")
+    assert torch.equal(rows, torch.cat(want_rows, dim=1))
+
+
+def test_bad_calls_are_one_line_errors():
+    fmt, K = "Q4_1", 64
+    w16 = rows16_layout(fmt, random_gguf_rows(fmt, 16, K))
+    x = torch.randn(3, K)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        OPS.gguf_gemm_int16(torch.empty(3, 16), x.bfloat16(), w16, fmt, None, True, "auto")
+    with pytest.raises(RuntimeError, match="its paths are scalar and avx2, not avx512"):
+        OPS.gguf_gemm_int16(torch.empty(3, 16), x, w16, fmt, None, True, "avx512")
+    with pytest.raises(RuntimeError, match=r"uint8 \[2, 640\] in the rows16 layout"):  # 32 outputs: two groups
+        OPS.gguf_gemm_int16(torch.empty(3, 32), x, w16, fmt, None, True, "auto")
+    with pytest.raises(RuntimeError, match="out must be a float32"):
+        OPS.gguf_gemm_int16(torch.empty(3, 16, dtype=torch.bfloat16), x, w16, fmt, None, True, "auto")
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        OPS.gguf_gemm_int16(torch.empty(3, 16), x, w16, fmt, torch.zeros(15), True, "auto")
