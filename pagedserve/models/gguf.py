@@ -48,7 +48,7 @@ from torch import nn
 from pagedserve.config import cache_dir
 from pagedserve.kernels import best_isa, gguf_gemm_usable, isa_summary, native_ops
 from pagedserve.models.gguf_linear import BLOCKS as KERNEL_FORMATS
-from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, row_bytes, widest_format
+from pagedserve.models.gguf_linear import ALL_ROWS, GGUFLinear, kernel_rows_default, row_bytes, widest_format
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture, rope_inv_freq
 from pagedserve.models.standard import build_once
 from pagedserve.models.quant import (INT4_GROUP_SIZE, Int4Linear, Int8GroupedLinear, QuantizedEmbedding,
@@ -569,10 +569,15 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
         chunks = f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)"
     else:
         chunks = "dequantize + torch's GEMM"
-    rows = sorted(set(b.kernel_rows.values()))
-    past = (f"more than {rows[0]} rows" if len(rows) == 1 else  # by format where they differ (AVX2 in float32)
-            "more rows than " + ", ".join(f"{n} ({fmt})" for fmt, n in sorted(b.kernel_rows.items())))
-    kernels = f"; GGUF kernels: {isa_summary()}, prompt chunks of {past}: {chunks}" if b.ops is not None and rows else ""
+    # by format where they differ (float32 on the AVX2 and AVX-512 paths); ALL_ROWS: never handed over
+    limited = {fmt: n for fmt, n in sorted(b.kernel_rows.items()) if n < ALL_ROWS}
+    rows = sorted(set(limited.values()))
+    past = (f"more than {rows[0]} rows" if len(rows) == 1 else
+            "more rows than " + ", ".join(f"{n} ({fmt})" for fmt, n in limited.items()))
+    unlimited = [fmt for fmt, n in sorted(b.kernel_rows.items()) if n >= ALL_ROWS]
+    every = f"{', '.join(unlimited)} in the integer kernels at every row count" if unlimited else ""
+    kernels = ("; GGUF kernels: " + isa_summary() + (f", prompt chunks of {past}: {chunks}" if rows else "")
+               + (f"; {every}" if every else "")) if b.ops is not None and b.kernel_rows else ""
     logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
                 kernels)
     return model.eval().requires_grad_(False)

@@ -38,14 +38,21 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 KERNEL_ROWS = 32
 
 
-# On the AVX2 path computing in float32 (a CPU without native bf16), the rows up to which each
-# format's integer kernels beat the GEMM that takes the chunks past them (gguf_gemm_int16; for
-# Q6_K the float32 gguf_gemm): bench gguf-kernels on SmolLM2-135M's Q4_1, Q8_0 and Q4_K_M files,
-# the Zen 5 held to AVX2 (docs/BENCHMARKS.md, "An int16 GEMM for prompt chunks on AVX2"). Q4_1's
-# paired kernels stay ahead to 128 rows, the K-quants' to 64, Q6_K's to 12, Q5_0's to 8, Q8_0's to
-# 4; Q4_0, Q5_1 and Q5_K take their kin's (Q4_1, Q5_0, Q4_K).
-AVX2_FLOAT32_KERNEL_ROWS = {"Q4_0": 128, "Q4_1": 128, "Q5_0": 8, "Q5_1": 8, "Q8_0": 4, "Q4_K": 64, "Q5_K": 64,
-                            "Q6_K": 12}
+# Kernel rows that never hand over: the integer kernels take every row count.
+ALL_ROWS = 1 << 30
+# Computing in float32 (a CPU without native bf16, or --dtype float32), the rows up to which each
+# format's integer kernels beat the GEMM that takes the chunks past them, per path: bench
+# gguf-kernels on SmolLM2-135M's Q4_1, Q8_0 and Q4_K_M files on a Zen 5 (docs/BENCHMARKS.md, "An
+# int16 GEMM for prompt chunks on AVX2"); Q4_0, Q5_1 and Q5_K take their kin's (Q4_1, Q5_0, Q4_K).
+# AVX2 (against gguf_gemm_int16; Q6_K the float32 gguf_gemm): Q4_1's paired kernels stay ahead to
+# 128 rows, the K-quants' to 64, Q6_K's to 12, Q5_0's to 8, Q8_0's to 4. AVX-512 VNNI (against the
+# float32 gguf_gemm): Q4_1's, Q5_0's and Q8_0's rows16 kernels still 1.2-1.4x ahead at 512 rows,
+# the K-quants' level with it at 512-1,024, Q6_K's to 96.
+FLOAT32_KERNEL_ROWS = {
+    "avx2": {"Q4_0": 128, "Q4_1": 128, "Q5_0": 8, "Q5_1": 8, "Q8_0": 4, "Q4_K": 64, "Q5_K": 64, "Q6_K": 12},
+    "avx512": {"Q4_0": ALL_ROWS, "Q4_1": ALL_ROWS, "Q5_0": ALL_ROWS, "Q5_1": ALL_ROWS, "Q8_0": ALL_ROWS,
+               "Q4_K": 1024, "Q5_K": 1024, "Q6_K": 96},
+}
 
 
 def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | None = None) -> int:
@@ -57,11 +64,11 @@ def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | No
     SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own GEMM"); 128 before a
     float32 one (whose rows16 kernels prefilled a 64-token prompt 1.6-2.1x and a 128-token one
     1.2-1.5x faster than dequantize + torch's GEMM, "The integer kernels up to 128 rows", and stay
-    ahead of the float32 GEMM there, "The float32 GEMM"). On AVX2 before a float32 GEMM: the
-    format's own crossover (AVX2_FLOAT32_KERNEL_ROWS). KERNEL_ROWS elsewhere (AMX tiles keep their
-    own)."""
-    if isa == "avx2" and gemm == torch.float32 and fmt is not None:
-        return AVX2_FLOAT32_KERNEL_ROWS[fmt]
+    ahead of the float32 GEMM there, "The float32 GEMM"). Before a float32 GEMM on the AVX2 and
+    AVX-512 paths with ``fmt`` given: the format's own crossover (FLOAT32_KERNEL_ROWS; ALL_ROWS: the
+    kernels take every chunk). KERNEL_ROWS elsewhere (AMX tiles keep their own)."""
+    if gemm == torch.float32 and fmt is not None and isa in FLOAT32_KERNEL_ROWS:
+        return FLOAT32_KERNEL_ROWS[isa][fmt]
     return KERNEL_ROWS if isa != "avx512" or gemm == torch.bfloat16 else 128
 
 

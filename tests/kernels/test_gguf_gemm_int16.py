@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagedserve.bench.gguf_kernels import random_gguf_rows
 from pagedserve.kernels import isa_paths, kernel_error, limit_isa, native_ops
-from pagedserve.models.gguf_linear import (AVX2_FLOAT32_KERNEL_ROWS, BLOCKS, GGUFLinear, kernel_layout,
+from pagedserve.models.gguf_linear import (ALL_ROWS, BLOCKS, FLOAT32_KERNEL_ROWS, GGUFLinear, kernel_layout,
                                            kernel_rows_default, rows16_layout, widest_format)
 
 OPS = native_ops()
@@ -108,16 +108,19 @@ def test_gguf_gemm_auto_hands_float32_chunks_to_it_on_the_avx2_path(fmt):
     assert fmt == "Q6_K" or not torch.equal(chosen, f32)  # the two GEMMs are told apart by their bits
 
 
-def test_a_float32_layer_on_avx2_keeps_its_main_format_s_kernel_rows():
-    """Every format has its crossover on AVX2 in float32, taken by the format of most of a layer's
-    rows; other paths and dtypes keep theirs."""
-    assert set(AVX2_FLOAT32_KERNEL_ROWS) == set(BLOCKS)
+def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
+    """Every format has its crossover on the AVX2 and AVX-512 paths in float32, taken by the format of
+    most of a layer's rows; other paths and dtypes keep theirs."""
+    assert all(set(rows) == set(BLOCKS) for rows in FLOAT32_KERNEL_ROWS.values())
     assert widest_format(["Q5_0", "Q8_0", "Q5_0"], [576, 192, 192]) == "Q5_0"
     assert widest_format(["Q8_0", "Q5_0"], [64, 64]) == "Q8_0"  # a tie: the first
     assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 128
     assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 8
+    assert kernel_rows_default("avx512", torch.float32, "Q4_1") == ALL_ROWS
+    assert kernel_rows_default("avx512", torch.float32, "Q6_K") == 96
     assert kernel_rows_default("avx2", None, "Q5_0") == kernel_rows_default("avx2") == 32  # no float32 GEMM
-    assert kernel_rows_default("avx512", torch.float32, "Q5_0") == 128
+    assert kernel_rows_default("avx512", torch.bfloat16, "Q4_1") == 32  # the bf16 GEMM's
+    assert kernel_rows_default("amx", torch.float32, "Q4_1") == 32  # the tiles'
 
 
 @needs_avx2

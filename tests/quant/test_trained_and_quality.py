@@ -69,9 +69,9 @@ def test_window_scoring_matches_transformers_and_identical_runs_agree(trained_di
 def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tiny_ggufs):
     """Chunks read the earlier ones from the cache: on a float model the log-probabilities are the
     whole window's (to summation order). On a GGUF kept quantized a whole window's prefill (more
-    rows than GGUFLinear gives the integer kernels) dequantizes the weights, so the activations'
-    precision cannot show; chunks of 16 rows take the integer kernels, where int8 activations move
-    the log-probabilities and int16 hardly do."""
+    rows than GGUFLinear gives the integer kernels) goes through a GEMM that does not depend on the
+    activation setting; chunks of 16 rows take the integer kernels, where int8 activations move the
+    log-probabilities and int16 hardly do."""
     out, _ = trained_dir
     engine = Engine(EngineConfig(model=str(out), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False,
                                  max_model_len=256))
@@ -84,17 +84,22 @@ def test_windows_scored_in_chunks_go_through_the_decode_kernels(trained_dir, tin
 
     # Kept quantized and computed in float32, as `bench quality` scores a GGUF: bf16 rounding would hide it.
     gguf = quality.gguf_compute_view(str(resolve_model_dir(str(tiny_ggufs("Q4_1", tokenizer=True)))), "float32")
-    from pagedserve.kernels import best_isa
+    from pagedserve.kernels import isa_paths, limit_isa
     from pagedserve.models.gguf_linear import kernel_rows_default
 
-    # a whole prefill past the kernels' rows (computing in float32: the float32 gguf_gemm, exact
-    # products; on AVX2 the int16 one, which both activation settings share); the layers are Q4_1
-    ids = list(range(5, 5 + kernel_rows_default(str(best_isa()), torch.float32, "Q4_1") + 32))
+    # a whole prefill past the kernels' rows, on the AVX2 path where the CPU runs it: there the Q4_1
+    # layers' kernels hand over at 128 rows to the int16 GEMM, which both activation settings share
+    # (AVX-512's take every row count); with no vector path, dequantize + torch's float32 GEMM
+    isa = "avx2" if "avx2" in isa_paths() else "scalar"
+    ids = list(range(5, 5 + kernel_rows_default(isa, torch.float32, "Q4_1") + 32))
     lps = {}
-    for act in ("int16", "int8"):
-        e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,
-                                max_model_len=256))
-        lps[act] = quality.window_logprobs(e, ids), quality.window_logprobs(e, ids, chunk=16)
+    try:
+        for act in ("int16", "int8"):
+            e = Engine(EngineConfig(model=gguf, gguf_activations=act, num_kv_blocks=16, enable_prefix_caching=False,
+                                    max_model_len=256, cpu_isa=isa))
+            lps[act] = quality.window_logprobs(e, ids), quality.window_logprobs(e, ids, chunk=16)
+    finally:
+        limit_isa("auto")
     assert torch.equal(lps["int16"][0], lps["int8"][0])  # one prefill: the same GEMM either way
     int16_moved = (lps["int16"][1] - lps["int16"][0]).abs().max().item()
     int8_moved = (lps["int8"][1] - lps["int8"][0]).abs().max().item()
