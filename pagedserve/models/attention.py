@@ -320,11 +320,18 @@ def _prefill_sdpa(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 # Largest score matrix (elements) the matmul prefill materialises at once: a longer chunk is taken
 # in blocks of its queries, each against the keys its last query sees.
 _MATMUL_PREFILL_MAX_SCORES = 1 << 25
-# Queries per block past which a chunk is split anyway: each block multiplies only the keys up to
-# its last query, so most of the causal upper half is never computed (`small`'s shapes in bf16 on
-# a Zen 5, one layer: 512 tokens 1.22 -> 1.10 ms, 1,024 4.94 -> 3.56, 2,048 37.8 -> 14.3; blocks
-# of 128 and 64 measured slower: smaller GEMMs).
-_CAUSAL_BLOCK_ROWS = 256
+# Queries per block past which a chunk is split anyway, by the scores' dtype: each block multiplies
+# only the keys up to its last query, so most of the causal upper half is never computed (`small`'s
+# shapes in bf16 on a Zen 5, one layer: 512 tokens 1.22 -> 1.10 ms, 1,024 4.94 -> 3.56, 2,048
+# 37.8 -> 14.3; blocks of 128 and 64 measured slower: smaller GEMMs). In float32 smaller blocks win,
+# the skipped products costing more than the smaller GEMMs lose (SmolLM2-135M's shapes, one layer,
+# the same Zen 5, 256 -> 96 rows: 512 tokens 3.19 -> 2.74 ms, 1,024 10.79 -> 9.75; with torch held
+# to AVX2 3.52 -> 2.91, 13.45 -> 10.49; docs/BENCHMARKS.md, "An int16 GEMM for prompt chunks on AVX2").
+_CAUSAL_BLOCK_ROWS = {torch.bfloat16: 256, torch.float32: 96}
+
+
+def _causal_block_rows(dtype: torch.dtype) -> int:
+    return _CAUSAL_BLOCK_ROWS.get(dtype, 256)
 
 
 def _masked_softmax(scores: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
@@ -365,7 +372,7 @@ def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     tokens (measured: 290 tokens 4.2 → 1.5 ms a layer). With ``exact`` (int4 pools), each query reads
     its own block from the exact rows (:func:`_prefill_own_exact`).
 
-    A chunk of more than :data:`_CAUSAL_BLOCK_ROWS` queries, or whose score matrix would be too
+    A chunk of more than :data:`_CAUSAL_BLOCK_ROWS` queries (by dtype), or whose score matrix would be too
     large, is taken in blocks of its queries, each block's scores within
     :data:`_MATMUL_PREFILL_MAX_SCORES` (through SDPA a 2,048-token prompt took 2.57 s on ``small``
     against 0.44 s): a block is the last queries of the context up to its last one, so it reads only
@@ -373,9 +380,10 @@ def _prefill_matmul(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     exact rows from its own first block's start."""
     heads, q_len, _ = qs.shape
     ctx_len = k.shape[1]
-    if q_len <= _CAUSAL_BLOCK_ROWS and heads * q_len * ctx_len <= _MATMUL_PREFILL_MAX_SCORES:
+    block_rows = _causal_block_rows(qs.dtype)
+    if q_len <= block_rows and heads * q_len * ctx_len <= _MATMUL_PREFILL_MAX_SCORES:
         return _prefill_gemms(qs, k, v, scale, window, exact, causal_softmax)
-    rows = min(_CAUSAL_BLOCK_ROWS, max(16, _MATMUL_PREFILL_MAX_SCORES // (heads * ctx_len) // 16 * 16))
+    rows = min(block_rows, max(16, _MATMUL_PREFILL_MAX_SCORES // (heads * ctx_len) // 16 * 16))
     out = torch.empty_like(qs)
     for first in range(0, q_len, rows):
         n = min(rows, q_len - first)
