@@ -1,7 +1,8 @@
 """``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 or int16 activations × the blocks' integers)
 against dequantizing the blocks and running torch's float32 GEMM, against a float32 ``F.linear``
 over weights already dequantized (what a float32 model pays), against ``gguf_gemm`` in float32 (the
-weights dequantized a panel at a time) and, on a CPU with AVX-512 BF16, ``gguf_gemm`` in bf16, at the row counts of a
+weights dequantized a panel at a time), on the AVX2 path against ``gguf_gemm_int16`` (the integer GEMM
+a float32 model's prompt chunks take there) and, on a CPU with AVX-512 BF16, ``gguf_gemm`` in bf16, at the row counts of a
 decode batch and of a prefill chunk, alternating round by round. The crossover row count is where
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM. Each format
 is timed in the layout GGUFLinear gives it on this CPU (``rows16_default``), or in the one asked for."""
