@@ -261,7 +261,8 @@ class DecodeStack : public torch::CustomClassHolder {
         Outputs fresh;
         Outputs& o = reuse ? *reuse : fresh;
         // A batch past the integer kernels' rows goes through GGUFLinear's GEMM (gguf_gemm.inc in bf16,
-        // gguf_gemm_f32.inc in float32), which writes the compute dtype (an LM head's float32) itself;
+        // gguf_gemm_f32.inc in float32, gguf_gemm_int.inc in float32 on AVX2), which writes the
+        // compute dtype (an LM head's float32) itself;
         // the integer kernels write float32, converted below.
         const bool gemm = l.gemm_above > 0 && rows.size(0) > l.gemm_above;
         const bool direct = gemm && !l.float_output;

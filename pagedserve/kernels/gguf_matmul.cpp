@@ -593,7 +593,7 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
 // widened to int16 once for every row of the chunk (gguf_gemm_int.inc, AVX2). "scalar" is the
 // reference, the scalar integer kernel over the same activations (gguf_matmul / gguf_matmul16 with
 // residual): the same products up to float summation order. gguf_gemm's "auto" takes float32 x
-// here on the AVX2 path, for the formats where it measured faster (int16_gemm_pays).
+// here on the AVX2 path, for the formats and row counts where it measured faster (int16_gemm_pays).
 void gguf_gemm_int16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                      const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_gemm_int16";
@@ -653,7 +653,7 @@ void gemm_reference(Format f, bool rows16, const uint8_t* wp, int64_t stride, in
 // or float32): gguf_gemm.inc's kernel, which needs AVX-512 BF16 (where GGUFLinear calls it:
 // gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM). x in float32 (out float32):
 // gguf_gemm_f32.inc's, on the AVX2 or the AVX-512 path ("auto": the CPU's best; "amx" runs the
-// AVX-512 one), except that "auto" on the AVX2 path hands the formats int16_gemm_pays to
+// AVX-512 one), except that "auto" on the AVX2 path hands the calls int16_gemm_pays to
 // gguf_gemm_int16, whose int16 activations are the integer kernels' (near-float, not float32's
 // bits). "scalar" the reference: the weight dequantized as gguf_dequantize does (rounded to
 // bfloat16 for bf16 x, as that kernel reads it), each product summed in float32 in k order.
@@ -675,7 +675,7 @@ void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::s
   if (M == 0 || N == 0) return;
 #if PS_X86
   // "auto" on the AVX2 path takes float32 x through the integers, where that measured faster
-  if (isa_name == "auto" && isa == Isa::avx2 && !bf16 && out.scalar_type() == at::kFloat && avx2::int16_gemm_pays(f))
+  if (isa_name == "auto" && isa == Isa::avx2 && !bf16 && out.scalar_type() == at::kFloat && avx2::int16_gemm_pays(f, M))
     return gguf_gemm_int16(out, x, w, format, bias, rows16, "avx2", pool);
 #endif
   const uint8_t* wp = w.data_ptr<uint8_t>();

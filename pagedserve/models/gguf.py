@@ -564,7 +564,7 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
     if b.gemm and dtype == torch.float32 and b.isa == "avx2":
-        chunks = "int16 GEMM over panels widened in cache (gguf_gemm_int16; Q6_K the float32 gguf_gemm)"
+        chunks = "int16 GEMM over panels widened in cache (gguf_gemm_int16; Q6_K past 32 rows the float32 gguf_gemm)"
     elif b.gemm:
         chunks = f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)"
     else:

@@ -44,12 +44,12 @@ ALL_ROWS = 1 << 30
 # format's integer kernels beat the GEMM that takes the chunks past them, per path: bench
 # gguf-kernels on SmolLM2-135M's Q4_1, Q8_0 and Q4_K_M files on a Zen 5 (docs/BENCHMARKS.md, "An
 # int16 GEMM for prompt chunks on AVX2"); Q4_0, Q5_1 and Q5_K take their kin's (Q4_1, Q5_0, Q4_K).
-# AVX2 (against gguf_gemm_int16; Q6_K the float32 gguf_gemm): Q4_1's paired kernels stay ahead to
-# 128 rows, the K-quants' to 64, Q6_K's to 12, Q5_0's to 8, Q8_0's to 4. AVX-512 VNNI (against the
+# AVX2 (against gguf_gemm_int16; Q6_K past 32 rows the float32 gguf_gemm): Q4_1's paired kernels stay
+# ahead to 128 rows, the K-quants' to 16, Q5_0's and Q6_K's to 8, Q8_0's to 4. AVX-512 VNNI (against the
 # float32 gguf_gemm): Q4_1's, Q5_0's and Q8_0's rows16 kernels still 1.2-1.4x ahead at 512 rows,
 # the K-quants' level with it at 512-1,024, Q6_K's to 96.
 FLOAT32_KERNEL_ROWS = {
-    "avx2": {"Q4_0": 128, "Q4_1": 128, "Q5_0": 8, "Q5_1": 8, "Q8_0": 4, "Q4_K": 64, "Q5_K": 64, "Q6_K": 12},
+    "avx2": {"Q4_0": 128, "Q4_1": 128, "Q5_0": 8, "Q5_1": 8, "Q8_0": 4, "Q4_K": 16, "Q5_K": 16, "Q6_K": 8},
     "avx512": {"Q4_0": ALL_ROWS, "Q4_1": ALL_ROWS, "Q5_0": ALL_ROWS, "Q5_1": ALL_ROWS, "Q8_0": ALL_ROWS,
                "Q4_K": 1024, "Q5_K": 1024, "Q6_K": 96},
 }

@@ -90,22 +90,23 @@ def test_a_column_slice_of_a_wider_output_is_written_and_nothing_else():
 @pytest.mark.parametrize("fmt", list(BLOCKS))
 def test_gguf_gemm_auto_hands_float32_chunks_to_it_on_the_avx2_path(fmt):
     """Where ``auto`` means AVX2 (this CPU's best, or held there by the limit), float32 x goes through
-    the integer GEMM for every format but Q6_K, which keeps the float32 GEMM (gguf_gemm_int.inc:
-    int16_gemm_pays); bf16 x is not the integer GEMM's."""
+    the integer GEMM for every format, but Q6_K only up to 32 rows: past them it keeps the float32
+    GEMM (gguf_gemm_int.inc: int16_gemm_pays); the two GEMMs are told apart by their bits."""
     K, n = _k(fmt), 24
     wl = rows16_layout(fmt, random_gguf_rows(fmt, n, K, seed=7))
-    x = torch.randn(9, K)
-    limit_isa("avx2")
-    try:
-        auto = torch.empty(9, n)
-        OPS.gguf_gemm(auto, x, wl, fmt, None, True, "auto")
-    finally:
-        limit_isa("auto")
-    chosen = _int16(x, wl, n, fmt, True, "avx2")
-    f32 = torch.empty(9, n)
-    OPS.gguf_gemm(f32, x, wl, fmt, None, True, "avx2")
-    assert torch.equal(auto, f32 if fmt == "Q6_K" else chosen)
-    assert fmt == "Q6_K" or not torch.equal(chosen, f32)  # the two GEMMs are told apart by their bits
+    for rows in (9, 32, 33):
+        x = torch.randn(rows, K)
+        limit_isa("avx2")
+        try:
+            auto = torch.empty(rows, n)
+            OPS.gguf_gemm(auto, x, wl, fmt, None, True, "auto")
+        finally:
+            limit_isa("auto")
+        chosen = _int16(x, wl, n, fmt, True, "avx2")
+        f32 = torch.empty(rows, n)
+        OPS.gguf_gemm(f32, x, wl, fmt, None, True, "avx2")
+        assert not torch.equal(chosen, f32), rows
+        assert torch.equal(auto, f32 if fmt == "Q6_K" and rows > 32 else chosen), rows
 
 
 def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
@@ -116,6 +117,7 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
     assert widest_format(["Q8_0", "Q5_0"], [64, 64]) == "Q8_0"  # a tie: the first
     assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 128
     assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 8
+    assert kernel_rows_default("avx2", torch.float32, "Q4_K") == 16
     assert kernel_rows_default("avx512", torch.float32, "Q4_1") == ALL_ROWS
     assert kernel_rows_default("avx512", torch.float32, "Q6_K") == 96
     assert kernel_rows_default("avx2", None, "Q5_0") == kernel_rows_default("avx2") == 32  # no float32 GEMM
