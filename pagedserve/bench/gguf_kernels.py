@@ -1,8 +1,9 @@
 """``pagedserve bench gguf-kernels``: the native GGUF kernel (int8 or int16 activations × the blocks' integers)
 against dequantizing the blocks and running torch's float32 GEMM, against a float32 ``F.linear``
 over weights already dequantized (what a float32 model pays), against ``gguf_gemm`` in float32 (the
-weights dequantized a panel at a time), on the AVX2 path against ``gguf_gemm_int16`` (the integer GEMM
-a float32 model's prompt chunks take there) and, on a CPU with AVX-512 BF16, ``gguf_gemm`` in bf16, at the row counts of a
+weights dequantized a panel at a time), on the AVX2 path against the integer GEMM a float32 model's
+prompt chunks take there at the same activations (``gguf_gemm_int16``, or ``gguf_gemm_int8`` for the
+formats it takes) and, on a CPU with AVX-512 BF16, ``gguf_gemm`` in bf16, at the row counts of a
 decode batch and of a prefill chunk, alternating round by round. The crossover row count is where
 :class:`~pagedserve.models.gguf_linear.GGUFLinear` switches from the kernel to the GEMM. Each format
 is timed in the layout GGUFLinear gives it on this CPU (``rows16_default``), or in the one asked for."""
@@ -42,7 +43,7 @@ class ShapeTimes:
     float_us: float
     gemm_us: float | None = None  # gguf_gemm in bf16 (prompt chunks' path on a CPU with AVX-512 BF16)
     gemm_f32_us: float | None = None  # gguf_gemm in float32 (a float32 model's prompt chunks)
-    gemm_int16_us: float | None = None  # gguf_gemm_int16 (the AVX2 path's prompt chunks, int16 activations)
+    gemm_int_us: float | None = None  # gguf_gemm_int16 / _int8 (the AVX2 path's prompt chunks, the kernels' activations)
 
     @property
     def gb_per_s(self) -> float:
@@ -132,7 +133,7 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
     own_gemm = isa == "auto" and bool(ops.gguf_gemm_usable())
     path = best_isa() if isa == "auto" else isa
     own_gemm_f32 = path != "scalar"
-    own_gemm_int16 = path == "avx2"  # the integer GEMM is AVX2's (gguf_gemm_int.inc)
+    own_gemm_int = path == "avx2"  # the integer GEMM is AVX2's (gguf_gemm_int.inc)
     out: list[ShapeTimes] = []
     for fmt, n, k in shapes:
         laid = LaidOut.of(ops, fmt, n, k, layout, isa)
@@ -166,11 +167,12 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             def gemm_f32():
                 ops.gguf_gemm(y, x, w, fmt, None, rows16, isa)
 
-            def gemm_int16():
-                ops.gguf_gemm_int16(y, x, w, fmt, None, rows16, path)
+            def gemm_int():  # at the activations' precision, as gguf_gemm's auto takes it (Q8_0, Q6_K: int16 always)
+                by_bytes = not int16 and fmt not in ("Q8_0", "Q6_K")
+                (ops.gguf_gemm_int8 if by_bytes else ops.gguf_gemm_int16)(y, x, w, fmt, None, rows16, path)
 
             extra = {"gemm_f32_us": gemm_f32 if own_gemm_f32 else None,
-                     "gemm_int16_us": gemm_int16 if own_gemm_int16 else None, "gemm_us": gemm if own_gemm else None}
+                     "gemm_int_us": gemm_int if own_gemm_int else None, "gemm_us": gemm if own_gemm else None}
             extra = {name: fn for name, fn in extra.items() if fn is not None}
             times = _alternated((kernel, dequant_gemm, float_gemm, *extra.values()), rounds, calls)
             gemms = dict(zip(extra, times[3:]))
@@ -235,11 +237,11 @@ def file_totals(counted: list[tuple[tuple[str, int, int], int]], timed: list[Sha
     totals: dict[int, dict] = {}
     for t in timed:
         row = totals.setdefault(t.rows, {"rows": t.rows, "kernel_us": 0.0, "dequant_gemm_us": 0.0, "float_us": 0.0,
-                                         "gemm_f32_us": None, "gemm_int16_us": None, "gemm_us": None})
+                                         "gemm_f32_us": None, "gemm_int_us": None, "gemm_us": None})
         n = count[(t.format, t.out_features, t.in_features)]
         for way in ("kernel_us", "dequant_gemm_us", "float_us"):
             row[way] += n * getattr(t, way)
-        for way in ("gemm_f32_us", "gemm_int16_us", "gemm_us"):
+        for way in ("gemm_f32_us", "gemm_int_us", "gemm_us"):
             if getattr(t, way) is not None:
                 row[way] = (row[way] or 0.0) + n * getattr(t, way)
     return list(totals.values())
@@ -312,19 +314,20 @@ def run(args: argparse.Namespace) -> int:
     shapes = SHAPES if counted is None else [shape for shape, _ in counted]
     results = measure(shapes, rows, args.rounds, args.calls, args.gguf_activations == "int16", args.layout, args.isa)
     path = best_isa() if args.isa == "auto" else args.isa
+    int_gemm = f"{args.gguf_activations} gemm"  # the AVX2 integer GEMM at the kernels' precision
     print(f"GGUF kernels ({path} path, {args.gguf_activations} activations; {machine_summary()}), medians "
           f"of {args.rounds} alternated rounds")
     print(f"{'format':6} {'layout':6} {'out x in':>12} {'rows':>5} {'kernel us':>10} {'GB/s':>6} {'deq+GEMM us':>12} "
           f"{'fp32 us':>9} {'GEMM/kernel':>11} {'fp32/kernel':>11}"
           + (f" {'f32 gguf_gemm us':>16} {'deq+GEMM/f32':>12}" if results and results[0].gemm_f32_us else "")
-          + (f" {'int16 gemm us':>13} {'f32/int16':>9}" if results and results[0].gemm_int16_us else "")
+          + (f" {int_gemm + ' us':>13} {'f32/' + int_gemm[:-5]:>9}" if results and results[0].gemm_int_us else "")
           + (f" {'bf16 gguf_gemm us':>17} {'kernel/gguf_gemm':>16}" if results and results[0].gemm_us else ""))
     for r in results:
         print(f"{r.format:6} {r.layout:6} {f'{r.out_features}x{r.in_features}':>12} {r.rows:>5} {r.kernel_us:>10.1f} "
               f"{r.gb_per_s:>6.1f} {r.dequant_gemm_us:>12.1f} {r.float_us:>9.1f} "
               f"{r.dequant_gemm_us / r.kernel_us:>10.2f}x {r.float_us / r.kernel_us:>10.2f}x"
               + (f" {r.gemm_f32_us:>16.1f} {r.dequant_gemm_us / r.gemm_f32_us:>11.2f}x" if r.gemm_f32_us else "")
-              + (f" {r.gemm_int16_us:>13.1f} {r.gemm_f32_us / r.gemm_int16_us:>8.2f}x" if r.gemm_int16_us else "")
+              + (f" {r.gemm_int_us:>13.1f} {r.gemm_f32_us / r.gemm_int_us:>8.2f}x" if r.gemm_int_us else "")
               + (f" {r.gemm_us:>17.1f} {r.kernel_us / r.gemm_us:>15.2f}x" if r.gemm_us else ""))
     totals = None
     if counted is not None:
@@ -332,13 +335,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.model.name}: {sum(n for _, n in counted)} layer matrices, each way's total per row count")
         print(f"{'rows':>5} {'kernel ms':>10} {'deq+GEMM ms':>12} {'fp32 ms':>9}"
               + (f" {'f32 gguf_gemm ms':>16}" if totals[0]["gemm_f32_us"] else "")
-              + (f" {'int16 gemm ms':>13}" if totals[0]["gemm_int16_us"] else "")
+              + (f" {int_gemm + ' ms':>13}" if totals[0]["gemm_int_us"] else "")
               + (f" {'gguf_gemm ms':>12} {'kernel/gguf_gemm':>16}" if totals[0]["gemm_us"] else ""))
         for t in totals:
             print(f"{t['rows']:>5} {t['kernel_us'] / 1e3:>10.2f} {t['dequant_gemm_us'] / 1e3:>12.2f} "
                   f"{t['float_us'] / 1e3:>9.2f}"
                   + (f" {t['gemm_f32_us'] / 1e3:>16.2f}" if t["gemm_f32_us"] else "")
-                  + (f" {t['gemm_int16_us'] / 1e3:>13.2f}" if t["gemm_int16_us"] else "")
+                  + (f" {t['gemm_int_us'] / 1e3:>13.2f}" if t["gemm_int_us"] else "")
                   + (f" {t['gemm_us'] / 1e3:>12.2f} {t['kernel_us'] / t['gemm_us']:>15.2f}x" if t["gemm_us"] else ""))
     write_result(args.json_out, {"isa": best_isa(), "machine": machine_summary(),
                                  "rows": [asdict(r) for r in results]} | ({"totals": totals} if totals else {}))

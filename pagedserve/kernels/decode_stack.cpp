@@ -277,7 +277,7 @@ class DecodeStack : public torch::CustomClassHolder {
           const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
               ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
           if (gemm) {
-            gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", pool_.get());
+            gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", l.residual, pool_.get());
           } else {
             const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
             matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());

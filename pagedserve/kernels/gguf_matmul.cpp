@@ -588,33 +588,40 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& w, c10::string_view form
 }
 
 // out [M, N] (float32, unit column stride: it may be a column slice of a wider one) = x [M, K]
-// (float32) W^T (+ bias), W in the rows16 layout (`rows16`) or planar, through the integers: x
-// quantized to the int16 activations (kLowSteps q + low), each panel of 16 weight rows' integers
-// widened to int16 once for every row of the chunk (gguf_gemm_int.inc, AVX2). "scalar" is the
-// reference, the scalar integer kernel over the same activations (gguf_matmul / gguf_matmul16 with
-// residual): the same products up to float summation order. gguf_gemm's "auto" takes float32 x
-// here on the AVX2 path, for the formats and row counts where it measured faster (int16_gemm_pays).
-void gguf_gemm_int16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                     const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool) {
-  const char* op = "gguf_gemm_int16";
+// (float32) W^T (+ bias), W in the rows16 layout (`rows16`) or planar, through the integers
+// (gguf_gemm_int.inc, AVX2): `residual`, x quantized to the int16 activations (kLowSteps q + low)
+// and each panel of 16 weight rows' integers widened to int16 once for every row of the chunk;
+// else to int8 ones against the panel's weight bytes (maddubs), which only formats whose weights
+// are unsigned and of at most 5 bits allow (int8_gemm_takes: not Q8_0, not Q6_K). "scalar" is the
+// reference, the scalar integer kernel over the same activations (gguf_matmul / gguf_matmul16):
+// the same products up to float summation order. gguf_gemm's "auto" takes float32 x here on the
+// AVX2 path (int8: where the format allows; int16: where int16_gemm_pays).
+void gguf_gemm_int(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                   const std::optional<at::Tensor>& bias, bool rows16, bool residual, c10::string_view isa_name,
+                   WorkPool* pool) {
+  const char* op = residual ? "gguf_gemm_int16" : "gguf_gemm_int8";
   const std::string_view name(isa_name.data(), isa_name.size());
   // Two paths: AVX2 ("auto" wherever the CPU runs it, AVX-512 CPUs included) and the scalar reference
   const Isa isa = parse_isa(name, op) == Isa::scalar ? Isa::scalar : Isa::avx2;
   TORCH_CHECK(name == "auto" || name == "scalar" || name == "avx2", op, ": its paths are scalar and avx2, not ", name);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
               ": x must be a contiguous float32 [rows, in_features]");
-  if (isa == Isa::scalar) {
-    return rows16 ? gguf_matmul16(out, x, w, format, bias, true, "scalar", pool)
-                  : gguf_matmul(out, x, w, format, bias, true, "scalar", pool);
-  }
   const int64_t M = x.size(0), K = x.size(1), N = out.dim() == 2 ? out.size(1) : 0;
   const Format f = rows16 ? rows16_format(w, format, N, K, op) : planar_format(w, format, N, K, op);
+#if PS_X86
+  TORCH_CHECK(residual || avx2::int8_gemm_takes(f), op, ": ", info(f).name,
+              "'s signed weights overflow maddubs; its int8 activations take gguf_matmul's kernels");
+#endif
+  if (isa == Isa::scalar) {
+    return rows16 ? gguf_matmul16(out, x, w, format, bias, residual, "scalar", pool)
+                  : gguf_matmul(out, x, w, format, bias, residual, "scalar", pool);
+  }
   check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
 #if PS_X86
-  const Path path{nullptr, &avx2::quantize_row, false, /*whole=*/true};
-  const Operands in(out, x, w, bias, path, /*residual=*/true, pool);
-  avx2::gemm_int16(f, rows16, in.w, w.size(1), N, K, in.xq.at(0), M, in.bias, in.y, in.ld, pool);
+  const Path path{nullptr, &avx2::quantize_row, false, /*whole=*/residual};
+  const Operands in(out, x, w, bias, path, residual, pool);
+  avx2::gemm_int(f, residual, rows16, in.w, w.size(1), N, K, in.xq.at(0), M, in.bias, in.y, in.ld, pool);
 #endif
 }
 
@@ -653,12 +660,13 @@ void gemm_reference(Format f, bool rows16, const uint8_t* wp, int64_t stride, in
 // or float32): gguf_gemm.inc's kernel, which needs AVX-512 BF16 (where GGUFLinear calls it:
 // gguf_gemm_usable, which leaves AMX-BF16 CPUs to torch's GEMM). x in float32 (out float32):
 // gguf_gemm_f32.inc's, on the AVX2 or the AVX-512 path ("auto": the CPU's best; "amx" runs the
-// AVX-512 one), except that "auto" on the AVX2 path hands the calls int16_gemm_pays to
-// gguf_gemm_int16, whose int16 activations are the integer kernels' (near-float, not float32's
-// bits). "scalar" the reference: the weight dequantized as gguf_dequantize does (rounded to
+// AVX-512 one), except that "auto" on the AVX2 path hands the calls to gguf_gemm_int, whose
+// activations are the integer kernels' (`residual`: int16, near-float, where int16_gemm_pays; else
+// int8 where int8_gemm_takes the format, and int16 for the others), not float32's bits. "scalar" the reference: the weight dequantized as gguf_dequantize does (rounded to
 // bfloat16 for bf16 x, as that kernel reads it), each product summed in float32 in k order.
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool) {
+               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, bool residual,
+               WorkPool* pool) {
   const char* op = "gguf_gemm";
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -675,8 +683,10 @@ void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::s
   if (M == 0 || N == 0) return;
 #if PS_X86
   // "auto" on the AVX2 path takes float32 x through the integers, where that measured faster
-  if (isa_name == "auto" && isa == Isa::avx2 && !bf16 && out.scalar_type() == at::kFloat && avx2::int16_gemm_pays(f, M))
-    return gguf_gemm_int16(out, x, w, format, bias, rows16, "avx2", pool);
+  if (isa_name == "auto" && isa == Isa::avx2 && !bf16 && out.scalar_type() == at::kFloat) {
+    if (!residual && avx2::int8_gemm_takes(f)) return gguf_gemm_int(out, x, w, format, bias, rows16, false, "avx2", pool);
+    if (avx2::int16_gemm_pays(f, M)) return gguf_gemm_int(out, x, w, format, bias, rows16, true, "avx2", pool);
+  }
 #endif
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
@@ -708,13 +718,18 @@ void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::s
 
 void gguf_gemm_int16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                         const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name) {
-  gguf_gemm_int16(out, x, w, format, bias, rows16, isa_name, nullptr);
+  gguf_gemm_int(out, x, w, format, bias, rows16, true, isa_name, nullptr);
+}
+
+void gguf_gemm_int8_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                       const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name) {
+  gguf_gemm_int(out, x, w, format, bias, rows16, false, isa_name, nullptr);
 }
 
 // The registered op: torch's threads.
 void gguf_gemm_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                  const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name) {
-  gguf_gemm(out, x, w, format, bias, rows16, isa_name, nullptr);
+                  const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, bool residual) {
+  gguf_gemm(out, x, w, format, bias, rows16, isa_name, residual, nullptr);
 }
 
 // The int8 activations every path computes with, and with `low` the int16 ones (tests: the paths
@@ -751,8 +766,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         "str isa='auto') -> ()");
   m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None, str isa='auto') -> ()");
   m.def("gguf_gemm(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool rows16=True, "
-        "str isa='auto') -> ()");
+        "str isa='auto', bool residual=True) -> ()");
   m.def("gguf_gemm_int16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool rows16=True, "
+        "str isa='auto') -> ()");
+  m.def("gguf_gemm_int8(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool rows16=True, "
         "str isa='auto') -> ()");
   m.def("gguf_gemm_usable() -> bool", &pagedserve::bf16_gemm_usable);
   m.def("gguf_quantize_activations(Tensor(a!) q, Tensor(b!) d, Tensor(c!) s, Tensor x, str isa='auto', "
@@ -766,5 +783,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("gguf_dequantize16", &pagedserve::gguf::gguf_dequantize16);
   m.impl("gguf_gemm", &pagedserve::gguf::gguf_gemm_op);
   m.impl("gguf_gemm_int16", &pagedserve::gguf::gguf_gemm_int16_op);
+  m.impl("gguf_gemm_int8", &pagedserve::gguf::gguf_gemm_int8_op);
   m.impl("gguf_quantize_activations", &pagedserve::gguf::gguf_quantize_activations);
 }

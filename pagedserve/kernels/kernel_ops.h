@@ -49,5 +49,6 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool);
 
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, WorkPool* pool);
+               const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, bool residual,
+               WorkPool* pool);
 }  // namespace pagedserve::gguf

@@ -394,8 +394,6 @@ class GGUFBuilder:
         # prompt chunks through the native GEMM (gguf_gemm_usable): bf16 on AVX-512 BF16 without AMX, float32
         self.gemm = self.ops is not None and gguf_gemm_usable(dtype)
         self.isa = best_isa()
-        # each layer's rows for the integer kernels, by the format holding most of its weights (for the log)
-        self.kernel_rows: dict[str, int] = {}
         # int4 layout: the CPU kernel's (default: on a CPU), or the portable one
         self.packed_for_cpu = device.type == "cpu" if packed_for_cpu is None else packed_for_cpu
         self.used: set[str] = set()
@@ -456,9 +454,7 @@ class GGUFBuilder:
                 rows.append(p.fix(_raw(p.tensor).view(_rows(p.tensor)[0], row_bytes(kind, in_features))))
                 self._count(p.tensor, f"{kind} blocks", dequantize=False)
             segments.append((kind, torch.cat(rows)))
-        fmt = widest_format([f for f, _ in segments], [w.shape[0] for _, w in segments])
-        rows = self.kernel_rows.setdefault(fmt, kernel_rows_default(self.isa, self.dtype if self.gemm else None, fmt))
-        return GGUFLinear(segments, in_features, bias, self.ops, kernel_rows=rows, gemm=self.gemm)
+        return GGUFLinear(segments, in_features, bias, self.ops, gemm=self.gemm)
 
     def linear(self, parts: list[_Part], out_sizes: list[int], in_features: int, bias: list[_Part] | None = None,
                packed_for_cpu: bool | None = None) -> nn.Module:
@@ -551,9 +547,16 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     the LM head's output in float32, the GGUF kernels' ``activations`` set (int16 on the LM head)."""
     if isinstance(model.lm_head, (Int8GroupedLinear, GGUFLinear)):
         model.lm_head.float_output = True  # compute_logits wants float32 anyway
-    for m in model.modules():  # an LM head's activations always at ~16 bits: near-tied logits keep their order
+    # Each layer's activations (an LM head's always at ~16 bits: near-tied logits keep their order) and
+    # its rows for the integer kernels, by the activations and the format holding most of its weights
+    kernel_rows: dict[str, int] = {}  # by that format (the LM head's apart), for the log
+    for m in model.modules():
         if isinstance(m, GGUFLinear):
-            m.residual = activations == "int16" or m is model.lm_head
+            head = m is model.lm_head
+            m.residual = activations == "int16" or head
+            fmt = widest_format(m.formats, m.widths)
+            m.kernel_rows = kernel_rows_default(b.isa, dtype if b.gemm else None, fmt, "int16" if m.residual else "int8")
+            kernel_rows[f"LM head {fmt}" if head and activations != "int16" else fmt] = m.kernel_rows
     unused = sorted(set(b.tensors) - b.used)
     if unused:
         raise GGUFError(f"GGUF file has tensors this model does not use: {unused[:5]}")
@@ -563,21 +566,24 @@ def finish_gguf_model(model: nn.Module, b: GGUFBuilder, gguf_path: Path, dtype: 
     if b.dequantized:
         logger.warning("GGUF tensor types with no quantized format here, dequantized to %s: %s",
                        str(dtype).removeprefix("torch."), ", ".join(f"{k} x{v}" for k, v in sorted(b.dequantized.items())))
-    if b.gemm and dtype == torch.float32 and b.isa == "avx2":
+    if b.gemm and dtype == torch.float32 and b.isa == "avx2" and activations == "int8":
+        chunks = ("int8 GEMM over the panels' weight bytes (gguf_gemm_int8; Q8_0, Q6_K and the LM head the "
+                  "int16 one, Q6_K past 32 rows the float32 gguf_gemm)")
+    elif b.gemm and dtype == torch.float32 and b.isa == "avx2":
         chunks = "int16 GEMM over panels widened in cache (gguf_gemm_int16; Q6_K past 32 rows the float32 gguf_gemm)"
     elif b.gemm:
         chunks = f"{str(dtype).removeprefix('torch.')} GEMM over panels dequantized in cache (gguf_gemm)"
     else:
         chunks = "dequantize + torch's GEMM"
     # by format where they differ (float32 on the AVX2 and AVX-512 paths); ALL_ROWS: never handed over
-    limited = {fmt: n for fmt, n in sorted(b.kernel_rows.items()) if n < ALL_ROWS}
+    limited = {fmt: n for fmt, n in sorted(kernel_rows.items()) if n < ALL_ROWS}
     rows = sorted(set(limited.values()))
     past = (f"more than {rows[0]} rows" if len(rows) == 1 else
             "more rows than " + ", ".join(f"{n} ({fmt})" for fmt, n in limited.items()))
-    unlimited = [fmt for fmt, n in sorted(b.kernel_rows.items()) if n >= ALL_ROWS]
+    unlimited = [fmt for fmt, n in sorted(kernel_rows.items()) if n >= ALL_ROWS]
     every = f"{', '.join(unlimited)} in the integer kernels at every row count" if unlimited else ""
     kernels = ("; GGUF kernels: " + isa_summary() + (f", prompt chunks of {past}: {chunks}" if rows else "")
-               + (f"; {every}" if every else "")) if b.ops is not None and b.kernel_rows else ""
+               + (f"; {every}" if every else "")) if b.ops is not None and kernel_rows else ""
     logger.info("loaded %s: %s%s", Path(gguf_path).name, ", ".join(f"{k} x{v}" for k, v in sorted(b.loaded.items())),
                 kernels)
     return model.eval().requires_grad_(False)

@@ -53,21 +53,34 @@ FLOAT32_KERNEL_ROWS = {
     "avx512": {"Q4_0": ALL_ROWS, "Q4_1": ALL_ROWS, "Q5_0": ALL_ROWS, "Q5_1": ALL_ROWS, "Q8_0": ALL_ROWS,
                "Q4_K": 1024, "Q5_K": 1024, "Q6_K": 96},
 }
+# The same with int8 activations (--gguf-activations int8), where they differ: on AVX2 the kernels
+# against gguf_gemm_int8, whose maddubs over the panels' 4- and 5-bit weights runs 1.35-1.9x the
+# int16 GEMM (Q8_0 and Q6_K: against the int16 GEMM, which they keep); docs/BENCHMARKS.md, "An int8
+# GEMM for prompt chunks on AVX2". The int8 kernels stay ahead to 32 rows on Q4_0 / Q4_1, 16 on
+# Q8_0 and Q6_K, 8 on the K-quants, 4 on Q5_0 / Q5_1.
+FLOAT32_INT8_KERNEL_ROWS = {
+    "avx2": {"Q4_0": 32, "Q4_1": 32, "Q5_0": 4, "Q5_1": 4, "Q8_0": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16},
+}
 
 
-def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | None = None) -> int:
+def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | None = None,
+                        activations: str = "int16") -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best
     path is ``isa``, ``gemm`` the dtype of the ``gguf_gemm`` that takes the rows past them (None:
     dequantize + torch's GEMM does), ``fmt`` the format holding most of the layer's weights
-    (:func:`widest_format`). On AVX-512: KERNEL_ROWS before the bf16 GEMM (AVX-512 BF16, no AMX),
+    (:func:`widest_format`), ``activations`` the kernels' (``int16`` or ``int8``). On AVX-512:
+    KERNEL_ROWS before the bf16 GEMM (AVX-512 BF16, no AMX),
     which is level with the rows16 kernels at 24-32 rows and 1.2-1.4x faster at 64 (every format of
     SmolLM2-135M's and Gemma 3 270M's files, docs/BENCHMARKS.md, "Prefill's own GEMM"); 128 before a
     float32 one (whose rows16 kernels prefilled a 64-token prompt 1.6-2.1x and a 128-token one
     1.2-1.5x faster than dequantize + torch's GEMM, "The integer kernels up to 128 rows", and stay
     ahead of the float32 GEMM there, "The float32 GEMM"). Before a float32 GEMM on the AVX2 and
-    AVX-512 paths with ``fmt`` given: the format's own crossover (FLOAT32_KERNEL_ROWS; ALL_ROWS: the
-    kernels take every chunk). KERNEL_ROWS elsewhere (AMX tiles keep their own)."""
+    AVX-512 paths with ``fmt`` given: the format's own crossover (FLOAT32_KERNEL_ROWS, or
+    FLOAT32_INT8_KERNEL_ROWS with int8 activations; ALL_ROWS: the kernels take every chunk).
+    KERNEL_ROWS elsewhere (AMX tiles keep their own)."""
     if gemm == torch.float32 and fmt is not None and isa in FLOAT32_KERNEL_ROWS:
+        if activations == "int8" and isa in FLOAT32_INT8_KERNEL_ROWS:
+            return FLOAT32_INT8_KERNEL_ROWS[isa][fmt]
         return FLOAT32_KERNEL_ROWS[isa][fmt]
     return KERNEL_ROWS if isa != "avx512" or gemm == torch.bfloat16 else 128
 
@@ -232,7 +245,7 @@ class GGUFLinear(nn.Module):
             x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32 if self.float_output else x.dtype)
             for fmt, w, offset, width, i, bias in self._segments():
-                self.ops.gguf_gemm(y[:, offset:offset + width], x2, w, fmt, bias, self.rows16[i])
+                self.ops.gguf_gemm(y[:, offset:offset + width], x2, w, fmt, bias, self.rows16[i], "auto", self.residual)
         else:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantized_weight(x.dtype), bias)

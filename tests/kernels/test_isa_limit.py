@@ -94,3 +94,40 @@ def test_an_engine_under_avx2_lays_out_and_computes_as_on_an_avx2_cpu(kind, tiny
         assert_no_leaks(engine)
     assert best_isa() == isa_paths()[-1]  # the second engine's auto lifted the limit
     assert tokens["avx2"] == tokens["auto"]
+
+
+def test_int8_activations_under_avx2_give_the_layers_their_kernel_rows_and_the_head_int16(tiny_ggufs, caplog):
+    """``gguf_activations="int8"`` under ``cpu_isa="avx2"``: every layer but the LM head takes int8
+    activations and the rows measured against the int8 GEMM (FLOAT32_INT8_KERNEL_ROWS), the head
+    int16 and int16's rows; the start-up log names the int8 GEMM; a prompt past the kernels' rows
+    and a few decode steps run, and every block comes back."""
+    import logging
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.frontend.engine import Engine
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.models.gguf_linear import GGUFLinear, kernel_rows_default, widest_format
+    from tests.conftest import assert_no_leaks, run_all
+
+    if "avx2" not in isa_paths():
+        pytest.skip("this CPU cannot run the avx2 path")
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedserve"):
+            engine = Engine(EngineConfig(model=str(tiny_ggufs("Q4_1", tokenizer=True)), cpu_isa="avx2",
+                                         gguf_activations="int8", num_kv_blocks=64))
+        model = engine.core.runner.model
+        layers = [m for m in model.modules() if isinstance(m, GGUFLinear) and m is not model.lm_head]
+        assert layers and not any(m.residual for m in layers)
+        assert all(m.kernel_rows == kernel_rows_default("avx2", torch.float32, widest_format(m.formats, m.widths),
+                                                        "int8") for m in layers)
+        if isinstance(model.lm_head, GGUFLinear):
+            head = model.lm_head
+            assert head.residual
+            assert head.kernel_rows == kernel_rows_default("avx2", torch.float32, widest_format(head.formats, head.widths))
+        assert "gguf_gemm_int8" in caplog.text
+        engine.add_request("a", list(range(5, 5 + 2 * max(m.kernel_rows for m in layers))),
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert len(run_all(engine)["a"].outputs[0].token_ids) == 6
+        assert_no_leaks(engine)
+    finally:
+        limit_isa("auto")
