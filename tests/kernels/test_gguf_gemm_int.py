@@ -129,8 +129,8 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
     assert all(set(rows) == set(BLOCKS) for rows in FLOAT32_KERNEL_ROWS.values())
     assert widest_format(["Q5_0", "Q8_0", "Q5_0"], [576, 192, 192]) == "Q5_0"
     assert widest_format(["Q8_0", "Q5_0"], [64, 64]) == "Q8_0"  # a tie: the first
-    assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 128
-    assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 8
+    assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 16
+    assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 3
     assert kernel_rows_default("avx2", torch.float32, "Q4_K") == 16
     assert kernel_rows_default("avx512", torch.float32, "Q4_1") == ALL_ROWS
     assert kernel_rows_default("avx512", torch.float32, "Q6_K") == 96
@@ -139,9 +139,9 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
     assert kernel_rows_default("amx", torch.float32, "Q4_1") == 32  # the tiles'
     # int8 activations: the AVX2 path's own crossovers against gguf_gemm_int8, others as int16's
     assert set(FLOAT32_INT8_KERNEL_ROWS["avx2"]) == set(BLOCKS)
-    assert kernel_rows_default("avx2", torch.float32, "Q4_1", "int8") == 32
+    assert kernel_rows_default("avx2", torch.float32, "Q4_1", "int8") == 8
     assert kernel_rows_default("avx2", torch.float32, "Q4_K", "int8") == 8
-    assert kernel_rows_default("avx2", torch.float32, "Q5_0", "int8") == 4
+    assert kernel_rows_default("avx2", torch.float32, "Q5_0", "int8") == 2
     assert kernel_rows_default("avx512", torch.float32, "Q4_1", "int8") == ALL_ROWS
     assert kernel_rows_default("avx2", None, "Q5_0", "int8") == 32
 
@@ -149,28 +149,29 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
 @needs_avx2
 @pytest.mark.parametrize("residual", [True, False])
 def test_a_layer_s_prompt_chunk_past_its_kernel_rows_takes_the_integer_gemm(residual):
-    """A Q5_0 + Q8_0 layer (QKV-like) on the AVX2 path: 9 rows (past Q5_0's 8) give the integer GEMM's
-    bits in each segment's columns (int16, or with int8 activations the int8 GEMM for Q5_0 and the
-    int16 one for Q8_0), 8 rows the integer kernels' at the layer's precision."""
+    """A Q5_0 + Q8_0 layer (QKV-like) on the AVX2 path: one row past Q5_0's kernel rows gives the
+    integer GEMM's bits in each segment's columns (int16, or with int8 activations the int8 GEMM for
+    Q5_0 and the int16 one for Q8_0), its kernel rows the integer kernels' at the layer's precision."""
     k = 320
     segments = [("Q5_0", random_gguf_rows("Q5_0", 40, k, seed=1)), ("Q8_0", random_gguf_rows("Q8_0", 16, k, seed=2))]
-    x = torch.randn(9, k)
+    precision = "int16" if residual else "int8"
+    kept = kernel_rows_default("avx2", torch.float32, "Q5_0", precision)
+    x = torch.randn(kept + 1, k)
     limit_isa("avx2")
     try:
-        layer = GGUFLinear(segments, k, None, OPS, kernel_rows=kernel_rows_default("avx2", torch.float32, "Q5_0"),
-                           gemm=True)
-        assert layer.kernel_rows == 8
+        layer = GGUFLinear(segments, k, None, OPS, kernel_rows=kept, gemm=True)
+        assert layer.kernel_rows == (3 if residual else 2)
         layer.residual = residual
-        chunk, rows = layer(x), layer(x[:8])
+        chunk, rows = layer(x), layer(x[:kept])
         want_rows = []
         for i, (fmt, w) in enumerate(segments):
             laid, kernel = getattr(layer, f"weight{i}"), OPS.gguf_matmul16 if layer.rows16[i] else OPS.gguf_matmul
-            out = torch.empty(8, w.shape[0])
-            kernel(out, x[:8].contiguous(), laid, fmt, None, residual, "auto")
+            out = torch.empty(kept, w.shape[0])
+            kernel(out, x[:kept].contiguous(), laid, fmt, None, residual, "auto")
             want_rows.append(out)
-            precision = "int16" if residual or fmt == "Q8_0" else "int8"
+            gemm = "int16" if fmt == "Q8_0" else precision
             assert torch.equal(chunk[:, layer.widths[0] * i:][:, :w.shape[0]],
-                               _gemm(x, laid, w.shape[0], fmt, layer.rows16[i], "avx2", precision=precision)), fmt
+                               _gemm(x, laid, w.shape[0], fmt, layer.rows16[i], "avx2", precision=gemm)), fmt
     finally:
         limit_isa("auto")
     assert torch.equal(rows, torch.cat(want_rows, dim=1))

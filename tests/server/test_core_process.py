@@ -198,7 +198,7 @@ def test_the_default_model_answers_a_real_question(smollm2_server):
     The stream is compared with a whole answer taken in the same prefix-cache state (both after the
     first request cached the prompt's blocks): a hit runs the prompt's last tokens through the
     integer kernels, a cold prompt of more rows than GGUFLinear gives them (kernel_rows_default:
-    32, or 128 on AVX-512 VNNI and for Q4_1 on AVX2 computing in float32) through a GEMM, and where the two first tokens lie
+    32, or 128 on AVX-512 VNNI, or in float32 the format's own, FLOAT32_KERNEL_ROWS) through a GEMM, and where the two first tokens lie
     within ~0.1 of each other (QUANTIZATION.md) the two paths may pick differently (seen on a Zen 5
     computing in bf16 with 32). Where the whole prompt fits the kernels' rows, cold and cached take
     the same path, and the cached answer must be the cold one."""
