@@ -131,7 +131,7 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
     assert widest_format(["Q8_0", "Q5_0"], [64, 64]) == "Q8_0"  # a tie: the first
     assert kernel_rows_default("avx2", torch.float32, "Q4_1") == 16
     assert kernel_rows_default("avx2", torch.float32, "Q5_0") == 3
-    assert kernel_rows_default("avx2", torch.float32, "Q4_K") == 16
+    assert kernel_rows_default("avx2", torch.float32, "Q4_K") == 6
     assert kernel_rows_default("avx512", torch.float32, "Q4_1") == ALL_ROWS
     assert kernel_rows_default("avx512", torch.float32, "Q6_K") == 96
     assert kernel_rows_default("avx2", None, "Q5_0") == kernel_rows_default("avx2") == 32  # no float32 GEMM
@@ -140,7 +140,7 @@ def test_a_float32_layer_keeps_its_main_format_s_kernel_rows():
     # int8 activations: the AVX2 path's own crossovers against gguf_gemm_int8, others as int16's
     assert set(FLOAT32_INT8_KERNEL_ROWS["avx2"]) == set(BLOCKS)
     assert kernel_rows_default("avx2", torch.float32, "Q4_1", "int8") == 8
-    assert kernel_rows_default("avx2", torch.float32, "Q4_K", "int8") == 8
+    assert kernel_rows_default("avx2", torch.float32, "Q4_K", "int8") == 2
     assert kernel_rows_default("avx2", torch.float32, "Q5_0", "int8") == 2
     assert kernel_rows_default("avx512", torch.float32, "Q4_1", "int8") == ALL_ROWS
     assert kernel_rows_default("avx2", None, "Q5_0", "int8") == 32
