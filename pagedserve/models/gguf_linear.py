@@ -45,22 +45,23 @@ ALL_ROWS = 1 << 30
 # gguf-kernels on SmolLM2-135M's Q4_1, Q8_0 and Q4_K_M files on a Zen 5 (docs/BENCHMARKS.md, "An
 # int16 GEMM for prompt chunks on AVX2", "An int8 GEMM ..."); Q4_0 and Q5_1 take their kin's (Q4_1,
 # Q5_0). AVX2 (against gguf_gemm_int16; Q6_K past 32 rows the float32 gguf_gemm): Q4_1's kernels
-# stay ahead to 16 rows, Q6_K's to 8, Q4_K's to 6, Q8_0's and Q5_K's to 4, Q5_0's to 3 (Q4_1's were
-# ahead to 128 and the K-quants' to 16 until the GEMM's panels came straight from the rows16 groups).
+# stay ahead to 16 rows, Q4_K's to 6, Q8_0's and Q5_K's to 4, Q5_0's and Q6_K's to 3 (Q4_1's were
+# ahead to 128, the K-quants' to 16 and Q6_K's to 8 until the GEMM's panels came straight from the
+# rows16 groups).
 # AVX-512 VNNI (against the float32 gguf_gemm): Q4_1's, Q5_0's and Q8_0's rows16 kernels still
 # 1.2-1.4x ahead at 512 rows, the K-quants' level with it at 512-1,024, Q6_K's to 96.
 FLOAT32_KERNEL_ROWS = {
-    "avx2": {"Q4_0": 16, "Q4_1": 16, "Q5_0": 3, "Q5_1": 3, "Q8_0": 4, "Q4_K": 6, "Q5_K": 4, "Q6_K": 8},
+    "avx2": {"Q4_0": 16, "Q4_1": 16, "Q5_0": 3, "Q5_1": 3, "Q8_0": 4, "Q4_K": 6, "Q5_K": 4, "Q6_K": 3},
     "avx512": {"Q4_0": ALL_ROWS, "Q4_1": ALL_ROWS, "Q5_0": ALL_ROWS, "Q5_1": ALL_ROWS, "Q8_0": ALL_ROWS,
                "Q4_K": 1024, "Q5_K": 1024, "Q6_K": 96},
 }
 # The same with int8 activations (--gguf-activations int8), where they differ: on AVX2 the kernels
 # against gguf_gemm_int8, whose maddubs over the panels' 4- and 5-bit weights runs 1.35-1.9x the
 # int16 GEMM (Q8_0 and Q6_K: against the int16 GEMM, which they keep); docs/BENCHMARKS.md, "An int8
-# GEMM for prompt chunks on AVX2". The int8 kernels stay ahead to 16 rows on Q8_0 and Q6_K, 8 on
-# Q4_0 / Q4_1, 2 on Q5_0 / Q5_1 and the K-quants.
+# GEMM for prompt chunks on AVX2". The int8 kernels stay ahead to 16 rows on Q8_0, 8 on Q4_0 /
+# Q4_1 and Q6_K, 2 on Q5_0 / Q5_1 and the K-quants.
 FLOAT32_INT8_KERNEL_ROWS = {
-    "avx2": {"Q4_0": 8, "Q4_1": 8, "Q5_0": 2, "Q5_1": 2, "Q8_0": 16, "Q4_K": 2, "Q5_K": 2, "Q6_K": 16},
+    "avx2": {"Q4_0": 8, "Q4_1": 8, "Q5_0": 2, "Q5_1": 2, "Q8_0": 16, "Q4_K": 2, "Q5_K": 2, "Q6_K": 8},
 }
 
 
