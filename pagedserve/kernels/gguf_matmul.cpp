@@ -662,8 +662,9 @@ void gemm_reference(Format f, bool rows16, const uint8_t* wp, int64_t stride, in
 // gguf_gemm_f32.inc's, on the AVX2 or the AVX-512 path ("auto": the CPU's best; "amx" runs the
 // AVX-512 one), except that "auto" on the AVX2 path hands the calls to gguf_gemm_int, whose
 // activations are the integer kernels' (`residual`: int16, near-float, where int16_gemm_pays; else
-// int8 where int8_gemm_takes the format, and int16 for the others), not float32's bits. "scalar" the reference: the weight dequantized as gguf_dequantize does (rounded to
-// bfloat16 for bf16 x, as that kernel reads it), each product summed in float32 in k order.
+// int8 where int8_gemm_takes the format, and int16 for the others), not float32's bits. "scalar"
+// the reference: the weight dequantized as gguf_dequantize does (rounded to bfloat16 for bf16 x, as
+// that kernel reads it), each product summed in float32 in k order.
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, bool residual,
                WorkPool* pool) {
