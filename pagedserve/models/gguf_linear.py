@@ -58,10 +58,12 @@ FLOAT32_KERNEL_ROWS = {
 # The same with int8 activations (--gguf-activations int8), where they differ: on AVX2 the kernels
 # against gguf_gemm_int8, whose maddubs over the panels' 4- and 5-bit weights runs 1.35-1.9x the
 # int16 GEMM (Q8_0 and Q6_K: against the int16 GEMM, which they keep); docs/BENCHMARKS.md, "An int8
-# GEMM for prompt chunks on AVX2". The int8 kernels stay ahead to 16 rows on Q8_0, 8 on Q4_0 /
-# Q4_1 and Q6_K, 2 on Q5_0 / Q5_1 and the K-quants.
+# GEMM for prompt chunks on AVX2". The int8 kernels stay ahead to 8 rows on Q4_0 / Q4_1 and Q6_K,
+# 2 on Q5_0 / Q5_1 and the K-quants; Q8_0 keeps int16's 4 (its planar int8 kernels level with the
+# int16 GEMM at 16 rows in cache, but a 16-stream step streaming the weights ran 1.10x faster
+# through the GEMM).
 FLOAT32_INT8_KERNEL_ROWS = {
-    "avx2": {"Q4_0": 8, "Q4_1": 8, "Q5_0": 2, "Q5_1": 2, "Q8_0": 16, "Q4_K": 2, "Q5_K": 2, "Q6_K": 8},
+    "avx2": {"Q4_0": 8, "Q4_1": 8, "Q5_0": 2, "Q5_1": 2, "Q8_0": 4, "Q4_K": 2, "Q5_K": 2, "Q6_K": 8},
 }
 
 
