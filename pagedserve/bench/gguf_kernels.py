@@ -127,6 +127,7 @@ def _alternated(ways, rounds: int, calls: int) -> list[float]:
 def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = False,
             layout: str = "auto", isa: str = "auto") -> list[ShapeTimes]:
     from pagedserve.kernels import best_isa
+    from pagedserve.models.gguf_linear import INT8_GEMM_FORMATS
 
     ops = _native_ops()
     # the bf16 GEMM where it runs (on the CPU's own path only), the float32 one on any vector path
@@ -167,8 +168,8 @@ def measure(shapes, rows: list[int], rounds: int, calls: int, int16: bool = Fals
             def gemm_f32():
                 ops.gguf_gemm(y, x, w, fmt, None, rows16, isa)
 
-            def gemm_int():  # at the activations' precision, as gguf_gemm's auto takes it (Q8_0, Q6_K: int16 always)
-                by_bytes = not int16 and fmt not in ("Q8_0", "Q6_K")
+            def gemm_int():  # at the activations' precision, as gguf_gemm's auto takes it
+                by_bytes = not int16 and fmt in INT8_GEMM_FORMATS
                 (ops.gguf_gemm_int8 if by_bytes else ops.gguf_gemm_int16)(y, x, w, fmt, None, rows16, path)
 
             extra = {"gemm_f32_us": gemm_f32 if own_gemm_f32 else None,

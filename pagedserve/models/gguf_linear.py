@@ -67,6 +67,11 @@ FLOAT32_INT8_KERNEL_ROWS = {
 }
 
 
+# The formats AVX2's int8 GEMM takes (kernels/gguf_gemm_int.inc, int8_gemm_takes: unsigned weights of
+# at most 5 bits, which maddubs multiplies without overflow); Q8_0 and Q6_K compute int16 there.
+INT8_GEMM_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+
+
 def kernel_rows_default(isa: str, gemm: torch.dtype | None = None, fmt: str | None = None,
                         activations: str = "int16") -> int:
     """The most activation rows GGUFLinear gives the integer kernels on a CPU whose kernels' best

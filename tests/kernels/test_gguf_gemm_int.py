@@ -14,15 +14,16 @@ import torch.nn.functional as F
 
 from pagedserve.bench.gguf_kernels import random_gguf_rows
 from pagedserve.kernels import isa_paths, kernel_error, limit_isa, native_ops
-from pagedserve.models.gguf_linear import (ALL_ROWS, BLOCKS, FLOAT32_INT8_KERNEL_ROWS, FLOAT32_KERNEL_ROWS, GGUFLinear,
-                                           kernel_layout, kernel_rows_default, rows16_layout, widest_format)
+from pagedserve.models.gguf_linear import (ALL_ROWS, BLOCKS, FLOAT32_INT8_KERNEL_ROWS, FLOAT32_KERNEL_ROWS,
+                                           INT8_GEMM_FORMATS, GGUFLinear, kernel_layout, kernel_rows_default,
+                                           rows16_layout, widest_format)
 
 OPS = native_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
 PATHS = ["scalar"] + (["avx2"] if "avx2" in isa_paths() else [])
 needs_avx2 = pytest.mark.skipif("avx2" not in isa_paths(), reason="this CPU does not run the AVX2 path")
 # the formats gguf_gemm_int8 takes: unsigned weights of at most 5 bits
-BYTE_FORMATS = [f for f in BLOCKS if f not in ("Q8_0", "Q6_K")]
+BYTE_FORMATS = list(INT8_GEMM_FORMATS)
 # (precision, format) pairs each GEMM computes
 CASES = [("int16", f) for f in BLOCKS] + [("int8", f) for f in BYTE_FORMATS]
 
@@ -194,3 +195,8 @@ def test_bad_calls_are_one_line_errors():
     q8 = rows16_layout("Q8_0", random_gguf_rows("Q8_0", 16, K))
     with pytest.raises(RuntimeError, match="gguf_gemm_int8: Q8_0's signed weights overflow maddubs"):
         OPS.gguf_gemm_int8(torch.empty(3, 16), x, q8, "Q8_0", None, True, "auto")
+    for fmt in set(BLOCKS) - set(INT8_GEMM_FORMATS):  # the Python list is the kernel's, no more
+        k = _k(fmt)
+        with pytest.raises(RuntimeError, match="signed weights overflow maddubs"):
+            OPS.gguf_gemm_int8(torch.empty(3, 16), torch.randn(3, k), rows16_layout(fmt, random_gguf_rows(fmt, 16, k)),
+                               fmt, None, True, "auto")
