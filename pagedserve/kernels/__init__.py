@@ -29,7 +29,8 @@
   AMX-INT8 tiles for batches of more than 4 rows, ``gguf_amx.inc``), each 32's sum scaled once;
   and the blocks dequantized for prefill GEMMs and lookups (:mod:`pagedserve.models.gguf_linear`):
   prompt chunks' GEMMs in bf16 (``gguf_gemm.inc``), float32 (``gguf_gemm_f32.inc``) and, on the
-  AVX2 path, in int16 integers over panels of 16 weight rows widened once (``gguf_gemm_int.inc``).
+  AVX2 path, in integers at the kernels' activation precision (int16, or int8 with
+  ``--gguf-activations int8``) over panels of 16 weight rows built once (``gguf_gemm_int.inc``).
 * ``tile_matmul.cpp`` — bf16 linear layers on AMX-BF16 tiles over weights packed once into the tile
   instruction's pair order (:class:`~pagedserve.models.packed.TileLinear`, ``--pack-weights auto``
   where the CPU has AMX-BF16), for every row count a step has, with a scalar reference path.
