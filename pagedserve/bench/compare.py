@@ -56,6 +56,10 @@ PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 # The optional peers: venv under the peers directory, and the driver script run by its python.
 OPTIONAL_PEERS = {VLLM: ("venv-vllm", "vllm_decode.py"), OPENVINO: ("venv-openvino", "openvino_decode.py")}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The checkpoint engines' KV precision (--kv-cache-dtype): pagedserve's setting, and OpenVINO GenAI's
+# KV_CACHE_PRECISION to match (8-bit: its u8; auto: the checkpoint's 16 bits as bf16, else f32).
+# vLLM-CPU keeps its own default, the model dtype.
+KV_PRECISIONS = ("auto", "int8", "fp8")
 # What torch's own libraries read at start-up to stay within a --cpu-isa (oneDNN, MKL, ATen's
 # vectorized kernels): the worker runs under these, so that the CPU it stands for is stood for whole.
 TORCH_ISA_ENV = {
@@ -170,6 +174,11 @@ def add_parser(bench) -> None:
                    help="pagedserve's --dtype on the --hf-checkpoint (default auto; float32 decodes a bf16 "
                         "checkpoint from its 16-bit weights on the decode stack's own threads, the fastest one "
                         "stream measured on a CPU with native bf16, docs/BENCHMARKS.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_PRECISIONS),
+                   help="the --hf-checkpoint engines' KV precision, alike: pagedserve's --kv-cache-dtype, and OpenVINO "
+                        "GenAI's KV_CACHE_PRECISION to match (int8 / fp8: its u8; auto: bf16 for a 16-bit checkpoint, "
+                        "f32 otherwise, where its plugin's own default is u8); vLLM-CPU keeps its default, the model "
+                        "dtype (default auto)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
 
@@ -226,14 +235,16 @@ def llama_cpp_command(bin_dir: Path, row: str, shape: Shape, model: Path, thread
 
 
 def worker_command(row: str, shape: Shape | None, model: str, dtype: str, threads: int,
-                   gguf_activations: str = "int16", requests: Path | None = None, cpu_isa: str = "auto") -> list[str]:
+                   gguf_activations: str = "int16", requests: Path | None = None, cpu_isa: str = "auto",
+                   kv_cache_dtype: str = "auto") -> list[str]:
     """The pagedserve worker's command: a row's ``shape``, or for W1 its ``requests`` file; under a
     ``cpu_isa`` below this CPU's, torch's libraries held to it too (``env``, so the printed command
     reproduces the run)."""
     torch_env = [f"{k}={v}" for k, v in TORCH_ISA_ENV.get(cpu_isa, {}).items()]
     cmd = (["env", *torch_env] if torch_env else []) + [
         sys.executable, "-m", "pagedserve.bench.compare", "--worker", row, "--model", str(model), "--dtype", dtype,
-        "--threads", str(threads)] + (["--cpu-isa", cpu_isa] if cpu_isa != "auto" else [])
+        "--threads", str(threads)] + (["--cpu-isa", cpu_isa] if cpu_isa != "auto" else []) + (
+        ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype != "auto" else [])
     if requests is not None:
         return cmd + ["--requests", str(requests)]
     assert shape is not None
@@ -241,8 +252,21 @@ def worker_command(row: str, shape: Shape | None, model: str, dtype: str, thread
                   "--gguf-activations", gguf_activations]
 
 
+def openvino_kv_precision(kv_cache_dtype: str, checkpoint: str) -> str:
+    """OpenVINO GenAI's KV_CACHE_PRECISION for pagedserve's ``kv_cache_dtype`` on ``checkpoint``:
+    u8 for 8 bits; for ``auto``, pagedserve's own (bf16 for a 16-bit checkpoint, f32 otherwise)."""
+    if kv_cache_dtype != "auto":
+        return "u8"
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return "bf16" if saved in ("bfloat16", "float16") else "f32"
+
+
 def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int,
-                 requests: Path | None = None) -> list[str]:
+                 requests: Path | None = None, kv_cache_dtype: str = "auto") -> list[str]:
     venv, driver = OPTIONAL_PEERS[peer]
     cmd = [str(peers_dir() / venv / "bin" / "python"), str(Path(__file__).with_name("peer_drivers") / driver),
            "--model", checkpoint, "--threads", str(threads)]
@@ -253,7 +277,8 @@ def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int,
         cmd += ["--prompt", str(shape.prompt), "--output", str(shape.output)]
     if peer == OPENVINO:  # its export of the checkpoint, made once, one per checkpoint path
         digest = hashlib.sha1(str(Path(checkpoint).resolve()).encode()).hexdigest()[:10]
-        cmd += ["--ir", str(peers_dir() / "openvino-ir" / f"{Path(checkpoint).name}-{digest}")]
+        cmd += ["--ir", str(peers_dir() / "openvino-ir" / f"{Path(checkpoint).name}-{digest}"),
+                "--kv-precision", openvino_kv_precision(kv_cache_dtype, checkpoint)]
     return cmd
 
 
@@ -474,16 +499,20 @@ def build_plan(files: list[Path], args, bin_dir: Path, threads: int, jsonl: bool
             if row == W1_ROW:  # the checkpoint's engines only, once
                 if file == files[0] and args.hf_checkpoint is not None and w1_requests is not None:
                     rows[row] = {PAGEDSERVE_CHECKPOINT: worker_command(row, None, args.hf_checkpoint, args.hf_dtype,
-                                                                       threads, requests=w1_requests)}
-                    rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests) for p in peers}
+                                                                       threads, requests=w1_requests,
+                                                                       kv_cache_dtype=args.kv_cache_dtype)}
+                    rows[row] |= {p: peer_command(p, None, args.hf_checkpoint, threads, w1_requests,
+                                                  args.kv_cache_dtype) for p in peers}
                 continue
             shape = shapes(args.decode_tokens)[row]
             engines = {PAGEDSERVE: worker_command(row, shape, str(file), args.dtype, threads, args.gguf_activations,
                                                   cpu_isa=args.cpu_isa),
                        LLAMA_CPP: llama_cpp_command(bin_dir, row, shape, file, threads, jsonl)}
             if row == "decode" and file == files[0] and peers:  # the optional peers run the checkpoint, not a GGUF
-                engines[PAGEDSERVE_CHECKPOINT] = worker_command(row, shape, args.hf_checkpoint, args.hf_dtype, threads)
-                engines |= {p: peer_command(p, shape, args.hf_checkpoint, threads) for p in peers}
+                engines[PAGEDSERVE_CHECKPOINT] = worker_command(row, shape, args.hf_checkpoint, args.hf_dtype, threads,
+                                                                kv_cache_dtype=args.kv_cache_dtype)
+                engines |= {p: peer_command(p, shape, args.hf_checkpoint, threads, kv_cache_dtype=args.kv_cache_dtype)
+                            for p in peers}
             rows[row] = engines
         plan[str(file)] = rows
     return plan
@@ -526,6 +555,11 @@ def run(args: argparse.Namespace) -> int:
     peers, skipped = optional_peers(args.hf_checkpoint)
     for line in skipped:
         print(line)
+    if peers:
+        kv = {PAGEDSERVE_CHECKPOINT: args.kv_cache_dtype, OPENVINO: openvino_kv_precision(args.kv_cache_dtype,
+                                                                                         args.hf_checkpoint),
+              VLLM: "its default (the model dtype)"}
+        print("KV precision on the checkpoint: " + "; ".join(f"{e} {kv[e]}" for e in (PAGEDSERVE_CHECKPOINT, *peers)))
     try:
         report = compare(args, model, bin_dir, threads, peers)
     except (RuntimeError, ValueError) as e:  # a run that failed or printed no result: its own words, no traceback
@@ -550,7 +584,8 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
     w1_requests = write_w1_requests(peers_dir() / "w1-requests.json") if W1_ROW in args.rows else None
     plan = build_plan(files, args, bin_dir, threads, jsonl, peers, w1_requests)
     report = {"threads": threads, "rounds": args.rounds, "dtype": args.dtype, "hf_dtype": args.hf_dtype,
-              "cpu_isa": args.cpu_isa, "gguf_activations": args.gguf_activations, "quantize_commands": prepared,
+              "cpu_isa": args.cpu_isa, "gguf_activations": args.gguf_activations,
+              "kv_cache_dtype": args.kv_cache_dtype, "quantize_commands": prepared,
               "files": []}
     token_bytes = {file: decode_bytes_per_token(file) for file, rows in plan.items() if "decode" in rows}
     # The checkpoint's engines (its column and the optional peers) read the checkpoint's bytes instead
@@ -662,6 +697,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS))
     p.add_argument("--requests", default=None, help="the w1 row's requests (JSON, write_w1_requests)")
     p.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_PRECISIONS))
     args = p.parse_args(argv)
     if (args.worker == W1_ROW) != (args.requests is not None):
         p.error("--requests goes with --worker w1, and only with it")
@@ -679,7 +715,7 @@ def worker(argv: list[str]) -> int:
     # No prefix caching: every prompt is cold, as llama-bench's are.
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                  enable_prefix_caching=False, gguf_activations=args.gguf_activations,
-                                 cpu_isa=args.cpu_isa))
+                                 cpu_isa=args.cpu_isa, kv_cache_dtype=args.kv_cache_dtype))
     load_s = time.perf_counter() - t0
     # As the engine core process does once it is built (engine/core/proc.py): what loading made
     # lives until exit, so the cyclic GC's collections during the run walk only per-step objects.

@@ -9,10 +9,13 @@
   scored plane by plane, each plane one 16-bit load of its bit for 16 tokens), per-token value rows
   and each sequence's float16 tail, with a scalar, an AVX2 and an AVX-512 path (``cpu_isa.h``).
   ``paged_attention.cpp`` also holds the prompt chunks' causal softmax pass (``causal_softmax_``).
-* ``int4_kv_write.cpp`` — a step's K or V rows into an int4 pool in one call, as
-  :meth:`~pagedserve.kv.int4.Int4KVCache.write` plans them (rows into tail slots, the blocks the
-  step fills quantized, keys as bit planes), with the torch path's bits; and ``int4_key_values``,
-  key blocks read back as float for prompt chunks (the torch path's values, ~7x faster).
+* ``kv_write.cpp`` — a step's K or V rows into a quantized pool in one call, with the torch path's
+  bits: ``quantized_kv_write`` for the int8 / fp8 pools (each vector's float16 scale and codes, as
+  :meth:`~pagedserve.kv.quant.QuantizedKVCache.write` stores them; the decode stack calls it too),
+  ``int4_kv_write`` as :meth:`~pagedserve.kv.int4.Int4KVCache.write` plans an int4 pool's (rows
+  into tail slots, the blocks the step fills quantized, keys as bit planes); and
+  ``int4_key_values``, key blocks read back as float for prompt chunks (the torch path's values,
+  ~7x faster).
 * ``layer_ops.cpp`` — RMSNorm (with the residual add folded in), rotary embedding in place and
   SiLU-and-multiply: one pass each instead of several torch ops and temporaries.
 * ``panel_gemm.cpp`` — float32 linear layers over weights packed into 16-column panels
@@ -84,7 +87,7 @@ log = logging.getLogger("pagedserve.kernels")
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
-                         "decode_stack.cpp", "int4_kv_write.cpp", "tile_matmul.cpp")]
+                         "decode_stack.cpp", "kv_write.cpp", "tile_matmul.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
                          "gguf_gemm_f32.inc", "gguf_gemm_int.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]

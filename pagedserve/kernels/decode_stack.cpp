@@ -10,9 +10,12 @@
 // was as large as the kernels themselves. Here the same kernels run back to back from C++.
 //
 // The arithmetic is the Python path's, call for call (models/llama.py, models/attention.py,
-// kv/cache.py): the same kernel functions (kernel_ops.h) on the same tensors with the same dtype
-// conversions, so the two paths give the same bits (tested). The Python path stays the reference and
-// runs whatever this does not take: prompt chunks, quantized KV pools, other linear layer kinds.
+// kv/cache.py, kv/quant.py, kv/int4.py): the same kernel functions (kernel_ops.h) on the same
+// tensors with the same dtype conversions, so the two paths give the same bits (tested). The KV
+// pools are the model dtype's (head-major), int8 / fp8 ones (token-major, a float16 scale per token
+// and head) or int4 ones (keys as bit planes per block, values rotated, open blocks in float16
+// tails; each step's write planned by the host, kv/int4.py's WritePlan). The Python path stays the
+// reference and runs whatever this does not take: prompt chunks, other linear layer kinds.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -63,12 +66,20 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;          // post_norm: the residual-adding norm before the MLP
   std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's and Gemma 3's per-head norms
-  at::Tensor k_pool, v_pool;                 // [kv_heads, blocks, block_size, head_dim]
+  at::Tensor k_pool, v_pool;                 // the pools' data: [kv_heads, blocks, block_size, head_dim] in
+                                             // the model dtype's; as kv/quant.py and kv/int4.py lay out theirs
+  std::string kv_kind;                       // "int8", "fp8", "int4"; empty for the model dtype's pools
+  std::vector<at::Tensor> kv_parts;          // the quantized pools' other tensors (add_layer)
   int64_t group = 0;                         // its KV group: which slots, tables and lengths it takes
   int64_t rope = 0;                          // its RoPE table (add_rope)
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma 3's norms of each output
   Linear qkv, o, gate_up, down;
 };
+
+// An int4 layer's kv_parts, and a step's int4 write plan per KV group: full_blocks, full_slots,
+// full_rows, full_tokens, tail_rows, tail_tokens (int4_kv_write's), then decode_slots (each block's
+// tail slot as the step's decodes read it).
+constexpr size_t kInt4Parts = 7, kInt4Plan = 7, kInt4DecodeSlots = 6;
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
@@ -94,18 +105,30 @@ class DecodeStack : public torch::CustomClassHolder {
   // ops) instead of SiLU-and-multiply.
   void use_gemma3_math() { gemma3_ = true; }
 
+  // k_pool and v_pool: the pools' data. `kv_kind` empty: the model dtype's head-major pools;
+  // "int8" / "fp8": kv/quant.py's, kv_parts their scales {k_scales, v_scales}; "int4": kv/int4.py's,
+  // kv_parts {k_steps, k_zero_points, k_bits, v_scales, k_tail, v_tail, v_rotation}. The kernels
+  // check the quantized pools' shapes as they run.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, at::Tensor k_pool, at::Tensor v_pool, int64_t group, int64_t rope,
-                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm) {
-    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.size(0) == kv_heads_ &&
-                    k_pool.size(3) == head_dim_ && k_pool.is_contiguous() && v_pool.is_contiguous(),
-                "DecodeStack: pools must be contiguous [kv_heads, blocks, block_size, head_dim]");
+                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm, std::string kv_kind,
+                 std::vector<at::Tensor> kv_parts) {
+    const size_t parts = kv_kind.empty() ? 0 : kv_kind == "int4" ? kInt4Parts : 2;
+    TORCH_CHECK(kv_kind.empty() || kv_kind == "int8" || kv_kind == "fp8" || kv_kind == "int4",
+                "DecodeStack: KV pools are the model dtype's, int8, fp8 or int4, not ", kv_kind);
+    TORCH_CHECK(kv_parts.size() == parts, "DecodeStack: ", kv_kind.empty() ? "the model dtype's" : kv_kind,
+                " KV pools take ", parts, " more tensors, got ", kv_parts.size());
+    TORCH_CHECK(!kv_kind.empty() || (k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() &&
+                                     k_pool.size(0) == kv_heads_ && k_pool.size(3) == head_dim_),
+                "DecodeStack: pools must be [kv_heads, blocks, block_size, head_dim]");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "DecodeStack: pools must be contiguous");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q_norm and k_norm go together");
     TORCH_CHECK(group >= 0 && rope >= 0 && rope < static_cast<int64_t>(ropes_.size()),
                 "DecodeStack: a layer's group must be >= 0 and its RoPE table one added");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                            std::move(k_pool), std::move(v_pool), group, rope, std::move(attn_out_norm),
-                            std::move(mlp_out_norm), {}, {}, {}, {}});
+                            std::move(k_pool), std::move(v_pool), std::move(kv_kind), std::move(kv_parts),
+                            group, rope, std::move(attn_out_norm), std::move(mlp_out_norm),
+                            {}, {}, {}, {}});
   }
 
   // Layer `layer`'s linear `name` (qkv, o, gate_up, down), or with layer -1 the LM head (`head`).
@@ -165,17 +188,22 @@ class DecodeStack : public torch::CustomClassHolder {
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
   // each row one decode token at `positions`. Per KV group g (one for a model without groups): the
   // rows' `slots[g]`, and the `block_tables[g]` through which they attend to `context_lens[g]`
-  // tokens, from `firsts[g]` on where given (a sliding window's view).
+  // tokens, from `firsts[g]` on where given (a sliding window's view); over int4 pools, the step's
+  // write plan for g, made by the host for every layer: kInt4Plan tensors from
+  // int4_plans[kInt4Plan * g], in kInt4Plan's order (kv/int4.py's WritePlan fields).
   at::Tensor forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> slots,
                      std::vector<at::Tensor> block_tables, std::vector<at::Tensor> context_lens,
-                     std::vector<std::optional<at::Tensor>> firsts) {
+                     std::vector<std::optional<at::Tensor>> firsts, std::vector<at::Tensor> int4_plans) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [rows, hidden]");
     const OneOpenMPThread serial(pool_ != nullptr);
     const size_t groups = slots.size();
     TORCH_CHECK(block_tables.size() == groups && context_lens.size() == groups && firsts.size() == groups,
                 "DecodeStack: one slot mapping, table, length and start list per KV group");
-    for (const Layer& L : layers_)
+    for (const Layer& L : layers_) {
       TORCH_CHECK(L.group < static_cast<int64_t>(groups), "DecodeStack: no metadata for KV group ", L.group);
+      TORCH_CHECK(L.kv_kind != "int4" || int4_plans.size() == kInt4Plan * groups,
+                  "DecodeStack: int4 KV pools take a write plan of ", kInt4Plan, " tensors per KV group");
+    }
     const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     // Every layer's intermediates have the same shapes: allocated by the first layer and reused by
     // the rest, so a token makes a dozen allocations, not ~400, and writes the same cache lines.
@@ -202,9 +230,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const auto& [cos, sin] = ropes_[L.rope];
       ops::rotary_embedding(q, k, positions, cos, sin, pool_.get());
       const int64_t g = L.group;
-      write_kv(L.k_pool, slots[g], k);
-      write_kv(L.v_pool, slots[g], v);
-      at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables[g], context_lens[g], firsts[g], attended)
+      const at::Tensor* plan = L.kv_kind == "int4" ? &int4_plans[kInt4Plan * g] : nullptr;
+      write_kv(L, slots[g], plan, k, v, pool_.get());
+      at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables[g], context_lens[g], firsts[g], plan, attended)
                                     .reshape({t, q_size}),
                            &o_out);
       if (L.attn_out_norm) a = normed(a, *L.attn_out_norm);
@@ -357,11 +385,45 @@ class DecodeStack : public torch::CustomClassHolder {
     return weight * xf.to(x.scalar_type());
   }
 
+  // The layer's K and V rows into its pools, as the pool classes' write() stores them: the model
+  // dtype's (HeadMajorKVCache, write_head_major); int8 / fp8 (QuantizedKVCache: quantized_kv_write);
+  // int4 (Int4KVCache: float16 rows, the values rotated first, written as the step's `plan` says).
+  static void write_kv(Layer& L, const at::Tensor& slots, const at::Tensor* plan, const at::Tensor& k,
+                       const at::Tensor& v, WorkPool* pool) {
+    if (L.kv_kind.empty()) {
+      write_head_major(L.k_pool, slots, k);
+      write_head_major(L.v_pool, slots, v);
+    } else if (L.kv_kind != "int4") {
+      ops::quantized_kv_write(L.k_pool, L.kv_parts[0], slots, k, L.kv_kind);
+      ops::quantized_kv_write(L.v_pool, L.kv_parts[1], slots, v, L.kv_kind);
+    } else {
+      auto [steps, zeros, bits, v_scales, k_tail, v_tail, rotation] = int4_parts(L);
+      const at::Tensor keys = k.to(at::kHalf).contiguous();
+      const at::Tensor values = ops::int4_rotate(v, rotation, pool).to(at::kHalf);
+      // values carry no zero points or key bits: empty, as Int4KVCache.write passes them
+      at::Tensor no_zeros = at::empty({0}, L.v_pool.options().dtype(at::kChar));
+      const at::Tensor no_bits = at::empty({0}, L.v_pool.options());
+      ops::int4_kv_write(keys, k_tail, L.k_pool, steps, zeros, bits, plan[0], plan[1], plan[2], plan[3], plan[4],
+                         plan[5]);
+      ops::int4_kv_write(values, v_tail, L.v_pool, v_scales, no_zeros, no_bits, plan[0], plan[1], plan[2], plan[3],
+                         plan[4], plan[5]);
+    }
+  }
+
+  // An int4 layer's kv_parts, named (add_layer's order).
+  struct Int4Parts {
+    at::Tensor &steps, &zero_points, &key_bits, &v_scales, &k_tail, &v_tail, &rotation;
+  };
+  static Int4Parts int4_parts(Layer& L) {
+    auto& p = L.kv_parts;
+    return {p[0], p[1], p[2], p[3], p[4], p[5], p[6]};
+  }
+
   // HeadMajorKVCache.write: token i's [kv_heads, head_dim] (x's rows may be strided, a view into
   // the fused QKV output) to flat slot slots[i] of every head, converted to the pool's dtype as
   // torch's .to() rounds. A plain loop: the torch ops it replaces (a conversion and an index_copy_)
   // cost microseconds each of dispatch for a few hundred values, twice per layer.
-  static void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
+  static void write_head_major(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
     const int64_t t = x.size(0), heads = x.size(1), hd = x.size(2), per_head = pool.size(1) * pool.size(2);
     TORCH_CHECK(x.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.numel() == t,
                 "DecodeStack: KV rows must have contiguous head_dim and one int64 slot each");
@@ -406,9 +468,25 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,
-  // the output converted back).
-  at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
-                    const std::optional<at::Tensor>& firsts, at::Tensor& out) const {
+  // the output converted back); over int8 / fp8 pools, its quantized entry point, in q's dtype;
+  // over int4 pools, in float32 in the values' stored basis, its output rotated back (models/
+  // attention.py's _attention), each block read from its tail slot as the step's `plan` says.
+  at::Tensor attend(Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+                    const std::optional<at::Tensor>& firsts, const at::Tensor* plan, at::Tensor& out) const {
+    if (L.kv_kind == "int4") {
+      auto [steps, zeros, bits, v_scales, k_tail, v_tail, rotation] = int4_parts(L);
+      const at::Tensor qf = q.to(at::kFloat);
+      at::Tensor stored = at::empty_like(qf);
+      ops::paged_decode_attention_int4(stored, qf, L.k_pool, L.v_pool, steps, zeros, bits, v_scales, k_tail, v_tail,
+                                       plan[kInt4DecodeSlots], tables, lens, scale_, "auto", pool_.get(), firsts);
+      return ops::int4_rotate(stored, rotation, pool_.get()).to(q.scalar_type());
+    }
+    if (!L.kv_kind.empty()) {
+      if (!out.defined()) out = at::empty_like(q);
+      ops::paged_decode_attention_quantized(out, q, L.k_pool, L.v_pool, L.kv_parts[0], L.kv_parts[1], tables, lens,
+                                            scale_, L.kv_kind, pool_.get(), firsts);
+      return out;
+    }
     if (!out.defined()) out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));
     ops::paged_decode_attention(out, converted(q, L.k_pool.scalar_type()), L.k_pool, L.v_pool, tables, lens, scale_,
                                 pool_.get(), firsts);

@@ -1,5 +1,5 @@
 // int4 KV's key widths (kv/int4.py): k_bits [kv_heads, head_dim] uint8, checked as check_key_bits
-// does, once for the writer (int4_kv_write.cpp) and the decode kernel (paged_attention_quantized.cpp).
+// does, once for the writer (kv_write.cpp) and the decode kernel (paged_attention_quantized.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

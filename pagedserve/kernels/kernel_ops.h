@@ -29,6 +29,32 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& context_lens, double scale, WorkPool* workers,
                             const std::optional<at::Tensor>& firsts = std::nullopt);
 
+// paged_attention_quantized.cpp: the same kernel over kv/quant.py's int8 / fp8 pools
+void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
+                                      const at::Tensor& v_data, const at::Tensor& k_scales,
+                                      const at::Tensor& v_scales, const at::Tensor& block_tables,
+                                      const at::Tensor& context_lens, double scale, c10::string_view kind,
+                                      WorkPool* workers, const std::optional<at::Tensor>& firsts = std::nullopt);
+
+// ... and over kv/int4.py's pools (tail_of: each block's tail slot as this step's decodes read it)
+void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
+                                 const at::Tensor& v_data, const at::Tensor& k_steps, const at::Tensor& k_zeros,
+                                 const at::Tensor& k_bits, const at::Tensor& v_scales, const at::Tensor& k_tail,
+                                 const at::Tensor& v_tail, const at::Tensor& tail_of, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, double scale, c10::string_view isa_name,
+                                 WorkPool* workers, const std::optional<at::Tensor>& firsts = std::nullopt);
+
+// kv_write.cpp: a step's K or V rows into an int8 / fp8 pool; into an int4 one as its plan says
+// (kv/int4.py's WritePlan)
+void quantized_kv_write(at::Tensor& data, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& x,
+                        c10::string_view kind);
+void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::Tensor& scales,
+                   at::Tensor& zero_points, const at::Tensor& key_bits, const at::Tensor& full_blocks,
+                   const at::Tensor& full_slots, const at::Tensor& full_rows, const at::Tensor& full_tokens,
+                   const at::Tensor& tail_rows, const at::Tensor& tail_tokens);
+// int4 values' rotation (kv/int4.py), rows in float32, each row's sums in one fixed order
+at::Tensor int4_rotate(const at::Tensor& x, const at::Tensor& rotation, WorkPool* pool);
+
 // tile_matmul.cpp
 void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                  c10::string_view isa_name, WorkPool* pool);

@@ -22,6 +22,7 @@
 
 #include "cpu_isa.h"
 #include "int4_key_bits.h"
+#include "kernel_ops.h"
 #include "paged_decode.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -99,15 +100,21 @@ struct Int4KV : QuantizedKV<uint8_t, 2> {
 #endif
 };
 
+}  // namespace
+
+namespace pagedserve::ops {
+
 // paged_decode_attention (paged_attention.cpp) over quantized pools, read in place: k_data, v_data
 // [blocks, block_size, kv_heads, head_dim] (int8 for kind "int8"; uint8 bytes for "fp8" (e4m3));
 // k_scales, v_scales [blocks, block_size, kv_heads] float16. q and out share any model dtype.
-// firsts: as paged_decode_attention's (a sliding window's first visible positions).
+// firsts: as paged_decode_attention's (a sliding window's first visible positions). workers: the
+// decode stack's pool (null: torch's threads).
 void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
                                       const at::Tensor& v_data, const at::Tensor& k_scales,
                                       const at::Tensor& v_scales, const at::Tensor& block_tables,
-                                      const at::Tensor& context_lens, double scale, std::string_view kind,
-                                      const std::optional<at::Tensor>& firsts) {
+                                      const at::Tensor& context_lens, double scale, c10::string_view kind,
+                                      WorkPool* workers, const std::optional<at::Tensor>& firsts) {
+  using namespace pagedserve::decode;
   TORCH_CHECK(k_data.dim() == 4 && k_data.sizes() == v_data.sizes() && k_data.scalar_type() == v_data.scalar_type(),
               "quantized caches must be alike [blocks, bs, kvh, width]");
   TORCH_CHECK(k_scales.dim() == 3 && k_scales.sizes() == v_scales.sizes() &&
@@ -133,7 +140,7 @@ void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, cons
     };
     dispatch_group<E>(q.size(1) / kvh, Batch<E>{of.data_ptr<float>(), qf.data_ptr<float>(), pool(k_data, k_scales),
                                                 pool(v_data, v_scales), block_tables.data_ptr<int64_t>(),
-                                                context_lens.data_ptr<int64_t>(), sh, nullptr,
+                                                context_lens.data_ptr<int64_t>(), sh, workers,
                                                 firsts ? firsts->data_ptr<int64_t>() : nullptr});
   };
   if (kind == "int8") {
@@ -145,6 +152,20 @@ void paged_decode_attention_quantized(at::Tensor& out, const at::Tensor& q, cons
   }
   if (!of.is_same(out)) out.copy_(of);
 }
+
+// The registered op: torch's threads.
+void paged_decode_attention_quantized_op(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
+                                         const at::Tensor& v_data, const at::Tensor& k_scales,
+                                         const at::Tensor& v_scales, const at::Tensor& block_tables,
+                                         const at::Tensor& context_lens, double scale, c10::string_view kind,
+                                         const std::optional<at::Tensor>& firsts) {
+  paged_decode_attention_quantized(out, q, k_data, v_data, k_scales, v_scales, block_tables, context_lens, scale, kind,
+                                   nullptr, firsts);
+}
+
+}  // namespace pagedserve::ops
+
+namespace {
 
 // A tail row: float16, read as float.
 struct HalfRows {
@@ -317,6 +338,7 @@ struct Int4Pools {
   const c10::Half* v_scales;  // [blocks, bs, kvh] (per token)
   const c10::Half *k_tail, *v_tail;  // [slots, bs, kvh, hd]
   const int64_t* tail_of;  // [blocks]: the block's tail slot, or -1 once it is quantized
+  pagedserve::WorkPool* workers;  // the decode stack's pool; null: torch's threads
 };
 
 // Where a view of the int4 pools keeps KV head h's data (kept apart from the math, which each path
@@ -351,7 +373,7 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
   const KeyPlanes& kp = *p.k_planes;
   const float* e4m3 = e4m3_values();
   const int n_hd = static_cast<int>(hd);
-  pagedserve::parallel_for(nullptr, 0, sh.num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_for(p.workers, 0, sh.num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), step(hd), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kvh, h = item % kvh, len = lens[s];
@@ -645,12 +667,17 @@ void decode_int4_path(Isa isa, float* out, const float* q, const Int4Pools& p, c
 // v_data [blocks, bs, kvh, head_dim / 2] uint8; v_scales [blocks, bs, kvh] float16; k_tail, v_tail
 // [slots, bs, kvh, head_dim] float16; tail_of [blocks] int64. The shapes (blocks, bs, kvh,
 // head_dim) are v_data's: the key planes' last size is head_dim * bs / 2 whatever the widths.
+}  // namespace
+
+namespace pagedserve::ops {
+
 void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
                                  const at::Tensor& v_data, const at::Tensor& k_steps, const at::Tensor& k_zeros,
                                  const at::Tensor& k_bits, const at::Tensor& v_scales, const at::Tensor& k_tail,
                                  const at::Tensor& v_tail, const at::Tensor& tail_of, const at::Tensor& block_tables,
-                                 const at::Tensor& context_lens, double scale, std::string_view isa_name,
-                                 const std::optional<at::Tensor>& firsts) {
+                                 const at::Tensor& context_lens, double scale, c10::string_view isa_name,
+                                 WorkPool* workers, const std::optional<at::Tensor>& firsts) {
+  using namespace pagedserve::decode;
   const Isa isa = parse_isa(isa_name, "paged_decode_attention_int4");
   TORCH_CHECK(v_data.dim() == 4 && v_data.scalar_type() == at::kByte,
               "the int4 value pool must be uint8 [blocks, bs, kvh, head_dim / 2]");
@@ -692,7 +719,8 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
                     v_scales.data_ptr<c10::Half>(),
                     k_tail.data_ptr<c10::Half>(),
                     v_tail.data_ptr<c10::Half>(),
-                    slots};
+                    slots,
+                    workers};
   float* o = of.data_ptr<float>();
   const float* qp = qf.data_ptr<float>();
   switch (q.size(1) / kvh) {
@@ -709,7 +737,18 @@ void paged_decode_attention_int4(at::Tensor& out, const at::Tensor& q, const at:
   if (!of.is_same(out)) out.copy_(of);
 }
 
-}  // namespace
+// The registered op: torch's threads.
+void paged_decode_attention_int4_op(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data,
+                                    const at::Tensor& v_data, const at::Tensor& k_steps, const at::Tensor& k_zeros,
+                                    const at::Tensor& k_bits, const at::Tensor& v_scales, const at::Tensor& k_tail,
+                                    const at::Tensor& v_tail, const at::Tensor& tail_of,
+                                    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                    c10::string_view isa_name, const std::optional<at::Tensor>& firsts) {
+  paged_decode_attention_int4(out, q, k_data, v_data, k_steps, k_zeros, k_bits, v_scales, k_tail, v_tail, tail_of,
+                              block_tables, context_lens, scale, isa_name, nullptr, firsts);
+}
+
+}  // namespace pagedserve::ops
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention_quantized(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scales, "
@@ -720,6 +759,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("paged_decode_attention_quantized", &paged_decode_attention_quantized);
-  m.impl("paged_decode_attention_int4", &paged_decode_attention_int4);
+  m.impl("paged_decode_attention_quantized", &pagedserve::ops::paged_decode_attention_quantized_op);
+  m.impl("paged_decode_attention_int4", &pagedserve::ops::paged_decode_attention_int4_op);
 }

@@ -83,6 +83,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
         tails = TailMap(num_blocks, block_size, tail_slots or num_blocks, device, kv_groups)
         return [Int4KVCache.allocate_pair(*shape, dtype, device, tails, native_ops) for _ in range(num_layers)]
     if kv_cache_dtype != "auto":
-        return [tuple(QuantizedKVCache.allocate(*shape, kv_cache_dtype, dtype, device) for _ in range(2))
+        return [tuple(QuantizedKVCache.allocate(*shape, kv_cache_dtype, dtype, device, native_ops) for _ in range(2))
                 for _ in range(num_layers)]
     return [tuple(HeadMajorKVCache(*shape, dtype, device) for _ in range(2)) for _ in range(num_layers)]

@@ -325,7 +325,7 @@ class Int4KVCache:
     read_slots: torch.Tensor | None = None  # block -> slot as read (decode_view), else tails.slot_of
     fresh: torch.Tensor | None = None  # the last write's rows, float16, as stored
     plan: WritePlan | None = None  # and its plan
-    # The loaded native kernels (kernels/int4_kv_write.cpp): int4_kv_write does write()'s work in one
+    # The loaded native kernels (kernels/kv_write.cpp): int4_kv_write does write()'s work in one
     # call, int4_key_values reads key blocks back, the same bits; None: the torch ops below (no
     # native kernels, or another device).
     native: object | None = None
@@ -391,7 +391,7 @@ class Int4KVCache:
         p = self.plan = self.tails.plan(slot_mapping)
         # At the tail's precision from the start: a block's bits, and what a query reads of its own
         # block, are then the same however its rows arrived (one chunk, several, or decodes).
-        x16 = self.fresh = (x if self.rotation is None else x.float() @ self.rotation).to(TAIL_DTYPE)
+        x16 = self.fresh = (x if self.rotation is None else self.rotate(x)).to(TAIL_DTYPE)
         if self.native is not None and not p.reads_pool:
             zero_points = self.zero_points if self.per_channel else self.data.new_empty(0, dtype=torch.int8)
             key_bits = self.key_bits if self.per_channel else self.data.new_empty(0)
@@ -412,6 +412,14 @@ class Int4KVCache:
         if p.reopen_blocks.numel():
             self.tail[p.reopen_slots] = self._values(p.reopen_blocks).to(TAIL_DTYPE)
         self.tail.view(-1, kvh, hd)[p.tail_rows] = x[p.tail_tokens].to(TAIL_DTYPE)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., head_dim]`` times :attr:`rotation`, float32: the native kernel where this pool
+        writes through one (each row summed in one order, so the decode stack's rotations and the
+        Python path's are the same bits), else torch's matmul."""
+        if self.native is not None:
+            return self.native.int4_rotate(x, self.rotation)
+        return x.float() @ self.rotation
 
     def own_block_rows(self, start: int, count: int, lead: int, block: int) -> torch.Tensor:
         """A prompt chunk's rows at the tail's precision, float32: the ``lead`` rows its first

@@ -15,7 +15,8 @@ per-vector int4 rounding (:func:`quantize_kv`) and its rotation (:func:`hadamard
 With head_dim 64 that is 66 bytes per head and token against bf16's 128 (×1.94 the seats). The
 native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads the int8 and fp8
 layout in place, applying each vector's scale once to its dot product and once to its softmax
-weight. :class:`QuantizedKVCache` stands in for the plain cache tensor wherever the engine touches
+weight; on CPU a step's rows are quantized and stored by one native call
+(``pagedserve/kernels/kv_write.cpp``), :func:`quantize_kv` its reference. :class:`QuantizedKVCache` stands in for the plain cache tensor wherever the engine touches
 one (its shape, indexing by block ids, copy-on-write, writes by slot).
 """
 
@@ -106,18 +107,21 @@ class QuantizedKVCache:
     kv_cache_dtype: str
     out_dtype: torch.dtype
     head_dim: int
+    # The loaded native kernels (kernels/kv_write.cpp): quantized_kv_write does write()'s work in
+    # one call, the same bits; None: the torch ops (no native kernels, or another device).
+    native: object | None = None
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                 out_dtype: torch.dtype, device: torch.device) -> "QuantizedKVCache":
-        """An all-zero pool of ``num_blocks`` blocks."""
+                 out_dtype: torch.dtype, device: torch.device, native: object | None = None) -> "QuantizedKVCache":
+        """An all-zero pool of ``num_blocks`` blocks, written through ``native`` where given."""
         if kv_cache_dtype not in ("int8", "fp8"):
             raise ValueError(f"a per-token quantized pool is int8 or fp8, not {kv_cache_dtype!r} "
                              "(int4: kv.int4.Int4KVCache)")
         storage = torch.int8 if kv_cache_dtype == "int8" else torch.uint8
         data = zeros((num_blocks, block_size, num_kv_heads, head_dim), storage, device)  # lazily zeroed on CPU
         scales = zeros((num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device)
-        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim)
+        return cls(data, scales, kv_cache_dtype, out_dtype, head_dim, native if device.type == "cpu" else None)
 
     @property
     def shape(self) -> torch.Size:
@@ -141,6 +145,10 @@ class QuantizedKVCache:
 
     def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize ``x [T, kv_heads, head_dim]`` and store token i at flat slot ``slot_mapping[i]``."""
+        if self.native is not None:
+            rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads each head's values as a run
+            self.native.quantized_kv_write(self.data, self.scales, slot_mapping, rows, self.kv_cache_dtype)
+            return
         data, scales = quantize_kv(x, self.kv_cache_dtype)
         self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slot_mapping, data)
         self.scales.view(-1, self.scales.shape[2]).index_copy_(0, slot_mapping, scales)

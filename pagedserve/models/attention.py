@@ -414,7 +414,7 @@ def _attention(decode, prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     in place, so it could not)."""
     if isinstance(v_cache, Int4KVCache) and v_cache.rotation is not None:
         out = _attention(decode, prefill, q.float(), k_cache.stored_basis(), v_cache.stored_basis(), meta, scale)
-        return (out @ v_cache.rotation).to(q.dtype)  # float32 until here: one rounding, as without it
+        return v_cache.rotate(out).to(q.dtype)  # float32 until here: one rounding, as without it
     d = meta.num_decodes
     if d and not meta.prefills:  # decode-only step (the common one): nothing to assemble
         return decode(q, _decode_view(k_cache), _decode_view(v_cache), meta, scale)

@@ -186,7 +186,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         views = [m if g.window is None else window_view(m, g.window, kv_caches[0][0].shape[1])  # block size
                  for m, g in zip(metas, self.kv_groups)]  # once per step, not per layer
         native = self.native_decode
-        if native is not None and native.runs(x.shape[0], views[0], kv_caches):
+        if native is not None and native.runs(x.shape[0], views, kv_caches):
             return native(x, positions, views)  # the layers below, in one native call
         residual = None
         for layer, kv, g in zip(self.layers, kv_caches, self.layer_group):

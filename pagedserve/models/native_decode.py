@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from pagedserve.kv.cache import HeadMajorKVCache
+from pagedserve.kv.int4 import Int4KVCache, TailMap, WritePlan
+from pagedserve.kv.quant import QuantizedKVCache, kv_dtype_name
 from pagedserve.models.attention import FUSED_DECODE_MAX_GROUP, AttentionMetadata, fused_attention, write_kv
 from pagedserve.models.gguf_linear import GGUFLinear
 from pagedserve.models.half_linear import HalfWeightLinear
@@ -59,15 +61,34 @@ def head_spec(model: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
     return f"a tied {type(model.embed_tokens).__name__} table"
 
 
+def _pool_precision(pool: HeadMajorKVCache | QuantizedKVCache | Int4KVCache) -> str:
+    """What a pool stores: ``bfloat16``, ``int8``, ``int4``, ..."""
+    if isinstance(pool, Int4KVCache):
+        return "int4"
+    return pool.kv_cache_dtype if isinstance(pool, QuantizedKVCache) else kv_dtype_name("auto", pool.dtype)
+
+
+def _pool_parts(k: HeadMajorKVCache | QuantizedKVCache | Int4KVCache, v) -> tuple[str, list[torch.Tensor]]:
+    """``DecodeStack.add_layer``'s ``kv_kind`` and ``kv_parts`` for a layer's K and V pools."""
+    if isinstance(k, QuantizedKVCache):
+        return k.kv_cache_dtype, [k.scales, v.scales]
+    if isinstance(k, Int4KVCache):
+        return "int4", [k.scales, k.zero_points, k.key_bits, v.scales, k.tail, v.tail, v.rotation]
+    return "", []
+
+
 class NativeDecode:
     """A model's decoder layers and KV pools in one ``torch.classes.pagedserve.DecodeStack``."""
 
-    def __init__(self, stack, kv_caches: list, max_rows: int, head_rows: int, what: str):
+    def __init__(self, stack, kv_caches: list, max_rows: int, head_rows: int, what: str,
+                 tails: TailMap | None = None, plan_order: list[int] | None = None):
         self.stack = stack
         self.kv_caches = kv_caches  # the pools it was built over: a step over other pools is not its
         self.max_rows = max_rows
         self.head_rows = head_rows  # the LM head's rows it computes (0: none, compute_logits' own path)
         self.what = what
+        self.tails = tails  # int4 pools' shared tail map, which plans each step's writes; None otherwise
+        self.plan_order = plan_order or [0]  # KV groups in the order the layers first write them
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, ops, threads: int | None = None
@@ -89,9 +110,12 @@ class NativeDecode:
             return None, "the attention backend is not 'fused'"
         if arch.num_heads > FUSED_DECODE_MAX_GROUP * arch.num_kv_heads:
             return None, f"more than {FUSED_DECODE_MAX_GROUP} query heads per KV head"
-        if not all(isinstance(pool, HeadMajorKVCache) and pool.data.device.type == "cpu"
-                   for pair in kv_caches for pool in pair):
-            return None, "the KV pools are quantized or not on the CPU"
+        if not all(pool.data.device.type == "cpu" for pair in kv_caches for pool in pair):
+            return None, "the KV pools are not on the CPU"
+        if not all(isinstance(k, (HeadMajorKVCache, QuantizedKVCache))
+                   or (isinstance(k, Int4KVCache) and k.native is not None and v.rotation is not None)
+                   for k, v in kv_caches):
+            return None, "int4 KV pools without their native write or their values' rotation"
         dtype = model.norm.weight.dtype  # the compute dtype: norms stay in it whatever the linears hold
         specs, max_rows = [], UNLIMITED_ROWS
         for layer in model.layers:
@@ -123,7 +147,7 @@ class NativeDecode:
             input_norm, pre_mlp_norm, attn_out_norm, mlp_out_norm = layer.native_norms()
             stack.add_layer(input_norm, pre_mlp_norm, None if attn.q_norm is None else attn.q_norm.weight,
                             None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data,
-                            groups[i], ropes[id(attn.rotary)], attn_out_norm, mlp_out_norm)
+                            groups[i], ropes[id(attn.rotary)], attn_out_norm, mlp_out_norm, *_pool_parts(k_pool, v_pool))
             for name, spec in layer_specs.items():
                 stack.set_linear(i, name, *spec)
         head = head_spec(model, dtype)
@@ -134,17 +158,34 @@ class NativeDecode:
         rows = "any number of" if max_rows == UNLIMITED_ROWS else f"up to {max_rows}"
         team = f"its own pool of {threads} threads" if threads else "OpenMP's threads"
         what = (f"native: {len(specs)} layers in one call per decode step ({rows} rows; "
-                f"{', '.join(kinds)} linears, {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV pools; "
+                f"{', '.join(kinds)} linears, {_pool_precision(kv_caches[0][0])} KV pools; "
                 f"on {team}); " + ("the LM head too" if head_rows else f"the LM head in Python ({head})"))
-        return cls(stack, kv_caches, max_rows, head_rows, what), what
+        groups = list(dict.fromkeys(groups))  # in the order the layers first write them
+        tails = kv_caches[0][0].tails if isinstance(kv_caches[0][0], Int4KVCache) else None
+        return cls(stack, kv_caches, max_rows, head_rows, what, tails, groups), what
 
-    def runs(self, num_tokens: int, meta: AttentionMetadata, kv_caches: list) -> bool:
-        """Whether this step is one it takes: decodes only, few enough rows, its own pools."""
-        return not meta.prefills and num_tokens <= self.max_rows and kv_caches is self.kv_caches
+    def runs(self, num_tokens: int, metas: list[AttentionMetadata], kv_caches: list) -> bool:
+        """Whether this step is one it takes: decodes only, few enough rows, its own pools, and over
+        int4 pools a write the native kernel carries out (not a rolled-back block's: a speculative
+        step's rejected tokens, written again, read the quantized pool). ``metas``: one per KV group,
+        or the one of a model without groups."""
+        if metas[0].prefills or num_tokens > self.max_rows or kv_caches is not self.kv_caches:
+            return False
+        return self.tails is None or not any(plan.reads_pool for plan in self._plans(metas))
+
+    def _plans(self, metas: list[AttentionMetadata]) -> list[WritePlan]:
+        """The step's int4 write plan per KV group, made in the order the Python layers would ask
+        for them (the first layer of each group), and made once: the Python path, should it run
+        the step, finds them by slot mapping (kv/int4.py: TailMap.plan)."""
+        plans = {g: self.tails.plan(metas[g].slot_mapping) for g in self.plan_order}
+        return [plans[g] for g in sorted(plans)]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
         """Hidden states after the final norm for the decode rows whose embeddings are ``x``; ``metas``:
         one per KV group (a sliding group's its window view), or the one of a model without groups."""
+        plans = [] if self.tails is None else [
+            t for p in self._plans(metas) for t in (p.full_blocks, p.full_slots, p.full_rows, p.full_tokens,
+                                                   p.tail_rows, p.tail_tokens, p.decode_slots)]
         return self.stack.forward(x, positions, [m.slot_mapping for m in metas],
                                   [m.decode_block_tables for m in metas], [m.decode_context_lens for m in metas],
-                                  [m.decode_first for m in metas])
+                                  [m.decode_first for m in metas], plans)

@@ -272,7 +272,10 @@ def test_the_w1_row_runs_on_the_checkpoint_only(tmp_path, capsys, monkeypatch):
     assert ours[ours.index("--model") + 1] == "/ckpt" and ours[ours.index("--dtype") + 1] == "float32"
     for peer in ("vllm", "openvino"):
         assert "--requests" in w1[peer] and "--prompt" not in w1[peer]
-    assert "--prompt" not in ours and w1["openvino"][-2] == "--ir"
+    assert "--prompt" not in ours and "--ir" in w1["openvino"]
+    # KV alike: pagedserve's default (no flag), OpenVINO's set to the checkpoint's precision (no
+    # config here: float32), not its plugin's u8
+    assert "--kv-cache-dtype" not in ours and w1["openvino"][-2:] == ["--kv-precision", "f32"]
     assert "w1" not in plan["/m.Q8_0.gguf"]
     assert compare.summarize({"w1": {"pagedserve-hf": [900.0], "vllm": [750.0]}})["w1"]["ratios"] == {
         "pagedserve-hf/vllm": pytest.approx(1.2)}
@@ -285,6 +288,26 @@ def test_the_w1_row_runs_on_the_checkpoint_only(tmp_path, capsys, monkeypatch):
         compare.worker(["--worker", "decode", "--model", "/m", "--threads", "1", "--requests", "/r.json"])
     with pytest.raises(SystemExit):
         compare.worker(["--worker", "w1", "--model", "/m", "--threads", "1"])
+
+
+def test_the_checkpoint_engines_store_kv_alike(tmp_path):
+    """--kv-cache-dtype int8: pagedserve's worker stores int8 and OpenVINO GenAI u8, in the w1 row and
+    the decode row's checkpoint columns; GGUF rows and vLLM-CPU keep their own. Under auto a 16-bit
+    checkpoint's KV is bf16 for both."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"dtype": "bfloat16"}')
+    ckpt = str(tmp_path / "ckpt")
+    assert compare.openvino_kv_precision("auto", ckpt) == "bf16"
+    assert compare.openvino_kv_precision("fp8", ckpt) == "u8"
+    args = parse("--rows", "decode,w1", "--hf-checkpoint", ckpt, "--kv-cache-dtype", "int8")
+    plan = compare.build_plan([Path("/m.gguf")], args, Path("/b"), 2, False, ["vllm", "openvino"], tmp_path / "w1.json")
+    for row in ("w1", "decode"):
+        engines = plan["/m.gguf"][row]
+        ours = engines["pagedserve-hf"]
+        assert ours[ours.index("--kv-cache-dtype") + 1] == "int8"
+        assert engines["openvino"][engines["openvino"].index("--kv-precision") + 1] == "u8"
+        assert not any("kv" in part for part in engines["vllm"])
+    assert "--kv-cache-dtype" not in plan["/m.gguf"]["decode"]["pagedserve"]  # the GGUF file's row
 
 
 def _fake_llama_cpp(bin_dir: Path, log: Path | None = None) -> Path:
@@ -416,7 +439,8 @@ def test_optional_peers_run_only_with_their_venv_and_a_checkpoint(tmp_path, monk
     vllm = plan["/m.gguf"]["decode"]["vllm"]
     assert vllm[0] == str(python) and vllm[1].endswith("peer_drivers/vllm_decode.py")
     assert vllm[2:] == ["--model", str(tmp_path / "ckpt"), "--threads", "2", "--prompt", "16", "--output", "8"]
-    ir = plan["/m.gguf"]["decode"]["openvino"][-1]
+    openvino = plan["/m.gguf"]["decode"]["openvino"]
+    ir = openvino[openvino.index("--ir") + 1]
     assert ir.startswith(str(tmp_path / "peers" / "openvino-ir" / "ckpt-"))
 
 

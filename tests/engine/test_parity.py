@@ -110,7 +110,8 @@ def test_logits_match_transformers(arch, backend, checkpoint_dir):
 @pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
 def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch):
     """The fused kernel reads the quantized pools in place, matmul gathers and dequantizes them:
-    the same greedy tokens (prompts over many blocks of 8, some ending mid-block)."""
+    the same greedy tokens (prompts over many blocks of 8, some ending mid-block), through the
+    Python model's decode steps (the kernel counted) and the native decode stack's alike."""
     ops = attention.native_ops()
     if ops is None:
         pytest.skip("native kernels unavailable")
@@ -129,13 +130,14 @@ def test_quantized_kv_fused_decodes_match_matmul(kv, checkpoint_dir, monkeypatch
     model_dir = checkpoint_dir("llama")
     prompts = _prompts([5, 37, 70, 16, 9], seed=10)
     tokens = {}
-    for backend in ("fused", "matmul"):
+    for run, backend, native in (("fused", "fused", False), ("matmul", "matmul", False), ("stack", "fused", True)):
         engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8,
-                                     kv_cache_dtype=kv, attention_backend=backend))
-        tokens[backend] = [out.outputs[0].token_ids for out in _run(engine, prompts, GREEDY)]
+                                     kv_cache_dtype=kv, attention_backend=backend, native_decode=native))
+        tokens[run] = [out.outputs[0].token_ids for out in _run(engine, prompts, GREEDY)]
         assert_no_leaks(engine)
-    assert calls  # fused decodes went through the kernel, not the matmul fallback
-    assert tokens["fused"] == tokens["matmul"]
+        if run == "fused":
+            assert calls  # fused decodes went through the kernel, not the matmul fallback
+    assert tokens["fused"] == tokens["matmul"] == tokens["stack"]
 
 
 def test_bfloat16_close_to_float32(checkpoint_dir):

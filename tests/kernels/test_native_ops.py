@@ -148,12 +148,12 @@ def _one_layer_stack(threads: int):
     stack = torch.classes.pagedserve.DecodeStack(1, 1, hidden, inter, 1e-6, 0.125, torch.ones(8, hidden),
                                                  torch.zeros(8, hidden), torch.rand(hidden) + 0.5, threads)
     stack.add_layer(torch.rand(hidden) + 0.5, torch.rand(hidden) + 0.5, None, None,
-                    torch.zeros(1, 2, 16, hidden), torch.zeros(1, 2, 16, hidden), 0, 0, None, None)
+                    torch.zeros(1, 2, 16, hidden), torch.zeros(1, 2, 16, hidden), 0, 0, None, None, "", [])
     for name, rows, cols in (("qkv", 3 * hidden, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
                              ("down", hidden, inter)):
         stack.set_linear(0, name, "dense", [torch.randn(rows, cols) / cols ** 0.5], [], [], None, False, 0)
     one = torch.zeros(1, dtype=torch.long)
-    return stack, (torch.randn(1, hidden), one, [one], [torch.zeros(1, 1, dtype=torch.long)], [one + 1], [None])
+    return stack, (torch.randn(1, hidden), one, [one], [torch.zeros(1, 1, dtype=torch.long)], [one + 1], [None], [])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -4,6 +4,7 @@ Python path wherever it declines."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -13,6 +14,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import gguf_gemm_usable, native_ops
 from pagedserve.kv.cache import HeadMajorKVCache
+from pagedserve.kv.quant import QuantizedKVCache
 from pagedserve.models.attention import AttentionMetadata
 from pagedserve.models.gguf_linear import ALL_ROWS, GGUFLinear
 from pagedserve.models.native_decode import NativeDecode
@@ -40,6 +42,15 @@ def models(checkpoint_dir, tiny_model_dir, tiny_ggufs, request):
         # Gemma 3's layers (four norms, QK-norm by rows, GeGLU, two RoPE tables) over one full and
         # two window KV groups (window 32)
         "tiny-gemma3": lambda: (request.getfixturevalue("tiny_gemma3_gguf"), {}),
+        # int8 / fp8 KV pools: the stack writes and reads them through the same kernels as Python
+        "tiny-bf16-int8-kv": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "none",
+                                                       "kv_cache_dtype": "int8"}),
+        "gguf-q4_1-fp8-kv": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {"kv_cache_dtype": "fp8"}),
+        # int4 pools: tails, bit-plane keys, rotated values, each step's write planned by the host
+        "tiny-bf16-int4-kv": lambda: (tiny_model_dir, {"dtype": "bfloat16", "pack_weights": "none",
+                                                       "kv_cache_dtype": "int4"}),
+        "gguf-q4_1-int4-kv": lambda: (tiny_ggufs("Q4_1", tokenizer=True), {"kv_cache_dtype": "int4"}),
+        "tiny-gemma3-int4-kv": lambda: (request.getfixturevalue("tiny_gemma3_gguf"), {"kv_cache_dtype": "int4"}),
     }
     built: dict[str, LLM] = {}
 
@@ -62,10 +73,10 @@ def _float32_view(gguf) -> str:
 
 
 CASES = ["llama-onednn", "qwen2-bias", "qwen3-qk-norm", "tiny-bf16-dense", "tiny-half-weights", "tiny-bf16-tiles",
-         "gguf-q4_1", "gguf-q8_0-int8", "gguf-q4_1-float32", "tiny-gemma3"]
+         "gguf-q4_1", "gguf-q8_0-int8", "gguf-q4_1-float32", "tiny-gemma3", "tiny-bf16-int8-kv", "gguf-q4_1-fp8-kv"]
 KINDS = {"llama-onednn": "onednn", "qwen2-bias": "onednn", "qwen3-qk-norm": "onednn", "tiny-bf16-dense": "dense",
          "tiny-half-weights": "half", "gguf-q4_1": "gguf", "gguf-q8_0-int8": "gguf", "gguf-q4_1-float32": "gguf",
-         "tiny-gemma3": "gguf",
+         "tiny-gemma3": "gguf", "tiny-bf16-int8-kv": "dense", "gguf-q4_1-fp8-kv": "gguf",
          "tiny-bf16-tiles": "tile" if native_ops() is not None and native_ops().tile_linear_usable() else "onednn"}
 
 
@@ -74,15 +85,24 @@ def _decode_batch(model, rows: int, block_size: int, seed: int):
     them: its embeddings' token ids, positions, slots and metadata."""
     arch = model.arch
     g = torch.Generator().manual_seed(seed)
-    kv_dtype = model.native_decode.kv_caches[0][0].dtype
+    like = model.native_decode.kv_caches[0][0]
     num_blocks = 3 * rows + 16  # up to 3 blocks a row, scattered
     pools = []
     for _ in range(arch.num_layers):
         pair = []
         for _ in range(2):
-            pool = HeadMajorKVCache(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype,
-                                    torch.device("cpu"))
-            pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+            if isinstance(like, QuantizedKVCache):  # random codes (fp8's bytes short of NaN) and scales
+                pool = QuantizedKVCache.allocate(num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+                                                 like.kv_cache_dtype, like.out_dtype, torch.device("cpu"), native_ops())
+                codes = torch.randint(-127, 128, pool.data.shape, generator=g)
+                if like.kv_cache_dtype == "fp8":  # e4m3's bytes but its NaNs (0x7F, 0xFF)
+                    codes = torch.randint(0, 0x7F, pool.data.shape, generator=g) | (codes < 0) << 7
+                pool.data.copy_(codes.to(pool.data.dtype))
+                pool.scales.copy_(torch.rand(pool.scales.shape, generator=g) / 64 + 1e-3)
+            else:
+                pool = HeadMajorKVCache(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, like.dtype,
+                                        torch.device("cpu"))
+                pool.data.copy_(torch.randn(pool.data.shape, generator=g))
             pair.append(pool)
         pools.append(tuple(pair))
     contexts = torch.randint(1, 3 * block_size, (rows,), generator=g)  # the new token included
@@ -128,11 +148,15 @@ def test_native_decode_step_gives_the_python_models_bits(case, models):
             model.native_decode = native
         assert torch.equal(got, want), f"{case}, {rows} rows: hidden states differ by {(got - want).abs().max()}"
         assert got_logits.dtype == torch.float32 and torch.equal(got_logits, want_logits)
-        for (k, v), (pk, pv) in zip(pools, python_pools):  # the KV writes too
+        for (k, v), (pk, pv) in zip(pools, python_pools):  # the KV writes too, scales included
             assert torch.equal(k.data, pk.data) and torch.equal(v.data, pv.data)
+            if isinstance(k, QuantizedKVCache):
+                assert torch.equal(k.scales, pk.scales) and torch.equal(v.scales, pv.scales)
 
 
-def _copy(pool: HeadMajorKVCache) -> HeadMajorKVCache:
+def _copy(pool: HeadMajorKVCache | QuantizedKVCache) -> HeadMajorKVCache | QuantizedKVCache:
+    if isinstance(pool, QuantizedKVCache):
+        return dataclasses.replace(pool, data=pool.data.clone(), scales=pool.scales.clone())
     kvh, nb, bs, hd = pool.data.shape
     twin = HeadMajorKVCache(nb, bs, kvh, hd, pool.dtype, torch.device("cpu"))
     twin.data.copy_(pool.data)
@@ -142,46 +166,64 @@ def _copy(pool: HeadMajorKVCache) -> HeadMajorKVCache:
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in blocks", "1 2 3 4 5 6 7 8 9"]
 
 
-def test_gemma3_decodes_alike_either_way_across_its_windows(models):
+@pytest.mark.parametrize("case", ["tiny-gemma3", "tiny-gemma3-int4-kv"])
+def test_gemma3_decodes_alike_either_way_across_its_windows(case, models):
     """Gemma 3 through the native stack against its Python model, end to end: prompts longer than
     the tiny model's 32-token window, decoded past it, so the window layers' views start inside a
-    block and their groups give blocks back (the null block in their tables) while both decode."""
+    block and their groups give blocks back (the null block in their tables) while both decode;
+    over int4 pools, one write plan per KV group and step, made in the Python layers' order."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 2 for j in range(n)]}
                for i, n in enumerate((41, 57, 70, 33, 48, 65))]
-    results = []
+    results, engines = [], []
     for native in (True, False):
-        llm = models("tiny-gemma3", native)
+        llm = models(case, native)
         assert (llm.engine.core.runner.model.native_decode is not None) == native
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         assert_no_leaks(llm.engine)
+        engines.append(llm.engine)
     assert results[0] == results[1]
+    _assert_same_pools(*engines)
 
 
-@pytest.mark.parametrize("case", ["qwen3-qk-norm", "tiny-half-weights", "gguf-q4_1"])
+@pytest.mark.parametrize("case", ["qwen3-qk-norm", "tiny-half-weights", "gguf-q4_1", "tiny-bf16-int8-kv",
+                                  "tiny-bf16-int4-kv", "gguf-q4_1-int4-kv"])
 def test_engine_generates_the_same_tokens_and_logprobs_either_way(case, models):
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    results = []
+    """The same tokens and log-probabilities through the native stack and the Python model, and
+    the same KV pool bytes after (int4: blocks, steps, zero points, scales and tails: the decodes'
+    writes as each step's plan laid them out, blocks filled by decodes included)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    results, engines = [], []
     for native in (True, False):
         llm = models(case, native)
         assert (llm.engine.core.runner.model.native_decode is not None) == native
+        if native and "int4" in case:
+            assert "int4 KV pools" in llm.engine.core.runner.model.native_decode.what
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         assert_no_leaks(llm.engine)
+        engines.append(llm.engine)
     assert results[0] == results[1]
+    _assert_same_pools(*engines)
+
+
+def _assert_same_pools(a, b) -> None:
+    """Two engines' KV pools hold the same bytes (every tensor of each pool: data, scales, tails ...)."""
+    for pair_a, pair_b in zip(a.core.runner.kv_caches, b.core.runner.kv_caches, strict=True):
+        for x, y in zip(pair_a, pair_b):
+            fields = [f for f in ("data", "scales", "zero_points", "tail") if isinstance(getattr(x, f, None), torch.Tensor)]
+            for f in fields:
+                assert torch.equal(getattr(x, f).view(torch.uint8), getattr(y, f).view(torch.uint8)), f
 
 
 def test_native_decode_declines_what_it_cannot_run(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.core"):
-        int8_kv = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, kv_cache_dtype="int8")
         matmul = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128, attention_backend="matmul")
-    assert int8_kv.engine.core.runner.model.native_decode is None
     assert matmul.engine.core.runner.model.native_decode is None
-    assert "decode step: python (the KV pools are quantized or not on the CPU)" in caplog.text
     assert "decode step: python (the attention backend is not 'fused')" in caplog.text
-    # Both still generate, through the Python model, and give every block back.
-    for llm in (int8_kv, matmul):
+    # It still generates, through the Python model, and gives every block back.
+    for llm in (matmul,):
         out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
         assert_no_leaks(llm.engine)
@@ -195,10 +237,10 @@ def test_native_decode_takes_decode_steps_only(models):
                                torch.ones(2, dtype=torch.long), None, [])
     with_chunk = AttentionMetadata(decode.slot_mapping, 1, decode.decode_block_tables[:1],
                                    decode.decode_context_lens[:1], None, [(1, 1, 1, torch.zeros(1, dtype=torch.long))])
-    assert native.runs(2, decode, pools)
-    assert not native.runs(2, with_chunk, pools)  # a prompt chunk in the step: the Python model
-    assert not native.runs(native.max_rows + 1, decode, pools)  # more rows than the GGUF kernels take
-    assert not native.runs(2, decode, [tuple(pair) for pair in pools])  # pools it was not built over
+    assert native.runs(2, [decode], pools)
+    assert not native.runs(2, [with_chunk], pools)  # a prompt chunk in the step: the Python model
+    assert not native.runs(native.max_rows + 1, [decode], pools)  # more rows than the GGUF kernels take
+    assert not native.runs(2, [decode], [tuple(pair) for pair in pools])  # pools it was not built over
 
 
 # Run in a process of its own: OpenMP's workers are told apart from the decode pool's by name and

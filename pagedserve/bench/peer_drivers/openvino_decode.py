@@ -31,7 +31,12 @@ def export_once(model: str, ir: Path) -> None:
 def main() -> None:
     p = arguments(__doc__)
     p.add_argument("--ir", required=True, help="directory of the exported model (made once)")
+    p.add_argument("--kv-precision", default=None, choices=["u8", "bf16", "f16", "f32"],
+                   help="KV_CACHE_PRECISION (default: the CPU plugin's own, u8)")
     args = p.parse_args()
+    props = {"INFERENCE_NUM_THREADS": args.threads}
+    if args.kv_precision is not None:
+        props["KV_CACHE_PRECISION"] = args.kv_precision
     export_once(args.model, Path(args.ir))
     import numpy as np
     import openvino as ov
@@ -47,14 +52,14 @@ def main() -> None:
         scheduler = ov_genai.SchedulerConfig()
         scheduler.cache_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens = 4, 64, 2048
         scheduler.dynamic_split_fuse = True
-        batch = ov_genai.ContinuousBatchingPipeline(args.ir, scheduler, "CPU", {"INFERENCE_NUM_THREADS": args.threads})
+        batch = ov_genai.ContinuousBatchingPipeline(args.ir, scheduler, "CPU", props)
 
         def generate_all(ids: list[list[int]], max_tokens: list[int]) -> None:
             batch.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in ids], [greedy(n) for n in max_tokens])
 
         report(batch_rate(generate_all, prompts, outputs))
         return
-    pipe = ov_genai.LLMPipeline(args.ir, "CPU", INFERENCE_NUM_THREADS=args.threads)
+    pipe = ov_genai.LLMPipeline(args.ir, "CPU", **props)
     tokenizer = pipe.get_tokenizer()
     ids = prompt_ids(lambda text: tokenizer.encode(text).input_ids.data[0].tolist(), args.prompt)
 

@@ -1,23 +1,31 @@
-// One step's K or V rows into kv/int4.py's int4 pool in one call: the rows of blocks the step
-// fills quantized into their blocks, those blocks' new rows also kept in their tail slots for this
-// step's reads, and every other row into its block's float16 tail slot. The torch path
-// (Int4KVCache's own write) spends ~30 small ops a layer on the same work; this is the engine's
-// path on CPU.
+// A step's K or V rows into the quantized KV pools in one call.
 //
-// Keys are quantized per block, head and channel with a float8 step and an int8 zero point, each
-// channel at its own bits (key_bits, 1..8, 4 a channel on average: channels are not equally worth
-// their bits). A head's block is stored as bit planes, each channel's from its least significant
-// bit, a plane one bit per token: any mix of widths then fills the bytes of 4-bit codes, and a
-// decode scores a block plane by plane. Values are quantized per token, two 4-bit codes a byte.
+// int8 / fp8 (kv/quant.py's QuantizedKVCache): each row's vector per KV head quantized on its own
+// (a float16 scale, its largest magnitude over the format's largest code) and stored at its slot.
+// The torch path (quantize_kv, then two index_copy_) spends ~10 small ops a layer on it; this is
+// the engine's path on CPU, and the decode stack's (decode_stack.cpp), which calls it directly.
 //
-// The bits match the torch path's exactly (tests/kernels/test_int4_kv_write.py compares them).
+// int4 (kv/int4.py): the rows of blocks the step fills quantized into their blocks, those blocks'
+// new rows also kept in their tail slots for this step's reads, and every other row into its
+// block's float16 tail slot. The torch path (Int4KVCache's own write) spends ~30 small ops a layer
+// on the same work. Keys are quantized per block, head and channel with a float8 step and an int8
+// zero point, each channel at its own bits (key_bits, 1..8, 4 a channel on average: channels are
+// not equally worth their bits). A head's block is stored as bit planes, each channel's from its
+// least significant bit, a plane one bit per token: any mix of widths then fills the bytes of 4-bit
+// codes, and a decode scores a block plane by plane. Values are quantized per token, two 4-bit
+// codes a byte, as int8's are.
+//
+// The bits match the torch paths' exactly (tests/kernels/test_kv_write.py compares them).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "convert.h"
 #include "int4_key_bits.h"
+#include "kernel_ops.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -127,19 +135,26 @@ void store_key_block(const Pool& p, int64_t b, const float* rows) {
   }
 }
 
+// One vector's float16 scale as kv/quant.py's quantize_kv sets it (its largest magnitude over
+// `largest`, the format's largest code, and at least kScaleMin), and x / scale into y, the codes
+// before their rounding.
+c10::Half scale_vector(float* y, const float* x, int64_t n, float largest) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  divide_by(&amax, &amax, largest, 1);
+  const c10::Half scale(std::max(amax, kScaleMin));
+  divide_by(y, x, static_cast<float>(scale), n);
+  return scale;
+}
+
 // rows [bs, kvh, hd] float → block b's value codes and float16 scales, one per token and head
 // (kv/quant.py: quantize_kv's int4).
 void store_value_block(const Pool& p, int64_t b, const float* rows) {
   const int64_t hd = p.hd, n = p.bs * p.kvh;  // a vector v: token * kvh + head
   auto* scales = static_cast<c10::Half*>(p.scales) + b * n;
-  std::vector<float> amax(n, 0.0f), codes(hd);
-  for (int64_t v = 0; v < n; ++v)
-    for (int64_t d = 0; d < hd; ++d) amax[v] = std::max(amax[v], std::fabs(rows[v * hd + d]));
-  divide_by(amax.data(), amax.data(), kValueMax, n);
+  std::vector<float> codes(hd);
   for (int64_t v = 0; v < n; ++v) {
-    const c10::Half scale(std::max(amax[v], kScaleMin));
-    scales[v] = scale;
-    divide_by(codes.data(), rows + v * hd, static_cast<float>(scale), hd);
+    scales[v] = scale_vector(codes.data(), rows + v * hd, hd, kValueMax);
     for (int64_t d = 0; d < hd; ++d)
       codes[d] = std::min(std::max(std::nearbyint(codes[d]), -kValueMax), kValueMax) + 8.0f;
     pack_row(p.data + (b * n + v) * (hd / 2), codes.data(), hd);
@@ -150,6 +165,10 @@ const int64_t* longs(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name, " must be contiguous int64 [n]");
   return t.data_ptr<int64_t>();
 }
+
+}  // namespace
+
+namespace pagedserve::ops {
 
 // x [T, kvh, hd] float16: the step's rows as stored (V already rotated). tail [slots, bs, kvh, hd]
 // float16. data, scales, zero_points: the pool (zero_points empty for V); key_bits [kvh, hd] uint8:
@@ -227,7 +246,81 @@ void int4_kv_write(const at::Tensor& x, at::Tensor& tail, at::Tensor& data, at::
     std::memcpy(ts + trows[r] * row, xs + ttok[r] * row, row * sizeof(c10::Half));
 }
 
-}  // namespace
+// x [T, kvh, hd] in a model dtype (rows and heads may be strided, as a view into the fused QKV
+// output is; head_dim contiguous) → flat slots `slots` [T] of data [blocks, bs, kvh, hd] (int8 for
+// "int8"; uint8, e4m3's bits, for "fp8") and their float16 scales [blocks, bs, kvh], as
+// kv/quant.py's QuantizedKVCache.write stores them.
+void quantized_kv_write(at::Tensor& data, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& x,
+                        c10::string_view kind) {
+  TORCH_CHECK(kind == "int8" || kind == "fp8", "quantized_kv_write: unknown kind ", kind, " (int8 or fp8)");
+  const bool fp8 = kind == "fp8";
+  TORCH_CHECK(data.dim() == 4 && data.is_contiguous() && data.scalar_type() == (fp8 ? at::kByte : at::kChar),
+              "quantized_kv_write: ", kind, " data must be contiguous ", fp8 ? "uint8" : "int8",
+              " [blocks, bs, kvh, head_dim]");
+  TORCH_CHECK(scales.sizes() == data.sizes().slice(0, 3) && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "quantized_kv_write: scales must be contiguous float16 [blocks, bs, kvh]");
+  const int64_t kvh = data.size(2), hd = data.size(3), n_slots = data.size(0) * data.size(1);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == kvh && x.size(2) == hd && x.stride(2) == 1,
+              "quantized_kv_write: x must be [tokens, kvh, head_dim] with head_dim contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.numel() == x.size(0),
+              "quantized_kv_write: slots must be contiguous int64, one per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < x.size(0); ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < n_slots, "quantized_kv_write: slot ", slot[i], " out of range");
+  const float largest = fp8 ? 448.0f : 127.0f;  // kv/quant.py's _QMAX
+  auto* codes = static_cast<uint8_t*>(data.data_ptr());
+  auto* scale = scales.data_ptr<c10::Half>();
+  std::vector<float> row(hd), y(hd);
+  dispatch_model_dtype(x.scalar_type(), "quantized_kv_write", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xs = x.data_ptr<T>();
+    for (int64_t i = 0; i < x.size(0); ++i)
+      for (int64_t h = 0; h < kvh; ++h) {
+        const T* src = xs + i * x.stride(0) + h * x.stride(1);
+        for (int64_t d = 0; d < hd; ++d) row[d] = to_float(src[d]);
+        const int64_t vector = slot[i] * kvh + h;
+        scale[vector] = scale_vector(y.data(), row.data(), hd, largest);
+        uint8_t* out = codes + vector * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+          const float c = std::min(std::max(fp8 ? y[d] : std::nearbyint(y[d]), -largest), largest);
+          out[d] = fp8 ? c10::Float8_e4m3fn(c).x : static_cast<uint8_t>(static_cast<int8_t>(c));
+        }
+      }
+  });
+}
+
+// Rows x [..., hd] (a model dtype, any layout) times int4 values' rotation R [hd, hd]
+// (float32, kv/quant.py's hadamard_matrix), in float32: y[d] = sum over j in order of x[j] R[j][d],
+// so a row's bits are the same in any call, split or batch. torch's matmul sums in an order of its
+// own choosing, by shape, layout and threads: the decode stack's and the Python path's rotations
+// then differed in the last bit, now and then a float16 code.
+at::Tensor int4_rotate(const at::Tensor& x, const at::Tensor& rotation, WorkPool* pool) {
+  const int64_t hd = x.dim() > 0 ? x.size(-1) : 0;
+  TORCH_CHECK(rotation.dim() == 2 && rotation.size(0) == hd && rotation.size(1) == hd &&
+                  rotation.scalar_type() == at::kFloat && rotation.is_contiguous(),
+              "int4_rotate: the rotation must be a contiguous float32 [head_dim, head_dim] for rows of ", hd);
+  const at::Tensor rows = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(rows.sizes(), rows.options());
+  const float* in = rows.data_ptr<float>();
+  const float* r = rotation.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  pagedserve::parallel_for(pool, 0, hd > 0 ? rows.numel() / hd : 0, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* o = y + row * hd;
+      std::fill_n(o, hd, 0.0f);
+      for (int64_t j = 0; j < hd; ++j) {
+        const float xj = in[row * hd + j];
+        for (int64_t d = 0; d < hd; ++d) o[d] += xj * r[j * hd + d];
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_rotate_op(const at::Tensor& x, const at::Tensor& rotation) { return int4_rotate(x, rotation, nullptr); }
+
+}  // namespace pagedserve::ops
 
 // The keys of n blocks back as float32 [n, bs, kvh, hd] (kv/int4.py: key_block_values), for prompt
 // chunks, which read earlier blocks dequantized: data [n, kvh, hd * bs / 2] bit planes, steps
@@ -286,9 +379,13 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         "Tensor key_bits, Tensor full_blocks, Tensor full_slots, Tensor full_rows, Tensor full_tokens, "
         "Tensor tail_rows, Tensor tail_tokens) -> ()");
   m.def("int4_key_values(Tensor data, Tensor steps, Tensor zero_points, Tensor key_bits) -> Tensor");
+  m.def("quantized_kv_write(Tensor(a!) data, Tensor(b!) scales, Tensor slots, Tensor x, str kind) -> ()");
+  m.def("int4_rotate(Tensor x, Tensor rotation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("int4_kv_write", &int4_kv_write);
+  m.impl("int4_kv_write", &pagedserve::ops::int4_kv_write);
   m.impl("int4_key_values", &int4_key_values);
+  m.impl("quantized_kv_write", &pagedserve::ops::quantized_kv_write);
+  m.impl("int4_rotate", &pagedserve::ops::int4_rotate_op);
 }

@@ -1,7 +1,9 @@
-"""The native int4 KV write (kernels/int4_kv_write.cpp) against the torch path of
-:meth:`~pagedserve.kv.int4.Int4KVCache.write`: the same bits in the blocks, steps, zero points,
-scales and tail slots, write after write, and on rounding ties, with 4 bits a key channel and with
-a mix of 1 to 8."""
+"""The native KV writes (kernels/kv_write.cpp) against the torch paths: int8 / fp8 against
+:meth:`~pagedserve.kv.quant.QuantizedKVCache.write`'s (:func:`~pagedserve.kv.quant.quantize_kv`),
+the same codes and scales for every model dtype, strided rows, zero vectors and rounding ties; int4
+against :meth:`~pagedserve.kv.int4.Int4KVCache.write`'s: the same bits in the blocks, steps, zero
+points, scales and tail slots, write after write, and on rounding ties, with 4 bits a key channel
+and with a mix of 1 to 8."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pagedserve.kernels import kernel_error, native_ops
 from pagedserve.kv.block_manager import BlockManager
 from pagedserve.kv.cache import allocate_kv_caches
 from pagedserve.kv.int4 import quantize_key_blocks, uniform_key_bits
-from pagedserve.kv.quant import quantize_kv
+from pagedserve.kv.quant import QuantizedKVCache, quantize_kv
 from pagedserve.models.attention import write_kv
 from tests.helpers.paged_inputs import mixed_key_bits
 
@@ -21,6 +23,72 @@ CPU = torch.device("cpu")
 NO_ROWS = torch.zeros(0, dtype=torch.long)
 NO_BITS = torch.zeros(0, dtype=torch.uint8)
 KEY_BITS = {"uniform": uniform_key_bits, "mixed": mixed_key_bits}  # (kvh, hd) -> [kvh, hd] uint8
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_int8_and_fp8_write_stores_the_torch_writes_bits(kind, dtype):
+    """Rows of every magnitude (1e-3 to 1e3, fp8's range and past it), a zero vector (the scale's
+    floor), a vector whose codes sit on rounding ties (127 sets the scale to 1: 0.5, 1.5, 2.5, -3.5
+    round to even), heads strided inside a wider row as the fused QKV output's are, scattered slots,
+    and a second write over some of the same slots: codes and scales equal to the torch path's."""
+    g = torch.Generator().manual_seed(3)
+    torch_pool, native_pool = (QuantizedKVCache.allocate(12, 4, 3, 32, kind, dtype, CPU, ops)
+                               for ops in (None, native_ops()))
+    assert torch_pool.native is None and native_pool.native is not None
+    for write in range(2):
+        wide = (torch.randn(19, 3, 40, generator=g) * torch.logspace(-3, 3, 19)[:, None, None]).to(dtype)
+        x = wide[:, :, 4:36]  # head_dim contiguous, rows and heads strided
+        x[0] = 0
+        x[1, 2] = torch.tensor([127.0, 0.5, 1.5, 2.5, -3.5] + [0.0] * 27, dtype=dtype)
+        slots = torch.randperm(48, generator=g)[:19]
+        torch_pool.write(slots, x)
+        native_pool.write(slots, x)
+        assert torch.equal(native_pool.data, torch_pool.data), f"write {write}: codes differ"
+        assert torch.equal(native_pool.scales, torch_pool.scales), f"write {write}: scales differ"
+    if kind == "int8":  # the last write's tie row as stored (scale 1): ties to even
+        assert native_pool.data.view(-1, 3, 32)[slots[1], 2, :5].tolist() == [127, 0, 2, 2, -4]
+
+
+@needs_kernels
+def test_the_int8_write_refuses_what_it_cannot_store():
+    """An unknown kind, the other kind's storage, a slot past the pool, a slot list of another
+    length: a one-line error each, before anything is written."""
+    ops = native_ops()
+    pool = QuantizedKVCache.allocate(4, 4, 2, 32, "int8", torch.float32, CPU)
+    fp8 = QuantizedKVCache.allocate(4, 4, 2, 32, "fp8", torch.float32, CPU)
+    x = torch.ones(2, 2, 32)
+    slots = torch.tensor([0, 5])
+    for args, message in [((pool.data, pool.scales, slots, x, "int4"), "unknown kind int4"),
+                          ((fp8.data, fp8.scales, slots, x, "int8"), "int8 data must be contiguous int8"),
+                          ((pool.data, pool.scales, torch.tensor([0, 16]), x, "int8"), "slot 16 out of range"),
+                          ((pool.data, pool.scales, torch.tensor([0]), x, "int8"), "one per token")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops.quantized_kv_write(*args)
+    assert not pool.data.any() and not pool.scales.view(torch.int16).any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_rotation_is_the_matmul_and_a_rows_bits_whatever_its_batch(dtype):
+    """int4_rotate: the values' Hadamard rotation in float32, within float32 rounding of torch's
+    matmul, each row the same bits alone, in a batch, and read from a strided view (as the decode
+    stack's V rows, a view into the fused QKV output, are)."""
+    from pagedserve.kv.quant import hadamard_matrix
+
+    ops = native_ops()
+    g = torch.Generator().manual_seed(5)
+    rotation = hadamard_matrix(64)
+    wide = torch.randn(37, 3, 80, generator=g).to(dtype)
+    x = wide[:, :, 8:72]
+    got = ops.int4_rotate(x, rotation)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, x.float() @ rotation, rtol=1e-5, atol=1e-5)
+    for row in (0, 17, 36):
+        assert torch.equal(ops.int4_rotate(x[row:row + 1].contiguous(), rotation), got[row:row + 1])
+    with pytest.raises(RuntimeError, match=r"rotation must be a contiguous float32 \[head_dim, head_dim\]"):
+        ops.int4_rotate(x, hadamard_matrix(32))
 
 
 def _pairs(num_blocks=24, block_size=16, kvh=2, hd=32, tail_slots=3, key_bits=None):
