@@ -16,8 +16,9 @@ With head_dim 64 that is 66 bytes per head and token against bf16's 128 (×1.94 
 native decode kernel (``pagedserve/kernels/paged_attention_quantized.cpp``) reads the int8 and fp8
 layout in place, applying each vector's scale once to its dot product and once to its softmax
 weight; on CPU a step's rows are quantized and stored by one native call
-(``pagedserve/kernels/kv_write.cpp``), :func:`quantize_kv` its reference. :class:`QuantizedKVCache` stands in for the plain cache tensor wherever the engine touches
-one (its shape, indexing by block ids, copy-on-write, writes by slot).
+(``pagedserve/kernels/kv_write.cpp``), :func:`quantize_kv` its reference. :class:`QuantizedKVCache`
+stands in for the plain cache tensor wherever the engine touches one (its shape, indexing by block
+ids, copy-on-write, writes by slot).
 """
 
 from __future__ import annotations

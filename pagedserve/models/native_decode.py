@@ -147,7 +147,8 @@ class NativeDecode:
             input_norm, pre_mlp_norm, attn_out_norm, mlp_out_norm = layer.native_norms()
             stack.add_layer(input_norm, pre_mlp_norm, None if attn.q_norm is None else attn.q_norm.weight,
                             None if attn.k_norm is None else attn.k_norm.weight, k_pool.data, v_pool.data,
-                            groups[i], ropes[id(attn.rotary)], attn_out_norm, mlp_out_norm, *_pool_parts(k_pool, v_pool))
+                            groups[i], ropes[id(attn.rotary)], attn_out_norm, mlp_out_norm,
+                            *_pool_parts(k_pool, v_pool))
             for name, spec in layer_specs.items():
                 stack.set_linear(i, name, *spec)
         head = head_spec(model, dtype)

@@ -212,8 +212,9 @@ def _assert_same_pools(a, b) -> None:
     """Two engines' KV pools hold the same bytes (every tensor of each pool: data, scales, tails ...)."""
     for pair_a, pair_b in zip(a.core.runner.kv_caches, b.core.runner.kv_caches, strict=True):
         for x, y in zip(pair_a, pair_b):
-            fields = [f for f in ("data", "scales", "zero_points", "tail") if isinstance(getattr(x, f, None), torch.Tensor)]
-            for f in fields:
+            for f in ("data", "scales", "zero_points", "tail"):
+                if not isinstance(getattr(x, f, None), torch.Tensor):
+                    continue
                 assert torch.equal(getattr(x, f).view(torch.uint8), getattr(y, f).view(torch.uint8)), f
 
 
@@ -223,10 +224,22 @@ def test_native_decode_declines_what_it_cannot_run(tiny_model_dir, caplog):
     assert matmul.engine.core.runner.model.native_decode is None
     assert "decode step: python (the attention backend is not 'fused')" in caplog.text
     # It still generates, through the Python model, and gives every block back.
-    for llm in (matmul,):
-        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-        assert_no_leaks(llm.engine)
+    out = matmul.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_no_leaks(matmul.engine)
+
+
+def test_native_decode_declines_int4_pools_without_their_native_write(models):
+    """int4 pools written by torch's ops (built without the native kernels) would not be written as
+    the stack writes: the stack declines them, and says why."""
+    from pagedserve.kv.cache import allocate_kv_caches
+
+    model = models("tiny-bf16-int4-kv").engine.core.runner.model
+    arch = model.arch
+    torch_written = allocate_kv_caches(arch.num_layers, 8, 8, arch.num_kv_heads, arch.head_dim, torch.bfloat16,
+                                       torch.device("cpu"), "int4", 2)
+    native, why = NativeDecode.build(model, torch_written, native_ops())
+    assert native is None and why == "int4 KV pools without their native write or their values' rotation"
 
 
 def test_native_decode_takes_decode_steps_only(models):
