@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.config import CPU_ISAS, GGUF_ACTIVATIONS  # no torch: the worker pins its threads before torch loads
+# no torch: the worker pins its threads before torch loads
+from pagedserve.config import CPU_ISAS, GGUF_ACTIVATIONS, KV_CACHE_DTYPES
 
 ROWS = ("decode", "prefill", "batch", "w1")
 DEFAULT_ROWS = ROWS[:3]
@@ -257,14 +258,11 @@ def openvino_kv_precision(kv_cache_dtype: str, checkpoint: str, cpu_isa: list[st
     u8 for 8 bits; for ``auto``, pagedserve's own bytes: 16 bits for a 16-bit checkpoint (bf16 where
     the CPU has native bf16, ``cpu_isa``'s flags, else f16, which every x86 plugin stores), f32
     otherwise."""
+    from pagedserve.bench.plan_check import checkpoint_dtype
+
     if kv_cache_dtype != "auto":
         return "u8"
-    try:
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    if saved not in ("bfloat16", "float16"):
+    if checkpoint_dtype(Path(checkpoint)) not in ("bfloat16", "float16"):
         return "f32"
     flags = cpu_summary(read_cpuinfo())["isa"] if cpu_isa is None else cpu_isa
     return "bf16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "f16"
@@ -702,7 +700,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--gguf-activations", default="int16", choices=list(GGUF_ACTIVATIONS))
     p.add_argument("--requests", default=None, help="the w1 row's requests (JSON, write_w1_requests)")
     p.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISAS))
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_PRECISIONS))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))  # int4 too, by hand
     args = p.parse_args(argv)
     if (args.worker == W1_ROW) != (args.requests is not None):
         p.error("--requests goes with --worker w1, and only with it")

@@ -38,9 +38,10 @@
   instruction's pair order (:class:`~pagedserve.models.packed.TileLinear`, ``--pack-weights auto``
   where the CPU has AMX-BF16), for every row count a step has, with a scalar reference path.
 * ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
-  (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools, which runs
-  the kernels above back to back through their C++ entry points (``kernel_ops.h``), as the Python
-  model would call them one by one (:mod:`pagedserve.models.native_decode`).
+  (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools (the model
+  dtype's, int8, fp8 or int4), which runs the kernels above back to back through their C++ entry
+  points (``kernel_ops.h``), as the Python model would call them one by one
+  (:mod:`pagedserve.models.native_decode`).
 * ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
   compile a scalar, an AVX2 and an AVX-512 path on every x86 machine (the GGUF matmul an AMX one
   too, taken where CPUID shows AMX-INT8 and Linux grants the tile state; the bf16 tile linear where

@@ -63,23 +63,35 @@ struct Linear {
   int64_t gemm_above = 0;            // gguf: more rows than this go through gguf_gemm; 0: never
 };
 
+// How a layer's KV pools store their rows (models/native_decode.py's _pool_parts names them).
+enum class KvKind { model, int8, fp8, int4 };
+
+struct KvPools {
+  KvKind kind = KvKind::model;
+  std::string name;  // "int8" / "fp8", as the quantized kernels take it; empty for the model dtype's
+  // int8 / fp8: k_scales, v_scales, float16 per token and head. int4 (kv/int4.py): k_scales the keys'
+  // float8 steps, k_zeros and k_bits their zero points and channel widths, v_scales the values'
+  // float16 scales, the float16 tails, the values' rotation; no_zeros / no_bits the empty tensors
+  // int4_kv_write takes for values, made once.
+  at::Tensor k_scales, v_scales, k_zeros, k_bits, k_tail, v_tail, rotation, no_zeros, no_bits;
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;          // post_norm: the residual-adding norm before the MLP
   std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's and Gemma 3's per-head norms
   at::Tensor k_pool, v_pool;                 // the pools' data: [kv_heads, blocks, block_size, head_dim] in
                                              // the model dtype's; as kv/quant.py and kv/int4.py lay out theirs
-  std::string kv_kind;                       // "int8", "fp8", "int4"; empty for the model dtype's pools
-  std::vector<at::Tensor> kv_parts;          // the quantized pools' other tensors (add_layer)
+  KvPools kv;                                // the pools' kind and, quantized, their other tensors
   int64_t group = 0;                         // its KV group: which slots, tables and lengths it takes
   int64_t rope = 0;                          // its RoPE table (add_rope)
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma 3's norms of each output
   Linear qkv, o, gate_up, down;
 };
 
-// An int4 layer's kv_parts, and a step's int4 write plan per KV group: full_blocks, full_slots,
-// full_rows, full_tokens, tail_rows, tail_tokens (int4_kv_write's), then decode_slots (each block's
-// tail slot as the step's decodes read it).
-constexpr size_t kInt4Parts = 7, kInt4Plan = 7, kInt4DecodeSlots = 6;
+// A step's int4 write plan per KV group: full_blocks, full_slots, full_rows, full_tokens,
+// tail_rows, tail_tokens (int4_kv_write's), then decode_slots (each block's tail slot as the step's
+// decodes read it).
+constexpr size_t kInt4Plan = 7, kInt4DecodeSlots = 6;
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
@@ -113,21 +125,17 @@ class DecodeStack : public torch::CustomClassHolder {
                  std::optional<at::Tensor> k_norm, at::Tensor k_pool, at::Tensor v_pool, int64_t group, int64_t rope,
                  std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm, std::string kv_kind,
                  std::vector<at::Tensor> kv_parts) {
-    const size_t parts = kv_kind.empty() ? 0 : kv_kind == "int4" ? kInt4Parts : 2;
-    TORCH_CHECK(kv_kind.empty() || kv_kind == "int8" || kv_kind == "fp8" || kv_kind == "int4",
-                "DecodeStack: KV pools are the model dtype's, int8, fp8 or int4, not ", kv_kind);
-    TORCH_CHECK(kv_parts.size() == parts, "DecodeStack: ", kv_kind.empty() ? "the model dtype's" : kv_kind,
-                " KV pools take ", parts, " more tensors, got ", kv_parts.size());
-    TORCH_CHECK(!kv_kind.empty() || (k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() &&
-                                     k_pool.size(0) == kv_heads_ && k_pool.size(3) == head_dim_),
+    KvPools kv = parse_kv(std::move(kv_kind), kv_parts, v_pool);
+    TORCH_CHECK(kv.kind != KvKind::model || (k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() &&
+                                             k_pool.size(0) == kv_heads_ && k_pool.size(3) == head_dim_),
                 "DecodeStack: pools must be [kv_heads, blocks, block_size, head_dim]");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "DecodeStack: pools must be contiguous");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q_norm and k_norm go together");
     TORCH_CHECK(group >= 0 && rope >= 0 && rope < static_cast<int64_t>(ropes_.size()),
                 "DecodeStack: a layer's group must be >= 0 and its RoPE table one added");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                            std::move(k_pool), std::move(v_pool), std::move(kv_kind), std::move(kv_parts),
-                            group, rope, std::move(attn_out_norm), std::move(mlp_out_norm),
+                            std::move(k_pool), std::move(v_pool), std::move(kv), group, rope,
+                            std::move(attn_out_norm), std::move(mlp_out_norm),
                             {}, {}, {}, {}});
   }
 
@@ -201,7 +209,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: one slot mapping, table, length and start list per KV group");
     for (const Layer& L : layers_) {
       TORCH_CHECK(L.group < static_cast<int64_t>(groups), "DecodeStack: no metadata for KV group ", L.group);
-      TORCH_CHECK(L.kv_kind != "int4" || int4_plans.size() == kInt4Plan * groups,
+      TORCH_CHECK(L.kv.kind != KvKind::int4 || int4_plans.size() == kInt4Plan * groups,
                   "DecodeStack: int4 KV pools take a write plan of ", kInt4Plan, " tensors per KV group");
     }
     const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
@@ -230,7 +238,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const auto& [cos, sin] = ropes_[L.rope];
       ops::rotary_embedding(q, k, positions, cos, sin, pool_.get());
       const int64_t g = L.group;
-      const at::Tensor* plan = L.kv_kind == "int4" ? &int4_plans[kInt4Plan * g] : nullptr;
+      const at::Tensor* plan = L.kv.kind == KvKind::int4 ? &int4_plans[kInt4Plan * g] : nullptr;
       write_kv(L, slots[g], plan, k, v, pool_.get());
       at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables[g], context_lens[g], firsts[g], plan, attended)
                                     .reshape({t, q_size}),
@@ -390,33 +398,61 @@ class DecodeStack : public torch::CustomClassHolder {
   // int4 (Int4KVCache: float16 rows, the values rotated first, written as the step's `plan` says).
   static void write_kv(Layer& L, const at::Tensor& slots, const at::Tensor* plan, const at::Tensor& k,
                        const at::Tensor& v, WorkPool* pool) {
-    if (L.kv_kind.empty()) {
-      write_head_major(L.k_pool, slots, k);
-      write_head_major(L.v_pool, slots, v);
-    } else if (L.kv_kind != "int4") {
-      ops::quantized_kv_write(L.k_pool, L.kv_parts[0], slots, k, L.kv_kind);
-      ops::quantized_kv_write(L.v_pool, L.kv_parts[1], slots, v, L.kv_kind);
-    } else {
-      auto [steps, zeros, bits, v_scales, k_tail, v_tail, rotation] = int4_parts(L);
-      const at::Tensor keys = k.to(at::kHalf).contiguous();
-      const at::Tensor values = ops::int4_rotate(v, rotation, pool).to(at::kHalf);
-      // values carry no zero points or key bits: empty, as Int4KVCache.write passes them
-      at::Tensor no_zeros = at::empty({0}, L.v_pool.options().dtype(at::kChar));
-      const at::Tensor no_bits = at::empty({0}, L.v_pool.options());
-      ops::int4_kv_write(keys, k_tail, L.k_pool, steps, zeros, bits, plan[0], plan[1], plan[2], plan[3], plan[4],
-                         plan[5]);
-      ops::int4_kv_write(values, v_tail, L.v_pool, v_scales, no_zeros, no_bits, plan[0], plan[1], plan[2], plan[3],
-                         plan[4], plan[5]);
+    KvPools& kv = L.kv;
+    switch (kv.kind) {
+      case KvKind::model:
+        write_head_major(L.k_pool, slots, k);
+        write_head_major(L.v_pool, slots, v);
+        return;
+      case KvKind::int8:
+      case KvKind::fp8:
+        ops::quantized_kv_write(L.k_pool, kv.k_scales, slots, k, kv.name);
+        ops::quantized_kv_write(L.v_pool, kv.v_scales, slots, v, kv.name);
+        return;
+      case KvKind::int4: {
+        const at::Tensor keys = k.to(at::kHalf).contiguous();
+        const at::Tensor values = ops::int4_rotate(v, kv.rotation, pool).to(at::kHalf);
+        ops::int4_kv_write(keys, kv.k_tail, L.k_pool, kv.k_scales, kv.k_zeros, kv.k_bits, plan[0], plan[1], plan[2],
+                           plan[3], plan[4], plan[5]);
+        ops::int4_kv_write(values, kv.v_tail, L.v_pool, kv.v_scales, kv.no_zeros, kv.no_bits, plan[0], plan[1],
+                           plan[2], plan[3], plan[4], plan[5]);
+        return;
+      }
     }
   }
 
-  // An int4 layer's kv_parts, named (add_layer's order).
-  struct Int4Parts {
-    at::Tensor &steps, &zero_points, &key_bits, &v_scales, &k_tail, &v_tail, &rotation;
-  };
-  static Int4Parts int4_parts(Layer& L) {
-    auto& p = L.kv_parts;
-    return {p[0], p[1], p[2], p[3], p[4], p[5], p[6]};
+  // add_layer's kv_kind and kv_parts, checked and named.
+  static KvPools parse_kv(std::string kind, std::vector<at::Tensor>& parts, const at::Tensor& v_pool) {
+    KvPools kv;
+    const auto expect_parts = [&](size_t count) {
+      TORCH_CHECK(parts.size() == count, "DecodeStack: ", kind.empty() ? "the model dtype's" : kind, " KV pools take ",
+                  count, " more tensors, got ", parts.size());
+    };
+    if (kind.empty()) {
+      expect_parts(0);
+    } else if (kind == "int8" || kind == "fp8") {
+      expect_parts(2);
+      kv.kind = kind == "int8" ? KvKind::int8 : KvKind::fp8;
+      kv.k_scales = parts[0];
+      kv.v_scales = parts[1];
+    } else if (kind == "int4") {
+      expect_parts(7);
+      kv.kind = KvKind::int4;
+      kv.k_scales = parts[0];
+      kv.k_zeros = parts[1];
+      kv.k_bits = parts[2];
+      kv.v_scales = parts[3];
+      kv.k_tail = parts[4];
+      kv.v_tail = parts[5];
+      kv.rotation = parts[6];
+      // values carry no zero points or key bits: empty, as Int4KVCache.write passes them
+      kv.no_zeros = at::empty({0}, v_pool.options().dtype(at::kChar));
+      kv.no_bits = at::empty({0}, v_pool.options());
+    } else {
+      TORCH_CHECK(false, "DecodeStack: KV pools are the model dtype's, int8, fp8 or int4, not ", kind);
+    }
+    kv.name = std::move(kind);
+    return kv;
   }
 
   // HeadMajorKVCache.write: token i's [kv_heads, head_dim] (x's rows may be strided, a view into
@@ -471,20 +507,21 @@ class DecodeStack : public torch::CustomClassHolder {
   // the output converted back); over int8 / fp8 pools, its quantized entry point, in q's dtype;
   // over int4 pools, in float32 in the values' stored basis, its output rotated back (models/
   // attention.py's _attention), each block read from its tail slot as the step's `plan` says.
-  at::Tensor attend(Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+  at::Tensor attend(const Layer& L, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                     const std::optional<at::Tensor>& firsts, const at::Tensor* plan, at::Tensor& out) const {
-    if (L.kv_kind == "int4") {
-      auto [steps, zeros, bits, v_scales, k_tail, v_tail, rotation] = int4_parts(L);
+    const KvPools& kv = L.kv;
+    if (kv.kind == KvKind::int4) {
       const at::Tensor qf = q.to(at::kFloat);
       at::Tensor stored = at::empty_like(qf);
-      ops::paged_decode_attention_int4(stored, qf, L.k_pool, L.v_pool, steps, zeros, bits, v_scales, k_tail, v_tail,
-                                       plan[kInt4DecodeSlots], tables, lens, scale_, "auto", pool_.get(), firsts);
-      return ops::int4_rotate(stored, rotation, pool_.get()).to(q.scalar_type());
+      ops::paged_decode_attention_int4(stored, qf, L.k_pool, L.v_pool, kv.k_scales, kv.k_zeros, kv.k_bits, kv.v_scales,
+                                       kv.k_tail, kv.v_tail, plan[kInt4DecodeSlots], tables, lens, scale_, "auto",
+                                       pool_.get(), firsts);
+      return ops::int4_rotate(stored, kv.rotation, pool_.get()).to(q.scalar_type());
     }
-    if (!L.kv_kind.empty()) {
+    if (kv.kind != KvKind::model) {
       if (!out.defined()) out = at::empty_like(q);
-      ops::paged_decode_attention_quantized(out, q, L.k_pool, L.v_pool, L.kv_parts[0], L.kv_parts[1], tables, lens,
-                                            scale_, L.kv_kind, pool_.get(), firsts);
+      ops::paged_decode_attention_quantized(out, q, L.k_pool, L.v_pool, kv.k_scales, kv.v_scales, tables, lens, scale_,
+                                            kv.name, pool_.get(), firsts);
       return out;
     }
     if (!out.defined()) out = at::empty_like(q, q.options().dtype(L.k_pool.scalar_type()));

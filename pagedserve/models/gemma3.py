@@ -186,8 +186,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         views = [m if g.window is None else window_view(m, g.window, kv_caches[0][0].shape[1])  # block size
                  for m, g in zip(metas, self.kv_groups)]  # once per step, not per layer
         native = self.native_decode
-        if native is not None and native.runs(x.shape[0], views, kv_caches):
-            return native(x, positions, views)  # the layers below, in one native call
+        if native is not None and (plans := native.step_plans(x.shape[0], views, kv_caches)) is not None:
+            return native(x, positions, views, plans)  # the layers below, in one native call
         residual = None
         for layer, kv, g in zip(self.layers, kv_caches, self.layer_group):
             x, residual = layer(x, residual, positions, kv, views[g], self.attention)

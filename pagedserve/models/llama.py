@@ -274,8 +274,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm, for every token of the batch."""
         x, residual = self.embed_tokens(input_ids), None
         native = self.native_decode
-        if native is not None and native.runs(x.shape[0], [meta], kv_caches):
-            return native(x, positions, [meta])  # the layers below, in one native call
+        if native is not None and (plans := native.step_plans(x.shape[0], [meta], kv_caches)) is not None:
+            return native(x, positions, [meta], plans)  # the layers below, in one native call
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, meta, self.attention)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)

@@ -61,13 +61,6 @@ def head_spec(model: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | str:
     return f"a tied {type(model.embed_tokens).__name__} table"
 
 
-def _pool_precision(pool: HeadMajorKVCache | QuantizedKVCache | Int4KVCache) -> str:
-    """What a pool stores: ``bfloat16``, ``int8``, ``int4``, ..."""
-    if isinstance(pool, Int4KVCache):
-        return "int4"
-    return pool.kv_cache_dtype if isinstance(pool, QuantizedKVCache) else kv_dtype_name("auto", pool.dtype)
-
-
 def _pool_parts(k: HeadMajorKVCache | QuantizedKVCache | Int4KVCache, v) -> tuple[str, list[torch.Tensor]]:
     """``DecodeStack.add_layer``'s ``kv_kind`` and ``kv_parts`` for a layer's K and V pools."""
     if isinstance(k, QuantizedKVCache):
@@ -158,35 +151,45 @@ class NativeDecode:
             stack.set_linear(-1, "head", *spec)
         rows = "any number of" if max_rows == UNLIMITED_ROWS else f"up to {max_rows}"
         team = f"its own pool of {threads} threads" if threads else "OpenMP's threads"
+        precision = _pool_parts(*kv_caches[0])[0] or kv_dtype_name("auto", kv_caches[0][0].dtype)
         what = (f"native: {len(specs)} layers in one call per decode step ({rows} rows; "
-                f"{', '.join(kinds)} linears, {_pool_precision(kv_caches[0][0])} KV pools; "
+                f"{', '.join(kinds)} linears, {precision} KV pools; "
                 f"on {team}); " + ("the LM head too" if head_rows else f"the LM head in Python ({head})"))
-        groups = list(dict.fromkeys(groups))  # in the order the layers first write them
+        plan_order = list(dict.fromkeys(groups))  # the KV groups in the order the layers first write them
         tails = kv_caches[0][0].tails if isinstance(kv_caches[0][0], Int4KVCache) else None
-        return cls(stack, kv_caches, max_rows, head_rows, what, tails, groups), what
+        return cls(stack, kv_caches, max_rows, head_rows, what, tails, plan_order), what
 
-    def runs(self, num_tokens: int, metas: list[AttentionMetadata], kv_caches: list) -> bool:
-        """Whether this step is one it takes: decodes only, few enough rows, its own pools, and over
-        int4 pools a write the native kernel carries out (not a rolled-back block's: a speculative
-        step's rejected tokens, written again, read the quantized pool). ``metas``: one per KV group,
-        or the one of a model without groups."""
+    def step_plans(self, num_tokens: int, metas: list[AttentionMetadata], kv_caches: list) -> list | None:
+        """``None`` when the stack does not take this step; else what :meth:`__call__` hands it
+        besides the step's metadata: over int4 pools their write plans' tensors, ``[]`` otherwise.
+        It takes decodes only, few enough rows, its own pools, and over int4 pools a write the
+        native kernel carries out (not a rolled-back block's: a speculative step's rejected tokens,
+        written again, read the quantized pool). ``metas``: one per KV group, or the one of a model
+        without groups.
+
+        The plans are made here, once per KV group, in the order the Python layers would ask for
+        them (the first layer of each group); the Python path, should it run the step, finds them
+        by slot mapping (kv/int4.py: TailMap.plan)."""
         if metas[0].prefills or num_tokens > self.max_rows or kv_caches is not self.kv_caches:
-            return False
-        return self.tails is None or not any(plan.reads_pool for plan in self._plans(metas))
-
-    def _plans(self, metas: list[AttentionMetadata]) -> list[WritePlan]:
-        """The step's int4 write plan per KV group, made in the order the Python layers would ask
-        for them (the first layer of each group), and made once: the Python path, should it run
-        the step, finds them by slot mapping (kv/int4.py: TailMap.plan)."""
+            return None
+        if self.tails is None:
+            return []
         plans = {g: self.tails.plan(metas[g].slot_mapping) for g in self.plan_order}
-        return [plans[g] for g in sorted(plans)]
+        if any(plan.reads_pool for plan in plans.values()):
+            return None
+        return [t for g in sorted(plans) for t in _plan_tensors(plans[g])]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata],
+                 plans: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm for the decode rows whose embeddings are ``x``; ``metas``:
-        one per KV group (a sliding group's its window view), or the one of a model without groups."""
-        plans = [] if self.tails is None else [
-            t for p in self._plans(metas) for t in (p.full_blocks, p.full_slots, p.full_rows, p.full_tokens,
-                                                   p.tail_rows, p.tail_tokens, p.decode_slots)]
+        one per KV group (a sliding group's its window view), or the one of a model without groups;
+        ``plans``: :meth:`step_plans`'."""
         return self.stack.forward(x, positions, [m.slot_mapping for m in metas],
                                   [m.decode_block_tables for m in metas], [m.decode_context_lens for m in metas],
                                   [m.decode_first for m in metas], plans)
+
+
+def _plan_tensors(plan: WritePlan) -> tuple[torch.Tensor, ...]:
+    """A write plan as ``DecodeStack.forward`` takes it (decode_stack.cpp's kInt4Plan order)."""
+    return (plan.full_blocks, plan.full_slots, plan.full_rows, plan.full_tokens, plan.tail_rows, plan.tail_tokens,
+            plan.decode_slots)

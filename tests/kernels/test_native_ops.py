@@ -156,6 +156,22 @@ def _one_layer_stack(threads: int):
     return stack, (torch.randn(1, hidden), one, [one], [torch.zeros(1, 1, dtype=torch.long)], [one + 1], [None], [])
 
 
+def test_a_decode_stack_refuses_kv_pools_it_does_not_know():
+    """add_layer names the pools' kind and their other tensors: an unknown kind, or the wrong count
+    of tensors for a known one, is a one-line error."""
+    stack = torch.classes.pagedserve.DecodeStack(1, 1, 64, 128, 1e-6, 0.125, torch.ones(8, 64), torch.zeros(8, 64),
+                                                 torch.ones(64), 1)
+    pool = torch.zeros(2, 16, 1, 64, dtype=torch.int8)
+    norms = (torch.ones(64), torch.ones(64), None, None)
+    with pytest.raises(RuntimeError, match="KV pools are the model dtype's, int8, fp8 or int4, not int5"):
+        stack.add_layer(*norms, pool, pool, 0, 0, None, None, "int5", [])
+    with pytest.raises(RuntimeError, match="int8 KV pools take 2 more tensors, got 1"):
+        stack.add_layer(*norms, pool, pool, 0, 0, None, None, "int8", [torch.zeros(2, 16, 1)])
+    with pytest.raises(RuntimeError, match="int4 KV pools take 7 more tensors, got 2"):
+        stack.add_layer(*norms, pool, pool, 0, 0, None, None, "int4", [torch.zeros(1), torch.zeros(1)])
+    assert stack.num_layers() == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_uses_and_drops_a_decode_stack_it_inherited():
     """A multiprocessing worker forked from a process holding a decode stack inherits its pool but

@@ -250,10 +250,10 @@ def test_native_decode_takes_decode_steps_only(models):
                                torch.ones(2, dtype=torch.long), None, [])
     with_chunk = AttentionMetadata(decode.slot_mapping, 1, decode.decode_block_tables[:1],
                                    decode.decode_context_lens[:1], None, [(1, 1, 1, torch.zeros(1, dtype=torch.long))])
-    assert native.runs(2, [decode], pools)
-    assert not native.runs(2, [with_chunk], pools)  # a prompt chunk in the step: the Python model
-    assert not native.runs(native.max_rows + 1, [decode], pools)  # more rows than the GGUF kernels take
-    assert not native.runs(2, [decode], [tuple(pair) for pair in pools])  # pools it was not built over
+    assert native.step_plans(2, [decode], pools) == []  # taken; no int4 plans to hand over
+    assert native.step_plans(2, [with_chunk], pools) is None  # a prompt chunk in the step: the Python model
+    assert native.step_plans(native.max_rows + 1, [decode], pools) is None  # more rows than the GGUF kernels take
+    assert native.step_plans(2, [decode], [tuple(pair) for pair in pools]) is None  # pools it was not built over
 
 
 # Run in a process of its own: OpenMP's workers are told apart from the decode pool's by name and
