@@ -73,6 +73,11 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "use, ~30 s once per machine and torch install, cached under $PAGEDSERVE_CACHE/kernels): "
                         "pure-torch paths only, nothing compiled; slower, for checking or a machine without a "
                         "compiler (default: built and used where they build)")
+    g.add_argument("--no-head-screen", dest="head_screen", action="store_false",
+                   help="on CPU, compute the whole LM head every step; by default a step of up to 4 rows that are "
+                        "all plain greedy (no logprobs, penalties, logit bias or grammar) first reads an int8 copy "
+                        "of a float head (half a bf16 head's bytes, kept beside it) and computes exactly only the "
+                        "rows whose bound can reach the largest logit: the same tokens (default: on)")
     g.add_argument("--pack-weights", default="auto", choices=list(PACK_WEIGHTS),
                    help="how a CPU model's float linear weights are prepacked at load: auto (bf16 weights in "
                         "AMX-BF16 tiles for the native kernel where the CPU has them: faster than oneDNN up to "

@@ -193,6 +193,14 @@ class DecodeStack : public torch::CustomClassHolder {
     return converted(apply(*head_, x), at::kFloat);
   }
 
+  // The LM head's screen for a greedy pick (models/head_screen.py: its tensors), on the stack's
+  // threads: the same bits as the registered op, without waking OpenMP's team beside the pool.
+  at::Tensor screened_logits(at::Tensor h, at::Tensor q, at::Tensor scale, at::Tensor bound, at::Tensor weight,
+                             std::string out_dtype) const {
+    const OneOpenMPThread serial(pool_ != nullptr);  // as forward
+    return ops::screened_logits(h, q, scale, bound, weight, out_dtype, "auto", pool_.get());
+  }
+
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
   // each row one decode token at `positions`. Per KV group g (one for a model without groups): the
   // rows' `slots[g]`, and the `block_tables[g]` through which they attend to `context_lens[g]`
@@ -553,5 +561,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("set_linear", &DecodeStack::set_linear)
       .def("num_layers", &DecodeStack::num_layers)
       .def("logits", &DecodeStack::logits)
+      .def("screened_logits", &DecodeStack::screened_logits)
       .def("forward", &DecodeStack::forward);
 }

@@ -63,6 +63,11 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, cons
 void half_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                  const std::string& isa_name, WorkPool* pool);
 
+// head_screen.cpp
+at::Tensor screened_logits(const at::Tensor& h, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
+                           const at::Tensor& weight, const std::string& out_dtype, const std::string& isa,
+                           WorkPool* pool = nullptr);
+
 }  // namespace pagedserve::ops
 
 namespace pagedserve::gguf {

@@ -193,9 +193,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x, residual = layer(x, residual, positions, kv, views[g], self.attention)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 for the rows that will be sampled, soft-capped where the config says."""
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """Logits in float32 for the rows that will be sampled, soft-capped where the config says
+        (monotone: an ``argmax_only`` screen's argmax stays the argmax)."""
+        logits = super().compute_logits(hidden, argmax_only)
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

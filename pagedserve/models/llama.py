@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.attention import AttentionBackend, AttentionMetadata, load_attention_backend
+from pagedserve.models.head_screen import HeadScreen
 from pagedserve.models.meta import meta_without_init
 from pagedserve.models.native_decode import NativeDecode
 
@@ -250,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.attention = load_attention_backend(attention_backend)
         self.native_decode: NativeDecode | None = None  # set by enable_native_decode
+        self.head_screen: HeadScreen | None = None  # set at load (models/loader.py): greedy steps' LM head
 
     @classmethod
     def on_meta(cls, arch: ModelArchitecture, max_positions: int, attention_backend: str,
@@ -294,9 +296,13 @@ class LlamaForCausalLM(nn.Module):
         self.native_decode, why = NativeDecode.build(self, kv_caches, ops)
         return why if self.native_decode is not None else f"python ({why})"
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 for the rows that will be sampled (not every prompt token)."""
-        native = self.native_decode
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """Logits in float32 for the rows that will be sampled (not every prompt token). With
+        ``argmax_only`` (a step whose rows are all plain greedy) a few rows may go through the head's
+        screen (:mod:`pagedserve.models.head_screen`): the same argmax, every other logit -inf."""
+        screen, native = self.head_screen, self.native_decode
+        if argmax_only and screen is not None and hidden.shape[0] <= screen.max_rows:
+            return screen.logits(hidden, None if native is None else native.stack)
         if native is not None and hidden.shape[0] <= native.head_rows:  # the same bits, on the stack's threads
             return native.stack.logits(hidden)
         if self.lm_head is None:  # tied: the embedding matrix, kept in the model dtype

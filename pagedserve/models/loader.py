@@ -14,6 +14,7 @@ from pagedserve.kernels import cpu_has_native_bf16, native_ops
 from pagedserve.models.gemma3 import Gemma3Architecture
 from pagedserve.models.gguf import gguf_source, load_gguf_model
 from pagedserve.models.half_linear import choose_decode_weights, store_linears_16bit
+from pagedserve.models.head_screen import build_head_screen
 from pagedserve.models.llama import LlamaForCausalLM, ModelArchitecture
 from pagedserve.models.packed import pack_linears
 from pagedserve.models.quant import quantize_model, weight_bytes
@@ -160,6 +161,9 @@ def load_model(model_dir: Path, arch: ModelArchitecture, dtype: torch.dtype, dev
     logger.info("decode weights: %s (%s)", str(half if half is not None else dtype).removeprefix("torch."), why)
     if half is not None:  # before prepacking, which then finds no plain float32 linear left
         store_linears_16bit(model, half, ops)
+    if device.type == "cpu" and c.head_screen:  # before prepacking, which leaves no plain head rows
+        model.head_screen, why = build_head_screen(model, ops)
+        logger.info("LM head screen: %s", why if model.head_screen is not None else f"none ({why})")
     if c.quantization == "none" and c.pack_weights != "none":
         # CPU: bf16 into AMX-BF16 tiles where the CPU has them (W2 1.26x oneDNN's, W1 level), the rest
         # prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row

@@ -325,6 +325,12 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_G
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every stored weight (parameters and persistent buffers, scales included, and the
     opaque prepacked matrices of :class:`~pagedserve.models.packed.PackedLinear` layers). A tensor
-    held by two modules (a quantized table that is both the embedding and the LM head) counts once."""
+    held by two modules (a quantized table that is both the embedding and the LM head) counts once.
+    An LM head's screen (models/head_screen.py) counts too: its int8 copy, and the head's plain rows
+    where only the screen keeps them (beside a prepacked head)."""
     packed = sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
-    return packed + sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in model.state_dict().values()})
+    tensors = list(model.state_dict().values())
+    screen = getattr(model, "head_screen", None)
+    if screen is not None:
+        tensors += list(screen.buffers())
+    return packed + sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in tensors})

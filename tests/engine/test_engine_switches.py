@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from torch import nn
 
 from pagedserve.config import EngineConfig
@@ -91,3 +92,40 @@ def test_group_kernels_are_opt_in(tiny_model_dir):
         assert on and all(layer.group_ops is not None and not layer.packed_for_cpu for layer in on)
     for core in cores.values():
         core.close()
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_head_screen_gives_greedy_steps_the_same_tokens_and_leaves_the_rest_alone(tiny_model_dir, dtype):
+    """--no-head-screen reaches the config; with the screen (the default) plain greedy steps go
+    through it and produce the full head's tokens, and a request with logprobs in the batch keeps the
+    whole head: the same tokens and logprobs either way."""
+    assert _config(tiny_model_dir).head_screen and not _config(tiny_model_dir, "--no-head-screen").head_screen
+    results = {}
+    for on in (True, False):
+        engine = Engine(_small(tiny_model_dir, dtype=dtype, head_screen=on))
+        model = engine.core.runner.model
+        assert (model.head_screen is not None) == on
+        screened = []
+        if on:  # count the steps that took it (the real kernel still runs)
+            screen_logits = model.head_screen.logits
+            model.head_screen.logits = lambda h, stack=None: screened.append(h.shape[0]) or screen_logits(h, stack)
+            assert model.native_decode is not None  # and its stack gives the registered op's bits
+            h = torch.randn(3, model.head_screen.weight.shape[1]).to(model.head_screen.weight.dtype)
+            assert torch.equal(screen_logits(h, model.native_decode.stack), screen_logits(h))
+        greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(("def f(x):", "import os", "class A:")):
+            engine.add_request(f"g{i}", prompt, greedy)
+        done = run_all(engine)
+        steps_alone = len(screened)
+        engine.add_request("lp", "for i in", SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True))
+        engine.add_request("g", "while True:", greedy)
+        done |= run_all(engine)
+        results[on] = {r: (out.outputs[0].token_ids, [(lp.token_id, round(lp.logprob, 5)) for lp in out.outputs[0].logprobs or []])
+                       for r, out in done.items()}
+        if on:
+            assert steps_alone > 0 and all(rows <= model.head_screen.max_rows for rows in screened)
+            assert len(screened) - steps_alone <= 12 - 6  # with "lp" running no step was screened
+        assert_no_leaks(engine)
+        engine.close()
+    assert results[True] == results[False]

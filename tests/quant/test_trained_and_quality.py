@@ -14,6 +14,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.frontend.engine import Engine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.bench.trained import TrainSpec, load_heldout_tokens, split_sources, train_model
+from pagedserve.kernels import native_ops
 
 SPEC = TrainSpec(name="test", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                  context_len=64, batch_size=4, steps=20, warmup_steps=2, learning_rate=3e-3, max_seconds=None)
@@ -134,11 +135,14 @@ def test_quality_command_prints_the_table(trained_dir, capsys, tmp_path):
         assert abs(r["ppl_change"]) < 0.05  # int8 on a barely trained model: a few percent at most
     assert rows[1]["seats"] > 1.7 * ref["seats"]
     # The tied model keeps its bf16 embedding table for lookups, and its logits read that same table
-    # (a tied head is never prepacked: models/packed.py), so ref = body + 1 table on every CPU.
-    # Quantized, the head is an int8 copy, and int8 halves every matmul weight:
+    # (a tied head is never prepacked: models/packed.py), plus the head's int8 screen for greedy
+    # steps (models/head_screen.py: a byte a weight, a scale and a bound a row), so ref = body + 1
+    # table + the screen on every CPU with the native kernels. Quantized, the head is an int8 copy
+    # (and has no screen), and int8 halves every matmul weight:
     # bytes = half the body + the table + half the table (+ scales).
     table = SPEC.vocab_size * SPEC.hidden_size * 2
-    body = ref["weight_bytes"] - table
+    screen = (SPEC.vocab_size * SPEC.hidden_size + 8 * SPEC.vocab_size) if native_ops() is not None else 0
+    body = ref["weight_bytes"] - table - screen
     assert rows[2]["weight_bytes"] == pytest.approx(body / 2 + 1.5 * table, rel=0.03)
 
 

@@ -221,6 +221,18 @@ class OutputAssembler:
         return any((unsent := seq.num_output_tokens - seq.sent_token_len) > 0
                    and (seq.sent_token_len == 0 or unsent >= interval or seq.is_finished) for seq in req.seqs)
 
+    @staticmethod
+    def argmax_suffices(seqs: list[Sequence]) -> bool:
+        """Whether a step's logits serve a greedy pick and nothing else: every sampled sequence plain
+        greedy (no logprobs, logit bias, penalties, min_tokens ban, grammar, drafts or n > 1 to fork),
+        so the model may return logits that keep only their argmax (models/head_screen.py)."""
+        for seq in seqs:
+            p = seq.request.params
+            if (not p.greedy or p.logprobs is not None or p.logit_bias or p.needs_penalties or p.n > 1
+                    or seq.grammar is not None or seq.draft_token_ids or seq.num_output_tokens < p.min_tokens):
+                return False
+        return True
+
     def _sampling_row(self, seq: Sequence, drafts: list[int] = ()) -> SamplingRow:
         """The sampler's view of ``seq``'s next position, or of the position after ``drafts``
         (a verification row: penalties and min_tokens count the drafts before it as output)."""

@@ -207,15 +207,16 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> torch.Tensor:
-        """Run the model; float32 logits for the sampled rows."""
+    def execute(self, model_input: ModelInput, argmax_only: bool = False) -> torch.Tensor:
+        """Run the model; float32 logits for the sampled rows (``argmax_only``: every row is plain
+        greedy, so the logits need only keep the argmax: ``compute_logits``)."""
         hidden = self.decode_graphs.run(model_input) if self.decode_graphs is not None else None
         if hidden is None:  # no graph for this step (a prompt chunk in it, or none captured): eager
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta)
         if model_input.prompt_rows is not None:
             model_input.prompt_hidden = hidden[model_input.prompt_rows]
         rows = model_input.sample_indices
-        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+        return self.model.compute_logits(hidden if rows is None else hidden[rows], argmax_only)
 
     @torch.inference_mode()
     def prompt_logits(self, model_input: ModelInput, start: int, count: int) -> torch.Tensor:

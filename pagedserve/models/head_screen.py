@@ -1,0 +1,107 @@
+"""The LM head's screen: a greedy step reads an int8 copy of the head and only the rows that can win.
+
+A greedy step needs the head's argmax, not its logits. One stream's decode reads every weight once
+per token, and the head is a large share of them (``small``: 32,000 × 768 bf16, 49 of the 200 MB a
+token reads). An int8 copy of the head, a scale per row, gives every logit to within a bound fixed
+at load: ``|h·w_r − s_r (h·q_r)| ≤ ‖h‖ (‖w_r − s_r q_r‖ + γ_K (‖w_r‖ + ‖s_r q_r‖))``
+(Cauchy–Schwarz, plus float32's worst-case rounding of both sums over K terms, γ_K = K·2⁻²⁴).
+Rows whose upper bound reaches the largest lower bound are the only ones whose logit can be the
+largest; ``kernels/head_screen.cpp`` computes those from the head's own weight, as its kernel sums
+them, and gives every other row ``-inf``. The argmax is the full head's, up to float32 summation
+order: where the head's output is 16-bit the margin also covers that rounding, so every row that
+rounds to the largest value is computed and the lowest index among them wins, as over the full
+logits.
+
+It reads half the head's bytes (a quarter of a float32 head's) plus a few rows, for a few rows of
+hidden states (:data:`SCREEN_MAX_ROWS`; past them the int8 pass's arithmetic costs more than the
+bytes it saves). The engine asks for it only on steps whose every row is plain greedy: no
+logprobs, penalties, logit bias, min_tokens ban, grammar or draft tokens
+(``OutputAssembler.argmax_suffices``); the logits it returns are for that argmax only.
+
+Heads it takes: a plain float linear or tied embedding without bias (bf16, f16 or float32), and a
+float32 model's 16-bit head (:class:`~pagedserve.models.half_linear.HalfWeightLinear`). Not a
+quantized head (GGUF's blocks, ``--quantization``): its bytes are already a screen's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedserve.models.half_linear import HalfWeightLinear
+
+logger = logging.getLogger(__name__)
+
+# Rows of hidden states a step may have for the screen: the int8 pass widens every weight for each
+# row, which past a few rows costs more than the head's full matmul saves in bytes.
+SCREEN_MAX_ROWS = 4
+# Rows of the head the bound is computed over at a time (float64: a chunk's copy stays small).
+_BOUND_CHUNK_ROWS = 4096
+
+
+class HeadScreen(nn.Module):
+    """An LM head's int8 screen (``q``, ``scale``), each row's error factor ``bound``, and the head's
+    own ``weight`` (shared with the head where it keeps one) with the dtype its output is rounded to
+    (``out_dtype``). A module of non-persistent buffers: the weights' huge pages take them, a state
+    dict does not."""
+
+    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype, ops):
+        super().__init__()
+        self.out_dtype = str(out_dtype).removeprefix("torch.")
+        self.ops = ops
+        self.max_rows = SCREEN_MAX_ROWS
+        vocab, hidden = weight.shape
+        q = torch.empty(vocab, hidden, dtype=torch.int8)
+        scales = torch.empty(vocab, dtype=torch.float32)
+        bounds = torch.empty(vocab, dtype=torch.float32)
+        gamma = 1.01 * hidden * 2.0**-24  # float32's worst-case relative error of a K-term sum
+        for n in range(0, vocab, _BOUND_CHUNK_ROWS):
+            w = weight[n:n + _BOUND_CHUNK_ROWS].double()
+            scale = (w.abs().amax(dim=1) / 127).float()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            codes = torch.round(w / scale.double().unsqueeze(1)).clamp_(-127, 127)
+            approx = codes * scale.double().unsqueeze(1)
+            bound = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
+            q[n:n + len(w)] = codes.to(torch.int8)
+            scales[n:n + len(w)] = scale
+            bounds[n:n + len(w)] = (bound * (1 + 1e-4)).float()  # rounded up, not to nearest
+        for name, t in (("q", q), ("scale", scales), ("bound", bounds), ("weight", weight)):
+            self.register_buffer(name, t, persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        """The screen's own bytes (the weight is the head's)."""
+        return self.q.nbytes + self.scale.nbytes + self.bound.nbytes
+
+    def logits(self, hidden: torch.Tensor, stack=None) -> torch.Tensor:
+        """Float32 logits of ``hidden`` for a greedy pick: the rows that can win exact, the rest -inf.
+        With the model's decode ``stack``, on its threads (a float32 model's stack computes on a pool
+        of its own: the op on OpenMP's team beside it measured 0.78x the rate of the full head)."""
+        args = (hidden, self.q, self.scale, self.bound, self.weight, self.out_dtype)
+        return stack.screened_logits(*args) if stack is not None else self.ops.screened_logits(*args)
+
+
+def build_head_screen(model: nn.Module, ops) -> tuple[HeadScreen | None, str]:
+    """The screen of ``model``'s LM head, or ``None`` and why it has none. Call it before prepacking:
+    it keeps the head's plain weight, which oneDNN's packed copy cannot give rows of."""
+    if ops is None or not hasattr(ops, "screened_logits"):
+        return None, "no native kernels"
+    head = model.lm_head
+    if head is None:
+        if type(model.embed_tokens) is not nn.Embedding:
+            return None, f"a tied {type(model.embed_tokens).__name__} table"
+        weight = model.embed_tokens.weight
+        out_dtype = weight.dtype
+    elif type(head) is nn.Linear and head.bias is None:
+        weight, out_dtype = head.weight, head.weight.dtype
+    elif isinstance(head, HalfWeightLinear) and head.bias is None:
+        weight, out_dtype = head.weight, torch.float32
+    else:
+        return None, f"a {type(head).__name__} head" + (" with a bias" if getattr(head, "bias", None) is not None else "")
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None, f"a {weight.dtype} head on {weight.device.type}"
+    screen = HeadScreen(weight.detach().contiguous(), out_dtype, ops)
+    return screen, (f"greedy steps of up to {screen.max_rows} rows screen the LM head through an int8 copy "
+                    f"({screen.nbytes / 2**20:.1f} MiB) and compute only the rows that can win")
