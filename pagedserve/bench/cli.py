@@ -9,6 +9,7 @@ BENCHMARKS = [
     "pagedserve.bench.make_model",
     "pagedserve.bench.throughput",
     "pagedserve.bench.decode",
+    "pagedserve.bench.head_screen",
     "pagedserve.bench.sampler",
     "pagedserve.bench.gguf_kernels",
     "pagedserve.bench.spec",

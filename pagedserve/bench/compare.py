@@ -137,7 +137,8 @@ def add_parser(bench) -> None:
                     "that checkpoint too (a pagedserve-hf column, the peers' ratios taken against it). Under "
                     "the decode row: its ceiling (the memory read bandwidth of the same threads over the bytes "
                     "a token reads) and each engine's share of it; with --hf-checkpoint, a second one over the "
-                    "checkpoint's bytes for the engines that run it.")
+                    "checkpoint's bytes for the engines that run it, and a third for pagedserve-hf's greedy "
+                    "tokens, whose LM head is read through its int8 screen.")
     p.add_argument("--model", default=None,
                    help="GGUF file both engines load (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="pagedserve's --dtype (default auto)")
@@ -594,6 +595,7 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
     # The checkpoint's engines (its column and the optional peers) read the checkpoint's bytes instead
     checkpoint_engines = {PAGEDSERVE_CHECKPOINT, *peers}
     checkpoint_bytes = checkpoint_bytes_per_token(args.hf_checkpoint) if args.hf_checkpoint and peers else None
+    screened_bytes = checkpoint_bytes_per_token(args.hf_checkpoint, head_screen=True) if checkpoint_bytes else None
     if any(token_bytes.values()) or checkpoint_bytes:  # measured before any engine runs, on a quiet machine
         report["read_bandwidth"] = read_bandwidth(threads)
         print(f"memory read bandwidth, {threads} threads: {report['read_bandwidth'] / 1e9:.1f} GB/s "
@@ -614,6 +616,11 @@ def compare(args, model: Path, bin_dir: Path, threads: int, peers: list[str]) ->
             summary["decode"]["checkpoint_ceiling"] = decode_ceiling(
                 summary["decode"], report["read_bandwidth"], checkpoint_bytes, checkpoint_engines)
             print(format_ceiling(summary["decode"]["checkpoint_ceiling"], "the checkpoint's decode ceiling"))
+            if PAGEDSERVE_CHECKPOINT in summary["decode"]["engines"]:  # greedy: its head's int8 screen
+                summary["decode"]["screened_ceiling"] = decode_ceiling(
+                    summary["decode"], report["read_bandwidth"], screened_bytes, {PAGEDSERVE_CHECKPOINT})
+                print(format_ceiling(summary["decode"]["screened_ceiling"],
+                                     "with pagedserve's LM head screen (a greedy token, models/head_screen.py)"))
         print("commands:")
         for row, engines in rows.items():
             for engine, cmd in engines.items():

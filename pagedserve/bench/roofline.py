@@ -56,23 +56,33 @@ def decode_bytes_per_token(gguf_path: str | Path) -> int | None:
     return sum(int(t.n_bytes) for t in tensors if not (t.name == "token_embd.weight" and "output.weight" in names))
 
 
-def checkpoint_bytes_per_token(directory: str | Path) -> int | None:
+def checkpoint_bytes_per_token(directory: str | Path, head_screen: bool = False) -> int | None:
     """The same for a Hugging Face checkpoint directory: its ``*.safetensors`` tensors' bytes as
     stored (the dtype the engines that run it read), less the embedding table where the model has
     its own ``lm_head``; None where the directory holds no safetensors file or an unreadable one.
-    Read from each file's header (8 bytes of length, then JSON with every tensor's byte offsets):
-    nothing is loaded."""
-    sizes: dict[str, int] = {}
+    With ``head_screen``, what a greedy token of pagedserve's reads where its LM head has a screen
+    (models/head_screen.py): the head's int8 copy, a byte a weight and a scale and a bound a row,
+    in place of the head (its few computed rows left out). Read from each file's header (8 bytes of
+    length, then JSON with every tensor's byte offsets and shape): nothing is loaded."""
+    entries: dict[str, tuple[int, list[int]]] = {}
     try:
         for file in sorted(Path(directory).glob("*.safetensors")):
             with open(file, "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(length))
-            sizes |= {name: end - start for name, entry in header.items() if name != "__metadata__"
-                      for start, end in [entry["data_offsets"]]}
+            entries |= {name: (end - start, entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+                        for start, end in [entry["data_offsets"]]}
     except (OSError, ValueError, struct.error, KeyError, TypeError):
         return None
-    if not sizes:
+    if not entries:
         return None
-    untied = any(name.endswith("lm_head.weight") for name in sizes)
-    return sum(n for name, n in sizes.items() if not (untied and name.endswith("embed_tokens.weight")))
+    untied = any(name.endswith("lm_head.weight") for name in entries)
+    head = "lm_head.weight" if untied else "embed_tokens.weight"
+    total = 0
+    for name, (nbytes, shape) in entries.items():
+        if untied and name.endswith("embed_tokens.weight"):
+            continue
+        if head_screen and name.endswith(head) and len(shape) == 2:
+            nbytes = shape[0] * shape[1] + 8 * shape[0]
+        total += nbytes
+    return total

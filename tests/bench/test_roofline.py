@@ -75,6 +75,8 @@ def test_a_checkpoint_token_reads_its_tensors_as_stored_but_an_untied_embedding_
               metadata={"format": "pt"})
     want = 8 * 16 * 2 + 8 * 4 + 100 * 8 * 2  # tied: the table is the head; untied: the head, not the table
     assert checkpoint_bytes_per_token(tmp_path) == want
+    # a greedy token through the head's screen: its int8 copy (a byte a weight, 8 bytes a row) instead
+    assert checkpoint_bytes_per_token(tmp_path, head_screen=True) == want - 100 * 8 * 2 + 100 * 8 + 8 * 100
 
 
 def test_what_is_no_checkpoint_has_no_bytes_per_token(tmp_path, tiny_ggufs):

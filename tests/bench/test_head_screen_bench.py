@@ -1,0 +1,38 @@
+"""``pagedserve bench head-screen``: both engines timed round by round, the same tokens required, and
+a model whose head has no screen refused with a one-line reason."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedserve.bench import head_screen as head_screen_bench
+from pagedserve.kernels import native_ops
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    head_screen_bench.add_parser(parser.add_subparsers(dest="bench"))
+    return parser.parse_args(["head-screen", *argv])
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
+def test_times_both_heads_and_prints_the_ratio(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "screen.json"
+    args = parse("--model", str(tiny_model_dir), "--rounds", "2", "--output-len", "6", "--json", str(out))
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert len(result["full_tok_s"]) == len(result["screen_tok_s"]) == 2
+    assert all(r > 0 for r in result["full_tok_s"] + result["screen_tok_s"])
+    assert "the same tokens" in capsys.readouterr().out
+
+
+def test_a_head_without_a_screen_and_bad_arguments_are_refused(tiny_ggufs):
+    with pytest.raises(SystemExit, match="no screen"):  # a GGUF head keeps its blocks
+        args = parse("--model", str(tiny_ggufs("Q8_0", tokenizer=True)), "--rounds", "1", "--output-len", "2")
+        args.func(args)
+    with pytest.raises(SystemExit, match="--rounds"):
+        args = parse("--rounds", "0")
+        args.func(args)
