@@ -286,7 +286,7 @@ class EngineConfig:
             raise ValueError(f"pack_weights must be one of {', '.join(PACK_WEIGHTS)}, got {self.pack_weights!r}")
         if self.cpu_isa not in CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
-        for name in ("native_kernels", "group_kernels"):
+        for name in ("native_kernels", "group_kernels", "head_screen"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.decode_weights not in DECODE_WEIGHTS:

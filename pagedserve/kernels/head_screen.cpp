@@ -11,15 +11,14 @@
 //
 // What it returns is what the head would: float32 logits [M, N], the candidates computed as the
 // head's own kernel does (float32 sums of the widened weight, then rounded to the head's output
-// dtype, `out_round`), every other entry -inf. The argmax of that is the full head's argmax up to
-// float32 summation order; with `out_round` the margin covers the output's rounding, so every row
+// dtype, `out_dtype`), every other entry -inf. The argmax of that is the full head's argmax up to
+// float32 summation order; with a 16-bit `out_dtype` the margin covers the output's rounding, so every row
 // that rounds to the largest value is a candidate and the lowest index among them wins, as it does
 // over the full logits. Nothing else may read it as logits (sampling, logprobs): the engine asks
 // for it only on steps whose every row is plain greedy (engine/core/assembly.py).
 //
 // Paths (cpu_isa.h): scalar (the reference), avx2 and avx512 for the screen's int8 pass; the
-// candidates' exact sums are scalar and sequential on every path, so their values do not depend on
-// the path.
+// candidates' exact sums are one function on every path, so their values do not depend on it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -25,14 +25,10 @@ quantized head (GGUF's blocks, ``--quantization``): its bytes are already a scre
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from pagedserve.models.half_linear import HalfWeightLinear
-
-logger = logging.getLogger(__name__)
 
 # Rows of hidden states a step may have for the screen: the int8 pass widens every weight for each
 # row, which past a few rows costs more than the head's full matmul saves in bytes.

@@ -101,6 +101,8 @@ def test_the_head_screen_gives_greedy_steps_the_same_tokens_and_leaves_the_rest_
     through it and produce the full head's tokens, and a request with logprobs in the batch keeps the
     whole head: the same tokens and logprobs either way."""
     assert _config(tiny_model_dir).head_screen and not _config(tiny_model_dir, "--no-head-screen").head_screen
+    with pytest.raises(ValueError, match="head_screen must be true or false"):
+        EngineConfig(model="m", head_screen="off")  # type: ignore[arg-type]
     results = {}
     for on in (True, False):
         engine = Engine(_small(tiny_model_dir, dtype=dtype, head_screen=on))
