@@ -56,6 +56,20 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def greedy_stream(engine, prompt_ids: list[int], output_len: int) -> tuple[float, list[int]]:
+    """Decode tokens/s (after the first token) of one greedy request run alone, and its tokens."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    engine.add_request("stream", prompt_ids, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    first_at, tokens = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+            if first_at is None:
+                first_at = time.perf_counter()
+    return (len(tokens) - 1) / (time.perf_counter() - first_at), list(tokens)
+
+
 def write_result(path: str | None, result: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

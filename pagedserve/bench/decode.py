@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import time
 
-from pagedserve.bench.common import machine_summary, median, resolve_model, write_result
+from pagedserve.bench.common import greedy_stream, machine_summary, median, resolve_model, write_result
 from pagedserve.bench.workloads import w2_single_stream
 
 
@@ -21,17 +20,7 @@ def add_parser(bench) -> None:
 
 
 def decode_rate(engine, req) -> float:
-    from pagedserve.engine.sampling_params import SamplingParams
-
-    engine.add_request("w2", req.prompt_token_ids, SamplingParams(max_tokens=req.output_len, temperature=0,
-                                                                  ignore_eos=True))
-    first_at, n = None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n = len(out.outputs[0].token_ids)
-            if first_at is None:
-                first_at = time.perf_counter()
-    return (n - 1) / (time.perf_counter() - first_at)
+    return greedy_stream(engine, req.prompt_token_ids, req.output_len)[0]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,25 +6,9 @@ the machine's drift costs both alike; the two must give the same tokens, else th
 from __future__ import annotations
 
 import argparse
-import time
 
-from pagedserve.bench.common import machine_summary, median, resolve_model, write_result
-from pagedserve.bench.workloads import BenchRequest, w2_single_stream
-
-
-def timed_stream(engine, req: BenchRequest) -> tuple[float, list[int]]:
-    """Decode tokens/s (after the first token) of one greedy request, and its tokens."""
-    from pagedserve.engine.sampling_params import SamplingParams
-
-    engine.add_request("w2", req.prompt_token_ids, SamplingParams(max_tokens=req.output_len, temperature=0,
-                                                                  ignore_eos=True))
-    first_at, tokens = None, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-            if first_at is None:
-                first_at = time.perf_counter()
-    return (len(tokens) - 1) / (time.perf_counter() - first_at), list(tokens)
+from pagedserve.bench.common import greedy_stream, machine_summary, median, resolve_model, write_result
+from pagedserve.bench.workloads import w2_single_stream
 
 
 def add_parser(bench) -> None:
@@ -54,13 +38,12 @@ def run(args: argparse.Namespace) -> int:
         if engines[True].core.runner.model.head_screen is None:
             raise SystemExit(f"{args.model}: its LM head has no screen here (a GGUF or --quantization head, no "
                              "native kernels, or not on a CPU); the start-up log says why")
-        req = w2_single_stream(engines[True].core.arch.vocab_size)
-        req = BenchRequest(req.prompt_token_ids, args.output_len)
+        prompt = w2_single_stream(engines[True].core.arch.vocab_size).prompt_token_ids
         rates: dict[bool, list[float]] = {True: [], False: []}
         for rnd in range(args.rounds + 1):  # round 0 warms both up, untimed
             tokens = {}
             for on in (False, True):
-                rate, tokens[on] = timed_stream(engines[on], req)
+                rate, tokens[on] = greedy_stream(engines[on], prompt, args.output_len)
                 if rnd:
                     rates[on].append(rate)
             if tokens[True] != tokens[False]:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from pagedserve.bench.common import machine_summary, median, resolve_model, write_result
+from pagedserve.bench.common import greedy_stream, machine_summary, median, resolve_model, write_result
 from pagedserve.bench.workloads import w2_single_stream
 
 PASSAGE = '''def merge_intervals(intervals):
@@ -70,21 +70,6 @@ def add_parser(bench) -> None:
     p.set_defaults(func=run)
 
 
-def timed_run(engine, prompt_ids: list[int], output_len: int) -> tuple[float, list[int]]:
-    """Decode tokens/s of one greedy request, and its tokens."""
-    from pagedserve.engine.sampling_params import SamplingParams
-
-    engine.add_request("spec-bench", prompt_ids, SamplingParams(max_tokens=output_len, temperature=0,
-                                                                ignore_eos=True))
-    first_at, tokens = None, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-            if first_at is None:
-                first_at = time.perf_counter()
-    return (len(tokens) - 1) / (time.perf_counter() - first_at), list(tokens)
-
-
 def _proposer_cost_us(tokens: list[int], args) -> float:
     """Microseconds of one proposal over a sequence of these tokens (what each decode step pays)."""
     from pagedserve.engine.core.ngram import propose
@@ -114,11 +99,11 @@ def compare(name: str, model: str, prompt_ids_for, output_len: int, args) -> dic
     rates: dict[str, list[float]] = {"off": [], "on": []}
     outputs: dict[str, list[int]] = {}
     for side, eng in engines.items():  # warm-up (kernels, allocator), not timed
-        _, outputs[side] = timed_run(eng, prompt, output_len)
+        _, outputs[side] = greedy_stream(eng, prompt, output_len)
     before = engines["on"].stats()
     for _ in range(args.repeats):
         for side, eng in engines.items():
-            rate, tokens = timed_run(eng, prompt, output_len)
+            rate, tokens = greedy_stream(eng, prompt, output_len)
             rates[side].append(rate)
             if tokens != outputs[side]:
                 raise RuntimeError(f"{name}: {side} run gave different greedy tokens from its warm-up")

@@ -94,7 +94,8 @@ _SOURCES = [Path(__file__).with_name(name)
                          "decode_stack.cpp", "kv_write.cpp", "tile_matmul.cpp", "head_screen.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
-                         "gguf_gemm_f32.inc", "gguf_gemm_int.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h")]
+                         "gguf_gemm_f32.inc", "gguf_gemm_int.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h",
+                         "simd_sum.h")]
 # -fopenmp: ATen's at::parallel_for is a header template whose body is an OpenMP pragma; compiled
 # without the flag the pragma is dropped and every kernel runs on the calling thread alone (measured:
 # the decode kernel took as long on two threads as on one). The library then links libgomp.so.1 by

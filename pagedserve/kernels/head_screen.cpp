@@ -26,6 +26,7 @@
 
 #include "convert.h"
 #include "cpu_isa.h"
+#include "simd_sum.h"
 #include "kernel_ops.h"
 #include "work_pool.h"
 
@@ -101,12 +102,7 @@ void walk(const Screen& s, int64_t n0, int64_t n1) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum8;
 
 template <int MR>
 struct RowAvx2 {

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "simd_sum.h"
 #include "int4_key_bits.h"
 #include "kernel_ops.h"
 #include "paged_decode.h"
@@ -461,12 +462,7 @@ struct Halfx16 {
   }
 };
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum8;
 
 // The lane sums of a, b, c and d as one 4-lane vector (three hadds: a quarter of the shuffles of
 // four hsum8).

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "convert.h"
+#include "simd_sum.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -41,12 +42,6 @@ constexpr int64_t kGroup = 32;
 constexpr int kTile = 4;  // rows of x sharing one unpacked group (8 accumulators + 4 weight vectors fit the 16 ymm)
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // One group's 32 weights as four float vectors, columns 0-7, 8-15, 16-23, 24-31.
 struct Int4Group {
@@ -102,7 +97,7 @@ inline void tile_dot(const float* x, int64_t K, const uint8_t* wrow, const float
   for (int m = 0; m < MT; ++m) {
     __m256 t = acc[m][0];
     t = _mm256_add_ps(t, acc[m][1]);
-    out[m] = hsum(t);
+    out[m] = pagedserve::hsum8(t);
   }
 }
 #endif
