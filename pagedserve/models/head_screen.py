@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pagedserve.models.half_linear import HalfWeightLinear
+from pagedserve.models.quant import quantize_int8_rows
 
 # Rows of hidden states a step may have for the screen: the int8 pass widens every weight for each
 # row, which past a few rows costs more than the head's full matmul saves in bytes.
@@ -54,13 +55,11 @@ class HeadScreen(nn.Module):
         bounds = torch.empty(vocab, dtype=torch.float32)
         gamma = 1.01 * hidden * 2.0**-24  # float32's worst-case relative error of a K-term sum
         for n in range(0, vocab, _BOUND_CHUNK_ROWS):
-            w = weight[n:n + _BOUND_CHUNK_ROWS].double()
-            scale = (w.abs().amax(dim=1) / 127).float()
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            codes = torch.round(w / scale.double().unsqueeze(1)).clamp_(-127, 127)
-            approx = codes * scale.double().unsqueeze(1)
+            chunk = weight[n:n + _BOUND_CHUNK_ROWS]
+            codes, scale = quantize_int8_rows(chunk)  # --quantization int8's rows
+            w, approx = chunk.double(), codes.double() * scale.double().unsqueeze(1)
             bound = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
-            q[n:n + len(w)] = codes.to(torch.int8)
+            q[n:n + len(w)] = codes
             scales[n:n + len(w)] = scale
             bounds[n:n + len(w)] = (bound * (1 + 1e-4)).float()  # rounded up, not to nearest
         for name, t in (("q", q), ("scale", scales), ("bound", bounds), ("weight", weight)):

@@ -99,6 +99,14 @@ class FlatLinear(nn.Module):
         return self.rows(slice(None), dtype)
 
 
+def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [rows, cols]`` as int8 codes in [-127, 127] and one float32 scale per row (its largest
+    magnitude / 127), computed in float32: ``w ≈ q × s[row]``."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return (w / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8), scales
+
+
 class Int8Linear(FlatLinear):
     """``y = x Wᵀ + b`` with ``W`` stored as int8 and one scale per output channel."""
 
@@ -110,9 +118,7 @@ class Int8Linear(FlatLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         """Quantize a float linear layer (scales and bias keep its dtype)."""
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        q = (w / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        q, scales = quantize_int8_rows(linear.weight.detach())
         return cls(q, scales.to(linear.weight.dtype), None if linear.bias is None else linear.bias.detach().clone())
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:

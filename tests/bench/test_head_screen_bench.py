@@ -21,11 +21,14 @@ def parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
 def test_times_both_heads_and_prints_the_ratio(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "screen.json"
-    args = parse("--model", str(tiny_model_dir), "--rounds", "2", "--output-len", "6", "--json", str(out))
+    args = parse("--model", str(tiny_model_dir), "--rounds", "2", "--output-len", "6", "--rows", "1,3",
+                 "--calls", "2", "--json", str(out))
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     assert len(result["full_tok_s"]) == len(result["screen_tok_s"]) == 2
     assert all(r > 0 for r in result["full_tok_s"] + result["screen_tok_s"])
+    assert [c["rows"] for c in result["calls"]] == [1, 3]
+    assert all(c["screen_ms"] > 0 and c["full_ms"] > 0 for c in result["calls"])
     assert "the same tokens" in capsys.readouterr().out
 
 
@@ -33,6 +36,7 @@ def test_a_head_without_a_screen_and_bad_arguments_are_refused(tiny_ggufs):
     with pytest.raises(SystemExit, match="no screen"):  # a GGUF head keeps its blocks
         args = parse("--model", str(tiny_ggufs("Q8_0", tokenizer=True)), "--rounds", "1", "--output-len", "2")
         args.func(args)
-    with pytest.raises(SystemExit, match="--rounds"):
-        args = parse("--rounds", "0")
-        args.func(args)
+    for bad in (["--rounds", "0"], ["--rows", "1,0"], ["--rows", "a"]):
+        with pytest.raises(SystemExit, match="--r"):
+            args = parse(*bad)
+            args.func(args)

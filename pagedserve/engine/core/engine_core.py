@@ -176,7 +176,9 @@ class EngineCore(CoreParts):
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         self._fault_point("execute", (s for s, _ in plan.scheduled))
         model_input = self.runner.prepare(plan)
-        logits = self.runner.execute(model_input, self.assembler.argmax_suffices(model_input.sampled_seqs))
+        seqs = model_input.sampled_seqs  # (the per-sequence check only where the head can use its answer)
+        argmax_only = self.runner.screens_head(len(seqs)) and self.assembler.argmax_suffices(seqs)
+        logits = self.runner.execute(model_input, argmax_only)
         if model_input.prompt_spans:
             self._collect_prompt_logprobs(model_input)
         return model_input.sampled_seqs, logits

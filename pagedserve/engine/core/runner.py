@@ -206,6 +206,12 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def screens_head(self, rows: int) -> bool:
+        """Whether the model's LM head takes a greedy step of ``rows`` sampled rows through its
+        screen (models/head_screen.py), given that the step needs only the argmax."""
+        screen = self.model.head_screen
+        return screen is not None and rows <= screen.max_rows
+
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, argmax_only: bool = False) -> torch.Tensor:
         """Run the model; float32 logits for the sampled rows (``argmax_only``: every row is plain
