@@ -1,9 +1,10 @@
 """KV bytes per second the fused paged decode kernel reads, for a W1-like decode step of `small`
 (12 layers, 4 KV heads of 64, 3 query heads each, bf16 pools): 64 sequences of 400 tokens, their
-blocks in the pool in order or scattered at random, per block size and thread count. What it shows:
-whether the kernel is bound by its instructions (the same rate from cache as from memory) or by
-how many cache lines a core can have in flight (in-order blocks faster than scattered ones).
-docs/BENCHMARKS.md ("Decode attention on the Sapphire Rapids-class Xeon: bound by lines in flight").
+blocks in the pool in order, in order backwards or scattered at random, per block size and thread
+count. What it shows: whether the kernel is bound by its instructions (the same rate from cache as
+from memory) or by how many cache lines a core can have in flight (in-order blocks faster than
+scattered ones). docs/BENCHMARKS.md ("Decode attention on the Sapphire Rapids-class Xeon: bound by
+lines in flight"; "Where a reused pool's blocks lie").
 
     python examples/paged_decode_bandwidth.py                 # block sizes 16 and 128, 1 and 2 threads
     python examples/paged_decode_bandwidth.py --block-sizes 16 --threads 2 --layers 1   # from cache
@@ -41,9 +42,12 @@ with torch.inference_mode():
         out = torch.empty_like(q)
         lens = torch.full((args.seqs,), args.context, dtype=torch.long)
         kv_bytes = args.layers * args.seqs * args.context * KV_HEADS * HEAD_DIM * 2 * 2
-        for order in ("in order", "scattered"):
-            ids = torch.arange(blocks) if order == "in order" else torch.randperm(blocks)
-            tables = ids.view(args.seqs, per_seq).contiguous()
+        for order in ("in order", "backwards", "scattered"):
+            ids = torch.randperm(blocks) if order == "scattered" else torch.arange(blocks)
+            tables = ids.view(args.seqs, per_seq)
+            # backwards: each sequence's run in descending ids, as a prompt takes a run that a
+            # finished sequence gave back (the free queue holds it tail first)
+            tables = (tables.flip(1) if order == "backwards" else tables).contiguous()
             for threads in args.threads:
                 torch.set_num_threads(threads)
 

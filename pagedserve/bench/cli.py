@@ -10,6 +10,7 @@ BENCHMARKS = [
     "pagedserve.bench.throughput",
     "pagedserve.bench.decode",
     "pagedserve.bench.head_screen",
+    "pagedserve.bench.pool_reuse",
     "pagedserve.bench.sampler",
     "pagedserve.bench.gguf_kernels",
     "pagedserve.bench.spec",
