@@ -4,12 +4,13 @@ Benchmarks that start a fresh engine see a fresh pool: a prompt gets one ascendi
 A server reuses the blocks finished sequences freed (the free queue gives a run back tail first, so
 in descending ids, mixed with other sequences' blocks), and where they lie decides how fast the
 decode kernel reads a context (``python examples/paged_decode_bandwidth.py``: blocks in order 1.5x
-as fast as the same runs backwards, 1.8x as fast as scattered ones, on a Zen 5). This runs W1 again and again on one engine,
-its token ids shifted each run so that no prompt hits the prefix cache, with a pool that holds one
-run and not two (from the second run on, prompts take blocks earlier runs freed) and every page of
-it faulted in first (no run pays first-touch page faults). Per run: output tokens/s against the
-first run's, and how the running sequences' block tables lie: the share of neighbouring blocks
-whose ids ascend by one, and descend by one."""
+as fast as the same runs backwards, 1.8x as fast as scattered ones, on a Zen 5). This runs W1 again
+and again on one engine, its token ids shifted each run so that no prompt hits the prefix cache,
+with a pool that holds one run and not two (from the second run on, prompts take blocks earlier
+runs freed) and every page of it faulted in first (no run pays first-touch page faults). Per run:
+output tokens/s against the first run's, and how the running sequences' block tables lie: the
+share of neighbouring blocks whose ids ascend by one, and descend by one. After the last run every
+block must be free again (else the run stops: a leak is a bug)."""
 
 from __future__ import annotations
 
@@ -17,20 +18,30 @@ import argparse
 import statistics
 
 from pagedserve.bench.common import machine_summary, resolve_model, write_result
+from pagedserve.config import parse_bytes
 
 # Running sequences from which a step's tables are counted: W1's full batch, not its tail.
 COUNT_FROM_RUNNING = 48
 
 
+def memory_size(value: str) -> str:
+    """``--kv-cache-memory``: a size the engine's config reads (``512MiB``, a byte count)."""
+    try:
+        parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def add_parser(bench) -> None:
-    p = bench.add_parser("pool-reuse", help="W1 run after run on one engine: rate and block order as the pool is reused",
+    p = bench.add_parser("pool-reuse", help="W1 run after run on one engine: rate and block order as a pool is reused",
                          description="Runs W1 again and again on one engine (new token ids each run, a KV pool that "
                                      "holds one run, faulted in first); prints each run's output tokens/s against "
                                      "the first run's and how the block tables lie (neighbouring block ids "
                                      "ascending / descending by one).")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--runs", type=int, default=8, help="W1 runs on the one engine (default 8)")
-    p.add_argument("--kv-cache-memory", default="512MiB",
+    p.add_argument("--kv-cache-memory", type=memory_size, default="512MiB",
                    help="the KV pool (default 512MiB: small's W1 peaks at ~1,750 of its 2,730 blocks)")
     p.add_argument("--json", dest="json_out", default=None, help="write the result as JSON to this file")
     p.set_defaults(func=run)
@@ -86,6 +97,9 @@ def w1_runs(model: str, runs: int, kv_cache_memory: str) -> list[dict]:
                 engine.core.step = step
             results.append({"tok_s": sum(outputs) / (t.first_s + t.gen_s),
                             "ascending": counts[0] / max(1, counts[2]), "descending": counts[1] / max(1, counts[2])})
+        held = scheduler.block_manager.num_used_blocks
+        if held:
+            raise SystemExit(f"{held} KV blocks still held after every request ended: a leak, report it")
     finally:
         engine.close()
     return results

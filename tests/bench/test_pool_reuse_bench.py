@@ -1,5 +1,5 @@
 """``pagedserve bench pool-reuse``: W1's runs on one engine report their rate and how their block
-tables lie; bad arguments are refused."""
+tables lie, and end with every block free (the bench stops on a leak); bad arguments are refused."""
 
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ def test_runs_report_rate_and_block_order(tiny_model_dir, tmp_path, capsys):
     assert "runs 2-2: median" in capsys.readouterr().out
 
 
-def test_fewer_than_two_runs_are_refused():
+def test_fewer_than_two_runs_and_bad_sizes_are_refused(capsys):
     args = parse("--runs", "1")
     with pytest.raises(SystemExit, match="--runs must be >= 2"):
         args.func(args)
+    with pytest.raises(SystemExit):
+        parse("--kv-cache-memory", "lots")
+    assert "cannot parse memory size 'lots'" in capsys.readouterr().err
