@@ -208,6 +208,22 @@ class BlockManager:
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
+    def tokens_in_use(self, sequences: Iterable[tuple[int, int]]) -> int:
+        """Token slots holding computed K/V, over ``(seq_id, computed tokens)`` pairs: a block several
+        tables share counted once, as full as the fullest of them fills it. Only a table's block at
+        its computed count can be part full, so the rest are gathered by whole slices (the engine's
+        stats snapshot walked every block in Python: 0.41 ms at 64 running sequences of W1)."""
+        bs = self.block_size
+        full: set[KVBlock] = set()
+        part: dict[KVBlock, int] = {}
+        for seq_id, computed in sequences:
+            table = self.tables.get(seq_id, ())
+            whole = min(computed // bs, len(table))
+            full.update(table[:whole])
+            if whole < len(table) and (n := computed - whole * bs) > part.get(table[whole], 0):
+                part[table[whole]] = n
+        return len(full) * bs + sum(n for block, n in part.items() if block not in full)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

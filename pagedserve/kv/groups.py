@@ -109,6 +109,10 @@ class GroupedBlockManager:
     def block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         return self.inner.block_ids(self._key(seq_id, group))
 
+    def tokens_in_use(self, sequences: Iterable[tuple[int, int]]) -> int:
+        """:meth:`BlockManager.tokens_in_use` over each sequence's first group's table."""
+        return self.inner.tokens_in_use((self._key(seq_id, 0), computed) for seq_id, computed in sequences)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """The most blocks one sequence of ``num_tokens`` tokens holds at once, over all groups."""
         blocks = self.inner.num_blocks_for(num_tokens)

@@ -71,6 +71,59 @@ def test_eviction_is_lru_and_tail_first():
     assert len(bm.find_cached_prefix(list(range(6)) + [7])) == 1
 
 
+def tokens_in_use_by_block(bm, sequences) -> int:
+    """The definition, block by block: each block as full as the fullest table holding it fills it."""
+    filled: dict[int, int] = {}
+    for seq_id, computed in sequences:
+        for i, block_id in enumerate(bm.block_ids(seq_id)):
+            n = min(bm.block_size, max(0, computed - i * bm.block_size))
+            filled[block_id] = max(filled.get(block_id, 0), n)
+    return sum(filled.values())
+
+
+def test_tokens_in_use_counts_a_shared_block_once_at_its_fullest():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = list(range(10))
+    assert bm.allocate(1, 10)  # two full blocks and one holding 2 tokens
+    bm.cache_full_blocks(1, tokens, 10)
+    hits = bm.find_cached_prefix(tokens + [50, 51])
+    assert len(hits) == 2 and bm.allocate(2, 12, hits, num_computed_tokens=8)  # shares the two full ones
+    bm.fork(1, 3)  # shares all three, the part-full one too
+    assert bm.allocate(4, 16)  # allocated ahead of what it computed
+    sequences = [(1, 10), (2, 11), (3, 10), (4, 5)]
+    assert bm.tokens_in_use(sequences) == tokens_in_use_by_block(bm, sequences) == 8 + 2 + 3 + 5
+    assert bm.tokens_in_use([]) == 0 and bm.tokens_in_use([(99, 7)]) == 0  # no table: nothing held
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tokens_in_use_matches_the_block_by_block_count(seed):
+    import random
+
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    computed: dict[int, int] = {}
+    prompts = [[rng.randrange(5) for _ in range(12)] for _ in range(3)]  # few distinct: prefix hits
+    for seq_id in range(1, 40):
+        op = rng.random()
+        if op < 0.5 or not computed:  # a new sequence, maybe hitting the cache, computing some tokens
+            prompt = rng.choice(prompts) + [rng.randrange(5) for _ in range(rng.randrange(8))]
+            hits = bm.find_cached_prefix(prompt)
+            done = len(hits) * 4
+            if bm.allocate(seq_id, len(prompt), hits, num_computed_tokens=done):
+                computed[seq_id] = rng.randint(done, len(prompt))
+                bm.cache_full_blocks(seq_id, prompt, computed[seq_id])
+        elif op < 0.7:
+            parent = rng.choice(list(computed))
+            bm.fork(parent, seq_id)
+            computed[seq_id] = computed[parent]
+        else:
+            gone = rng.choice(list(computed))
+            bm.free(gone)
+            del computed[gone]
+        assert bm.tokens_in_use(computed.items()) == tokens_in_use_by_block(bm, computed.items())
+    bm.check_invariants()
+
+
 def test_evicted_parent_makes_children_unreachable():
     bm = BlockManager(num_blocks=3, block_size=2)
     assert bm.allocate(1, 4)

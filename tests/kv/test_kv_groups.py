@@ -61,6 +61,18 @@ def test_window_groups_hold_their_window_and_give_the_rest_back():
     assert bm.num_used_blocks == 0 and not bm.tables
 
 
+def test_tokens_in_use_reads_the_first_groups_tables():
+    bm = GroupedBlockManager(400, BS, kv_groups(GEMMA3_270M), max_chunk_tokens=64)
+    _grow(bm, 1, list(range(700)), 700, 64)
+    _grow(bm, 2, list(range(1000, 1100)), 90, 64)
+    first_group = bm.block_ids(1) + bm.block_ids(2)
+    assert len(set(first_group)) == len(first_group)  # the full group: no null entries, nothing shared
+    assert bm.tokens_in_use([(1, 700), (2, 90)]) == 790
+    bm.free(1)
+    bm.free(2)
+    assert bm.num_used_blocks == 0
+
+
 def test_an_allocation_is_all_groups_or_none():
     bm = GroupedBlockManager(40, BS, kv_groups(GEMMA3_270M))
     assert bm.allocate(1, 5 * BS)  # 6 groups x 5 blocks = 30 of the 39 usable

@@ -256,16 +256,12 @@ class EngineCore(CoreParts):
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm, sched, bs, out = self.block_manager, self.scheduler, self.config.block_size, self.assembler
-        filled: dict[int, int] = {}
-        for seq in sched.running:
-            for i, block_id in enumerate(bm.block_ids(seq.seq_id)):
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))  # its computed tokens in this block
-                filled[block_id] = max(filled.get(block_id, 0), n)
+        in_use = bm.tokens_in_use((seq.seq_id, seq.num_computed_tokens) for seq in sched.running)
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting) + len(self.compiling),
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len, block_size=bs,
             kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_cached_free=bm.num_cached_free_blocks, kv_tokens_in_use=sum(filled.values()),
+            kv_blocks_cached_free=bm.num_cached_free_blocks, kv_tokens_in_use=in_use,
             kv_slots_allocated=bm.num_used_blocks * bs,
             naive_reserved_tokens=len(sched.running) * self.config.max_model_len,
             prefix_queried_tokens=bm.prefix_queried_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,

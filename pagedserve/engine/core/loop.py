@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # While busy, send the stats snapshot at most this often (and whenever a request finishes or the
-# core runs out of work): EngineCore.stats() walks every running sequence's block table.
+# core runs out of work): EngineCore.stats() goes over every running sequence's block table
+# (BlockManager.tokens_in_use: ~0.05 ms at 64 sequences).
 STATS_INTERVAL_S = 0.02
 
 
