@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -80,9 +81,11 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // head_dim a multiple of 16 known at compile time: the query (and the output accumulator) live
 // in registers, HD / 16 vectors per query head.
+template <int HD>
+concept WideHeads = HD > 0 && HD % 16 == 0;
+
 template <typename E, int G, int HD>
-  requires(HD > 0 && HD % 16 == 0)
-struct BlockMath<E, G, HD> {
+struct WideRows {
   using S = typename E::Store;
   static constexpr int V = HD / 16;
   static void scores(const float* q, const S* k, int64_t rs, int, int n, float* out, int64_t stride) {
@@ -133,6 +136,114 @@ struct BlockMath<E, G, HD> {
       for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * HD + 16 * i, acc[g][i]);
   }
 };
+
+template <typename E, int G, int HD>
+  requires WideHeads<HD>
+struct BlockMath<E, G, HD> : WideRows<E, G, HD> {};
+
+// bf16 rows with head_dim a multiple of 32: 32 stored values are one 64-byte load, widened without
+// a conversion instruction per 16 values. Why: on a Zen 4 (AVX-512 on 256-bit units) a context in
+// cache is read at the rate of the kernel above's instructions (one thread, 4 MB of KV: 19 GB/s;
+// this one 22): per key and value row four widenings of two instructions each, twelve FMAs, and the
+// scores' cross-lane sums.
+//
+// Values: a dword of two bf16 holds value 2j in its low half and 2j + 1 in its high half, so
+// shifting it left 16 bits gives value 2j as a float and masking off the low half gives value
+// 2j + 1: the row's even and odd values, one instruction each. Each output value is accumulated
+// as in the kernel above (the same products and sums in the same order: the same bits); only the
+// registers hold even and odd values apart, interleaved back when they are stored.
+//
+// Keys, where the CPU has AVX512-BF16: vdpbf16ps multiplies 32 stored bf16 by q's own bf16 values
+// (the model's, unscaled) and sums pairs in float32, and the score is scaled after: two
+// instructions per key and query head where the kernel above needs four widenings and four FMAs.
+// The products are exact (8-bit significands); the sums run in another order than the float32
+// kernel's, so scores may differ from it in their last bits.
+template <typename E, int HD>
+concept Bf16Pairs = WideHeads<HD> && HD % 32 == 0 && std::is_same_v<typename E::Store, c10::BFloat16> &&
+                    std::is_same_v<typename E::Model, c10::BFloat16>;
+
+template <typename E, int G, int HD>
+  requires Bf16Pairs<E, HD>
+struct BlockMath<E, G, HD> : WideRows<E, G, HD> {
+  using S = c10::BFloat16;
+  static constexpr int V = HD / 16, W = HD / 32;  // float vectors and 32-value loads per row
+#if defined(__AVX512BF16__)
+  static constexpr bool kBf16Dot = true;
+#else
+  static constexpr bool kBf16Dot = false;
+#endif
+
+  static __m512i load32(const S* row, int w) { return _mm512_loadu_si512(row + 32 * w); }
+  static __m512 evens(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+  static __m512 odds(__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536))); }
+
+#if defined(__AVX512BF16__)
+  // scale x (q . k) for n keys, q the G query heads' bf16 values as the model gave them.
+  static void scores_bf16(const S* q, float scale, const S* k, int64_t rs, int n, float* out, int64_t stride) {
+    __m512bh qv[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) qv[g][w] = (__m512bh)load32(q + g * HD, w);
+    const __m128 scale4 = _mm_set1_ps(scale);
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {  // four keys' sums across lanes together, as the kernel above
+      __m512 acc[4][G];
+      for (int j = 0; j < 4; ++j)
+        for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_ps();
+      for (int w = 0; w < W; ++w) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512bh kv = (__m512bh)load32(k + (t + j) * rs, w);
+          for (int g = 0; g < G; ++g) acc[j][g] = _mm512_dpbf16_ps(acc[j][g], qv[g][w], kv);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm_storeu_ps(out + g * stride + t, _mm_mul_ps(scale4, reduce4(acc[0][g], acc[1][g], acc[2][g], acc[3][g])));
+    }
+    for (; t < n; ++t) {
+      __m512 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int w = 0; w < W; ++w) {
+        const __m512bh kv = (__m512bh)load32(k + t * rs, w);
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][w], kv);
+      }
+      for (int g = 0; g < G; ++g) out[g * stride + t] = scale * _mm512_reduce_add_ps(acc[g]);
+    }
+  }
+#endif
+
+  static void accumulate(const float* probs, int64_t stride, const S* v, int64_t rs, int, int n, float* acc_mem) {
+    // acc[g][2w] holds values 32w + 0, 2, .., 30 of query head g; acc[g][2w + 1] values 32w + 1, .., 31.
+    const __m512i even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512 acc[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) {
+        const __m512 a = _mm512_loadu_ps(acc_mem + g * HD + 32 * w), b = _mm512_loadu_ps(acc_mem + g * HD + 32 * w + 16);
+        acc[g][2 * w] = _mm512_permutex2var_ps(a, even_idx, b);
+        acc[g][2 * w + 1] = _mm512_permutex2var_ps(a, odd_idx, b);
+      }
+    for (int t = 0; t < n; ++t) {
+      const S* vt = v + t * rs;
+      __m512 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * stride + t]);
+      for (int w = 0; w < W; ++w) {
+        const __m512i x = load32(vt, w);
+        const __m512 ve = evens(x), vo = odds(x);
+        for (int g = 0; g < G; ++g) {
+          acc[g][2 * w] = _mm512_fmadd_ps(p[g], ve, acc[g][2 * w]);
+          acc[g][2 * w + 1] = _mm512_fmadd_ps(p[g], vo, acc[g][2 * w + 1]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) {
+        const __m512 e = acc[g][2 * w], o = acc[g][2 * w + 1];
+        _mm512_storeu_ps(acc_mem + g * HD + 32 * w, _mm512_permutex2var_ps(e, lo_idx, o));
+        _mm512_storeu_ps(acc_mem + g * HD + 32 * w + 16, _mm512_permutex2var_ps(e, hi_idx, o));
+      }
+  }
+};
 #endif
 
 // Ask for cache lines ahead of use. Blocks sit at random places in the pool and are only a few
@@ -140,6 +251,18 @@ struct BlockMath<E, G, HD> {
 // memory latency (measured: ~5 GB/s of KV read against ~25 GB/s the memory can give).
 // On x86-64 the instruction is written out: GCC counts __builtin_prefetch as free of side effects
 // and deletes calls to an out-of-line helper made only of prefetches (seen: a build with none).
+// The same into L2 (prefetcht1): for lines wanted a few blocks from now (prefetch_span_l2).
+inline void prefetch_bytes_l2(const void* p, int64_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + bytes; a += 64) {
+    const char* line = reinterpret_cast<const char*>(a);
+#if defined(__x86_64__) && defined(__GNUC__)
+    asm volatile("prefetcht1 %0" : : "m"(*line));
+#elif defined(__GNUC__)
+    __builtin_prefetch(line, 0, 2);
+#endif
+  }
+}
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const auto begin = reinterpret_cast<uintptr_t>(p);
   for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + bytes; a += 64) {  // every line the range touches
@@ -167,6 +290,9 @@ struct Pool {
   const c10::Half* row_scales(int64_t h, int64_t b) const {
     return scales + h * scale_head_stride + b * scale_block_stride;
   }
+  void prefetch_l2(int64_t h, int64_t b) const {  // head-major pools: the block is one run
+    if (row_stride == width) prefetch_bytes_l2(rows(h, b), block_size * width * static_cast<int64_t>(sizeof(S)));
+  }
   void prefetch(int64_t h, int64_t b) const {
     const S* r = rows(h, b);
     const int64_t row_bytes = width * static_cast<int64_t>(sizeof(S));
@@ -179,6 +305,24 @@ struct Pool {
       prefetch_bytes(row_scales(h, b), ((block_size - 1) * scale_row_stride + 1) * sizeof(c10::Half));
   }
 };
+
+// A span's K and V blocks 1.. into L2 as its task starts, each that does not follow the block
+// before it in the pool. Why: a pool a server has reused hands a prompt the runs finished sequences
+// gave back, tail first, between other sequences' blocks, and the hardware prefetcher follows
+// ascending runs only; asking a block ahead into L1 keeps only the lines L1's miss buffers hold in
+// flight. On a Zen 4 (2 threads, `small`'s W1-like step, 315 MB of bf16 KV) descending and shuffled
+// tables read 11-12 GB/s against 20 in order, and 15-16 with this; ascending blocks are left to the
+// hardware (asking for them too cost the in-order case 7 %). Out of line: inlined into the task loop
+// it cost the in-order case 7-10 % with no prefetch issued (docs/BENCHMARKS.md).
+template <typename E>
+__attribute__((noinline)) void prefetch_span_l2(const Pool<E>& k, const Pool<E>& v, int64_t h, const int64_t* table,
+                                                int64_t blocks) {
+  for (int64_t j = 1; j < blocks; ++j) {
+    if (table[j] == table[j - 1] + 1) continue;
+    k.prefetch_l2(h, table[j]);
+    v.prefetch_l2(h, table[j]);
+  }
+}
 
 // Multiplies entry t of each of the G rows (`stride` apart) by token t's scale: for quantized K,
 // the scores (dot products over grid values); for quantized V, the softmax weights, before the
@@ -240,6 +384,16 @@ struct Batch {
   const int64_t* firsts = nullptr;
 };
 
+// Whether BlockMath M takes the keys' scores from their bf16 values (scores_bf16, AVX512-BF16).
+template <typename M>
+constexpr bool bf16_dot() {
+  if constexpr (requires { M::kBf16Dot; }) {
+    return M::kBf16Dot;
+  } else {
+    return false;
+  }
+}
+
 // A context is read in spans of kSpanTokens (whole blocks): each (sequence, KV head, span) is one
 // task, so one long sequence's three KV heads do not leave one of two threads idle for a third of
 // the kernel, as they did when a task was a whole (sequence, KV head). A span's softmax is
@@ -253,6 +407,7 @@ template <typename E, int G, int HD>
 void decode_impl(const Batch<E>& b) {
   using M = BlockMath<E, G, HD>;
   using T = typename E::Model;
+  constexpr bool kBf16Dot = bf16_dot<M>();
   const Shapes& sh = b.sh;
   const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
   const int64_t span = std::max<int64_t>(1, kSpanTokens / bs) * bs;
@@ -278,15 +433,22 @@ void decode_impl(const Batch<E>& b) {
       const int64_t t0 = task.c * span, len = std::min(span, b.lens[s] - t0);
       const int64_t* table = b.tables + s * sh.max_blocks + t0 / bs;
       const T* qs = b.q + (s * heads + h * G) * hd;
-      for (int64_t j = 0; j < G * hd; ++j) qf[j] = to_float(qs[j]) * sh.scale;
+      if constexpr (!kBf16Dot) {
+        for (int64_t j = 0; j < G * hd; ++j) qf[j] = to_float(qs[j]) * sh.scale;
+      }
       scores.resize(G * len);
+      prefetch_span_l2(b.k, b.v, h, table, (len + bs - 1) / bs);  // what the hardware will not
       b.k.prefetch(h, table[0]);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t j = start / bs;
         const int n = static_cast<int>(std::min(bs, len - start));
         if (start + bs < len) b.k.prefetch(h, table[j + 1]);
         b.v.prefetch(h, table[j]);
-        M::scores(qf.data(), b.k.rows(h, table[j]), b.k.row_stride, hd, n, scores.data() + start, len);
+        if constexpr (kBf16Dot) {
+          M::scores_bf16(qs, sh.scale, b.k.rows(h, table[j]), b.k.row_stride, n, scores.data() + start, len);
+        } else {
+          M::scores(qf.data(), b.k.rows(h, table[j]), b.k.row_stride, hd, n, scores.data() + start, len);
+        }
         if constexpr (E::kQuantized)
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }

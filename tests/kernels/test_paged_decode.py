@@ -44,6 +44,23 @@ def test_fused_kernel_matches_reference_on_engine_pools(heads, kvh, hd, dtype, a
     assert torch.equal(direct, got[:len(ctx)])
 
 
+# bf16 pools with head_dim a multiple of 32 take the kernel's 32-values-a-load path (keys through
+# vdpbf16ps where the CPU has AVX512-BF16, values widened even / odd); 24 and 8 its generic loops.
+@needs_kernels
+@pytest.mark.parametrize("heads,kvh,hd", [(12, 4, 64), (8, 1, 64), (16, 2, 128), (4, 2, 96), (6, 2, 24), (6, 2, 8)])
+def test_bf16_pools_match_the_float32_reference_to_the_output_rounding(heads, kvh, hd):
+    """From bf16 pools, the kernel's output is the float32 attention over the same stored values,
+    rounded once to bf16: within the rounding (2^-8 relative) of the float32 reference, however its
+    scores were summed; contexts within one span, several, and a ragged last block."""
+    ctx = [1, 3, 16, 31, 100, 128, 129, 300, 700]
+    q, k, v, meta = paged_batch(ctx, [], block_size=16, kvh=kvh, heads=heads, hd=hd, dtype=torch.bfloat16, seed=3)
+    exact = reference_attention(q.float(), k.float(), v.float(), meta, hd ** -0.5)
+    got = torch.empty_like(q)
+    decode(got, q.contiguous(), head_major(k).data, head_major(v).data, meta.decode_block_tables.contiguous(),
+           meta.decode_context_lens, hd ** -0.5)
+    assert torch.allclose(got.float(), exact, atol=1e-5, rtol=2 ** -8)
+
+
 @needs_kernels
 def test_a_sequences_attention_does_not_depend_on_its_batch():
     """Long contexts are split into spans by their length alone: a sequence's output is the same
