@@ -248,29 +248,23 @@ struct BlockMath<E, G, HD> : WideRows<E, G, HD> {
 
 // Ask for cache lines ahead of use. Blocks sit at random places in the pool and are only a few
 // KiB each, too short for the hardware prefetcher to ramp up: without this the loops stall on
-// memory latency (measured: ~5 GB/s of KV read against ~25 GB/s the memory can give).
+// memory latency (measured: ~5 GB/s of KV read against ~25 GB/s the memory can give). Into L1 by
+// default; `into_l2` for lines wanted a few blocks from now (prefetch_span_l2).
 // On x86-64 the instruction is written out: GCC counts __builtin_prefetch as free of side effects
 // and deletes calls to an out-of-line helper made only of prefetches (seen: a build with none).
-// The same into L2 (prefetcht1): for lines wanted a few blocks from now (prefetch_span_l2).
-inline void prefetch_bytes_l2(const void* p, int64_t bytes) {
-  const auto begin = reinterpret_cast<uintptr_t>(p);
-  for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + bytes; a += 64) {
-    const char* line = reinterpret_cast<const char*>(a);
-#if defined(__x86_64__) && defined(__GNUC__)
-    asm volatile("prefetcht1 %0" : : "m"(*line));
-#elif defined(__GNUC__)
-    __builtin_prefetch(line, 0, 2);
-#endif
-  }
-}
+template <bool into_l2 = false>
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const auto begin = reinterpret_cast<uintptr_t>(p);
   for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + bytes; a += 64) {  // every line the range touches
     const char* line = reinterpret_cast<const char*>(a);
 #if defined(__x86_64__) && defined(__GNUC__)
-    asm volatile("prefetcht0 %0" : : "m"(*line));
+    if constexpr (into_l2) {
+      asm volatile("prefetcht1 %0" : : "m"(*line));
+    } else {
+      asm volatile("prefetcht0 %0" : : "m"(*line));
+    }
 #elif defined(__GNUC__)
-    __builtin_prefetch(line, 0, 3);
+    __builtin_prefetch(line, 0, into_l2 ? 2 : 3);
 #endif
   }
 }
@@ -291,7 +285,7 @@ struct Pool {
     return scales + h * scale_head_stride + b * scale_block_stride;
   }
   void prefetch_l2(int64_t h, int64_t b) const {  // head-major pools: the block is one run
-    if (row_stride == width) prefetch_bytes_l2(rows(h, b), block_size * width * static_cast<int64_t>(sizeof(S)));
+    if (row_stride == width) prefetch_bytes<true>(rows(h, b), block_size * width * static_cast<int64_t>(sizeof(S)));
   }
   void prefetch(int64_t h, int64_t b) const {
     const S* r = rows(h, b);
