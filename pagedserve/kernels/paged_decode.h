@@ -284,19 +284,17 @@ struct Pool {
   const c10::Half* row_scales(int64_t h, int64_t b) const {
     return scales + h * scale_head_stride + b * scale_block_stride;
   }
-  void prefetch_l2(int64_t h, int64_t b) const {  // head-major pools: the block is one run
-    if (row_stride == width) prefetch_bytes<true>(rows(h, b), block_size * width * static_cast<int64_t>(sizeof(S)));
-  }
+  template <bool into_l2 = false>
   void prefetch(int64_t h, int64_t b) const {
     const S* r = rows(h, b);
     const int64_t row_bytes = width * static_cast<int64_t>(sizeof(S));
     if (row_stride == width) {  // head-major: the block is one run
-      prefetch_bytes(r, block_size * row_bytes);
+      prefetch_bytes<into_l2>(r, block_size * row_bytes);
     } else {  // token-major: this head's rows, between the other heads'
-      for (int64_t t = 0; t < block_size; ++t) prefetch_bytes(r + t * row_stride, row_bytes);
+      for (int64_t t = 0; t < block_size; ++t) prefetch_bytes<into_l2>(r + t * row_stride, row_bytes);
     }
     if constexpr (E::kQuantized)
-      prefetch_bytes(row_scales(h, b), ((block_size - 1) * scale_row_stride + 1) * sizeof(c10::Half));
+      prefetch_bytes<into_l2>(row_scales(h, b), ((block_size - 1) * scale_row_stride + 1) * sizeof(c10::Half));
   }
 };
 
@@ -313,8 +311,8 @@ __attribute__((noinline)) void prefetch_span_l2(const Pool<E>& k, const Pool<E>&
                                                 int64_t blocks) {
   for (int64_t j = 1; j < blocks; ++j) {
     if (table[j] == table[j - 1] + 1) continue;
-    k.prefetch_l2(h, table[j]);
-    v.prefetch_l2(h, table[j]);
+    k.template prefetch<true>(h, table[j]);
+    v.template prefetch<true>(h, table[j]);
   }
 }
 
@@ -431,7 +429,9 @@ void decode_impl(const Batch<E>& b) {
         for (int64_t j = 0; j < G * hd; ++j) qf[j] = to_float(qs[j]) * sh.scale;
       }
       scores.resize(G * len);
-      prefetch_span_l2(b.k, b.v, h, table, (len + bs - 1) / bs);  // what the hardware will not
+      // what the hardware will not; measured on the model-dtype pools only (the quantized ones'
+      // token-major rows and scales would take several times the prefetches a block)
+      if constexpr (!E::kQuantized) prefetch_span_l2(b.k, b.v, h, table, (len + bs - 1) / bs);
       b.k.prefetch(h, table[0]);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t j = start / bs;
