@@ -176,7 +176,9 @@ class EngineConfig:
     (pagedserve/kernels); False keeps to the pure-torch paths and compiles nothing.
     ``head_screen``: on CPU with the native kernels, a step of a few rows that are all plain greedy
     reads an int8 copy of a float LM head and computes exactly only the rows that can hold the
-    argmax (models/head_screen.py: the same tokens; False: the full head every step).
+    argmax; a GGUF Q8_0 head, in steps of 4 to 32 such rows, is multiplied at int8 activations and
+    only its rows that can win at int16 (models/head_screen.py: the same tokens; False: the full
+    head every step).
     ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are
     prepacked at load on CPU (``auto``: bf16 into AMX-BF16 tiles for the native kernel where the CPU
     has them, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` | ``avx512`` | ``avx2`` |
@@ -209,7 +211,7 @@ class EngineConfig:
     gguf_activations: str = "int16"  # int16 | int8: the GGUF kernels' activation precision
     native_decode: bool = True  # CPU: a decode step's layers in one native call where it can (models/native_decode.py)
     native_kernels: bool = True  # CPU: build and use the native kernels (False: pure torch, nothing compiled)
-    head_screen: bool = True  # CPU: plain-greedy steps of a few rows screen the LM head (models/head_screen.py)
+    head_screen: bool = True  # CPU: plain-greedy steps screen the LM head (models/head_screen.py)
     pack_weights: str = "auto"  # auto | onednn | panel | none: CPU prepacking of float linear weights at load
     cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | scalar: the most the native kernels' dispatch takes
     group_kernels: bool = False  # int4 / grouped-int8 layers through the native group kernels (opt-in)

@@ -3,7 +3,9 @@ head's screen (:mod:`pagedserve.models.head_screen`, the default) against the fu
 (``--no-head-screen``): two engines of the same model in one process, alternated round by round so
 the machine's drift costs both alike; the two must give the same tokens, else the run stops. With
 ``--rows``, also one head call of that many hidden-state rows each way, cache cold (a buffer larger
-than the L3 touched before each call, as a decode step finds the head after its layers)."""
+than the L3 touched before each call, as a decode step finds the head after its layers). A GGUF Q8_0
+head's screen takes steps of 4 to 32 rows only, so W2's one stream runs its full head both ways;
+``--rows`` times the screen there."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ def add_parser(bench) -> None:
     p = bench.add_parser("head-screen", help="W2 with the LM head's screen against the full head",
                          description="One greedy stream (W2: 16-token prompt, 256 tokens) through two engines of the "
                                      "same model, the LM head's screen on and off (--no-head-screen), alternating; "
-                                     "prints decode tokens/s of each and the ratio, and stops if their tokens differ.")
+                                     "prints decode tokens/s of each and the ratio, and stops if their tokens differ. "
+                                     "A GGUF Q8_0 head's screen takes steps of 4 to 32 rows: time it with --rows.")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds after a warm-up (default 5)")
@@ -53,7 +56,7 @@ def head_calls_ms(model, rows: list[int], calls: int) -> list[dict]:
     out = []
     with torch.inference_mode():
         for n in rows:
-            h = torch.randn(n, screen.weight.shape[1], generator=gen).to(model.norm.weight.dtype)
+            h = torch.randn(n, model.norm.weight.shape[-1], generator=gen).to(model.norm.weight.dtype)
             out.append({"rows": n, "screen_ms": cold_ms(lambda: screen.logits(h, stack)),
                         "full_ms": cold_ms(lambda: model.compute_logits(h))})
     return out
@@ -75,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = str(engines[True].core.dtype).removeprefix("torch.")
     try:
         if engines[True].core.runner.model.head_screen is None:
-            raise SystemExit(f"{args.model}: its LM head has no screen here (a GGUF or --quantization head, no "
-                             "native kernels, or not on a CPU); the start-up log says why")
+            raise SystemExit(f"{args.model}: its LM head has no screen here (a --quantization head, a GGUF head "
+                             "other than Q8_0, no native kernels, or not on a CPU); the start-up log says why")
         prompt = w2_single_stream(engines[True].core.arch.vocab_size).prompt_token_ids
         rates: dict[bool, list[float]] = {True: [], False: []}
         for rnd in range(args.rounds + 1):  # round 0 warms both up, untimed

@@ -40,6 +40,11 @@
 * ``head_screen.cpp`` — a plain-greedy step's LM head through an int8 copy of it: every logit
   bounded from the copy, only the rows that can hold the argmax computed from the head's own weight
   (:mod:`pagedserve.models.head_screen`), on a scalar, an AVX2 and an AVX-512 path.
+* ``gguf_head_screen.cpp`` — a plain-greedy step of several rows through a GGUF Q8_0 head: the head
+  multiplied at int8 activations (the int16 ones' high byte), each logit's distance to its int16
+  value bounded, and only the groups of 16 rows that can hold the int16 argmax computed at int16
+  (``gguf_matmul16_pairs``, ``gguf_matmul16``'s bits for those pairs) (``GGUFHeadScreen`` in
+  :mod:`pagedserve.models.head_screen`).
 * ``decode_stack.cpp`` — a decode step's decoder layers in one call: a TorchScript class
   (``torch.classes.pagedserve.DecodeStack``) holding every layer's weights and KV pools (the model
   dtype's, int8, fp8 or int4), which runs the kernels above back to back through their C++ entry
@@ -91,7 +96,8 @@ log = logging.getLogger("pagedserve.kernels")
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "layer_ops.cpp", "panel_gemm.cpp",
                          "quant_matmul.cpp", "half_matmul.cpp", "cpu_isa.cpp", "gguf_matmul.cpp",
-                         "decode_stack.cpp", "kv_write.cpp", "tile_matmul.cpp", "head_screen.cpp")]
+                         "decode_stack.cpp", "kv_write.cpp", "tile_matmul.cpp", "head_screen.cpp",
+                         "gguf_head_screen.cpp")]
 _HEADERS = [Path(__file__).with_name(name)  # part of the build key, not compiled on their own
             for name in ("convert.h", "paged_decode.h", "cpu_isa.h", "gguf_formats.h", "gguf_simd.inc", "gguf_gemm.inc",
                          "gguf_gemm_f32.inc", "gguf_gemm_int.inc", "gguf_amx.inc", "kernel_ops.h", "work_pool.h", "int4_key_bits.h",

@@ -38,6 +38,14 @@ inline c10::BFloat16 from_float(float x) {
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
+// Whether x is finite, from its bits: the kernels build with -ffast-math, under which the compiler
+// may assume every float is finite and fold std::isfinite to true.
+inline bool is_finite_bits(double x) {
+  uint64_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return ((bits >> 52) & 0x7FF) != 0x7FF;
+}
+
 // Calls f(T{}) with T the C++ type of a model dtype (float32, bfloat16, float16); any other dtype
 // is refused with `op`'s name. Every kernel entry point dispatches through this one switch.
 template <typename F>

@@ -201,6 +201,16 @@ class DecodeStack : public torch::CustomClassHolder {
     return ops::screened_logits(h, q, scale, bound, weight, out_dtype, "auto", pool_.get());
   }
 
+  // A GGUF Q8_0 head's screen for a greedy pick of several rows (models/head_screen.py,
+  // GGUFHeadScreen; gguf_head_screen.cpp), on the stack's threads: the registered op's bits.
+  at::Tensor screened_head_logits(at::Tensor h, at::Tensor row_norms) const {
+    TORCH_CHECK(head_.has_value() && head_->kind == Kind::gguf && head_->weights.size() == 1 && head_->rows16[0] &&
+                    head_->residual && !head_->bias,
+                "DecodeStack: a screened head is one rows16 GGUF segment at int16 activations, without a bias");
+    const OneOpenMPThread serial(pool_ != nullptr);  // as forward
+    return gguf::gguf_screened_logits16(h, head_->weights[0], head_->formats[0], row_norms, "auto", pool_.get());
+  }
+
   // Hidden states [rows, hidden] after the final norm, for x [rows, hidden] (the token embeddings),
   // each row one decode token at `positions`. Per KV group g (one for a model without groups): the
   // rows' `slots[g]`, and the `block_tables[g]` through which they attend to `context_lens[g]`
@@ -562,5 +572,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("logits", &DecodeStack::logits)
       .def("screened_logits", &DecodeStack::screened_logits)
+      .def("screened_head_logits", &DecodeStack::screened_head_logits)
       .def("forward", &DecodeStack::forward);
 }

@@ -238,16 +238,19 @@ void swizzle_pairs(int8_t* q, int64_t K) {
   for (int64_t c = 0; c + 64 <= K; c += 64) std::swap_ranges(q + c + 16, q + c + 32, q + c + 32);
 }
 
-// Rows of x in float32: a view of x itself, or a converted copy in `buffer` (x.numel() floats).
-const float* float_rows(const at::Tensor& x, float* buffer) {
+// Rows of x [M, K] in float32: x itself, or `buffer` (x.numel() floats) with rows [m0, m1) converted
+// into it (each quantizing task converts its own rows: on the caller alone, 16 rows' conversion
+// was 1.3 % of a 16-stream step's samples, the pool's worker waiting through it).
+const float* float_rows(const at::Tensor& x, float* buffer, int64_t m0, int64_t m1) {
   const float* out = nullptr;
   dispatch_model_dtype(x.scalar_type(), "gguf_matmul", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       out = x.data_ptr<float>();
     } else {
+      const int64_t K = x.size(1);
       const T* src = x.data_ptr<T>();
-      for (int64_t i = 0; i < x.numel(); ++i) buffer[i] = to_float(src[i]);
+      for (int64_t i = m0 * K; i < m1 * K; ++i) buffer[i] = to_float(src[i]);
       out = buffer;
     }
   });
@@ -305,8 +308,8 @@ struct QuantizedRows {
     if (whole) values = reinterpret_cast<int16_t*>(take(2 * n));
     q = reinterpret_cast<int8_t*>(take(n));
     if (residual) low = reinterpret_cast<int8_t*>(take(n));
-    const float* xf = float_rows(x, buffer);
     pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
+      const float* xf = float_rows(x, buffer, m0, m1);
       for (int64_t m = m0; m < m1; ++m) {
         int8_t* qm = q + m * K;
         int8_t* lm = low ? low + m * K : nullptr;
@@ -431,6 +434,53 @@ Format planar_format(const at::Tensor& w, c10::string_view format, int64_t N, in
   return f;
 }
 
+// How a rows16 call computes a group of 16 weight rows against up to 4 activation rows. The group
+// kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths (scalar; AVX2's
+// other formats) rewrite each group as 16 rows of their own layout for their own kernel.
+struct Rows16Plan {
+  Format f;
+  int64_t N, blocks, group_bytes, row_bytes;
+  void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float (*)[16]) = nullptr;
+  Path path;
+
+  Rows16Plan(const at::Tensor& w, c10::string_view format, int64_t N_, int64_t K, Isa isa, bool residual, const char* op)
+      : f(rows16_format(w, format, N_, K, op)), N(N_), blocks(K / info(f).elems), group_bytes(w.size(1)),
+        row_bytes(blocks * info(f).bytes), path(path_for(isa, f)) {
+#if PS_X86
+    if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual);
+    if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual);
+#endif
+    // The group kernels and the tiles take both int8 planes in their own order; the others their
+    // path's activations.
+    if (group_kernel != nullptr) path.pairs = path.whole = false;
+    path.sums16 = group_kernel != nullptr && f == Format::q6_k;
+  }
+
+  // A scratch for one task's planar rewrites (empty where the group kernel reads the layout).
+  std::vector<uint8_t> scratch() const { return std::vector<uint8_t>(group_kernel ? 0 : 16 * row_bytes); }
+
+  // Group g's rows against activation rows [m0, m1), 4 at a time, into y (row m at y + m ld, the
+  // group's first output at column 16 g) + bias.
+  void group(const uint8_t* w, int64_t g, const QuantizedRows& xq, int64_t m0, int64_t m1, const float* bias, float* y,
+             int64_t ld, std::vector<uint8_t>& planar) const {
+    const uint8_t* bytes = w + g * group_bytes;
+    const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
+    if (group_kernel == nullptr) rows16_to_planar(f, bytes, blocks, planar.data());
+    for (int64_t m = m0; m < m1; m += 4) {
+      const int rows = static_cast<int>(std::min<int64_t>(4, m1 - m));
+      if (group_kernel == nullptr) {
+        path.kernel(planar.data(), row_bytes, blocks, 0, width, xq.at(m), rows, bias ? bias + n0 : nullptr,
+                    y + m * ld + n0, ld, planar.data() + 16 * row_bytes);
+        continue;
+      }
+      float dots[4][16];
+      group_kernel(bytes, blocks, xq.at(m), rows, dots);
+      for (int r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < width; ++i) y[(m + r) * ld + n0 + i] = dots[r][i] + (bias ? bias[n0 + i] : 0.f);
+    }
+  }
+};
+
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
 // (gguf_formats.h). The AVX-512 VNNI path, and the AVX2 one for Q4_0 / Q4_1, run rows16_group over
 // 16 weight rows and up to 4 activation rows at a time, with the same bits; on an AMX CPU, Q8_0
@@ -442,51 +492,56 @@ void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c1
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
   const char* op = "gguf_matmul16";
   const Isa requested = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
-  const Isa isa = vector_isa(requested);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const Format f = rows16_format(w, format, N, K, op);
+  const Rows16Plan plan(w, format, N, K, vector_isa(requested), residual, op);
   check_output(out, bias, M, N, op);
   if (M == 0 || N == 0) return;
-  const int64_t blocks = K / info(f).elems, groups = w.size(0), group_bytes = w.size(1), row_bytes = blocks * info(f).bytes;
-  // The group kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths
-  // (scalar; AVX2's other formats) rewrite each group as 16 rows of their own layout for their own kernel.
-  void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float(*)[16]) = nullptr;
+  const Operands in(out, x, w, bias, plan.path, residual, pool);
 #if PS_X86
-  const bool tiles = requested == Isa::amx && amx::rows16_tiles(f, M);
-  if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual);
-  if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual);
+  if (requested == Isa::amx && amx::rows16_tiles(plan.f, M))
+    return amx::matmul16(in.w, plan.group_bytes, plan.blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
 #endif
-  const bool grouped = group_kernel != nullptr;
-  // The group kernels and the tiles take both int8 planes in their own order; the others their
-  // path's activations.
-  Path path = path_for(isa, f);
-  if (grouped) path.pairs = path.whole = false;
-  path.sums16 = grouped && f == Format::q6_k;
-  const Operands in(out, x, w, bias, path, residual, pool);
-#if PS_X86
-  if (tiles) return amx::matmul16(in.w, group_bytes, blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
-#endif
-  pagedserve::parallel_for(pool, 0, groups, std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> planar(grouped ? 0 : 16 * row_bytes);
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = in.w + g * group_bytes;
-      const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
-      if (!grouped) rows16_to_planar(f, group, blocks, planar.data());
-      for (int64_t m = 0; m < M; m += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
-        if (grouped) {
-          float dots[4][16];
-          group_kernel(group, blocks, in.xq.at(m), rows, dots);
-          for (int r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < width; ++i) in.y[(m + r) * in.ld + n0 + i] = dots[r][i] + (in.bias ? in.bias[n0 + i] : 0.f);
-          continue;
-        }
-        path.kernel(planar.data(), row_bytes, blocks, 0, width, in.xq.at(m), rows, in.bias ? in.bias + n0 : nullptr,
-                    in.y + m * in.ld + n0, in.ld, planar.data() + 16 * row_bytes);
-      }
-    }
+  pagedserve::parallel_for(pool, 0, w.size(0), std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> planar = plan.scratch();
+    for (int64_t g = g0; g < g1; ++g) plan.group(in.w, g, in.xq, 0, M, in.bias, in.y, in.ld, planar);
   });
+}
+
+// Only some (activation row, group) pairs of gguf_matmul16: pairs [P, 2] int32 (row m, group g)
+// writes out[m, 16 g .. 16 g + 15] (the columns that exist) and nothing else; each the value
+// gguf_matmul16 gives it, to the bit (a row's sums do not depend on the rows or groups beside it;
+// the tiles give the vector path's bits). An LM head's screen (gguf_head_screen.cpp) computes its
+// candidates so.
+void gguf_matmul16_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                         const at::Tensor& pairs, bool residual, c10::string_view isa_name, WorkPool* pool) {
+  const char* op = "gguf_matmul16_pairs";
+  const Isa requested = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
+  TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 2 && pairs.scalar_type() == at::kInt && pairs.is_contiguous(), op,
+              ": pairs must be a contiguous int32 [P, 2] of (row, group)");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = pairs.size(0);
+  const Rows16Plan plan(w, format, N, K, vector_isa(requested), residual, op);
+  check_output(out, std::nullopt, M, N, op);
+  const int32_t* pair = pairs.data_ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(pair[2 * p] >= 0 && pair[2 * p] < M && pair[2 * p + 1] >= 0 && pair[2 * p + 1] < w.size(0), op,
+                ": pair ", p, " (", pair[2 * p], ", ", pair[2 * p + 1], ") is outside ", M, " rows and ", w.size(0),
+                " groups");
+  }
+  if (P == 0) return;
+  const Operands in(out, x, w, std::nullopt, plan.path, residual, pool);
+  pagedserve::parallel_for(pool, 0, P, 4, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> planar = plan.scratch();
+    for (int64_t p = p0; p < p1; ++p)
+      plan.group(in.w, pair[2 * p + 1], in.xq, pair[2 * p], pair[2 * p] + 1, nullptr, in.y, in.ld, planar);
+  });
+}
+
+// The registered op: torch's threads.
+void gguf_matmul16_pairs_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                            const at::Tensor& pairs, bool residual, c10::string_view isa_name) {
+  gguf_matmul16_pairs(out, x, w, format, pairs, residual, isa_name, nullptr);
 }
 
 // The registered op: torch's threads.
@@ -765,6 +820,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format, str isa='auto') -> ()");
   m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
         "str isa='auto') -> ()");
+  m.def("gguf_matmul16_pairs(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor pairs, bool residual=False, "
+        "str isa='auto') -> ()");
   m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None, str isa='auto') -> ()");
   m.def("gguf_gemm(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool rows16=True, "
         "str isa='auto', bool residual=True) -> ()");
@@ -781,6 +838,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("gguf_matmul", &pagedserve::gguf::gguf_matmul_op);
   m.impl("gguf_dequantize", &pagedserve::gguf::gguf_dequantize);
   m.impl("gguf_matmul16", &pagedserve::gguf::gguf_matmul16_op);
+  m.impl("gguf_matmul16_pairs", &pagedserve::gguf::gguf_matmul16_pairs_op);
   m.impl("gguf_dequantize16", &pagedserve::gguf::gguf_dequantize16);
   m.impl("gguf_gemm", &pagedserve::gguf::gguf_gemm_op);
   m.impl("gguf_gemm_int16", &pagedserve::gguf::gguf_gemm_int16_op);

@@ -191,14 +191,6 @@ float exact_dot(const float* h, const W* w, int64_t K) {
   return acc;
 }
 
-// Whether x is finite, from its bits: the kernels build with -ffast-math, under which the compiler
-// may assume every float is finite and fold std::isfinite to true.
-inline bool is_finite_bits(double x) {
-  uint64_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return ((bits >> 52) & 0x7FF) != 0x7FF;
-}
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The output dtype's rounding, and the largest gap it can close between two values near x: a value
@@ -263,7 +255,7 @@ at::Tensor screened_logits(const at::Tensor& h_in, const at::Tensor& q, const at
       float* row = out.data_ptr<float>() + m * N;
       double norm2 = 0.0;
       for (int64_t k = 0; k < K; ++k) norm2 += static_cast<double>(hm[k]) * hm[k];
-      if (!is_finite_bits(norm2)) {  // h not finite: every row, as the head would compute it
+      if (!pagedserve::is_finite_bits(norm2)) {  // h not finite: every row, as the head would compute it
         for (int64_t n = 0; n < N; ++n) row[n] = rounding.apply(exact_dot(hm, w + n * K, K));
         continue;
       }

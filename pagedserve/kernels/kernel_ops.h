@@ -79,7 +79,18 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool);
 
+void gguf_matmul16_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                         const at::Tensor& pairs, bool residual, c10::string_view isa_name, WorkPool* pool);
+
 void gguf_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                const std::optional<at::Tensor>& bias, bool rows16, c10::string_view isa_name, bool residual,
                WorkPool* pool);
+
+// x [rows, K] float32 -> int8 q, the scales d and the runs' sums s (with `low`, int16 activations)
+void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, const at::Tensor& x,
+                               c10::string_view isa_name, const std::optional<at::Tensor>& low);
+
+// gguf_head_screen.cpp
+at::Tensor gguf_screened_logits16(const at::Tensor& x, const at::Tensor& w, c10::string_view format,
+                                  const at::Tensor& row_norms, c10::string_view isa, WorkPool* pool);
 }  // namespace pagedserve::gguf

@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         ``argmax_only`` (a step whose rows are all plain greedy) a few rows may go through the head's
         screen (:mod:`pagedserve.models.head_screen`): the same argmax, every other logit -inf."""
         screen, native = self.head_screen, self.native_decode
-        if argmax_only and screen is not None and hidden.shape[0] <= screen.max_rows:
+        if argmax_only and screen is not None and screen.takes(hidden.shape[0]):
             return screen.logits(hidden, None if native is None else native.stack)
         if native is not None and hidden.shape[0] <= native.head_rows:  # the same bits, on the stack's threads
             return native.stack.logits(hidden)

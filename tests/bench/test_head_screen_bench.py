@@ -32,9 +32,21 @@ def test_times_both_heads_and_prints_the_ratio(tiny_model_dir, tmp_path, capsys)
     assert "the same tokens" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
+def test_a_gguf_q8_0_heads_screen_is_timed_by_its_rows(tiny_ggufs, tmp_path):
+    """W2 runs the full head both ways (one row is below the screen's rows); --rows times the screen."""
+    out = tmp_path / "screen.json"
+    args = parse("--model", str(tiny_ggufs("Q8_0", tokenizer=True)), "--rounds", "1", "--output-len", "3",
+                 "--rows", "4,16", "--calls", "2", "--json", str(out))
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert [c["rows"] for c in result["calls"]] == [4, 16]
+    assert all(c["screen_ms"] > 0 and c["full_ms"] > 0 for c in result["calls"])
+
+
 def test_a_head_without_a_screen_and_bad_arguments_are_refused(tiny_ggufs):
-    with pytest.raises(SystemExit, match="no screen"):  # a GGUF head keeps its blocks
-        args = parse("--model", str(tiny_ggufs("Q8_0", tokenizer=True)), "--rounds", "1", "--output-len", "2")
+    with pytest.raises(SystemExit, match="no screen"):  # a Q4_0 head keeps its blocks
+        args = parse("--model", str(tiny_ggufs("Q4_0", tokenizer=True)), "--rounds", "1", "--output-len", "2")
         args.func(args)
     for bad in (["--rounds", "0"], ["--rows", "1,0"], ["--rows", "a"]):
         with pytest.raises(SystemExit, match="--r"):

@@ -131,3 +131,43 @@ def test_the_head_screen_gives_greedy_steps_the_same_tokens_and_leaves_the_rest_
         assert_no_leaks(engine)
         engine.close()
     assert results[True] == results[False]
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
+def test_a_gguf_q8_0_heads_screen_gives_batched_greedy_steps_the_same_tokens(tiny_ggufs):
+    """A GGUF file's Q8_0 head (the tiny model's untied output here; SmolLM2's tied table in the
+    real files) takes plain-greedy steps of several rows through its int8 screen: the full head's
+    tokens with the screen on or off; a step with a logprobs request in it keeps the whole head."""
+    from pagedserve.models.head_screen import GGUF_SCREEN_MIN_ROWS, GGUFHeadScreen
+
+    path = tiny_ggufs("Q8_0", tokenizer=True)
+    streams = GGUF_SCREEN_MIN_ROWS + 2
+    results = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, max_model_len=128, max_num_seqs=streams,
+                                     head_screen=on))
+        model = engine.core.runner.model
+        screened = []
+        if on:
+            assert isinstance(model.head_screen, GGUFHeadScreen)
+            screen_logits = model.head_screen.logits
+            model.head_screen.logits = lambda h, stack=None: screened.append(h.shape[0]) or screen_logits(h, stack)
+        else:
+            assert model.head_screen is None
+        greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        for i in range(streams):
+            engine.add_request(f"g{i}", f"def f{i}(x):", greedy)
+        done = run_all(engine)
+        alone = len(screened)
+        engine.add_request("lp", "for i in", SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True))
+        for i in range(streams - 1):
+            engine.add_request(f"h{i}", f"class C{i}:", greedy)
+        done |= run_all(engine)
+        results[on] = {r: (out.outputs[0].token_ids, [(lp.token_id, round(lp.logprob, 5)) for lp in out.outputs[0].logprobs or []])
+                       for r, out in done.items()}
+        if on:
+            assert alone > 0 and all(rows >= GGUF_SCREEN_MIN_ROWS for rows in screened)
+            assert len(screened) - alone <= 10 - 4  # with "lp" running no step was screened
+        assert_no_leaks(engine)
+        engine.close()
+    assert results[True] == results[False]

@@ -210,7 +210,7 @@ class ModelRunner:
         """Whether the model's LM head takes a greedy step of ``rows`` sampled rows through its
         screen (models/head_screen.py), given that the step needs only the argmax."""
         screen = self.model.head_screen
-        return screen is not None and rows <= screen.max_rows
+        return screen is not None and screen.takes(rows)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, argmax_only: bool = False) -> torch.Tensor:
