@@ -134,13 +134,16 @@ def test_the_head_screen_gives_greedy_steps_the_same_tokens_and_leaves_the_rest_
 
 
 @pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
-def test_a_gguf_q8_0_heads_screen_gives_batched_greedy_steps_the_same_tokens(tiny_ggufs):
-    """A GGUF file's Q8_0 head (the tiny model's untied output here; SmolLM2's tied table in the
-    real files) takes plain-greedy steps of several rows through its int8 screen: the full head's
-    tokens with the screen on or off; a step with a logprobs request in it keeps the whole head."""
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_a_gguf_q8_0_heads_screen_gives_batched_greedy_steps_the_same_tokens(model, request):
+    """A GGUF file's Q8_0 head (the tiny model's untied output; the default model's tied table, real
+    weights whose logits have real near-ties) takes plain-greedy steps of several rows through its
+    int8 screen: the full head's tokens with the screen on or off; a step with a logprobs request in
+    it keeps the whole head."""
     from pagedserve.models.head_screen import GGUF_SCREEN_MIN_ROWS, GGUFHeadScreen
 
-    path = tiny_ggufs("Q8_0", tokenizer=True)
+    path = (request.getfixturevalue("tiny_ggufs")("Q8_0", tokenizer=True) if model == "tiny"
+            else request.getfixturevalue("smollm2_gguf"))
     streams = GGUF_SCREEN_MIN_ROWS + 2
     results = {}
     for on in (True, False):
