@@ -105,12 +105,21 @@ std::vector<int32_t> candidate_groups(float* y, const float* norms, int64_t N, f
     for (int64_t g = 0; g < count; ++g) groups.push_back(static_cast<int32_t>(g));
     return groups;
   }
+  // Whether a group's rows reach lo, its lanes compared together (written plainly, GCC unrolled the
+  // 16 lanes into scalar compares: 1.3 ms of Gemma 3's 15 ms over 16 rows of its 262,144-row head).
+  const auto reaches = [&](int64_t n0, int64_t width) {
+    int hits = 0;
+#pragma omp simd reduction(+ : hits)
+    for (int64_t i = 0; i < width; ++i) hits += y[n0 + i] + norms[n0 + i] * factor >= lo ? 1 : 0;
+    return hits > 0;
+  };
   for (int64_t g = 0; g < count; ++g) {
     const int64_t n0 = g * kGroupRows, width = std::min<int64_t>(kGroupRows, N - n0);
-    bool keep = false;
-    for (int64_t i = 0; i < width; ++i) keep |= y[n0 + i] + norms[n0 + i] * factor >= lo;
-    if (keep) {
+    const bool whole = width == kGroupRows;
+    if (whole ? reaches(n0, kGroupRows) : reaches(n0, width)) {
       groups.push_back(static_cast<int32_t>(g));
+    } else if (whole) {
+      for (int i = 0; i < kGroupRows; ++i) y[n0 + i] = -std::numeric_limits<float>::infinity();
     } else {
       for (int64_t i = 0; i < width; ++i) y[n0 + i] = -std::numeric_limits<float>::infinity();
     }
