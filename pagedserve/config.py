@@ -176,7 +176,7 @@ class EngineConfig:
     (pagedserve/kernels); False keeps to the pure-torch paths and compiles nothing.
     ``head_screen``: on CPU with the native kernels, a step of a few rows that are all plain greedy
     reads an int8 copy of a float LM head and computes exactly only the rows that can hold the
-    argmax; a GGUF Q8_0 head, in steps of 4 to 32 such rows, is multiplied at int8 activations and
+    argmax; a GGUF Q8_0 head, in steps of 4 such rows or more, is multiplied at int8 activations and
     only its rows that can win at int16 (models/head_screen.py: the same tokens; False: the full
     head every step).
     ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are

@@ -4,7 +4,7 @@ head's screen (:mod:`pagedserve.models.head_screen`, the default) against the fu
 the machine's drift costs both alike; the two must give the same tokens, else the run stops. With
 ``--rows``, also one head call of that many hidden-state rows each way, cache cold (a buffer larger
 than the L3 touched before each call, as a decode step finds the head after its layers). A GGUF Q8_0
-head's screen takes steps of 4 to 32 rows only, so W2's one stream runs its full head both ways;
+head's screen takes steps of 4 rows or more only, so W2's one stream runs its full head both ways;
 ``--rows`` times the screen there."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def add_parser(bench) -> None:
                          description="One greedy stream (W2: 16-token prompt, 256 tokens) through two engines of the "
                                      "same model, the LM head's screen on and off (--no-head-screen), alternating; "
                                      "prints decode tokens/s of each and the ratio, and stops if their tokens differ. "
-                                     "A GGUF Q8_0 head's screen takes steps of 4 to 32 rows: time it with --rows.")
+                                     "A GGUF Q8_0 head's screen takes steps of 4 rows or more: time it with --rows.")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds after a warm-up (default 5)")

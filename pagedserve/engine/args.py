@@ -77,8 +77,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="on CPU, compute the whole LM head every step; by default a step of up to 4 rows that are "
                         "all plain greedy (no logprobs, penalties, logit bias or grammar) first reads an int8 copy "
                         "of a float head (half a bf16 head's bytes, kept beside it) and computes exactly only the "
-                        "rows whose bound can reach the largest logit; a GGUF Q8_0 head, in such steps of 4 to 32 "
-                        "rows, is multiplied at int8 activations and computes at int16 only the rows that can win: "
+                        "rows whose bound can reach the largest logit; a GGUF Q8_0 head, in plain-greedy steps of 4 rows or "
+                        "more, is multiplied at int8 activations and computes at int16 only the rows that can win: "
                         "the same tokens (default: on)")
     g.add_argument("--pack-weights", default="auto", choices=list(PACK_WEIGHTS),
                    help="how a CPU model's float linear weights are prepacked at load: auto (bf16 weights in "

@@ -134,6 +134,8 @@ def _gguf_head_screen(head: GGUFLinear, ops) -> tuple[GGUFHeadScreen | None, str
     """A GGUF head's screen, or ``None`` and why it has none."""
     if not hasattr(ops, "gguf_screened_logits16"):
         return None, "no native kernels"
+    # (a planar Q8_0 head is AVX2's, where a float32 model's head runs its int16 GEMM past 4 rows:
+    # no rows left for a screen to take)
     if head.formats != ["Q8_0"] or head.rows16 != [True] or head.bias is not None or not head.residual:
         return None, (f"a GGUF {'+'.join(head.formats)} head" + ("" if head.rows16 == [True] else " in planar rows")
                       + (" with a bias" if head.bias is not None else "")

@@ -36,6 +36,14 @@ def _full(head: GGUFLinear, h: torch.Tensor, isa: str) -> torch.Tensor:
     return out
 
 
+class _HeadOnly(torch.nn.Module):
+    """What build_head_screen reads of a model: its LM head (no tied table)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.lm_head, self.embed_tokens = head, None
+
+
 def _check(got: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The screen's promises against the full head's logits; which entries it computed."""
     kept = got != NEG_INF
@@ -137,14 +145,9 @@ def test_bad_operands_are_refused():
 
 
 def test_which_gguf_heads_get_a_screen():
-    class Model(torch.nn.Module):
-        def __init__(self, head):
-            super().__init__()
-            self.lm_head, self.embed_tokens = head, None
-
     K = 64
     head = _head(random_gguf_rows("Q8_0", 48, K, seed=2), K, kernel_rows=32)
-    screen, why = build_head_screen(Model(head), OPS)
+    screen, why = build_head_screen(_HeadOnly(head), OPS)
     assert isinstance(screen, GGUFHeadScreen) and "Q8_0" in why
     assert screen.weight.data_ptr() == head.weight0.data_ptr()  # the head's own bytes, no copy
     assert [screen.takes(r) for r in (1, GGUF_SCREEN_MIN_ROWS - 1, GGUF_SCREEN_MIN_ROWS, 32, 33)] == [
@@ -153,27 +156,22 @@ def test_which_gguf_heads_get_a_screen():
     assert (screen.row_norms.double() >= expected).all() and torch.allclose(screen.row_norms.double(), expected)
     q4 = GGUFLinear([("Q4_0", random_gguf_rows("Q4_0", 48, K, seed=2))], K, None, OPS, rows16=True)
     q4.residual = True
-    screen, why = build_head_screen(Model(q4), OPS)
+    screen, why = build_head_screen(_HeadOnly(q4), OPS)
     assert screen is None and "Q4_0" in why
     planar = _head(random_gguf_rows("Q8_0", 48, K, seed=2), K)
     planar.rows16 = [False]
-    screen, why = build_head_screen(Model(planar), OPS)
+    screen, why = build_head_screen(_HeadOnly(planar), OPS)
     assert screen is None and "planar" in why
     int8 = _head(random_gguf_rows("Q8_0", 48, K, seed=2), K)
     int8.residual = False
-    screen, why = build_head_screen(Model(int8), OPS)
+    screen, why = build_head_screen(_HeadOnly(int8), OPS)
     assert screen is None and "int8" in why
 
 
 def test_a_head_with_non_finite_weights_has_no_screen():
     """Its row norms would not bound anything: the full head every step."""
-    class Model(torch.nn.Module):
-        def __init__(self, head):
-            super().__init__()
-            self.lm_head, self.embed_tokens = head, None
-
     K = 64
     w = random_gguf_rows("Q8_0", 48, K, seed=2)
     w[5, 0:2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # the first block's float16 scale: +inf
-    screen, why = build_head_screen(Model(_head(w, K)), OPS)
+    screen, why = build_head_screen(_HeadOnly(_head(w, K)), OPS)
     assert screen is None and "finite" in why
