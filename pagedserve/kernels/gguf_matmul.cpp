@@ -441,14 +441,15 @@ struct Rows16Plan {
   Format f;
   int64_t N, blocks, group_bytes, row_bytes;
   void (*group_kernel)(const uint8_t*, int64_t, const Rows&, int, float (*)[16]) = nullptr;
+  int max_rows = 4;  // activation rows a group kernel call takes at most (rows16_max_rows)
   Path path;
 
   Rows16Plan(const at::Tensor& w, c10::string_view format, int64_t N_, int64_t K, Isa isa, bool residual, const char* op)
       : f(rows16_format(w, format, N_, K, op)), N(N_), blocks(K / info(f).elems), group_bytes(w.size(1)),
         row_bytes(blocks * info(f).bytes), path(path_for(isa, f)) {
 #if PS_X86
-    if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual);
-    if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual);
+    if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual), max_rows = avx512::rows16_max_rows(f);
+    if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual), max_rows = avx2::rows16_max_rows(f);
 #endif
     // The group kernels and the tiles take both int8 planes in their own order; the others their
     // path's activations.
@@ -459,22 +460,22 @@ struct Rows16Plan {
   // A scratch for one task's planar rewrites (empty where the group kernel reads the layout).
   std::vector<uint8_t> scratch() const { return std::vector<uint8_t>(group_kernel ? 0 : 16 * row_bytes); }
 
-  // Group g's rows against activation rows [m0, m1), 4 at a time, into y (row m at y + m ld, the
-  // group's first output at column 16 g) + bias.
+  // Group g's rows against activation rows [m0, m1), max_rows at a time while that many are left,
+  // then up to 4, into y (row m at y + m ld, the group's first output at column 16 g) + bias.
   void group(const uint8_t* w, int64_t g, const QuantizedRows& xq, int64_t m0, int64_t m1, const float* bias, float* y,
              int64_t ld, std::vector<uint8_t>& planar) const {
     const uint8_t* bytes = w + g * group_bytes;
     const int64_t n0 = 16 * g, width = std::min<int64_t>(16, N - n0);
     if (group_kernel == nullptr) rows16_to_planar(f, bytes, blocks, planar.data());
-    for (int64_t m = m0; m < m1; m += 4) {
-      const int rows = static_cast<int>(std::min<int64_t>(4, m1 - m));
+    for (int64_t m = m0, rows = 0; m < m1; m += rows) {
+      rows = m1 - m >= max_rows ? max_rows : std::min<int64_t>(4, m1 - m);
       if (group_kernel == nullptr) {
-        path.kernel(planar.data(), row_bytes, blocks, 0, width, xq.at(m), rows, bias ? bias + n0 : nullptr,
-                    y + m * ld + n0, ld, planar.data() + 16 * row_bytes);
+        path.kernel(planar.data(), row_bytes, blocks, 0, width, xq.at(m), static_cast<int>(rows),
+                    bias ? bias + n0 : nullptr, y + m * ld + n0, ld, planar.data() + 16 * row_bytes);
         continue;
       }
-      float dots[4][16];
-      group_kernel(bytes, blocks, xq.at(m), rows, dots);
+      float dots[8][16];
+      group_kernel(bytes, blocks, xq.at(m), static_cast<int>(rows), dots);
       for (int r = 0; r < rows; ++r)
         for (int64_t i = 0; i < width; ++i) y[(m + r) * ld + n0 + i] = dots[r][i] + (bias ? bias[n0 + i] : 0.f);
     }
