@@ -434,9 +434,10 @@ Format planar_format(const at::Tensor& w, c10::string_view format, int64_t N, in
   return f;
 }
 
-// How a rows16 call computes a group of 16 weight rows against up to 4 activation rows. The group
-// kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1) read the layout as it lies; other paths (scalar; AVX2's
-// other formats) rewrite each group as 16 rows of their own layout for their own kernel.
+// How a rows16 call computes a group of 16 weight rows against up to 4 activation rows at a time (8
+// for Q5_0 / Q5_1 on VNNI: rows16_max_rows). The group kernels (AVX-512 VNNI; AVX2 for Q4_0 / Q4_1)
+// read the layout as it lies; other paths (scalar; AVX2's other formats) rewrite each group as 16
+// rows of their own layout for their own kernel.
 struct Rows16Plan {
   Format f;
   int64_t N, blocks, group_bytes, row_bytes;
@@ -448,8 +449,14 @@ struct Rows16Plan {
       : f(rows16_format(w, format, N_, K, op)), N(N_), blocks(K / info(f).elems), group_bytes(w.size(1)),
         row_bytes(blocks * info(f).bytes), path(path_for(isa, f)) {
 #if PS_X86
-    if (isa == Isa::avx512) group_kernel = avx512::rows16_kernel(f, residual), max_rows = avx512::rows16_max_rows(f);
-    if (isa == Isa::avx2) group_kernel = avx2::rows16_kernel(f, residual), max_rows = avx2::rows16_max_rows(f);
+    if (isa == Isa::avx512) {
+      group_kernel = avx512::rows16_kernel(f, residual);
+      max_rows = avx512::rows16_max_rows(f);
+    }
+    if (isa == Isa::avx2) {
+      group_kernel = avx2::rows16_kernel(f, residual);
+      max_rows = avx2::rows16_max_rows(f);
+    }
 #endif
     // The group kernels and the tiles take both int8 planes in their own order; the others their
     // path's activations.
@@ -484,7 +491,7 @@ struct Rows16Plan {
 
 // out [M, N] (float32, unit column stride) = x [M, K] W^T (+ bias), W in the rows16 layout
 // (gguf_formats.h). The AVX-512 VNNI path, and the AVX2 one for Q4_0 / Q4_1, run rows16_group over
-// 16 weight rows and up to 4 activation rows at a time, with the same bits; on an AMX CPU, Q8_0
+// 16 weight rows and up to 4 activation rows at a time (Rows16Plan), with the same bits; on an AMX CPU, Q8_0
 // calls of 8 rows or more go to the tiles, which read the layout as their B operand and give the
 // VNNI path's results bit for bit; the other paths rewrite each group as 16 planar rows and run
 // their own kernel over them, so the layout computes the same products everywhere (tested against
