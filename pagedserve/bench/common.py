@@ -56,18 +56,27 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def greedy_stream(engine, prompt_ids: list[int], output_len: int) -> tuple[float, list[int]]:
-    """Decode tokens/s (after the first token) of one greedy request run alone, and its tokens."""
+def greedy_streams(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of greedy requests run together (the tokens after every one has its first,
+    over the time after that), and each one's tokens."""
     from pagedserve.engine.sampling_params import SamplingParams
 
-    engine.add_request("stream", prompt_ids, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
-    first_at, tokens = None, []
+    for i, prompt_ids in enumerate(prompts):
+        engine.add_request(f"stream{i}", prompt_ids, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    first_at, first_tokens, tokens = None, 0, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens = out.outputs[0].token_ids
-            if first_at is None:
-                first_at = time.perf_counter()
-    return (len(tokens) - 1) / (time.perf_counter() - first_at), list(tokens)
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if first_at is None and len(tokens) == len(prompts) and all(tokens.values()):
+            first_at, first_tokens = time.perf_counter(), sum(map(len, tokens.values()))
+    generated = sum(map(len, tokens.values())) - first_tokens
+    return generated / (time.perf_counter() - first_at), [tokens[f"stream{i}"] for i in range(len(prompts))]
+
+
+def greedy_stream(engine, prompt_ids: list[int], output_len: int) -> tuple[float, list[int]]:
+    """Decode tokens/s (after the first token) of one greedy request run alone, and its tokens."""
+    rate, tokens = greedy_streams(engine, [prompt_ids], output_len)
+    return rate, tokens[0]
 
 
 def write_result(path: str | None, result: dict) -> None:

@@ -4,8 +4,9 @@ head's screen (:mod:`pagedserve.models.head_screen`, the default) against the fu
 the machine's drift costs both alike; the two must give the same tokens, else the run stops. With
 ``--rows``, also one head call of that many hidden-state rows each way, cache cold (a buffer larger
 than the L3 touched before each call, as a decode step finds the head after its layers). A GGUF Q8_0
-head's screen takes steps of 4 rows or more only, so W2's one stream runs its full head both ways;
-``--rows`` times the screen there."""
+head's screen takes steps of 4 rows or more only, so W2's one stream runs its full head both ways:
+``--streams N`` runs N requests of W2's shape together (prompts of seeds 0..N-1), ``--rows`` times
+single head calls."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import argparse
 import statistics
 import time
 
-from pagedserve.bench.common import greedy_stream, machine_summary, median, resolve_model, write_result
+from pagedserve.bench.common import greedy_streams, machine_summary, median, resolve_model, write_result
 from pagedserve.bench.workloads import w2_single_stream
+
+MAX_STREAMS = 32  # their KV fits the engines' 256 MiB pools on the default model
 
 
 def add_parser(bench) -> None:
@@ -22,11 +25,14 @@ def add_parser(bench) -> None:
                          description="One greedy stream (W2: 16-token prompt, 256 tokens) through two engines of the "
                                      "same model, the LM head's screen on and off (--no-head-screen), alternating; "
                                      "prints decode tokens/s of each and the ratio, and stops if their tokens differ. "
-                                     "A GGUF Q8_0 head's screen takes steps of 4 rows or more: time it with --rows.")
+                                     "A GGUF Q8_0 head's screen takes steps of 4 rows or more: time it with --streams "
+                                     "or --rows.")
     p.add_argument("--model", default="small", help="standard model name or model directory (default small)")
     p.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds after a warm-up (default 5)")
     p.add_argument("--output-len", type=int, default=256, help="tokens per stream (W2: 256)")
+    p.add_argument("--streams", type=int, default=1, help=f"greedy requests of W2's shape run together, 1-{MAX_STREAMS} "
+                                                            "(default 1: W2 itself)")
     p.add_argument("--rows", default="", help="comma-separated row counts (e.g. 1,2,4,8): also time one head call "
                                                 "of each, screen against full head, cache cold (default: none)")
     p.add_argument("--calls", type=int, default=25, help="timed head calls per row count and way (median; default 25)")
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--rows must be comma-separated integers, got {args.rows!r}") from None
     if args.rounds < 1 or args.output_len < 2 or args.calls < 1 or any(r < 1 for r in rows):
         raise SystemExit("--rounds, --calls and every --rows entry must be >= 1, and --output-len >= 2")
+    if not 1 <= args.streams <= MAX_STREAMS:
+        raise SystemExit(f"--streams must be 1-{MAX_STREAMS}, got {args.streams}")
     from pagedserve.config import EngineConfig
     from pagedserve.engine.frontend.engine import Engine
 
@@ -80,12 +88,13 @@ def run(args: argparse.Namespace) -> int:
         if engines[True].core.runner.model.head_screen is None:
             raise SystemExit(f"{args.model}: its LM head has no screen here (a --quantization head, a GGUF head "
                              "other than Q8_0, no native kernels, or not on a CPU); the start-up log says why")
-        prompt = w2_single_stream(engines[True].core.arch.vocab_size).prompt_token_ids
+        vocab = engines[True].core.arch.vocab_size
+        prompts = [w2_single_stream(vocab, seed=i).prompt_token_ids for i in range(args.streams)]
         rates: dict[bool, list[float]] = {True: [], False: []}
         for rnd in range(args.rounds + 1):  # round 0 warms both up, untimed
             tokens = {}
             for on in (False, True):
-                rate, tokens[on] = greedy_stream(engines[on], prompt, args.output_len)
+                rate, tokens[on] = greedy_streams(engines[on], prompts, args.output_len)
                 if rnd:
                     rates[on].append(rate)
             if tokens[True] != tokens[False]:
@@ -95,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         for engine in engines.values():
             engine.close()
     full, screened = median(rates[False]), median(rates[True])
-    print(f"\nW2 on {args.model} ({dtype}, {machine_summary()}), decode tokens/s, "
+    shape = "W2" if args.streams == 1 else f"{args.streams} streams of W2's shape"
+    print(f"\n{shape} on {args.model} ({dtype}, {machine_summary()}), decode tokens/s, "
           f"{args.rounds} alternated rounds:")
     print(f"  full head   {full:8.1f}  ({', '.join(f'{r:.1f}' for r in rates[False])})")
     print(f"  head screen {screened:8.1f}  ({', '.join(f'{r:.1f}' for r in rates[True])})")
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         for c in calls:
             print(f"  {c['rows']:3d} rows: screen {c['screen_ms']:.3f} ms, full head {c['full_ms']:.3f} ms, "
                   f"{c['full_ms'] / c['screen_ms']:.2f}x")
-    write_result(args.json_out, {"benchmark": "head-screen", "model": args.model,
+    write_result(args.json_out, {"benchmark": "head-screen", "model": args.model, "streams": args.streams,
                                  "dtype": dtype, "full_tok_s": rates[False],
                                  "screen_tok_s": rates[True], "ratio": screened / full, "calls": calls})
     return 0

@@ -147,7 +147,7 @@ at::Tensor gguf_screened_logits16(const at::Tensor& x, const at::Tensor& w, c10:
   const at::Tensor xf = rows.to(at::kFloat).contiguous();
   at::Tensor q = at::empty({M, K}, rows.options().dtype(at::kChar)), low = at::empty({M, K}, q.options());
   at::Tensor d = at::empty({M, K / 32}, rows.options().dtype(at::kFloat)), s = at::empty({M, K / 32}, d.options());
-  gguf_quantize_activations(q, d, s, xf, "scalar", low);  // every path's bits
+  gguf_quantize_activations(q, d, s, xf, isa, low);  // (every path quantizes to the same bits)
   const std::vector<float> factors = bound_factors(xf, q, low, d);
 
   std::vector<std::vector<int32_t>> groups(M);

@@ -33,13 +33,16 @@ def test_times_both_heads_and_prints_the_ratio(tiny_model_dir, tmp_path, capsys)
 
 
 @pytest.mark.skipif(native_ops() is None, reason="the head screen is a native kernel")
-def test_a_gguf_q8_0_heads_screen_is_timed_by_its_rows(tiny_ggufs, tmp_path):
-    """W2 runs the full head both ways (one row is below the screen's rows); --rows times the screen."""
+def test_a_gguf_q8_0_heads_screen_is_timed_by_its_streams_and_rows(tiny_ggufs, tmp_path, capsys):
+    """One stream is below a GGUF screen's rows; --streams 6 runs six together through it (the
+    same tokens both ways, else the run stops); --rows times single head calls."""
     out = tmp_path / "screen.json"
     args = parse("--model", str(tiny_ggufs("Q8_0", tokenizer=True)), "--rounds", "1", "--output-len", "3",
-                 "--rows", "4,16", "--calls", "2", "--json", str(out))
+                 "--streams", "6", "--rows", "4,16", "--calls", "2", "--json", str(out))
     assert args.func(args) == 0
     result = json.loads(out.read_text())
+    assert result["streams"] == 6 and len(result["screen_tok_s"]) == 1 and result["screen_tok_s"][0] > 0
+    assert "6 streams of W2's shape" in capsys.readouterr().out
     assert [c["rows"] for c in result["calls"]] == [4, 16]
     assert all(c["screen_ms"] > 0 and c["full_ms"] > 0 for c in result["calls"])
 
@@ -51,4 +54,8 @@ def test_a_head_without_a_screen_and_bad_arguments_are_refused(tiny_ggufs):
     for bad in (["--rounds", "0"], ["--rows", "1,0"], ["--rows", "a"]):
         with pytest.raises(SystemExit, match="--r"):
             args = parse(*bad)
+            args.func(args)
+    for streams in ("0", "33"):
+        with pytest.raises(SystemExit, match="--streams must be 1-32"):
+            args = parse("--streams", streams)
             args.func(args)
