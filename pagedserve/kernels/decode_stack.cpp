@@ -185,6 +185,26 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The stack's pool's time so far (work_pool.h's PoolTimes, in ticks) and `now`, the tick count at
+  // this call, so a reader can turn ticks into seconds against its own clock; every field 0 without
+  // a pool (a stack on torch's threads). Read between steps.
+  c10::Dict<std::string, int64_t> pool_times() const {
+    c10::Dict<std::string, int64_t> out;
+    const PoolTimes none;
+    const PoolTimes& t = pool_ ? pool_->times() : none;
+    out.insert("threads", pool_ ? pool_->threads() : 1);
+    out.insert("now", static_cast<int64_t>(pool_ticks()));
+    out.insert("jobs", t.jobs);
+    out.insert("chunks", t.chunks);
+    out.insert("alone_jobs", t.alone_jobs);
+    out.insert("job", static_cast<int64_t>(t.job));
+    out.insert("caller_wait", static_cast<int64_t>(t.caller_wait));
+    out.insert("alone", static_cast<int64_t>(t.alone));
+    out.insert("between", static_cast<int64_t>(t.between));
+    out.insert("worker_busy", static_cast<int64_t>(t.worker_busy.load(std::memory_order_relaxed)));
+    return out;
+  }
+
   // Float32 logits of hidden states [rows, hidden] through the LM head (set_linear(-1, "head", ...)),
   // as compute_logits in models/llama.py: the head's output, then .float().
   at::Tensor logits(at::Tensor x) const {
@@ -570,6 +590,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("pool_times", &DecodeStack::pool_times)
       .def("logits", &DecodeStack::logits)
       .def("screened_logits", &DecodeStack::screened_logits)
       .def("screened_head_logits", &DecodeStack::screened_head_logits)

@@ -39,9 +39,35 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <x86intrin.h>
+#else
+#include <chrono>
 #endif
 
 namespace pagedserve {
+
+// Where a pool's threads spent their time since it was made, in ticks of the CPU's time-stamp
+// counter (x86: a read costs ~10 ns, a few per job; elsewhere steady_clock nanoseconds). Why: a
+// sampling profiler sees a worker only while it runs, so the time it sleeps between jobs, while
+// the caller works alone (the step's Python, the code between kernels), shows nowhere; these
+// counters show it (examples/native_decode_overhead.py). The caller's fields are written by the
+// thread that runs jobs, `worker_busy` by the workers: read them between jobs.
+struct PoolTimes {
+  int64_t jobs = 0, chunks = 0, alone_jobs = 0;  // split jobs, their chunks; jobs of one chunk
+  uint64_t job = 0;          // split jobs, from posting to the last chunk's end
+  uint64_t caller_wait = 0;  // of which the caller waited for a worker's last chunks
+  uint64_t alone = 0;        // jobs of one chunk, which the caller runs by itself
+  uint64_t between = 0;      // from one job's end to the next one's start (the caller's own code)
+  std::atomic<uint64_t> worker_busy{0};  // every worker's chunks, summed
+};
+
+inline uint64_t pool_ticks() {
+#if defined(__x86_64__)
+  return __rdtsc();
+#else
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
 
 class WorkPool {
  public:
@@ -76,6 +102,7 @@ class WorkPool {
   }
 
   int threads() const { return static_cast<int>(workers_->size()) + 1; }
+  const PoolTimes& times() const { return times_; }
 
   // body(b, e) over [begin, end) in chunks of at least `grain` items, at most `max_chunks` of them
   // (0: four per thread, enough to even out a descheduled worker for short kernels; a long one
@@ -86,8 +113,13 @@ class WorkPool {
     if (n <= 0) return;
     const int64_t most = std::min<int64_t>(kMaxChunks, max_chunks > 0 ? max_chunks : 4 * threads());
     const int64_t chunks = std::clamp<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 1, most);
+    const uint64_t start = pool_ticks();
+    if (last_end_ != 0) times_.between += start - last_end_;
     if (chunks == 1 || workers_->empty()) {
       body(begin, end);
+      last_end_ = pool_ticks();
+      times_.alone_jobs += 1;
+      times_.alone += last_end_ - start;
       return;
     }
     const uint64_t gen = (state_.load(std::memory_order_relaxed) >> kGenShift) + 1;
@@ -100,7 +132,13 @@ class WorkPool {
     state_.store((gen << kGenShift) | (static_cast<uint64_t>(chunks) << kCountShift), std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) state_.notify_all();
     claim_all(gen);
+    const uint64_t own_done = pool_ticks();
     while (done_.load(std::memory_order_acquire) < chunks) pause();  // chunks workers claimed, still running
+    last_end_ = pool_ticks();
+    times_.jobs += 1;
+    times_.chunks += chunks;
+    times_.job += last_end_ - start;
+    times_.caller_wait += last_end_ - own_done;
   }
 
  private:
@@ -148,8 +186,9 @@ class WorkPool {
 #endif
   }
 
-  // Claim and run chunks of generation `gen` until none is left.
-  void claim_all(uint64_t gen) {
+  // Claim and run chunks of generation `gen` until none is left; on a worker, its time in them
+  // counted (PoolTimes::worker_busy).
+  void claim_all(uint64_t gen, bool worker = false) {
     uint64_t s = state_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t count = (s >> kCountShift) & 0xFFFF, next = s & 0xFFFF;
@@ -157,7 +196,10 @@ class WorkPool {
       if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       const Job& job = jobs_[gen & 1];
       const int64_t b = job.begin + static_cast<int64_t>(next) * job.size;
+      const uint64_t chunk_start = worker ? pool_ticks() : 0;
       (*job.body)(b, std::min(job.end, b + job.size));
+      // before the chunk counts as done: once the last one does, the caller may read the times
+      if (worker) times_.worker_busy.fetch_add(pool_ticks() - chunk_start, std::memory_order_relaxed);
       done_.fetch_add(1, std::memory_order_release);
       s = state_.load(std::memory_order_acquire);
     }
@@ -188,7 +230,7 @@ class WorkPool {
         continue;
       }
       seen = s >> kGenShift;
-      claim_all(seen);
+      claim_all(seen, /*worker=*/true);
     }
   }
 
@@ -198,6 +240,8 @@ class WorkPool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   Job jobs_[2];
+  PoolTimes times_;
+  uint64_t last_end_ = 0;  // when the last job ended (0: none yet); the caller's
   const pid_t owner_ = getpid();  // the process whose threads the workers are
   std::unique_ptr<std::vector<std::thread>> workers_ = std::make_unique<std::vector<std::thread>>();
 };

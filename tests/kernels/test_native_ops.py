@@ -156,6 +156,44 @@ def _one_layer_stack(threads: int):
     return stack, (torch.randn(1, hidden), one, [one], [torch.zeros(1, 1, dtype=torch.long)], [one + 1], [None], [])
 
 
+@pytest.mark.parametrize("threads", [2, 1, 0])
+def test_a_decode_stacks_pool_counts_where_its_time_went(threads):
+    """pool_times (work_pool.h's PoolTimes): the jobs a decode step split, their chunks, the ones the
+    caller ran alone, and the ticks in each, consistent with each other: the caller's wait for a
+    worker within its jobs' time, the workers' busy ticks within the jobs they helped with, the
+    clock moving on. A stack on torch's threads (0) has no pool: every count 0."""
+    torch.manual_seed(0)
+    hidden, inter, rows, steps = 64, 128, 8, 20
+    stack = torch.classes.pagedserve.DecodeStack(1, 1, hidden, inter, 1e-6, 0.125, torch.ones(8, hidden),
+                                                 torch.zeros(8, hidden), torch.rand(hidden) + 0.5, threads)
+    stack.add_layer(torch.rand(hidden) + 0.5, torch.rand(hidden) + 0.5, None, None, torch.zeros(1, rows, 16, hidden),
+                    torch.zeros(1, rows, 16, hidden), 0, 0, None, None, "", [])
+    for name, out, cols in (("qkv", 3 * hidden, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+                            ("down", hidden, inter)):
+        stack.set_linear(0, name, "dense", [torch.randn(out, cols) / cols ** 0.5], [], [], None, False, 0)
+    before = dict(stack.pool_times())
+    seqs = torch.arange(rows)
+    for _ in range(steps):  # 8 sequences, one token each, at the first slot of a block of their own
+        stack.forward(torch.randn(rows, hidden), torch.zeros(rows, dtype=torch.long), [seqs * 16],
+                      [seqs.view(rows, 1)], [torch.ones(rows, dtype=torch.long)], [None], [])
+    after = dict(stack.pool_times())
+    counts = ("jobs", "chunks", "alone_jobs", "job", "caller_wait", "alone", "between", "worker_busy")
+    assert set(after) == {"threads", "now", *counts} and after["threads"] == max(threads, 1)
+    assert after["now"] > before["now"] and all(before[key] == 0 for key in counts)
+    if threads == 0:
+        assert all(after[key] == 0 for key in counts)
+        return
+    # each step runs its norms, rotary, SiLU and attention on the pool: split over 2 threads, or alone on 1
+    assert after["jobs"] + after["alone_jobs"] >= 4 * steps and after["alone"] > 0 and after["between"] > 0
+    if threads == 1:
+        assert after["jobs"] == after["chunks"] == after["job"] == after["worker_busy"] == 0
+        return
+    assert after["jobs"] >= steps and after["chunks"] >= 2 * after["jobs"]  # the 8 rows' norm, at least
+    assert 0 <= after["caller_wait"] <= after["job"] and 0 <= after["worker_busy"] <= after["job"]
+    # every tick counted lies between the two readings of the clock
+    assert after["job"] + after["alone"] + after["between"] <= after["now"] - before["now"]
+
+
 def test_a_decode_stack_refuses_kv_pools_it_does_not_know():
     """add_layer names the pools' kind and their other tensors: an unknown kind, or the wrong count
     of tensors for a known one, is a one-line error."""
