@@ -68,6 +68,8 @@ params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True
 
 native = core.runner.model.native_decode
 pool: dict[str, int] = defaultdict(int)  # the stack's PoolTimes over the decode steps, and their wall clock
+if native is not None:
+    native.stack.count_pool_times(True)
 
 
 def pool_times() -> dict[str, int]:

@@ -185,9 +185,15 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The stack's pool's time so far (work_pool.h's PoolTimes, in ticks) and `now`, the tick count at
+  // Have the stack's pool count where its threads' time goes from now on (work_pool.h's
+  // PoolTimes), or stop; nothing without a pool. Between steps.
+  void count_pool_times(bool on) {
+    if (pool_) pool_->count_times(on);
+  }
+
+  // The stack's pool's time counted so far (count_pool_times; in ticks) and `now`, the tick count at
   // this call, so a reader can turn ticks into seconds against its own clock; every field 0 without
-  // a pool (a stack on torch's threads). Read between steps.
+  // a pool (a stack on torch's threads) or before it counts. Read between steps.
   c10::Dict<std::string, int64_t> pool_times() const {
     c10::Dict<std::string, int64_t> out;
     const PoolTimes none;
@@ -590,6 +596,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("count_pool_times", &DecodeStack::count_pool_times)
       .def("pool_times", &DecodeStack::pool_times)
       .def("logits", &DecodeStack::logits)
       .def("screened_logits", &DecodeStack::screened_logits)

@@ -46,19 +46,19 @@
 
 namespace pagedserve {
 
-// Where a pool's threads spent their time since it was made, in ticks of the CPU's time-stamp
-// counter (x86: a read costs ~10 ns, a few per job; elsewhere steady_clock nanoseconds). Why: a
-// sampling profiler sees a worker only while it runs, so the time it sleeps between jobs, while
-// the caller works alone (the step's Python, the code between kernels), shows nowhere; these
-// counters show it (examples/native_decode_overhead.py). The caller's fields are written by the
-// thread that runs jobs, `worker_busy` by the workers: read them between jobs.
-struct PoolTimes {
+// Where a pool's threads spent their time while it counted (WorkPool::count_times), in ticks of
+// the CPU's time-stamp counter (x86; elsewhere steady_clock nanoseconds): a few reads a job, so
+// off unless asked for. Why: a sampling profiler sees a worker only while it runs, so the time it
+// sleeps between jobs, while the caller works alone (the step's Python, the code between kernels),
+// shows nowhere; these counters show it (examples/native_decode_overhead.py). The caller's fields
+// are written by the thread that runs jobs, `worker_busy` by the workers: read them between jobs.
+struct alignas(64) PoolTimes {
   int64_t jobs = 0, chunks = 0, alone_jobs = 0;  // split jobs, their chunks; jobs of one chunk
   uint64_t job = 0;          // split jobs, from posting to the last chunk's end
   uint64_t caller_wait = 0;  // of which the caller waited for a worker's last chunks
   uint64_t alone = 0;        // jobs of one chunk, which the caller runs by itself
   uint64_t between = 0;      // from one job's end to the next one's start (the caller's own code)
-  std::atomic<uint64_t> worker_busy{0};  // every worker's chunks, summed
+  alignas(64) std::atomic<uint64_t> worker_busy{0};  // every worker's chunks, summed (a line of its own)
 };
 
 inline uint64_t pool_ticks() {
@@ -103,6 +103,11 @@ class WorkPool {
 
   int threads() const { return static_cast<int>(workers_->size()) + 1; }
   const PoolTimes& times() const { return times_; }
+  // Count from now on (PoolTimes), or stop; the counts so far are kept. Call between jobs.
+  void count_times(bool on) {
+    last_end_ = 0;  // the gap before the first job counted is not the caller's code alone
+    counting_.store(on, std::memory_order_relaxed);
+  }
 
   // body(b, e) over [begin, end) in chunks of at least `grain` items, at most `max_chunks` of them
   // (0: four per thread, enough to even out a descheduled worker for short kernels; a long one
@@ -113,13 +118,16 @@ class WorkPool {
     if (n <= 0) return;
     const int64_t most = std::min<int64_t>(kMaxChunks, max_chunks > 0 ? max_chunks : 4 * threads());
     const int64_t chunks = std::clamp<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 1, most);
-    const uint64_t start = pool_ticks();
-    if (last_end_ != 0) times_.between += start - last_end_;
+    const bool counting = counting_.load(std::memory_order_relaxed);
+    const uint64_t start = counting ? pool_ticks() : 0;
+    if (counting && last_end_ != 0) times_.between += start - last_end_;
     if (chunks == 1 || workers_->empty()) {
       body(begin, end);
-      last_end_ = pool_ticks();
-      times_.alone_jobs += 1;
-      times_.alone += last_end_ - start;
+      if (counting) {
+        last_end_ = pool_ticks();
+        times_.alone_jobs += 1;
+        times_.alone += last_end_ - start;
+      }
       return;
     }
     const uint64_t gen = (state_.load(std::memory_order_relaxed) >> kGenShift) + 1;
@@ -132,13 +140,15 @@ class WorkPool {
     state_.store((gen << kGenShift) | (static_cast<uint64_t>(chunks) << kCountShift), std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) state_.notify_all();
     claim_all(gen);
-    const uint64_t own_done = pool_ticks();
+    const uint64_t own_done = counting ? pool_ticks() : 0;
     while (done_.load(std::memory_order_acquire) < chunks) pause();  // chunks workers claimed, still running
-    last_end_ = pool_ticks();
-    times_.jobs += 1;
-    times_.chunks += chunks;
-    times_.job += last_end_ - start;
-    times_.caller_wait += last_end_ - own_done;
+    if (counting) {
+      last_end_ = pool_ticks();
+      times_.jobs += 1;
+      times_.chunks += chunks;
+      times_.job += last_end_ - start;
+      times_.caller_wait += last_end_ - own_done;
+    }
   }
 
  private:
@@ -186,8 +196,8 @@ class WorkPool {
 #endif
   }
 
-  // Claim and run chunks of generation `gen` until none is left; on a worker, its time in them
-  // counted (PoolTimes::worker_busy).
+  // Claim and run chunks of generation `gen` until none is left; on a counting worker, its time
+  // in them counted (PoolTimes::worker_busy).
   void claim_all(uint64_t gen, bool worker = false) {
     uint64_t s = state_.load(std::memory_order_acquire);
     for (;;) {
@@ -230,7 +240,7 @@ class WorkPool {
         continue;
       }
       seen = s >> kGenShift;
-      claim_all(seen, /*worker=*/true);
+      claim_all(seen, /*worker=*/counting_.load(std::memory_order_relaxed));
     }
   }
 
@@ -241,7 +251,8 @@ class WorkPool {
   std::atomic<bool> stop_{false};
   Job jobs_[2];
   PoolTimes times_;
-  uint64_t last_end_ = 0;  // when the last job ended (0: none yet); the caller's
+  std::atomic<bool> counting_{false};
+  uint64_t last_end_ = 0;  // when the last counted job ended (0: none yet); the caller's
   const pid_t owner_ = getpid();  // the process whose threads the workers are
   std::unique_ptr<std::vector<std::thread>> workers_ = std::make_unique<std::vector<std::thread>>();
 };

@@ -158,10 +158,11 @@ def _one_layer_stack(threads: int):
 
 @pytest.mark.parametrize("threads", [2, 1, 0])
 def test_a_decode_stacks_pool_counts_where_its_time_went(threads):
-    """pool_times (work_pool.h's PoolTimes): the jobs a decode step split, their chunks, the ones the
-    caller ran alone, and the ticks in each, consistent with each other: the caller's wait for a
-    worker within its jobs' time, the workers' busy ticks within the jobs they helped with, the
-    clock moving on. A stack on torch's threads (0) has no pool: every count 0."""
+    """pool_times (work_pool.h's PoolTimes), counted between count_pool_times(True) and (False)
+    only: the jobs a decode step split, their chunks, the ones the caller ran alone, and the ticks
+    in each, consistent with each other: the caller's wait for a worker within its jobs' time, the
+    workers' busy ticks within the jobs they helped with, the clock moving on. A stack on torch's
+    threads (0) has no pool: every count 0."""
     torch.manual_seed(0)
     hidden, inter, rows, steps = 64, 128, 8, 20
     stack = torch.classes.pagedserve.DecodeStack(1, 1, hidden, inter, 1e-6, 0.125, torch.ones(8, hidden),
@@ -171,12 +172,22 @@ def test_a_decode_stacks_pool_counts_where_its_time_went(threads):
     for name, out, cols in (("qkv", 3 * hidden, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
                             ("down", hidden, inter)):
         stack.set_linear(0, name, "dense", [torch.randn(out, cols) / cols ** 0.5], [], [], None, False, 0)
-    before = dict(stack.pool_times())
     seqs = torch.arange(rows)
-    for _ in range(steps):  # 8 sequences, one token each, at the first slot of a block of their own
+
+    def step():  # 8 sequences, one token each, at the first slot of a block of their own
         stack.forward(torch.randn(rows, hidden), torch.zeros(rows, dtype=torch.long), [seqs * 16],
                       [seqs.view(rows, 1)], [torch.ones(rows, dtype=torch.long)], [None], [])
+
+    step()  # not counted: a pool counts only when asked to
+    before = dict(stack.pool_times())
+    stack.count_pool_times(True)
+    for _ in range(steps):
+        step()
+    stack.count_pool_times(False)
     after = dict(stack.pool_times())
+    step()  # not counted either
+    assert {key: value for key, value in stack.pool_times().items() if key != "now"} == \
+        {key: value for key, value in after.items() if key != "now"}
     counts = ("jobs", "chunks", "alone_jobs", "job", "caller_wait", "alone", "between", "worker_busy")
     assert set(after) == {"threads", "now", *counts} and after["threads"] == max(threads, 1)
     assert after["now"] > before["now"] and all(before[key] == 0 for key in counts)
