@@ -115,7 +115,7 @@ if native is None or pool["now"] <= 0 or pool_times()["threads"] < 2:
 else:
     per_step = pool["seconds_ns"] / pool["now"] / steps / 1e6  # ms a tick, a step's share
     workers = pool_times()["threads"] - 1
-    ms = {key: value * per_step for key, value in pool.items() if key not in ("jobs", "chunks", "alone_jobs")}
+    ms = {key: pool[key] * per_step for key in ("now", "job", "caller_wait", "alone", "between", "worker_busy")}
     idle = workers * ms["now"] - ms["worker_busy"]
     in_jobs = workers * ms["job"] - ms["worker_busy"]
     print(f"the stack's pool, ms a step ({pool['jobs'] / steps:.0f} split jobs of {pool['chunks'] / max(pool['jobs'], 1):.1f} "

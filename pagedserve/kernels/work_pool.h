@@ -196,9 +196,9 @@ class WorkPool {
 #endif
   }
 
-  // Claim and run chunks of generation `gen` until none is left; on a counting worker, its time
-  // in them counted (PoolTimes::worker_busy).
-  void claim_all(uint64_t gen, bool worker = false) {
+  // Claim and run chunks of generation `gen` until none is left; with `count_busy` (a worker while
+  // the pool counts), the time in them added to PoolTimes::worker_busy.
+  void claim_all(uint64_t gen, bool count_busy = false) {
     uint64_t s = state_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t count = (s >> kCountShift) & 0xFFFF, next = s & 0xFFFF;
@@ -206,10 +206,10 @@ class WorkPool {
       if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       const Job& job = jobs_[gen & 1];
       const int64_t b = job.begin + static_cast<int64_t>(next) * job.size;
-      const uint64_t chunk_start = worker ? pool_ticks() : 0;
+      const uint64_t chunk_start = count_busy ? pool_ticks() : 0;
       (*job.body)(b, std::min(job.end, b + job.size));
       // before the chunk counts as done: once the last one does, the caller may read the times
-      if (worker) times_.worker_busy.fetch_add(pool_ticks() - chunk_start, std::memory_order_relaxed);
+      if (count_busy) times_.worker_busy.fetch_add(pool_ticks() - chunk_start, std::memory_order_relaxed);
       done_.fetch_add(1, std::memory_order_release);
       s = state_.load(std::memory_order_acquire);
     }
@@ -240,7 +240,7 @@ class WorkPool {
         continue;
       }
       seen = s >> kGenShift;
-      claim_all(seen, /*worker=*/counting_.load(std::memory_order_relaxed));
+      claim_all(seen, /*count_busy=*/counting_.load(std::memory_order_relaxed));
     }
   }
 
