@@ -28,10 +28,13 @@
 
 #include <omp.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -256,12 +259,13 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(L.kv.kind != KvKind::int4 || int4_plans.size() == kInt4Plan * groups,
                   "DecodeStack: int4 KV pools take a write plan of ", kInt4Plan, " tensors per KV group");
     }
-    const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t t = x.size(0), q_size = heads_ * head_dim_;
     // Every layer's intermediates have the same shapes: allocated by the first layer and reused by
     // the rest, so a token makes a dozen allocations, not ~400, and writes the same cache lines.
     Outputs qkv_out, o_out, gate_up_out, down_out;
     at::Tensor h = at::empty_like(x), h2 = at::empty_like(x);
-    at::Tensor act, attended;
+    at::Tensor act, attended, q_rows;
+    QkvViews qkv_views;
     at::Tensor residual;  // the residual stream: the embeddings, then each layer's sum, in place
     for (Layer& L : layers_) {
       if (!residual.defined()) {
@@ -271,10 +275,9 @@ class DecodeStack : public torch::CustomClassHolder {
         ops::rms_norm(h, x, residual, L.input_norm, eps_, pool_.get());
       }
       const at::Tensor qkv = apply(L.qkv, h, &qkv_out);
-      const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
-      at::Tensor q = parts[0].view({t, heads_, head_dim_});
-      at::Tensor k = parts[1].view({t, kv_heads_, head_dim_});
-      const at::Tensor v = parts[2].view({t, kv_heads_, head_dim_});
+      if (!qkv.is_same(qkv_views.of)) qkv_views = QkvViews(qkv, heads_, kv_heads_, head_dim_);
+      at::Tensor q = qkv_views.q, k = qkv_views.k;
+      const at::Tensor& v = qkv_views.v;
       if (L.q_norm) {
         q = gemma3_ ? row_norm(q, *L.q_norm) : head_norm(q, *L.q_norm);
         k = gemma3_ ? row_norm(k, *L.k_norm) : head_norm(k, *L.k_norm);
@@ -284,7 +287,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t g = L.group;
       const at::Tensor* plan = L.kv.kind == KvKind::int4 ? &int4_plans[kInt4Plan * g] : nullptr;
       write_kv(L, slots[g], plan, k, v, pool_.get());
-      at::Tensor a = apply(L.o, attend(L, q.contiguous(), block_tables[g], context_lens[g], firsts[g], plan, attended)
+      at::Tensor a = apply(L.o, attend(L, contiguous_rows(q, q_rows), block_tables[g], context_lens[g], firsts[g], plan, attended)
                                     .reshape({t, q_size}),
                            &o_out);
       if (L.attn_out_norm) a = normed(a, *L.attn_out_norm);
@@ -326,6 +329,21 @@ class DecodeStack : public torch::CustomClassHolder {
     OneOpenMPThread& operator=(const OneOpenMPThread&) = delete;
   };
 
+  // q, k and v [rows, heads, head_dim]: views into a fused QKV output `of`. Made once a step where
+  // the layers share one output buffer (GGUF linears: Outputs), since four view ops a layer cost
+  // ~6 us of dispatch at 16 rows.
+  struct QkvViews {
+    at::Tensor of, q, k, v;
+    QkvViews() = default;
+    QkvViews(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t head_dim) : of(qkv) {
+      const int64_t t = qkv.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+      const auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+      q = parts[0].view({t, heads, head_dim});
+      k = parts[1].view({t, kv_heads, head_dim});
+      v = parts[2].view({t, kv_heads, head_dim});
+    }
+  };
+
   // A GGUF linear's outputs in one step, kept from layer to layer (forward): the kernel's float32
   // and its conversion to the compute dtype. Empty until the first layer allocates them.
   struct Outputs {
@@ -351,27 +369,29 @@ class DecodeStack : public torch::CustomClassHolder {
           y = at::empty({rows.size(0), l.out_features}, rows.options().dtype(direct ? rows.scalar_type() : at::kFloat));
           if (!direct) o.converted = at::Tensor();
         }
+        // The integer kernels' float32 rounded to the compute dtype by the kernels' own tasks, each
+        // its columns while they are in its cache (a pass after them ran on this thread alone:
+        // 0.9 ms of a 16-stream step; and torch's .to() splits anything over 32k values across
+        // OpenMP's team, whose worker then spins on the core the pool computes on).
+        const bool round = !gemm && !l.float_output && x.scalar_type() != at::kFloat;
+        if (round && !o.converted.defined()) o.converted = at::empty(y.sizes(), y.options().dtype(x.scalar_type()));
         int64_t offset = 0;
         for (size_t i = 0; i < l.weights.size(); ++i) {
-          at::Tensor part = l.weights.size() == 1 ? y : y.narrow(1, offset, l.widths[i]);
-          const std::optional<at::Tensor> bias = l.bias && l.weights.size() > 1
+          const bool whole = l.weights.size() == 1;
+          at::Tensor part = whole ? y : y.narrow(1, offset, l.widths[i]);
+          const std::optional<at::Tensor> bias = l.bias && !whole
               ? std::optional<at::Tensor>(l.bias->narrow(0, offset, l.widths[i])) : l.bias;
           if (gemm) {
             gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", l.residual, pool_.get());
           } else {
+            at::Tensor rounded = !round ? at::Tensor() : whole ? o.converted : o.converted.narrow(1, offset, l.widths[i]);
             const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
-            matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get());
+            matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get(),
+                   round ? &rounded : nullptr);
           }
           offset += l.widths[i];
         }
-        if (gemm) return y;
-        // converted on this thread: torch's .to() splits anything over 32k values across OpenMP's
-        // team (16 rows of a fused gate_up in bf16, on a CPU with native bf16), whose worker then
-        // spins on the core the pool computes on.
-        if (l.float_output || x.scalar_type() == at::kFloat) return y;
-        if (!o.converted.defined()) o.converted = at::empty(y.sizes(), y.options().dtype(x.scalar_type()));
-        convert_into(o.converted, y);
-        return o.converted;
+        return round ? o.converted : y;
       }
       case Kind::half: {
         const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
@@ -445,8 +465,8 @@ class DecodeStack : public torch::CustomClassHolder {
     KvPools& kv = L.kv;
     switch (kv.kind) {
       case KvKind::model:
-        write_head_major(L.k_pool, slots, k);
-        write_head_major(L.v_pool, slots, v);
+        write_head_major(L.k_pool, slots, k, pool);
+        write_head_major(L.v_pool, slots, v, pool);
         return;
       case KvKind::int8:
       case KvKind::fp8:
@@ -502,25 +522,44 @@ class DecodeStack : public torch::CustomClassHolder {
   // HeadMajorKVCache.write: token i's [kv_heads, head_dim] (x's rows may be strided, a view into
   // the fused QKV output) to flat slot slots[i] of every head, converted to the pool's dtype as
   // torch's .to() rounds. A plain loop: the torch ops it replaces (a conversion and an index_copy_)
-  // cost microseconds each of dispatch for a few hundred values, twice per layer.
-  static void write_head_major(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
-    const int64_t t = x.size(0), heads = x.size(1), hd = x.size(2), per_head = pool.size(1) * pool.size(2);
+  // cost microseconds each of dispatch for a few hundred values, twice per layer. Its rows split
+  // over the stack's threads: each row's slots are cache lines the step has not touched, and one
+  // thread writing 16 rows' waited on their misses (14 us a layer, the pool's worker idle).
+  static void write_head_major(at::Tensor& kv_pool, const at::Tensor& slots, const at::Tensor& x, WorkPool* pool) {
+    const int64_t t = x.size(0), heads = x.size(1), hd = x.size(2), per_head = kv_pool.size(1) * kv_pool.size(2);
     TORCH_CHECK(x.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.numel() == t,
                 "DecodeStack: KV rows must have contiguous head_dim and one int64 slot each");
     const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i)  // here, not in the tasks: a pool's worker cannot throw
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < per_head, "DecodeStack: slot ", slot[i], " out of range");
     dispatch_model_dtype(x.scalar_type(), "DecodeStack", [&](auto src_tag) {
       using S = decltype(src_tag);
-      dispatch_model_dtype(pool.scalar_type(), "DecodeStack", [&](auto dst_tag) {
+      dispatch_model_dtype(kv_pool.scalar_type(), "DecodeStack", [&](auto dst_tag) {
         using D = decltype(dst_tag);
         const S* src = x.data_ptr<S>();
-        D* dst = pool.data_ptr<D>();
-        for (int64_t i = 0; i < t; ++i) {
-          TORCH_CHECK(slot[i] >= 0 && slot[i] < per_head, "DecodeStack: slot ", slot[i], " out of range");
-          for (int64_t h = 0; h < heads; ++h)
-            convert_row(dst + (h * per_head + slot[i]) * hd, src + i * x.stride(0) + h * x.stride(1), hd);
-        }
+        D* dst = kv_pool.data_ptr<D>();
+        const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+        pagedserve::parallel_for(pool, 0, t, std::max<int64_t>(1, 1024 / (heads * hd)), [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            for (int64_t h = 0; h < heads; ++h)
+              convert_row(dst + (h * per_head + slot[i]) * hd, src + i * row_stride + h * head_stride, hd);
+        });
       });
     });
+  }
+
+  // q [rows, heads, head_dim] contiguous: q itself where it is, else copied into `rows` (made by
+  // the first layer, reused by the rest), a memcpy per row where its heads lie side by side (a view
+  // into the fused QKV output): torch's strided copy took ~8 us a layer at 16 rows.
+  static at::Tensor contiguous_rows(const at::Tensor& q, at::Tensor& rows) {
+    if (q.is_contiguous()) return q;
+    if (q.dim() != 3 || q.stride(2) != 1 || q.stride(1) != q.size(2)) return q.contiguous();
+    if (!rows.defined()) rows = at::empty(q.sizes(), q.options());
+    const int64_t size = q.element_size(), bytes = q.size(1) * q.size(2) * size, stride = q.stride(0) * size;
+    const auto* src = static_cast<const std::byte*>(q.data_ptr());
+    auto* dst = static_cast<std::byte*>(rows.data_ptr());
+    for (int64_t i = 0; i < q.size(0); ++i) std::memcpy(dst + i * bytes, src + i * stride, bytes);
+    return rows;
   }
 
   // x [rows, ...] (contiguous) in `dtype`, converted as torch's .to() rounds; x itself if it has it.
@@ -544,7 +583,11 @@ class DecodeStack : public torch::CustomClassHolder {
 
   template <typename D, typename S>
   static void convert_row(D* dst, const S* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
+    if constexpr (std::is_same_v<D, S>) {
+      std::memcpy(dst, src, n * sizeof(D));  // what .to() of its own dtype leaves: the same bits
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
+    }
   }
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,

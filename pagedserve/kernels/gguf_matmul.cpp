@@ -274,6 +274,48 @@ void check_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, 
   check_bias(bias, N, op);
 }
 
+// Where a call also writes its output rounded to a model dtype (the decode stack's bf16 / f16
+// activations), as torch's .to() rounds: each task rounds the columns it computed while they are
+// in its cache. Why: one pass after the call ran on the calling thread alone, over values half of
+// which the other core had just written: 0.9 ms of a ~25 ms 16-stream step, the pool's worker idle.
+class RoundedOutput {
+ public:
+  RoundedOutput(at::Tensor* rounded, int64_t M, int64_t N, const char* op) {
+    if (rounded == nullptr) return;
+    const at::ScalarType t = rounded->scalar_type();
+    TORCH_CHECK(rounded->dim() == 2 && rounded->size(0) == M && rounded->size(1) == N && rounded->stride(1) == 1 &&
+                    (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat),
+                op, ": the rounded output must be a [rows, out_features] model dtype with unit column stride");
+    data_ = rounded->data_ptr();
+    ld_ = rounded->stride(0);
+    dtype_ = t;
+  }
+
+  // y's rows [m0, m1) x columns [c0, c1) (y's row stride ld), rounded into the output.
+  void round(const float* y, int64_t ld, int64_t m0, int64_t m1, int64_t c0, int64_t c1) const {
+    if (data_ == nullptr || c0 >= c1) return;
+    dispatch_model_dtype(dtype_, "RoundedOutput", [&](auto tag) {
+      using T = decltype(tag);
+      T* to = static_cast<T*>(data_);
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t c = c0; c < c1; ++c) to[m * ld_ + c] = from_float<T>(y[m * ld + c]);
+    });
+  }
+
+  // All of y's M rows and N columns, split by rows over `pool`: after a kernel that has no tasks
+  // of columns (the AMX tiles).
+  void round_all(const float* y, int64_t ld, int64_t M, int64_t N, WorkPool* pool) const {
+    if (data_ == nullptr) return;
+    pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(N, 1)),
+                             [&](int64_t m0, int64_t m1) { round(y, ld, m0, m1, 0, N); });
+  }
+
+ private:
+  void* data_ = nullptr;
+  int64_t ld_ = 0;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
 // The activation rows x [M, K] quantized per 32 for `path` (int16 with `residual`: each value's int8
 // and the int8 of its remainder, or where the path takes them whole kLowSteps q + low as int16;
 // int8 pair-swizzled where it wants that), and the Rows view of row m onwards.
@@ -359,7 +401,8 @@ constexpr int64_t kRowSpan = 16;  // weight rows a batch's tiles take in turn, w
 // An LM head takes it: int8 activations there moved SmolLM2's logits by up to ~0.05 and flipped a
 // near-tie ("The" / "L" before "Paris").
 void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
+                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool,
+                 at::Tensor* rounded) {
   const char* op = "gguf_matmul";
   const Format f = parse_format(std::string_view(format.data(), format.size()), op);
   const Isa isa = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
@@ -372,6 +415,7 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
               ": weight must be a contiguous uint8 [out_features, ", row_bytes, "] of ", fi.name,
               " blocks (planes for 32-weight formats: gguf_formats.h)");
   check_output(out, bias, M, N, op);
+  const RoundedOutput round(rounded, M, N, op);
   if (M == 0 || N == 0) return;
   // On an AMX CPU, batches of more than kMaxVectorRows rows go to the tiles; decode rows keep the
   // AVX-512 path (one row, SmolLM2's default file, 2 threads: 110-114 tok/s through the tiles'
@@ -389,7 +433,10 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
   float* y = in.y;
   const int64_t ld = in.ld;
 #if PS_X86
-  if (tiles) return amx::matmul(f, wp, row_bytes, blocks, N, K, M, xq.at(0), bp, y, ld, pool);
+  if (tiles) {
+    amx::matmul(f, wp, row_bytes, blocks, N, K, M, xq.at(0), bp, y, ld, pool);
+    return round.round_all(y, ld, M, N, pool);
+  }
 #endif
   // Tasks of at least ~32k weights: a small matrix is not split into slivers that cost more to
   // schedule than to compute; on the decode stack's pool, matmul_tasks of them.
@@ -402,13 +449,16 @@ void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10:
         path.kernel(wp, row_bytes, blocks, a, b, xq.at(m), rows, bp, y + m * ld, ld, task_end);
       }
     }
+    round.round(y, ld, 0, M, n0, n1);
   }, matmul_tasks(N, K, M, residual));
 }
 
 // The registered op: torch's threads.
 void gguf_matmul_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
-  gguf_matmul(out, x, w, format, bias, residual, isa_name, nullptr);
+                    const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name,
+                    const std::optional<at::Tensor>& rounded) {
+  at::Tensor into = rounded.value_or(at::Tensor());
+  gguf_matmul(out, x, w, format, bias, residual, isa_name, nullptr, rounded ? &into : nullptr);
 }
 
 // The rows16 layout's checks: its format, and the weight [ceil(N / 16), blocks x block bytes].
@@ -497,22 +547,27 @@ struct Rows16Plan {
 // their own kernel over them, so the layout computes the same products everywhere (tested against
 // each other and the float matmul).
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                   const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool) {
+                   const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool,
+                   at::Tensor* rounded) {
   const char* op = "gguf_matmul16";
   const Isa requested = parse_isa(std::string_view(isa_name.data(), isa_name.size()), op, /*tiles=*/true);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const Rows16Plan plan(w, format, N, K, vector_isa(requested), residual, op);
   check_output(out, bias, M, N, op);
+  const RoundedOutput round(rounded, M, N, op);
   if (M == 0 || N == 0) return;
   const Operands in(out, x, w, bias, plan.path, residual, pool);
 #if PS_X86
-  if (requested == Isa::amx && amx::rows16_tiles(plan.f, M))
-    return amx::matmul16(in.w, plan.group_bytes, plan.blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
+  if (requested == Isa::amx && amx::rows16_tiles(plan.f, M)) {
+    amx::matmul16(in.w, plan.group_bytes, plan.blocks, N, K, M, in.xq.at(0), in.bias, in.y, in.ld, pool);
+    return round.round_all(in.y, in.ld, M, N, pool);
+  }
 #endif
   pagedserve::parallel_for(pool, 0, w.size(0), std::max<int64_t>(1, 2048 / K), [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> planar = plan.scratch();
     for (int64_t g = g0; g < g1; ++g) plan.group(in.w, g, in.xq, 0, M, in.bias, in.y, in.ld, planar);
+    round.round(in.y, in.ld, 0, M, 16 * g0, std::min(N, 16 * g1));
   });
 }
 
@@ -554,8 +609,10 @@ void gguf_matmul16_pairs_op(at::Tensor& out, const at::Tensor& x, const at::Tens
 
 // The registered op: torch's threads.
 void gguf_matmul16_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                      const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name) {
-  gguf_matmul16(out, x, w, format, bias, residual, isa_name, nullptr);
+                      const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name,
+                      const std::optional<at::Tensor>& rounded) {
+  at::Tensor into = rounded.value_or(at::Tensor());
+  gguf_matmul16(out, x, w, format, bias, residual, isa_name, nullptr, rounded ? &into : nullptr);
 }
 
 // out [N, K] (float32, bfloat16 or float16) = a rows16 weight's blocks dequantized straight from
@@ -824,10 +881,10 @@ void gguf_quantize_activations(at::Tensor& q, at::Tensor& d, at::Tensor& s, cons
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
-        "str isa='auto') -> ()");
+        "str isa='auto', Tensor(b!)? rounded=None) -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor w, str format, str isa='auto') -> ()");
   m.def("gguf_matmul16(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor? bias=None, bool residual=False, "
-        "str isa='auto') -> ()");
+        "str isa='auto', Tensor(b!)? rounded=None) -> ()");
   m.def("gguf_matmul16_pairs(Tensor(a!) out, Tensor x, Tensor w, str format, Tensor pairs, bool residual=False, "
         "str isa='auto') -> ()");
   m.def("gguf_dequantize16(Tensor(a!) out, Tensor w, str format, Tensor? ids=None, str isa='auto') -> ()");

@@ -72,12 +72,15 @@ at::Tensor screened_logits(const at::Tensor& h, const at::Tensor& q, const at::T
 
 namespace pagedserve::gguf {
 
-// gguf_matmul.cpp
+// gguf_matmul.cpp. `rounded`, where given (the decode stack's bf16 / f16 outputs): also receives
+// out's values rounded to its dtype, as torch's .to() rounds, each task its own columns.
 void gguf_matmul(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool);
+                 const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool,
+                 at::Tensor* rounded = nullptr);
 
 void gguf_matmul16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
-                   const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool);
+                   const std::optional<at::Tensor>& bias, bool residual, c10::string_view isa_name, WorkPool* pool,
+                   at::Tensor* rounded = nullptr);
 
 void gguf_matmul16_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c10::string_view format,
                          const at::Tensor& pairs, bool residual, c10::string_view isa_name, WorkPool* pool);

@@ -115,6 +115,35 @@ def test_tiles_give_the_vnni_kernels_bits(residual):
         assert torch.equal(_rows16(x, w16, n, fmt, residual, "amx", bias), _rows16(x, w16, n, fmt, residual, "avx512", bias)), m
 
 
+@pytest.mark.parametrize("isa", isa_paths())
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
+def test_the_rounded_output_is_the_float_output_as_torch_rounds_it(fmt, isa):
+    """`rounded` (the decode stack's bf16 / f16 activations, rounded by each task over its own
+    columns, after the tiles by rows): out's values as torch's .to() rounds them, in either layout,
+    into a column slice of a wider tensor (a fused layer's segment), the columns beside it untouched."""
+    n, K = 37, _k(fmt)
+    w = random_gguf_rows(fmt, n, K, seed=5)
+    w16, planar, bias = rows16_layout(fmt, w), kernel_layout(fmt, w), torch.randn(n)
+    torch.manual_seed(5)
+    for m in (1, 5, 17, 40):  # 17, 40: past the AMX tiles' first rows, where this CPU has them
+        x = torch.randn(m, K)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for rows16 in (True, False):
+                out, wide = torch.empty(m, n), torch.full((m, n + 9), 7.0, dtype=dtype)
+                rounded = wide[:, 4:4 + n]
+                if rows16:
+                    OPS.gguf_matmul16(out, x, w16, fmt, bias, True, isa, rounded)
+                else:
+                    OPS.gguf_matmul(out, x, planar, fmt, bias, True, isa, rounded)
+                assert torch.equal(rounded, out.to(dtype)), (m, dtype, rows16)
+                assert (wide[:, :4] == 7).all() and (wide[:, 4 + n:] == 7).all(), (m, dtype, rows16)
+    with pytest.raises(RuntimeError, match=r"rounded output must be a \[rows, out_features\] model dtype"):
+        OPS.gguf_matmul16(torch.empty(1, n), torch.randn(1, K), w16, fmt, None, True, isa, torch.empty(1, n + 1))
+    with pytest.raises(RuntimeError, match=r"rounded output must be a \[rows, out_features\] model dtype"):
+        OPS.gguf_matmul(torch.empty(1, n), torch.randn(1, K), planar, fmt, None, True, isa,
+                        torch.empty(1, n, dtype=torch.int32))
+
+
 def test_bad_calls_are_one_line_errors():
     w = random_gguf_rows("Q4_1", 20, 64)
     w16 = rows16_layout("Q4_1", w)
