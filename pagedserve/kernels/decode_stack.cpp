@@ -287,9 +287,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t g = L.group;
       const at::Tensor* plan = L.kv.kind == KvKind::int4 ? &int4_plans[kInt4Plan * g] : nullptr;
       write_kv(L, slots[g], plan, k, v, pool_.get());
-      at::Tensor a = apply(L.o, attend(L, contiguous_rows(q, q_rows), block_tables[g], context_lens[g], firsts[g], plan, attended)
-                                    .reshape({t, q_size}),
-                           &o_out);
+      const at::Tensor attention =
+          attend(L, contiguous_rows(q, q_rows), block_tables[g], context_lens[g], firsts[g], plan, attended);
+      at::Tensor a = apply(L.o, attention.reshape({t, q_size}), &o_out);
       if (L.attn_out_norm) a = normed(a, *L.attn_out_norm);
       ops::rms_norm(h2, a, residual, L.post_norm, eps_, pool_.get());
       const at::Tensor gate_up = apply(L.gate_up, h2, &gate_up_out);
@@ -384,7 +384,8 @@ class DecodeStack : public torch::CustomClassHolder {
           if (gemm) {
             gguf::gguf_gemm(part, rows, l.weights[i], l.formats[i], bias, l.rows16[i], "auto", l.residual, pool_.get());
           } else {
-            at::Tensor rounded = !round ? at::Tensor() : whole ? o.converted : o.converted.narrow(1, offset, l.widths[i]);
+            at::Tensor rounded =
+                !round ? at::Tensor() : whole ? o.converted : o.converted.narrow(1, offset, l.widths[i]);
             const auto matmul = l.rows16[i] ? &gguf::gguf_matmul16 : &gguf::gguf_matmul;
             matmul(part, rows, l.weights[i], l.formats[i], bias, l.residual, "auto", pool_.get(),
                    round ? &rounded : nullptr);
