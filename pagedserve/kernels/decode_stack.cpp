@@ -540,7 +540,7 @@ class DecodeStack : public torch::CustomClassHolder {
         const S* src = x.data_ptr<S>();
         D* dst = kv_pool.data_ptr<D>();
         const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
-        pagedserve::parallel_for(pool, 0, t, std::max<int64_t>(1, 1024 / (heads * hd)), [&](int64_t i0, int64_t i1) {
+        pagedserve::parallel_rows(pool, t, heads * hd, [&](int64_t i0, int64_t i1) {
           for (int64_t i = i0; i < i1; ++i)
             for (int64_t h = 0; h < heads; ++h)
               convert_row(dst + (h * per_head + slot[i]) * hd, src + i * row_stride + h * head_stride, hd);

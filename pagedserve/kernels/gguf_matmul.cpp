@@ -306,8 +306,7 @@ class RoundedOutput {
   // of columns (the AMX tiles).
   void round_all(const float* y, int64_t ld, int64_t M, int64_t N, WorkPool* pool) const {
     if (data_ == nullptr) return;
-    pagedserve::parallel_for(pool, 0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(N, 1)),
-                             [&](int64_t m0, int64_t m1) { round(y, ld, m0, m1, 0, N); });
+    pagedserve::parallel_rows(pool, M, N, [&](int64_t m0, int64_t m1) { round(y, ld, m0, m1, 0, N); });
   }
 
  private:

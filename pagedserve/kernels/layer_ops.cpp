@@ -35,15 +35,12 @@ using pagedserve::round_to;
 using pagedserve::to_float;
 
 // Rows are independent: split them over `pool` (a decode stack's own threads) or, without one,
-// torch's, a few rows per task. The decode stack must pass its pool: an OpenMP region between two of
-// its matmuls left OpenMP's worker spinning on the core the pool's worker needed (48 % of the
-// samples of a 16-stream decode were libgomp's spin). The pool's tasks are smaller (2k values, not
-// 16k): it hands a task over in well under a microsecond where OpenMP forks a region, and at 16k
-// a 16-row step's norms, rotary embedding and SiLU ran as one task while the worker idled.
+// torch's, a few rows per task (parallel_rows). The decode stack must pass its pool: an OpenMP
+// region between two of its matmuls left OpenMP's worker spinning on the core the pool's worker
+// needed (48 % of the samples of a 16-stream decode were libgomp's spin).
 template <typename F>
 void for_rows(pagedserve::WorkPool* pool, int64_t rows, int64_t row_elems, F&& body) {
-  const int64_t grain = std::max<int64_t>(1, (pool ? 2048 : 16384) / std::max<int64_t>(1, row_elems));
-  pagedserve::parallel_for(pool, 0, rows, grain, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_rows(pool, rows, row_elems, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) body(r);
   });
 }
