@@ -1,4 +1,4 @@
-"""A real headless Chromium (Debian's ``chromium`` package) driven by playwright, one per session.
+"""A real headless Chromium (Debian's ``chromium`` package) driven by playwright, one for this package.
 
 Playwright's own browser download is never used: the system browser is its executable. Each test
 gets a fresh page; a screenshot of it is saved under the test's tmp dir when the test ends.
@@ -19,10 +19,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     """One Chromium for every browser test (each test still gets a fresh context and page): a
-    launch costs about a second of the suite's CPU."""
+    launch costs about a second of the suite's CPU. Closed when this package's tests end, not the
+    session's: playwright's sync API leaves its event loop running on the main thread while it is
+    open, and a later test's ``asyncio.run`` then refuses to start (seen with tests/server after
+    tests/web)."""
     if not os.path.exists(CHROMIUM):
         pytest.fail("chromium is not installed (apt-get install -y chromium; `make system-deps` does it)")
     from playwright.sync_api import sync_playwright
