@@ -299,19 +299,21 @@ struct Pool {
   }
 };
 
-// A span's K and V blocks 1.. into L2 as its task starts, each that does not follow the block
-// before it in the pool. Why: a pool a server has reused hands a prompt the runs finished sequences
-// gave back, tail first, between other sequences' blocks, and the hardware prefetcher follows
-// ascending runs only; asking a block ahead into L1 keeps only the lines L1's miss buffers hold in
-// flight. On a Zen 4 (2 threads, `small`'s W1-like step, 315 MB of bf16 KV) descending and shuffled
-// tables read 11-12 GB/s against 20 in order, and 15-16 with this; ascending blocks are left to the
-// hardware (asking for them too cost the in-order case 7 %). Out of line: inlined into the task loop
-// it cost the in-order case 7-10 % with no prefetch issued (docs/BENCHMARKS.md).
+// A span's K and V blocks 1.. into L2 as its task starts. Why: a pool a server has reused hands a
+// prompt the runs finished sequences gave back, tail first, between other sequences' blocks, and
+// the hardware prefetcher follows ascending runs only; asking a block ahead into L1 keeps only the
+// lines L1's miss buffers hold in flight. On a Zen 4 (2 threads, `small`'s W1-like step, 315 MB of
+// bf16 KV) descending and shuffled tables read 11-12 GB/s against 20 in order, and 15-16 with this.
+// Ascending runs (a fresh pool's prompts) are asked for too: their 2 KiB blocks, one per KV head
+// and pool, are too short a run for the hardware to be ahead of the task; with the next task's
+// blocks also asked for (prefetch_block_l2), 64 sequences of 384 tokens in order read 22.5-23.5
+// GB/s against 17.0-20.2 when they were left to it (four alternated pairs; backwards and
+// scattered tables unchanged). Out of line: inlined into the task loop it cost 7-10 % with no
+// prefetch issued (docs/BENCHMARKS.md).
 template <typename E>
 __attribute__((noinline)) void prefetch_span_l2(const Pool<E>& k, const Pool<E>& v, int64_t h, const int64_t* table,
                                                 int64_t blocks) {
   for (int64_t j = 1; j < blocks; ++j) {
-    if (table[j] == table[j - 1] + 1) continue;
     k.template prefetch<true>(h, table[j]);
     v.template prefetch<true>(h, table[j]);
   }
