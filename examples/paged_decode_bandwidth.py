@@ -1,13 +1,14 @@
 """KV bytes per second the fused paged decode kernel reads, for a W1-like decode step of `small`
-(12 layers, 4 KV heads of 64, 3 query heads each, bf16 pools): 64 sequences of 400 tokens, their
-blocks in the pool in order, in order backwards or scattered at random, per block size and thread
-count. What it shows: whether the kernel is bound by its instructions (the same rate from cache as
+(12 layers, 4 KV heads of 64, 3 query heads each; bf16 pools, or with `--kv int8` int8 ones with a
+float16 scale a row): 64 sequences of 400 tokens, their blocks in the pool in order, in order
+backwards or scattered at random, per block size and thread count. What it shows: whether the kernel is bound by its instructions (the same rate from cache as
 from memory) or by how many cache lines a core can have in flight (in-order blocks faster than
 scattered ones). docs/BENCHMARKS.md ("Decode attention on the Sapphire Rapids-class Xeon: bound by
 lines in flight"; "Where a reused pool's blocks lie").
 
     python examples/paged_decode_bandwidth.py                 # block sizes 16 and 128, 1 and 2 threads
     python examples/paged_decode_bandwidth.py --block-sizes 16 --threads 2 --layers 1   # from cache
+    python examples/paged_decode_bandwidth.py --block-sizes 16 --threads 2 --kv int8     # int8 pools
 """
 import argparse
 import statistics
@@ -24,24 +25,43 @@ parser.add_argument("--layers", type=int, default=12, help="layers' pools read p
 parser.add_argument("--seqs", type=int, default=64, help="sequences in the step")
 parser.add_argument("--context", type=int, default=400, help="tokens each sequence attends to")
 parser.add_argument("--repeats", type=int, default=15, help="timed steps; the median is printed")
+parser.add_argument("--kv", choices=["bf16", "int8"], default="bf16",
+                    help="the pools' storage: bf16 (head-major blocks) or int8 (token-major rows, a float16 scale each)")
 args = parser.parse_args()
 
 ops = native_ops()
 if ops is None:
     raise SystemExit(f"the native kernels are unavailable: {kernel_error()}")
-kernel = ops.paged_decode_attention  # (out, q, k_pool, v_pool, block_tables, context_lens, scale)
+
+def make_pools(blocks: int, bs: int) -> tuple:
+    """One layer's K and V pools, bf16 [heads, blocks, bs, head_dim] or int8 [blocks, bs, heads,
+    head_dim] with float16 scales [blocks, bs, heads] (kv/quant.py's layout)."""
+    if args.kv == "bf16":
+        return tuple(torch.randn(KV_HEADS, blocks, bs, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    data = [torch.randint(-127, 128, (blocks, bs, KV_HEADS, HEAD_DIM), dtype=torch.int8) for _ in range(2)]
+    scales = [(torch.rand(blocks, bs, KV_HEADS) * 0.01 + 1e-3).half() for _ in range(2)]
+    return (*data, *scales)
+
+
+def attend(out, q, pools, tables, lens) -> None:
+    if args.kv == "bf16":
+        ops.paged_decode_attention(out, q, *pools, tables, lens, HEAD_DIM ** -0.5)
+    else:
+        ops.paged_decode_attention_quantized(out, q, *pools, tables, lens, HEAD_DIM ** -0.5, "int8")
+
+
 KV_HEADS, GROUP, HEAD_DIM = 4, 3, 64
 torch.manual_seed(0)
 with torch.inference_mode():
     for bs in args.block_sizes:
         per_seq = (args.context + bs - 1) // bs
         blocks = args.seqs * per_seq
-        pools = [(torch.randn(KV_HEADS, blocks, bs, HEAD_DIM, dtype=torch.bfloat16),
-                  torch.randn(KV_HEADS, blocks, bs, HEAD_DIM, dtype=torch.bfloat16)) for _ in range(args.layers)]
+        pools = [make_pools(blocks, bs) for _ in range(args.layers)]
         q = torch.randn(args.seqs, KV_HEADS * GROUP, HEAD_DIM, dtype=torch.bfloat16)
         out = torch.empty_like(q)
         lens = torch.full((args.seqs,), args.context, dtype=torch.long)
-        kv_bytes = args.layers * args.seqs * args.context * KV_HEADS * HEAD_DIM * 2 * 2
+        row_bytes = HEAD_DIM * 2 if args.kv == "bf16" else HEAD_DIM + 2  # int8 values and a float16 scale
+        kv_bytes = args.layers * args.seqs * args.context * KV_HEADS * row_bytes * 2
         for order in ("in order", "backwards", "scattered"):
             ids = torch.randperm(blocks) if order == "scattered" else torch.arange(blocks)
             tables = ids.view(args.seqs, per_seq)
@@ -52,8 +72,8 @@ with torch.inference_mode():
                 torch.set_num_threads(threads)
 
                 def step():
-                    for k, v in pools:
-                        kernel(out, q, k, v, tables, lens, HEAD_DIM ** -0.5)
+                    for layer in pools:
+                        attend(out, q, layer, tables, lens)
 
                 for _ in range(3):
                     step()
