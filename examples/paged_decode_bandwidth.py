@@ -1,10 +1,11 @@
 """KV bytes per second the fused paged decode kernel reads, for a W1-like decode step of `small`
 (12 layers, 4 KV heads of 64, 3 query heads each; bf16 pools, or with `--kv int8` int8 ones with a
 float16 scale a row): 64 sequences of 400 tokens, their blocks in the pool in order, in order
-backwards or scattered at random, per block size and thread count. What it shows: whether the kernel is bound by its instructions (the same rate from cache as
-from memory) or by how many cache lines a core can have in flight (in-order blocks faster than
-scattered ones). docs/BENCHMARKS.md ("Decode attention on the Sapphire Rapids-class Xeon: bound by
-lines in flight"; "Where a reused pool's blocks lie").
+backwards or scattered at random, per block size and thread count. What it shows: whether the
+kernel is bound by its instructions (the same rate from cache as from memory) or by how many cache
+lines a core can have in flight (in-order blocks faster than scattered ones). docs/BENCHMARKS.md
+("Decode attention on the Sapphire Rapids-class Xeon: bound by lines in flight"; "Where a reused
+pool's blocks lie"; "Where a 64-row decode step of `small` goes").
 
     python examples/paged_decode_bandwidth.py                 # block sizes 16 and 128, 1 and 2 threads
     python examples/paged_decode_bandwidth.py --block-sizes 16 --threads 2 --layers 1   # from cache
@@ -26,12 +27,15 @@ parser.add_argument("--seqs", type=int, default=64, help="sequences in the step"
 parser.add_argument("--context", type=int, default=400, help="tokens each sequence attends to")
 parser.add_argument("--repeats", type=int, default=15, help="timed steps; the median is printed")
 parser.add_argument("--kv", choices=["bf16", "int8"], default="bf16",
-                    help="the pools' storage: bf16 (head-major blocks) or int8 (token-major rows, a float16 scale each)")
+                    help="the pools' storage: bf16 (head-major blocks) or int8 (token-major rows, "
+                         "a float16 scale each)")
 args = parser.parse_args()
 
 ops = native_ops()
 if ops is None:
     raise SystemExit(f"the native kernels are unavailable: {kernel_error()}")
+KV_HEADS, GROUP, HEAD_DIM = 4, 3, 64
+
 
 def make_pools(blocks: int, bs: int) -> tuple:
     """One layer's K and V pools, bf16 [heads, blocks, bs, head_dim] or int8 [blocks, bs, heads,
@@ -50,7 +54,6 @@ def attend(out, q, pools, tables, lens) -> None:
         ops.paged_decode_attention_quantized(out, q, *pools, tables, lens, HEAD_DIM ** -0.5, "int8")
 
 
-KV_HEADS, GROUP, HEAD_DIM = 4, 3, 64
 torch.manual_seed(0)
 with torch.inference_mode():
     for bs in args.block_sizes:

@@ -452,8 +452,9 @@ void decode_impl(const Batch<E>& b) {
       }
       scores.resize(G * len);
       // what the hardware will not, the quantized pools' token-major rows and scales too (a
-      // request a row: 64 sequences of 384 tokens over int8 pools read 11.0-11.2 GB/s against
-      // 6.3-9.2 without, examples/paged_decode_bandwidth.py --kv int8)
+      // request a row: 64 sequences of 384 tokens over int8 pools, medians of six pairs, 11.2 / 11.2
+      // / 10.9 GB/s backwards / scattered / in order against 7.0 / 6.9 / 9.3 without,
+      // examples/paged_decode_bandwidth.py --kv int8)
       prefetch_span_l2(b.k, b.v, h, table, (len + bs - 1) / bs);
       b.k.prefetch(h, table[0]);
       for (int64_t start = 0; start < len; start += bs) {
