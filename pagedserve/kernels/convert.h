@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pagedserve {
 
@@ -37,6 +38,17 @@ inline c10::BFloat16 from_float(float x) {
 // Rounds to T, as each separate torch op on a T tensor does (a no-op for float).
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// n values from src to dst's dtype, as torch's .to() rounds them: the same bits copied where the
+// dtypes match.
+template <typename D, typename S>
+inline void convert_row(D* dst, const S* src, int64_t n) {
+  if constexpr (std::is_same_v<D, S>) {
+    std::memcpy(dst, src, n * sizeof(D));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
+  }
+}
 
 // Whether x is finite, from its bits: the kernels build with -ffast-math, under which the compiler
 // may assume every float is finite and fold std::isfinite to true.

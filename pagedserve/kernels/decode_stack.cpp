@@ -34,7 +34,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -580,15 +579,6 @@ class DecodeStack : public torch::CustomClassHolder {
         convert_row(out.data_ptr<D>(), x.data_ptr<S>(), x.numel());
       });
     });
-  }
-
-  template <typename D, typename S>
-  static void convert_row(D* dst, const S* src, int64_t n) {
-    if constexpr (std::is_same_v<D, S>) {
-      std::memcpy(dst, src, n * sizeof(D));  // what .to() of its own dtype leaves: the same bits
-    } else {
-      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
-    }
   }
 
   // The fused decode kernel in the pools' dtype (bf16 pools under float32 compute: q converted in,

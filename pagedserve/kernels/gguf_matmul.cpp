@@ -297,8 +297,7 @@ class RoundedOutput {
     dispatch_model_dtype(dtype_, "RoundedOutput", [&](auto tag) {
       using T = decltype(tag);
       T* to = static_cast<T*>(data_);
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t c = c0; c < c1; ++c) to[m * ld_ + c] = from_float<T>(y[m * ld + c]);
+      for (int64_t m = m0; m < m1; ++m) convert_row(to + m * ld_ + c0, y + m * ld + c0, c1 - c0);
     });
   }
 
