@@ -378,21 +378,18 @@ struct Int4Layout {
 };
 
 // decode_impl's two L2 requests (prefetch_span_l2, prefetch_block_l2 in paged_decode.h say why)
-// over the int4 pools' arrays: a task's blocks kInt4L2Ahead ahead of the one it reads (the first
-// ones as it starts), and the next task's a block at a time as this one's are scored. A task here
-// is a whole sequence, not a 128-token span: asked for all at once, a 24-block sequence's lines
-// made backwards tables slower than without (21.9 ms against 19.6); eight ahead, 64 sequences of
-// 384 tokens over 12 layers took 22.1 / 21.0 / 20.8 ms scattered / backwards / in order against
-// 32.4 / 25.4 / 22.3 without (Zen 4, examples/paged_decode_bandwidth.py --kv int4). Out of line,
+// over the int4 pools' arrays: a span's blocks as its task starts, the next task's a block at a
+// time as this one's are scored. 64 sequences of 384 tokens over 12 layers took 22.1 / 21.0 / 20.8
+// ms scattered / backwards / in order against 32.4 / 25.4 / 22.3 without (Zen 4, tasks of whole
+// sequences asking eight blocks ahead; examples/paged_decode_bandwidth.py --kv int4). Out of line,
 // as those.
-constexpr int64_t kInt4L2Ahead = 8;
-
 __attribute__((noinline)) void prefetch_blocks_l2(const Int4Layout& lay, const Int4Pools& p, int64_t h,
                                                   const int64_t* table, int64_t from, int64_t to) {
   for (int64_t j = from; j < to; ++j) lay.prefetch_block_l2(p, table[j], h);
 }
 
-// One (sequence, KV head) at a time, as decode_impl, block by block: a block with a tail slot is
+// One (sequence, KV head, span of ~128 tokens) a task, as decode_impl, the spans joined as there
+// (a single long sequence's few KV heads no longer leave a thread idle), block by block: a block with a tail slot is
 // read from the float16 tail (Mt); a quantized one's keys from their planes (Kq), its per-channel
 // key steps folded into the query (one product per channel and block instead of one per key
 // value), its zero points into one bias per query head and block (a key is step * (code + zero
@@ -407,30 +404,36 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
   const KeyPlanes& kp = *p.k_planes;
   const float* e4m3 = e4m3_values();
   const int n_hd = static_cast<int>(hd);
-  pagedserve::parallel_for(p.workers, 0, sh.num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
+  const int64_t span = span_tokens(bs);
+  const std::vector<SpanTask> tasks = span_tasks(sh, lens);
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  std::vector<float> span_max(n_tasks * G), span_sum(n_tasks * G);
+  const bool split = n_tasks > sh.num_seqs * kvh;
+  const std::unique_ptr<float[]> span_out = split ? std::make_unique_for_overwrite<float[]>(n_tasks * G * hd) : nullptr;
+  pagedserve::parallel_for(p.workers, 0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), step(hd), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kvh, h = item % kvh, len = lens[s];
-      const int64_t* table = tables + s * sh.max_blocks;
-      for (int64_t i = 0; i < G * hd; ++i) qf[i] = q[(s * heads + h * G) * hd + i] * sh.scale;
+    for (int64_t i = begin; i < end; ++i) {
+      const SpanTask& task = tasks[i];
+      const int64_t s = task.s, h = task.h, t0 = task.c * span, len = std::min(span, lens[s] - t0);
+      const int64_t* table = tables + s * sh.max_blocks + t0 / bs;
+      for (int64_t j = 0; j < G * hd; ++j) qf[j] = q[(s * heads + h * G) * hd + j] * sh.scale;
       scores.resize(G * len);
       // Blocks sit at random places in the pool: the next block's keys are asked for ahead, as in
-      // decode_impl (prefetch_bytes says why), and into L2 this task's blocks and the next task's
-      // (prefetch_blocks_l2).
+      // decode_impl (prefetch_bytes says why), and into L2 this span's blocks as it starts and the
+      // next task's a block at a time (prefetch_blocks_l2).
       const int64_t blocks = (len + bs - 1) / bs;
-      const bool has_next = item + 1 < end;
-      const int64_t next_s = (item + 1) / kvh, next_h = (item + 1) % kvh;
-      const int64_t* next_table = has_next ? tables + next_s * sh.max_blocks : table;
-      const int64_t next_blocks = has_next ? (lens[next_s] + bs - 1) / bs : 0;
-      prefetch_blocks_l2(lay, p, h, table, 1, std::min(blocks, 1 + kInt4L2Ahead));
+      const SpanTask* next = i + 1 < end ? &tasks[i + 1] : nullptr;
+      const int64_t next_t0 = next ? next->c * span : 0;
+      const int64_t next_blocks = next ? (std::min(span, lens[next->s] - next_t0) + bs - 1) / bs : 0;
+      const int64_t* next_table = next ? tables + next->s * sh.max_blocks + next_t0 / bs : table;
+      const int64_t next_h = next ? next->h : h;
+      prefetch_blocks_l2(lay, p, h, table, 1, blocks);
       if (p.tail_of[table[0]] < 0) lay.prefetch_k(lay.k_planes(p, table[0], h));
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
         const int n = static_cast<int>(std::min(bs, len - start));
-        const int64_t next = start + bs < len ? table[start / bs + 1] : -1;
-        if (next >= 0 && p.tail_of[next] < 0) lay.prefetch_k(lay.k_planes(p, next, h));
-        if (const int64_t ahead = start / bs + 1 + kInt4L2Ahead; ahead < blocks)
-          prefetch_blocks_l2(lay, p, h, table, ahead, ahead + 1);
+        const int64_t following = start + bs < len ? table[start / bs + 1] : -1;
+        if (following >= 0 && p.tail_of[following] < 0) lay.prefetch_k(lay.k_planes(p, following, h));
         if (start / bs < next_blocks) prefetch_blocks_l2(lay, p, next_h, next_table, start / bs, start / bs + 1);
         if (slot >= 0) {
           Mt::scores(qf.data(), p.k_tail + (slot * bs * kvh + h) * hd, lay.trow, n_hd, n, scores.data() + start, len);
@@ -450,9 +453,10 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         Kq::scores(qs.data(), lay.k_planes(p, blk, h), kp, h, bs, n, bias, scores.data() + start, len);
       }
       prefetch_blocks_l2(lay, p, next_h, next_table, std::min(blocks, next_blocks), next_blocks);
-      hide_before_window<G>(scores.data(), len, firsts != nullptr ? firsts[s] : 0);
+      // (a window starts within the first span's first block)
+      hide_before_window<G>(scores.data(), len, firsts != nullptr && task.c == 0 ? firsts[s] : 0);
       float inv_sum[G];
-      softmax_rows<G>(scores.data(), len, inv_sum);
+      softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
@@ -465,11 +469,16 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         apply_scales<Int4KV, G>(scores.data() + start, len, p.v_scales + blk * bs * kvh + h, kvh, n);
         Mv::accumulate(scores.data() + start, len, lay.v_rows(p, blk, h), lay.vrow, n_hd, n, acc.data());
       }
+      if (task.spans > 1) {
+        std::copy(acc.begin(), acc.end(), span_out.get() + i * G * hd);
+        continue;
+      }
       float* os = out + (s * heads + h * G) * hd;
       for (int g = 0; g < G; ++g)
         for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = acc[g * hd + d] * inv_sum[g];
     }
   });
+  if (split) join_spans<G>(p.workers, tasks, span_max.data(), span_sum.data(), span_out.get(), hd, heads, out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)

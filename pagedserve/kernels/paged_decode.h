@@ -409,6 +409,61 @@ constexpr bool bf16_dot() {
 // computed exactly as before the split.
 constexpr int64_t kSpanTokens = 128;
 
+// One task: sequence s's KV head h, span c of its `spans`.
+struct SpanTask {
+  int64_t s, h, c, spans;
+};
+
+// Whole blocks of about kSpanTokens.
+inline int64_t span_tokens(int64_t block_size) { return std::max<int64_t>(1, kSpanTokens / block_size) * block_size; }
+
+// Every (sequence, KV head, span) of a batch, a (sequence, KV head)'s spans consecutive from span 0.
+inline std::vector<SpanTask> span_tasks(const Shapes& sh, const int64_t* lens) {
+  const int64_t span = span_tokens(sh.block_size);
+  std::vector<SpanTask> tasks;
+  for (int64_t s = 0; s < sh.num_seqs; ++s) {
+    const int64_t spans = (lens[s] + span - 1) / span;
+    for (int64_t h = 0; h < sh.kv_heads; ++h)
+      for (int64_t c = 0; c < spans; ++c) tasks.push_back({s, h, c, spans});
+  }
+  return tasks;
+}
+
+// Joins each split (sequence, KV head)'s spans, in span order, rescaled to their largest max: task
+// i's G maxima and sums at span_max / span_sum + i * G, its unnormalized G x hd output at span_out +
+// i * G * hd; the result into out [seqs, heads, hd].
+template <int G, typename T>
+void join_spans(WorkPool* pool, const std::vector<SpanTask>& tasks, const float* span_max, const float* span_sum,
+                const float* span_out, int64_t hd, int64_t heads, T* out) {
+  pagedserve::parallel_for(pool, 0, static_cast<int64_t>(tasks.size()), 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * hd);
+    for (int64_t i = begin; i < end; ++i) {
+      const SpanTask& task = tasks[i];
+      if (task.spans == 1 || task.c != 0) continue;
+      float top[G], sum[G] = {};
+      for (int g = 0; g < G; ++g) {
+        top[g] = span_max[i * G + g];
+        for (int64_t c = 1; c < task.spans; ++c) top[g] = std::max(top[g], span_max[(i + c) * G + g]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < task.spans; ++c) {
+        const int64_t j = i + c;
+        for (int g = 0; g < G; ++g) {
+          const float w = std::exp(span_max[j * G + g] - top[g]);
+          sum[g] += span_sum[j * G + g] * w;
+          const float* part = span_out + (j * G + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += part[d] * w;
+        }
+      }
+      T* os = out + (task.s * heads + task.h * G) * hd;
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv);
+      }
+    }
+  });
+}
+
 template <typename E, int G, int HD>
 void decode_impl(const Batch<E>& b) {
   using M = BlockMath<E, G, HD>;
@@ -416,16 +471,8 @@ void decode_impl(const Batch<E>& b) {
   constexpr bool kBf16Dot = bf16_dot<M>();
   const Shapes& sh = b.sh;
   const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
-  const int64_t span = std::max<int64_t>(1, kSpanTokens / bs) * bs;
-  struct Task {
-    int64_t s, h, c, spans;  // sequence, KV head, span, and how many spans (s, h) has
-  };
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < sh.num_seqs; ++s) {
-    const int64_t spans = (b.lens[s] + span - 1) / span;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t c = 0; c < spans; ++c) tasks.push_back({s, h, c, spans});
-  }
+  const int64_t span = span_tokens(bs);
+  const std::vector<SpanTask> tasks = span_tasks(sh, b.lens);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   // A split (s, h)'s spans leave their max, sum and unnormalized output here, indexed by task.
   std::vector<float> span_max(n_tasks * G), span_sum(n_tasks * G);
@@ -437,12 +484,12 @@ void decode_impl(const Batch<E>& b) {
   pagedserve::parallel_for(b.pool, 0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
     for (int64_t i = begin; i < end; ++i) {
-      const Task& task = tasks[i];
+      const SpanTask& task = tasks[i];
       const int64_t s = task.s, h = task.h;
       const int64_t t0 = task.c * span, len = std::min(span, b.lens[s] - t0);
       const int64_t* table = b.tables + s * sh.max_blocks + t0 / bs;
       // the chunk's next task, whose blocks this one asks for (prefetch_block_l2)
-      const Task* next = i + 1 < end ? &tasks[i + 1] : nullptr;
+      const SpanTask* next = i + 1 < end ? &tasks[i + 1] : nullptr;
       const int64_t next_t0 = next ? next->c * span : 0;
       const int64_t next_blocks = next ? (std::min(span, b.lens[next->s] - next_t0) + bs - 1) / bs : 0;
       const int64_t* next_table = next ? b.tables + next->s * sh.max_blocks + next_t0 / bs : nullptr;
@@ -494,36 +541,7 @@ void decode_impl(const Batch<E>& b) {
         for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
     }
   });
-  if (!split) return;
-  // Join each split (s, h)'s spans (consecutive tasks from its span 0), in span order, rescaled to
-  // their largest max.
-  pagedserve::parallel_for(b.pool, 0, n_tasks, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * hd);
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& task = tasks[i];
-      if (task.spans == 1 || task.c != 0) continue;
-      float top[G], sum[G] = {};
-      for (int g = 0; g < G; ++g) {
-        top[g] = span_max[i * G + g];
-        for (int64_t c = 1; c < task.spans; ++c) top[g] = std::max(top[g], span_max[(i + c) * G + g]);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < task.spans; ++c) {
-        const int64_t j = i + c;
-        for (int g = 0; g < G; ++g) {
-          const float w = std::exp(span_max[j * G + g] - top[g]);
-          sum[g] += span_sum[j * G + g] * w;
-          const float* part = span_out.get() + (j * G + g) * hd;
-          for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += part[d] * w;
-        }
-      }
-      T* os = b.out + (task.s * heads + task.h * G) * hd;
-      for (int g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv);
-      }
-    }
-  });
+  if (split) join_spans<G>(b.pool, tasks, span_max.data(), span_sum.data(), span_out.get(), hd, heads, b.out);
 }
 
 template <typename E, int G>
