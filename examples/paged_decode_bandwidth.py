@@ -55,7 +55,7 @@ def make_pools(blocks: int, bs: int) -> tuple:
     for chunk in slots.split(1 << 16):
         k.write(chunk, torch.randn(len(chunk), KV_HEADS, HEAD_DIM))
         v.write(chunk, torch.randn(len(chunk), KV_HEADS, HEAD_DIM))
-    return (k.data, v.data, k.scales, k.zero_points, k.key_bits, v.scales, k.tail, v.tail, k.tail_slots())
+    return k.decode_kernel_pools(v)
 
 
 def row_bytes(bs: int) -> float:

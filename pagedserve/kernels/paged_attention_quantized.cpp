@@ -353,6 +353,9 @@ struct Int4Layout {
   const uint8_t* v_rows(const Int4Pools& p, int64_t blk, int64_t h) const {
     return p.v + (blk * bs * kvh + h) * hd / 2;
   }
+  int64_t channels(int64_t blk, int64_t h) const { return (blk * kvh + h) * hd; }  // steps, zero points
+  int64_t value_scales(int64_t blk, int64_t h) const { return blk * bs * kvh + h; }  // token t: + t * kvh
+  int64_t tail_rows(int64_t slot, int64_t h) const { return (slot * bs * kvh + h) * hd; }  // token t: + t * trow
   void prefetch_k(const uint8_t* planes) const { prefetch_bytes(planes, hd * bs / 2); }
   template <bool into_l2 = false>
   void prefetch_v(const uint8_t* rows) const {  // bs runs of hd / 2 bytes
@@ -362,7 +365,7 @@ struct Int4Layout {
   // points, value rows and scales; a tail slot's float16 key and value rows.
   void prefetch_block_l2(const Int4Pools& p, int64_t blk, int64_t h) const {
     if (const int64_t slot = p.tail_of[blk]; slot >= 0) {
-      const int64_t at = (slot * bs * kvh + h) * hd;
+      const int64_t at = tail_rows(slot, h);
       for (int64_t t = 0; t < bs; ++t) {
         prefetch_bytes<true>(p.k_tail + at + t * trow, hd * sizeof(c10::Half));
         prefetch_bytes<true>(p.v_tail + at + t * trow, hd * sizeof(c10::Half));
@@ -370,10 +373,10 @@ struct Int4Layout {
       return;
     }
     prefetch_bytes<true>(k_planes(p, blk, h), hd * bs / 2);
-    prefetch_bytes<true>(p.k_steps + (blk * kvh + h) * hd, hd);
-    prefetch_bytes<true>(p.k_zeros + (blk * kvh + h) * hd, hd);
+    prefetch_bytes<true>(p.k_steps + channels(blk, h), hd);
+    prefetch_bytes<true>(p.k_zeros + channels(blk, h), hd);
     prefetch_v<true>(v_rows(p, blk, h));
-    prefetch_bytes<true>(p.v_scales + blk * bs * kvh + h, ((bs - 1) * kvh + 1) * sizeof(c10::Half));
+    prefetch_bytes<true>(p.v_scales + value_scales(blk, h), ((bs - 1) * kvh + 1) * sizeof(c10::Half));
   }
 };
 
@@ -388,9 +391,9 @@ __attribute__((noinline)) void prefetch_blocks_l2(const Int4Layout& lay, const I
   for (int64_t j = from; j < to; ++j) lay.prefetch_block_l2(p, table[j], h);
 }
 
-// One (sequence, KV head, span of ~128 tokens) a task, as decode_impl, the spans joined as there
-// (a single long sequence's few KV heads no longer leave a thread idle), block by block: a block with a tail slot is
-// read from the float16 tail (Mt); a quantized one's keys from their planes (Kq), its per-channel
+// One (sequence, KV head, span) a task, as decode_impl, the spans joined as there (SpanPlan: one
+// long sequence's few KV heads no longer leave a thread idle), block by block: a block with a
+// tail slot is read from the float16 tail (Mt); a quantized one's keys from their planes (Kq), its per-channel
 // key steps folded into the query (one product per channel and block instead of one per key
 // value), its zero points into one bias per query head and block (a key is step * (code + zero
 // point) per channel, so q.k = (q * step).code + sum q * step * zero point), and its values
@@ -404,29 +407,22 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
   const KeyPlanes& kp = *p.k_planes;
   const float* e4m3 = e4m3_values();
   const int n_hd = static_cast<int>(hd);
-  const int64_t span = span_tokens(bs);
-  const std::vector<SpanTask> tasks = span_tasks(sh, lens);
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  std::vector<float> span_max(n_tasks * G), span_sum(n_tasks * G);
-  const bool split = n_tasks > sh.num_seqs * kvh;
-  const std::unique_ptr<float[]> span_out = split ? std::make_unique_for_overwrite<float[]>(n_tasks * G * hd) : nullptr;
-  pagedserve::parallel_for(p.workers, 0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+  SpanPlan<G> plan(sh, lens);
+  pagedserve::parallel_for(p.workers, 0, plan.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), qs(G * hd), acc(G * hd), step(hd), scores;
     for (int64_t i = begin; i < end; ++i) {
-      const SpanTask& task = tasks[i];
-      const int64_t s = task.s, h = task.h, t0 = task.c * span, len = std::min(span, lens[s] - t0);
-      const int64_t* table = tables + s * sh.max_blocks + t0 / bs;
+      const SpanTask& task = plan.tasks[i];
+      const int64_t s = task.s, h = task.h, len = task.len;
+      const int64_t* table = plan.table(i, tables);
       for (int64_t j = 0; j < G * hd; ++j) qf[j] = q[(s * heads + h * G) * hd + j] * sh.scale;
       scores.resize(G * len);
       // Blocks sit at random places in the pool: the next block's keys are asked for ahead, as in
       // decode_impl (prefetch_bytes says why), and into L2 this span's blocks as it starts and the
       // next task's a block at a time (prefetch_blocks_l2).
-      const int64_t blocks = (len + bs - 1) / bs;
-      const SpanTask* next = i + 1 < end ? &tasks[i + 1] : nullptr;
-      const int64_t next_t0 = next ? next->c * span : 0;
-      const int64_t next_blocks = next ? (std::min(span, lens[next->s] - next_t0) + bs - 1) / bs : 0;
-      const int64_t* next_table = next ? tables + next->s * sh.max_blocks + next_t0 / bs : table;
-      const int64_t next_h = next ? next->h : h;
+      const int64_t blocks = plan.blocks(i);
+      const bool next = i + 1 < end;
+      const int64_t next_blocks = next ? plan.blocks(i + 1) : 0, next_h = next ? plan.tasks[i + 1].h : h;
+      const int64_t* next_table = next ? plan.table(i + 1, tables) : table;
       prefetch_blocks_l2(lay, p, h, table, 1, blocks);
       if (p.tail_of[table[0]] < 0) lay.prefetch_k(lay.k_planes(p, table[0], h));
       for (int64_t start = 0; start < len; start += bs) {
@@ -436,11 +432,11 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
         if (following >= 0 && p.tail_of[following] < 0) lay.prefetch_k(lay.k_planes(p, following, h));
         if (start / bs < next_blocks) prefetch_blocks_l2(lay, p, next_h, next_table, start / bs, start / bs + 1);
         if (slot >= 0) {
-          Mt::scores(qf.data(), p.k_tail + (slot * bs * kvh + h) * hd, lay.trow, n_hd, n, scores.data() + start, len);
+          Mt::scores(qf.data(), p.k_tail + lay.tail_rows(slot, h), lay.trow, n_hd, n, scores.data() + start, len);
           continue;
         }
         lay.prefetch_v(lay.v_rows(p, blk, h));
-        const int64_t at = (blk * kvh + h) * hd;
+        const int64_t at = lay.channels(blk, h);
         for (int64_t d = 0; d < hd; ++d) step[d] = e4m3[p.k_steps[at + d]];
         float bias[G];
         for (int g = 0; g < G; ++g) {
@@ -456,29 +452,23 @@ void decode_int4(float* out, const float* q, const Int4Pools& p, const int64_t* 
       // (a window starts within the first span's first block)
       hide_before_window<G>(scores.data(), len, firsts != nullptr && task.c == 0 ? firsts[s] : 0);
       float inv_sum[G];
-      softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
+      softmax_rows<G>(scores.data(), len, inv_sum, plan.max.data() + i * G, plan.sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs], slot = p.tail_of[blk];
         const int n = static_cast<int>(std::min(bs, len - start));
         if (slot >= 0) {
-          Mt::accumulate(scores.data() + start, len, p.v_tail + (slot * bs * kvh + h) * hd, lay.trow, n_hd, n,
+          Mt::accumulate(scores.data() + start, len, p.v_tail + lay.tail_rows(slot, h), lay.trow, n_hd, n,
                          acc.data());
           continue;
         }
-        apply_scales<Int4KV, G>(scores.data() + start, len, p.v_scales + blk * bs * kvh + h, kvh, n);
+        apply_scales<Int4KV, G>(scores.data() + start, len, p.v_scales + lay.value_scales(blk, h), kvh, n);
         Mv::accumulate(scores.data() + start, len, lay.v_rows(p, blk, h), lay.vrow, n_hd, n, acc.data());
       }
-      if (task.spans > 1) {
-        std::copy(acc.begin(), acc.end(), span_out.get() + i * G * hd);
-        continue;
-      }
-      float* os = out + (s * heads + h * G) * hd;
-      for (int g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = acc[g * hd + d] * inv_sum[g];
+      plan.finish(i, acc.data(), inv_sum, out + (s * heads + h * G) * hd);
     }
   });
-  if (split) join_spans<G>(p.workers, tasks, span_max.data(), span_sum.data(), span_out.get(), hd, heads, out);
+  plan.join(p.workers, heads, out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -409,60 +409,91 @@ constexpr bool bf16_dot() {
 // computed exactly as before the split.
 constexpr int64_t kSpanTokens = 128;
 
-// One task: sequence s's KV head h, span c of its `spans`.
+// One task: sequence s's KV head h, span c of its `spans`, `len` tokens from token `start`.
 struct SpanTask {
-  int64_t s, h, c, spans;
+  int64_t s, h, c, spans, start, len;
 };
 
-// Whole blocks of about kSpanTokens.
-inline int64_t span_tokens(int64_t block_size) { return std::max<int64_t>(1, kSpanTokens / block_size) * block_size; }
-
-// Every (sequence, KV head, span) of a batch, a (sequence, KV head)'s spans consecutive from span 0.
-inline std::vector<SpanTask> span_tasks(const Shapes& sh, const int64_t* lens) {
-  const int64_t span = span_tokens(sh.block_size);
+// A batch's tasks, every (sequence, KV head)'s spans consecutive from span 0, and what the split
+// ones leave for the join: each task's softmax max and sum (G each) and, where its (sequence, KV
+// head) has more than one span, its unnormalized G x hd output. Both decode entry points that read
+// spans (decode_impl here, decode_int4 over int4 pools) run their tasks and join through it.
+template <int G>
+struct SpanPlan {
+  int64_t block_size, max_blocks, hd;
   std::vector<SpanTask> tasks;
-  for (int64_t s = 0; s < sh.num_seqs; ++s) {
-    const int64_t spans = (lens[s] + span - 1) / span;
-    for (int64_t h = 0; h < sh.kv_heads; ++h)
-      for (int64_t c = 0; c < spans; ++c) tasks.push_back({s, h, c, spans});
-  }
-  return tasks;
-}
+  std::vector<float> max, sum;
+  // every split task writes its whole part before the join reads it: not zeroed (16 rows' 73 KB
+  // were a serial memset each layer, the pool's worker idle); null where nothing is split
+  std::unique_ptr<float[]> parts;
 
-// Joins each split (sequence, KV head)'s spans, in span order, rescaled to their largest max: task
-// i's G maxima and sums at span_max / span_sum + i * G, its unnormalized G x hd output at span_out +
-// i * G * hd; the result into out [seqs, heads, hd].
-template <int G, typename T>
-void join_spans(WorkPool* pool, const std::vector<SpanTask>& tasks, const float* span_max, const float* span_sum,
-                const float* span_out, int64_t hd, int64_t heads, T* out) {
-  pagedserve::parallel_for(pool, 0, static_cast<int64_t>(tasks.size()), 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * hd);
-    for (int64_t i = begin; i < end; ++i) {
-      const SpanTask& task = tasks[i];
-      if (task.spans == 1 || task.c != 0) continue;
-      float top[G], sum[G] = {};
-      for (int g = 0; g < G; ++g) {
-        top[g] = span_max[i * G + g];
-        for (int64_t c = 1; c < task.spans; ++c) top[g] = std::max(top[g], span_max[(i + c) * G + g]);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < task.spans; ++c) {
-        const int64_t j = i + c;
+  SpanPlan(const Shapes& sh, const int64_t* lens) : block_size(sh.block_size), max_blocks(sh.max_blocks), hd(sh.hd) {
+    const int64_t span = std::max<int64_t>(1, kSpanTokens / block_size) * block_size;  // whole blocks
+    for (int64_t s = 0; s < sh.num_seqs; ++s) {
+      const int64_t spans = (lens[s] + span - 1) / span;
+      for (int64_t h = 0; h < sh.kv_heads; ++h)
+        for (int64_t c = 0; c < spans; ++c)
+          tasks.push_back({s, h, c, spans, c * span, std::min(span, lens[s] - c * span)});
+    }
+    const int64_t n = size();
+    max.resize(n * G);
+    sum.resize(n * G);
+    if (n > sh.num_seqs * sh.kv_heads) parts = std::make_unique_for_overwrite<float[]>(n * G * hd);
+  }
+
+  int64_t size() const { return static_cast<int64_t>(tasks.size()); }
+  // task i's part of its sequence's block table, and how many blocks it reads
+  const int64_t* table(int64_t i, const int64_t* tables) const {
+    return tables + tasks[i].s * max_blocks + tasks[i].start / block_size;
+  }
+  int64_t blocks(int64_t i) const { return (tasks[i].len + block_size - 1) / block_size; }
+
+  // Task i's G x hd sums (acc) with its rows' 1 / sum: the output rows os of its (sequence, KV head)
+  // where it is the only span, else kept for the join.
+  template <typename T>
+  void finish(int64_t i, const float* acc, const float* inv_sum, T* os) {
+    if (tasks[i].spans > 1) {
+      std::copy(acc, acc + G * hd, parts.get() + i * G * hd);
+      return;
+    }
+    for (int g = 0; g < G; ++g)
+      for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
+  }
+
+  // Joins each split (sequence, KV head)'s spans, in span order, rescaled to their largest max,
+  // into out [seqs, heads, hd].
+  template <typename T>
+  void join(WorkPool* pool, int64_t heads, T* out) const {
+    if (parts == nullptr) return;
+    pagedserve::parallel_for(pool, 0, size(), 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(G * hd);
+      for (int64_t i = begin; i < end; ++i) {
+        const SpanTask& task = tasks[i];
+        if (task.spans == 1 || task.c != 0) continue;
+        float top[G], total[G] = {};
         for (int g = 0; g < G; ++g) {
-          const float w = std::exp(span_max[j * G + g] - top[g]);
-          sum[g] += span_sum[j * G + g] * w;
-          const float* part = span_out + (j * G + g) * hd;
-          for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += part[d] * w;
+          top[g] = max[i * G + g];
+          for (int64_t c = 1; c < task.spans; ++c) top[g] = std::max(top[g], max[(i + c) * G + g]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t c = 0; c < task.spans; ++c) {
+          const int64_t j = i + c;
+          for (int g = 0; g < G; ++g) {
+            const float w = std::exp(max[j * G + g] - top[g]);
+            total[g] += sum[j * G + g] * w;
+            const float* part = parts.get() + (j * G + g) * hd;
+            for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += part[d] * w;
+          }
+        }
+        T* os = out + (task.s * heads + task.h * G) * hd;
+        for (int g = 0; g < G; ++g) {
+          const float inv = 1.f / total[g];
+          for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv);
         }
       }
-      T* os = out + (task.s * heads + task.h * G) * hd;
-      for (int g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv);
-      }
-    }
-  });
-}
+    });
+  }
+};
 
 template <typename E, int G, int HD>
 void decode_impl(const Batch<E>& b) {
@@ -471,28 +502,17 @@ void decode_impl(const Batch<E>& b) {
   constexpr bool kBf16Dot = bf16_dot<M>();
   const Shapes& sh = b.sh;
   const int64_t kv_heads = sh.kv_heads, bs = sh.block_size, hd = sh.hd, heads = kv_heads * G;
-  const int64_t span = span_tokens(bs);
-  const std::vector<SpanTask> tasks = span_tasks(sh, b.lens);
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  // A split (s, h)'s spans leave their max, sum and unnormalized output here, indexed by task.
-  std::vector<float> span_max(n_tasks * G), span_sum(n_tasks * G);
-  const bool split = n_tasks > sh.num_seqs * kv_heads;
-  // every split task writes its whole part before the join reads it: not zeroed (16 rows' 73 KB
-  // were a serial memset each layer, the pool's worker idle)
-  const std::unique_ptr<float[]> span_out =
-      split ? std::make_unique_for_overwrite<float[]>(n_tasks * G * hd) : nullptr;
-  pagedserve::parallel_for(b.pool, 0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+  SpanPlan<G> plan(sh, b.lens);
+  pagedserve::parallel_for(b.pool, 0, plan.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), scores;
     for (int64_t i = begin; i < end; ++i) {
-      const SpanTask& task = tasks[i];
-      const int64_t s = task.s, h = task.h;
-      const int64_t t0 = task.c * span, len = std::min(span, b.lens[s] - t0);
-      const int64_t* table = b.tables + s * sh.max_blocks + t0 / bs;
+      const SpanTask& task = plan.tasks[i];
+      const int64_t s = task.s, h = task.h, len = task.len;
+      const int64_t* table = plan.table(i, b.tables);
       // the chunk's next task, whose blocks this one asks for (prefetch_block_l2)
-      const SpanTask* next = i + 1 < end ? &tasks[i + 1] : nullptr;
-      const int64_t next_t0 = next ? next->c * span : 0;
-      const int64_t next_blocks = next ? (std::min(span, b.lens[next->s] - next_t0) + bs - 1) / bs : 0;
-      const int64_t* next_table = next ? b.tables + next->s * sh.max_blocks + next_t0 / bs : nullptr;
+      const bool next = i + 1 < end;
+      const int64_t next_blocks = next ? plan.blocks(i + 1) : 0, next_h = next ? plan.tasks[i + 1].h : h;
+      const int64_t* next_table = next ? plan.table(i + 1, b.tables) : nullptr;
       const T* qs = b.q + (s * heads + h * G) * hd;
       if constexpr (!kBf16Dot) {
         for (int64_t j = 0; j < G * hd; ++j) qf[j] = to_float(qs[j]) * sh.scale;
@@ -502,14 +522,14 @@ void decode_impl(const Batch<E>& b) {
       // request a row: 64 sequences of 384 tokens over int8 pools, medians of six pairs, 11.2 / 11.2
       // / 10.9 GB/s backwards / scattered / in order against 7.0 / 6.9 / 9.3 without,
       // examples/paged_decode_bandwidth.py --kv int8)
-      prefetch_span_l2(b.k, b.v, h, table, (len + bs - 1) / bs);
+      prefetch_span_l2(b.k, b.v, h, table, plan.blocks(i));
       b.k.prefetch(h, table[0]);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t j = start / bs;
         const int n = static_cast<int>(std::min(bs, len - start));
         if (start + bs < len) b.k.prefetch(h, table[j + 1]);
         b.v.prefetch(h, table[j]);
-        if (j < next_blocks) prefetch_block_l2(b.k, b.v, next->h, next_table[j]);
+        if (j < next_blocks) prefetch_block_l2(b.k, b.v, next_h, next_table[j]);
         if constexpr (kBf16Dot) {
           M::scores_bf16(qs, sh.scale, b.k.rows(h, table[j]), b.k.row_stride, n, scores.data() + start, len);
         } else {
@@ -519,11 +539,11 @@ void decode_impl(const Batch<E>& b) {
           apply_scales<E, G>(scores.data() + start, len, b.k.row_scales(h, table[j]), b.k.scale_row_stride, n);
       }
       // the next task's blocks past this one's count
-      for (int64_t j = (len + bs - 1) / bs; j < next_blocks; ++j) prefetch_block_l2(b.k, b.v, next->h, next_table[j]);
+      for (int64_t j = plan.blocks(i); j < next_blocks; ++j) prefetch_block_l2(b.k, b.v, next_h, next_table[j]);
       // (a window starts within the first span's first block)
       hide_before_window<G>(scores.data(), len, b.firsts != nullptr && task.c == 0 ? b.firsts[s] : 0);
       float inv_sum[G];
-      softmax_rows<G>(scores.data(), len, inv_sum, span_max.data() + i * G, span_sum.data() + i * G);
+      softmax_rows<G>(scores.data(), len, inv_sum, plan.max.data() + i * G, plan.sum.data() + i * G);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += bs) {
         const int64_t blk = table[start / bs];
@@ -532,16 +552,10 @@ void decode_impl(const Batch<E>& b) {
           apply_scales<E, G>(scores.data() + start, len, b.v.row_scales(h, blk), b.v.scale_row_stride, n);
         M::accumulate(scores.data() + start, len, b.v.rows(h, blk), b.v.row_stride, hd, n, acc.data());
       }
-      if (task.spans > 1) {
-        std::copy(acc.begin(), acc.end(), span_out.get() + i * G * hd);
-        continue;
-      }
-      T* os = b.out + (s * heads + h * G) * hd;
-      for (int g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) os[g * hd + d] = from_float<T>(acc[g * hd + d] * inv_sum[g]);
+      plan.finish(i, acc.data(), inv_sum, b.out + (s * heads + h * G) * hd);
     }
   });
-  if (split) join_spans<G>(b.pool, tasks, span_max.data(), span_sum.data(), span_out.get(), hd, heads, b.out);
+  plan.join(b.pool, heads, b.out);
 }
 
 template <typename E, int G>

@@ -445,6 +445,12 @@ class Int4KVCache:
         """``[num_blocks]``: each block's tail slot as this view reads it (-1: quantized)."""
         return self.tails.slot_of if self.read_slots is None else self.read_slots
 
+    def decode_kernel_pools(self, v: Int4KVCache) -> tuple[torch.Tensor, ...]:
+        """This key pool's and value pool ``v``'s tensors in the order ``paged_decode_attention_int4``
+        takes them (kernels/kernel_ops.h), its tail slots as this view reads them."""
+        return (self.data, v.data, self.scales, self.zero_points, self.key_bits, v.scales, self.tail, v.tail,
+                self.tail_slots())
+
     def decode_view(self) -> Int4KVCache:
         """The pool as this step's decodes read it: a block their write filled is still read from
         its tail slot (the decode's own block, exact, as in the simulation); prompt chunks read it

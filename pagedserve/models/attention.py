@@ -207,8 +207,7 @@ def _decode_fused(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: Att
     if ops is not None and q.device.type == "cpu" and q.shape[1] <= FUSED_DECODE_MAX_GROUP * k_cache.shape[2]:
         if isinstance(k_cache, Int4KVCache):
             kernel, dtype, mode = ops.paged_decode_attention_int4, q.dtype, ("auto",)
-            pools = (k_cache.data, v_cache.data, k_cache.scales, k_cache.zero_points, k_cache.key_bits,
-                     v_cache.scales, k_cache.tail, v_cache.tail, k_cache.tail_slots())
+            pools = k_cache.decode_kernel_pools(v_cache)
         elif isinstance(k_cache, QuantizedKVCache):
             kernel, dtype, mode = ops.paged_decode_attention_quantized, q.dtype, (k_cache.kv_cache_dtype,)
             pools = (k_cache.data, v_cache.data, k_cache.scales, v_cache.scales)
