@@ -359,17 +359,15 @@ struct Int4Layout {
   void prefetch_k(const uint8_t* planes) const { prefetch_bytes(planes, hd * bs / 2); }
   template <bool into_l2 = false>
   void prefetch_v(const uint8_t* rows) const {  // bs runs of hd / 2 bytes
-    for (int64_t t = 0; t < bs; ++t) prefetch_bytes<into_l2>(rows + t * vrow, hd / 2);
+    prefetch_rows<into_l2>(rows, bs, vrow, hd / 2);
   }
   // Everything head h reads of block blk into L2: a quantized block's key planes, steps and zero
   // points, value rows and scales; a tail slot's float16 key and value rows.
   void prefetch_block_l2(const Int4Pools& p, int64_t blk, int64_t h) const {
     if (const int64_t slot = p.tail_of[blk]; slot >= 0) {
-      const int64_t at = tail_rows(slot, h);
-      for (int64_t t = 0; t < bs; ++t) {
-        prefetch_bytes<true>(p.k_tail + at + t * trow, hd * sizeof(c10::Half));
-        prefetch_bytes<true>(p.v_tail + at + t * trow, hd * sizeof(c10::Half));
-      }
+      const int64_t at = tail_rows(slot, h), step = trow * sizeof(c10::Half), bytes = hd * sizeof(c10::Half);
+      prefetch_rows<true>(p.k_tail + at, bs, step, bytes);
+      prefetch_rows<true>(p.v_tail + at, bs, step, bytes);
       return;
     }
     prefetch_bytes<true>(k_planes(p, blk, h), hd * bs / 2);

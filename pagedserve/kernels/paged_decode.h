@@ -273,6 +273,28 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
     prefetch_line<into_l2>(reinterpret_cast<const char*>(a));
 }
 
+// `rows` rows of `row_bytes` each, `step` bytes apart (token-major rows, one KV head's among the
+// others'). Rows of one or two whole cache lines (int8 / fp8 rows of head_dim 64 or 128, float16
+// tail rows of 64) have their lines asked for directly, the count fixed: prefetch_bytes' bounds a
+// row cost the int8 kernel 7.6 against 7.0 GB/s in cache on one thread and ~5 % of its time from
+// memory (12 layers, 2 threads); a loop over a row's lines with the count read at run time kept
+// none of that (docs/BENCHMARKS.md).
+template <bool into_l2 = false>
+inline void prefetch_rows(const void* first, int64_t rows, int64_t step, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  const bool lines = step % 64 == 0 && reinterpret_cast<uintptr_t>(p) % 64 == 0;
+  if (lines && row_bytes == 64) {
+    for (int64_t t = 0; t < rows; ++t) prefetch_line<into_l2>(p + t * step);
+  } else if (lines && row_bytes == 128) {
+    for (int64_t t = 0; t < rows; ++t) {
+      prefetch_line<into_l2>(p + t * step);
+      prefetch_line<into_l2>(p + t * step + 64);
+    }
+  } else {
+    for (int64_t t = 0; t < rows; ++t) prefetch_bytes<into_l2>(p + t * step, row_bytes);
+  }
+}
+
 // Where one pool keeps the rows (and, quantized, the scales) of KV head h's block b; strides in
 // stored elements (scales).
 template <typename E>
@@ -294,23 +316,8 @@ struct Pool {
     const int64_t row_bytes = width * static_cast<int64_t>(sizeof(S));
     if (row_stride == width) {  // head-major: the block is one run
       prefetch_bytes<into_l2>(r, block_size * row_bytes);
-    } else if (const int64_t step = row_stride * static_cast<int64_t>(sizeof(S));
-               (row_bytes == 64 || row_bytes == 128) && step % 64 == 0 && reinterpret_cast<uintptr_t>(r) % 64 == 0) {
-      // token-major rows of one or two whole cache lines (int8 / fp8 rows of head_dim 64 or 128),
-      // asked for without prefetch_bytes' bounds a row, the line count fixed: one layer of int8
-      // pools in cache, one thread, 7.0 -> 7.6 GB/s; 12 layers from memory ~5 % less time (a loop
-      // over a row's lines, its count read at run time: no gain; docs/BENCHMARKS.md)
-      const char* first = reinterpret_cast<const char*>(r);
-      if (row_bytes == 64) {
-        for (int64_t t = 0; t < block_size; ++t) prefetch_line<into_l2>(first + t * step);
-      } else {
-        for (int64_t t = 0; t < block_size; ++t) {
-          prefetch_line<into_l2>(first + t * step);
-          prefetch_line<into_l2>(first + t * step + 64);
-        }
-      }
     } else {  // token-major: this head's rows, between the other heads'
-      for (int64_t t = 0; t < block_size; ++t) prefetch_bytes<into_l2>(r + t * row_stride, row_bytes);
+      prefetch_rows<into_l2>(r, block_size, row_stride * static_cast<int64_t>(sizeof(S)), row_bytes);
     }
     if constexpr (E::kQuantized)
       prefetch_bytes<into_l2>(row_scales(h, b), ((block_size - 1) * scale_row_stride + 1) * sizeof(c10::Half));
