@@ -1,11 +1,15 @@
 """A step's linears of `small` (12 layers x qkv, o_proj, gate_up, down, and the LM head up to 64 rows)
-through the AMX-BF16 tile kernel (the engine's TileLinear, `--pack-weights auto`) and through
-oneDNN's prepacked bf16 linear (PackedLinear, `--pack-weights onednn`), per row count, the two
-timed in turn on the same operands: where the tiles win and where they do not. docs/BENCHMARKS.md
-("bf16 linears on AMX-BF16 tiles").
+through the native tile-layout kernel (the engine's TileLinear, `--pack-weights auto`: AMX-BF16
+tiles, or AVX512-BF16's vdpbf16ps where there are none) and through oneDNN's prepacked bf16 linear
+(PackedLinear, `--pack-weights onednn`), per row count, the two timed in turn on the same operands:
+where the kernel wins and where it does not. By default one layer's matrices are called again and
+again (in cache); `--from-memory` gives each of the 12 layers its own weights and times whole steps,
+so that the weights stream from memory as in a decode step. docs/BENCHMARKS.md ("bf16 linears on
+AMX-BF16 tiles"; "bf16 linears through vdpbf16ps").
 
     python examples/tile_linear_rows.py
     python examples/tile_linear_rows.py --rows 1 64 --threads 1
+    python examples/tile_linear_rows.py --from-memory --rows 1 4 16 64 512
 """
 import argparse
 import statistics
@@ -22,25 +26,56 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 34, 64, 128, 512, 1024, 2048],
                     help="row counts (tokens in a step); the LM head is counted up to 64 rows")
 parser.add_argument("--threads", type=int, default=2, help="torch threads")
+parser.add_argument("--from-memory", action="store_true",
+                    help="12 layers' own weights, whole steps timed: the weights stream from memory")
 args = parser.parse_args()
 ops = native_ops()
 if ops is None or not ops.tile_linear_usable():
-    raise SystemExit("this CPU (or build) has no AMX-BF16 tile path")
+    raise SystemExit("this CPU (or build) has neither AMX-BF16 tiles nor AVX512-BF16 for the tile-layout kernel")
 torch.set_num_threads(args.threads)
 torch.manual_seed(0)
 
 
-def per_call(layer, x: torch.Tensor, calls: int) -> float:
+def per_call(layer, x: torch.Tensor | None, calls: int) -> float:
+    """Median seconds of ``layer(x)`` (``layer()`` where ``x`` is None) after 3 warm-up calls."""
+    run = layer if x is None else lambda: layer(x)
     for _ in range(3):
-        layer(x)
+        run()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        layer(x)
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+def from_memory() -> None:
+    """Every layer's own matrices, a whole step's linears timed at once, the two kinds in turn."""
+    names = [name for name in SHAPES if name != "lm_head"] * 12 + ["lm_head"]
+    weights = [(torch.randn(*SHAPES[name]) / SHAPES[name][1] ** 0.5).to(torch.bfloat16) for name in names]
+    tile = [TileLinear(w, None, ops) for w in weights]
+    packed = [PackedLinear(w, None) for w in weights]
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (768, 2048)}
+
+        def step(layers):
+            return lambda: [layer(xs[layer.in_features]) for layer in layers]
+
+        calls = 11 if m <= 128 else 3
+        times = {"tile": [], "onednn": []}
+        for _ in range(2):  # in turn, twice
+            times["tile"].append(per_call(step(tile), None, calls))
+            times["onednn"].append(per_call(step(packed), None, calls))
+        t, o = min(times["tile"]), min(times["onednn"])
+        print(f"  {m:5d} rows: kernel {t * 1e3:7.2f}  oneDNN {o * 1e3:7.2f}  kernel/oneDNN speed {o / t:.2f}x")
+
+
+with torch.inference_mode():
+    print(f"the tile-layout kernel's path here: {ops.tile_linear_path()}")
+    if args.from_memory:
+        print(f"{args.threads} thread(s): ms of a step's linears, weights from memory (12 layers and the LM head)")
+        from_memory()
+        raise SystemExit(0)
 with torch.inference_mode():
     layers = {}
     for name, (n, k) in SHAPES.items():
@@ -57,4 +92,4 @@ with torch.inference_mode():
             reps = 1 if name == "lm_head" else 12
             tiles += reps * per_call(tile, x, calls)
             onednn += reps * per_call(packed, x, calls)
-        print(f"  {m:5d} rows: tiles {tiles * 1e3:7.2f}  oneDNN {onednn * 1e3:7.2f}  tiles/oneDNN speed {onednn / tiles:.2f}x")
+        print(f"  {m:5d} rows: kernel {tiles * 1e3:7.2f}  oneDNN {onednn * 1e3:7.2f}  kernel/oneDNN speed {onednn / tiles:.2f}x")

@@ -180,8 +180,8 @@ class EngineConfig:
     only its rows that can win at int16 (models/head_screen.py: the same tokens; False: the full
     head every step).
     ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are
-    prepacked at load on CPU (``auto``: bf16 into AMX-BF16 tiles for the native kernel where the CPU
-    has them, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` | ``avx512`` | ``avx2`` |
+    prepacked at load on CPU (``auto``: bf16 into the AMX-BF16 tile layout for the native kernel where
+    the CPU has AMX-BF16 or AVX512-BF16, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` | ``avx512`` | ``avx2`` |
     ``scalar``): the most the native kernels' CPUID dispatch takes in this process, and the compute
     dtype ``auto`` picks as for that CPU (below ``avx512``: no native bf16); torch's own kernels
     follow their environment (``bench compare --cpu-isa`` sets it for its workers).

@@ -82,8 +82,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "the same tokens (default: on)")
     g.add_argument("--pack-weights", default="auto", choices=list(PACK_WEIGHTS),
                    help="how a CPU model's float linear weights are prepacked at load: auto (bf16 weights in "
-                        "AMX-BF16 tiles for the native kernel where the CPU has them: faster than oneDNN up to "
-                        "~1,000 rows, 0.87x for 2,048-token prompt chunks; the rest for oneDNN), onednn (all for "
+                        "the AMX-BF16 tile layout for the native kernel where the CPU has AMX-BF16 (faster than "
+                        "oneDNN up to ~1,000 rows, 0.87x for 2,048-token prompt chunks) or AVX512-BF16 "
+                        "(vdpbf16ps: 1.9x oneDNN for one row, 1.04-1.1x from 48 rows up); the rest for "
+                        "oneDNN), onednn (all for "
                         "oneDNN's matmuls), panel (float32 weights in 16-column panels for the native kernel: "
                         "faster than oneDNN on AVX2 for decode batches of up to ~8 rows, slower for large "
                         "batches) or none (left as loaded). Not used with --quantization (default auto)")

@@ -34,9 +34,10 @@
   prompt chunks' GEMMs in bf16 (``gguf_gemm.inc``), float32 (``gguf_gemm_f32.inc``) and, on the
   AVX2 path, in integers at the kernels' activation precision (int16, or int8 with
   ``--gguf-activations int8``) over panels of 16 weight rows built once (``gguf_gemm_int.inc``).
-* ``tile_matmul.cpp`` — bf16 linear layers on AMX-BF16 tiles over weights packed once into the tile
+* ``tile_matmul.cpp`` — bf16 linear layers over weights packed once into the AMX-BF16 tile
   instruction's pair order (:class:`~pagedserve.models.packed.TileLinear`, ``--pack-weights auto``
-  where the CPU has AMX-BF16), for every row count a step has, with a scalar reference path.
+  where the CPU has AMX-BF16 or AVX512-BF16), for every row count a step has: on the tiles, or with
+  ``vdpbf16ps`` reading the same bytes as 16-feature columns, with a scalar reference path.
 * ``head_screen.cpp`` — a plain-greedy step's LM head through an int8 copy of it: every logit
   bounded from the copy, only the rows that can hold the argmax computed from the head's own weight
   (:mod:`pagedserve.models.head_screen`), on a scalar, an AVX2 and an AVX-512 path.
@@ -53,7 +54,7 @@
 * ``cpu_isa.cpp`` / ``cpu_isa.h`` — the run-time instruction-set choice: kernels that dispatch
   compile a scalar, an AVX2 and an AVX-512 path on every x86 machine (the GGUF matmul an AMX one
   too, taken where CPUID shows AMX-INT8 and Linux grants the tile state; the bf16 tile linear where
-  it also shows AMX-BF16) and take the best the CPU
+  it also shows AMX-BF16, and its ``vdpbf16ps`` path where CPUID shows AVX512-BF16) and take the best the CPU
   runs (:func:`best_isa`, logged through :func:`isa_summary`); the tests run each path the CPU can
   (:func:`isa_paths`).
 

@@ -141,6 +141,9 @@ inline bool bf16_gemm_usable() {
 // AMX-BF16 tiles for the bf16 linear (tile_matmul.cpp), where the limit leaves the amx path.
 inline bool bf16_tiles_usable() { return best_isa() == Isa::amx && amx_bf16_usable(); }
 
+// vdpbf16ps for the bf16 linear (tile_matmul.cpp's avx512 path), where the limit leaves an AVX-512 path.
+inline bool bf16_dot_usable() { return best_isa() >= Isa::avx512 && avx512_bf16_in_cpuid(); }
+
 // "auto" → best_isa(); otherwise the named path, which this CPU must be able to run. A kernel
 // without tile code (`tiles` false, all but the GGUF matmul) gets amx as avx512 (vector_isa), so
 // none of them has to map it itself and a new one cannot fall through to its scalar path there.

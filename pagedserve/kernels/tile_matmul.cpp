@@ -19,8 +19,19 @@
 // stream past it. Every C element sums the same tile products in the same order in both, so a row's
 // result does not depend on the rows beside it.
 //
-// Paths (cpu_isa.h): scalar (the reference: the same packed bytes, float32 sums) and amx (AMX-BF16,
-// where the CPU and Linux allow tiles); the tests run both where they can.
+// Paths (cpu_isa.h): scalar (the reference: the same packed bytes, float32 sums), avx512 (AVX512-BF16's
+// vdpbf16ps, where the CPU has it and no AMX-BF16 tiles: a Zen 4 / Zen 5) and amx (AMX-BF16, where the
+// CPU and Linux allow tiles); the tests run each where they can.
+//
+// The avx512 path reads the same bytes as 16-feature columns: the tiles of features 16t..16t + 15
+// lie one after another, row r of tile c holding pair 16c + r of the 16 features, so a column is
+// [K/2][16] dwords front to back, one 64-byte vector a pair, which is what vdpbf16ps takes against
+// one row's pair of x values broadcast. Up to 12 rows, two columns at a time meet every row (the
+// weights stream once); above that four columns (64 features) meet 6 rows at a time, the columns'
+// 4 x K x 32 bytes staying in L2 while the row blocks pass (oneDNN's packed bf16 linear on a Zen 4,
+// `small`'s 49 matrices, 2 threads: 1.9x its speed at 1 row, 1.2x at 16, level at 48-64, 1.07-1.1x
+// at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the pairs in order,
+// whatever the kernel's shape, so a row's bits do not depend on the rows beside it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -274,6 +286,80 @@ void linear(const Problem& p, pagedserve::WorkPool* pool) {
 #pragma GCC pop_options
 #endif
 
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace bf16dot {
+
+constexpr int kNarrowRows = 12;  // up to here two columns meet every row: 12 x 2 sums in registers
+constexpr int kWideRows = 6;     // above, four columns meet 6 rows at a time: 6 x 4 sums
+
+// y rows [m0, m0 + MR), features [16t, 16(t + NT)): MR x NT float32 sums in registers.
+template <int MR, int NT>
+void block(const Problem& p, int64_t m0, int64_t t) {
+  const int64_t pairs = p.K / 2, column = pairs * kFeatures;  // dwords per 16-feature column
+  const auto* w = reinterpret_cast<const uint32_t*>(p.w) + t * column;
+  const c10::BFloat16* x = p.x + m0 * p.ldx;
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    __m512bh b[NT];
+    for (int j = 0; j < NT; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * column + q * kFeatures);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;  // x[r, 2q], x[r, 2q + 1]
+      std::memcpy(&pair, x + r * p.ldx + 2 * q, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    const int64_t f0 = (t + j) * kFeatures;
+    const __m512 bias = p.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + f0))), 16))
+                               : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bias));
+      std::memcpy(p.y + (m0 + r) * p.ldy + f0, &v, 32);
+    }
+  }
+}
+
+// block<rows, NT> for a row count known at run time (up to 12 with two columns, 6 with four).
+template <int NT, int MR = 1>
+void rows_block(const Problem& p, int64_t m0, int rows, int64_t t) {
+  if constexpr (MR <= kNarrowRows && MR * NT <= 2 * kNarrowRows) {
+    if (rows == MR) return block<MR, NT>(p, m0, t);
+    return rows_block<NT, MR + 1>(p, m0, rows, t);
+  }
+}
+
+void columns(const Problem& p, int64_t m0, int rows, int64_t t, int cols) {
+  switch (cols) {
+    case 1: return rows_block<1>(p, m0, rows, t);
+    case 2: return rows_block<2>(p, m0, rows, t);
+    case 3: return rows_block<3>(p, m0, rows, t);
+    default: return rows_block<4>(p, m0, rows, t);
+  }
+}
+
+void linear(const Problem& p, pagedserve::WorkPool* pool) {
+  const int64_t tiles = p.N / kFeatures;
+  const bool narrow = p.M <= kNarrowRows;
+  const int64_t width = narrow ? 2 : 4, step = narrow ? p.M : kWideRows, groups = (tiles + width - 1) / width;
+  pagedserve::parallel_for(pool, 0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int cols = static_cast<int>(std::min(width, tiles - g * width));
+      for (int64_t m0 = 0; m0 < p.M; m0 += step)
+        columns(p, m0, static_cast<int>(std::min(step, p.M - m0)), g * width, cols);
+    }
+  });
+}
+
+}  // namespace bf16dot
+#pragma GCC pop_options
+#endif
+
 namespace pagedserve::ops {
 
 // [N, K] bf16 → the packed [N/16, K/32, 16, 32] (bf16) tile_linear reads.
@@ -298,16 +384,20 @@ at::Tensor tile_pack(const at::Tensor& w) {
   return out;
 }
 
+// The path "auto" takes: the tiles where the CPU has AMX-BF16 (and the process's limit leaves amx),
+// else vdpbf16ps where it has AVX512-BF16, else the reference (models/packed.py packs for this kernel
+// only where one of the first two runs).
+Isa tile_linear_auto() { return bf16_tiles_usable() ? Isa::amx : bf16_dot_usable() ? Isa::avx512 : Isa::scalar; }
+
 // out [M, N] bf16 (rows may be strided) = x [M, K] bf16 (rows with unit stride) . W^T + bias, W
 // packed by tile_pack, bias bf16 [N].
 void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                  c10::string_view isa_name, WorkPool* pool) {
   constexpr const char* op = "tile_linear";
-  // "auto": the tiles where the CPU has AMX-BF16 (and the process's limit leaves amx), else the
-  // reference (models/packed.py packs for this kernel only where they run).
-  const Isa isa = isa_name == "auto" ? (bf16_tiles_usable() ? Isa::amx : Isa::scalar) : parse_isa(isa_name, op, true);
-  TORCH_CHECK(isa == Isa::scalar || (isa == Isa::amx && amx_bf16_usable()), op,
-              ": the paths are scalar and amx (AMX-BF16), got ", isa_name);
+  const Isa isa = isa_name == "auto" ? tile_linear_auto() : parse_isa(isa_name, op, true);
+  TORCH_CHECK(isa == Isa::scalar || (isa == Isa::avx512 && avx512_bf16_in_cpuid()) ||
+                  (isa == Isa::amx && amx_bf16_usable()),
+              op, ": the paths are scalar, avx512 (AVX512-BF16) and amx (AMX-BF16), got ", isa_name);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) >= x.size(1), op,
               ": x must be bfloat16 [rows, in_features] with contiguous rows");
   TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == kInputs / 2 &&
@@ -326,6 +416,7 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, cons
                   bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(), out.stride(0), M, N, K};
 #if defined(__x86_64__)
   if (isa == Isa::amx) return amx::linear(p, pool);
+  if (isa == Isa::avx512) return bf16dot::linear(p, pool);
 #endif
   pagedserve::parallel_for(pool, 0, N / kFeatures, 1, [&](int64_t t0, int64_t t1) { linear_scalar(p, t0, t1); });
 }
@@ -340,8 +431,10 @@ void tile_linear_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
 
 namespace {
 
-// Whether tile_linear's amx path runs here (models/packed.py packs for it only then).
-bool tile_linear_usable() { return pagedserve::bf16_tiles_usable(); }
+// Whether tile_linear's amx or avx512 path runs here (models/packed.py packs for it only then), and
+// which (the engine's log names it).
+bool tile_linear_usable() { return pagedserve::ops::tile_linear_auto() != pagedserve::Isa::scalar; }
+std::string tile_linear_path() { return pagedserve::isa_name(pagedserve::ops::tile_linear_auto()); }
 
 }  // namespace
 
@@ -349,6 +442,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("tile_pack(Tensor w) -> Tensor");
   m.def("tile_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, str isa='auto') -> ()");
   m.def("tile_linear_usable() -> bool", &tile_linear_usable);
+  m.def("tile_linear_path() -> str", &tile_linear_path);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

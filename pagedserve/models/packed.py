@@ -1,10 +1,12 @@
 """Linear layers with their weights prepacked once at load, for faster CPU matmuls.
 
-Three packings. bfloat16 weights on a CPU with AMX-BF16 (Sapphire Rapids and later), where the
-native kernels build, go into the tiles' own layout for ``tile_linear`` (``tile_matmul.cpp``;
-``--pack-weights auto``, the default): against oneDNN's prepacked linears on ``small``'s shapes, 2
-threads, a step's linears ran 1.14-1.33x as fast from 1 to 1,024 rows and 0.87x at 2,048; one
-stream decoded 1.26x as fast and W1 measured level (docs/BENCHMARKS.md). With ``--pack-weights
+Three packings. bfloat16 weights on a CPU with AMX-BF16 (Sapphire Rapids and later) or AVX512-BF16
+(Zen 4 / Zen 5, Cooper Lake), where the native kernels build, go into the tiles' own layout for
+``tile_linear`` (``tile_matmul.cpp``; ``--pack-weights auto``, the default), which multiplies them on
+the tiles or, without AMX-BF16, with ``vdpbf16ps``. Against oneDNN's prepacked linears on ``small``'s
+shapes, 2 threads: on the tiles a step's linears ran 1.14-1.33x as fast from 1 to 1,024 rows and
+0.87x at 2,048, one stream 1.26x and W1 level; with ``vdpbf16ps`` on a Zen 4, 1.9-2.0x at 1-2 rows,
+1.45x at 4-8, 1.15-1.3x at 12-32, 1.04-1.1x from 48 to 2,048, one stream 1.51x (docs/BENCHMARKS.md). With ``--pack-weights
 panel``, float32 weights, where the native kernels build, go into column panels for ``panel_linear``
 (:mod:`pagedserve.kernels`, ``panel_gemm.cpp``): on an AVX2-only CPU it beats
 oneDNN's float32 path at every row count a step has (measured on ``small``'s shapes, one thread,
@@ -109,7 +111,8 @@ class PanelLinear(NativeLinear):
 
 
 class TileLinear(NativeLinear):
-    """bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles), ``W`` held as
+    """bfloat16 through the native ``tile_linear`` kernel (AMX-BF16 tiles, or AVX512-BF16's
+    ``vdpbf16ps`` over the same bytes read as 16-feature columns), ``W`` held as
     ``[out / 16, in / 32, 16, 32]``, each 32 inputs of 16 outputs one tile in the instruction's
     pair order."""
 
@@ -130,7 +133,8 @@ def _use_panels(ops, linear: nn.Linear) -> bool:
 
 def pack_linears(model: nn.Module, ops=None, layout: str = "auto") -> int:
     """Replace every float ``nn.Linear`` of ``model`` in place, where this machine can, by a
-    :class:`TileLinear` (bfloat16 on AMX-BF16, with the native kernels ``ops``; ``layout`` ``auto``),
+    :class:`TileLinear` (bfloat16 on AMX-BF16 or AVX512-BF16, with the native kernels ``ops``;
+    ``layout`` ``auto``),
     a :class:`PanelLinear` (float32, with ``ops``; ``layout`` ``panel``) or a :class:`PackedLinear`
     (oneDNN: everything else, and everything with ``layout`` ``onednn``); returns how many."""
     tile_ops = ops if layout == "auto" else None
@@ -151,6 +155,8 @@ def pack_linears(model: nn.Module, ops=None, layout: str = "auto") -> int:
     if packed:
         tiles = sum(isinstance(m, TileLinear) for m in model.modules())
         panels = sum(isinstance(m, PanelLinear) for m in model.modules())
-        logger.info("prepacked %d linear layers (%d as AMX-BF16 tiles and %d as float32 panels for the native "
-                    "kernels, %d for oneDNN)", packed, tiles, panels, packed - tiles - panels)
+        path = tile_ops.tile_linear_path() if tiles else "none"
+        logger.info("prepacked %d linear layers (%d in the tile layout for the native kernel's %s path and %d as "
+                    "float32 panels for the native kernels, %d for oneDNN)", packed, tiles, path, panels,
+                    packed - tiles - panels)
     return packed

@@ -145,7 +145,7 @@ def test_gguf_linear_sends_prompt_chunks_through_it(gemm, dtype):
 
 
 def test_the_gemm_is_chosen_where_the_cpu_has_avx512_bf16_without_amx_tiles_and_in_float32_on_every_vector_path():
-    assert gguf_gemm_usable() == ("auto" in PATHS and not OPS.tile_linear_usable())
+    assert gguf_gemm_usable() == ("auto" in PATHS and OPS.tile_linear_path() != "amx")
     assert gguf_gemm_usable(torch.float32) == (F32_PATHS != ["scalar"])
     assert not gguf_gemm_usable(torch.float16)
 

@@ -1,8 +1,10 @@
-"""bf16 linears on AMX-BF16 tiles (``tile_matmul.cpp``, ``models/packed.py``'s ``TileLinear``).
+"""bf16 linears over weights packed in AMX-BF16's tile layout (``tile_matmul.cpp``, ``models/packed.py``'s
+``TileLinear``).
 
-Every path this CPU runs (the scalar reference always, the tiles where the CPU has AMX-BF16) against
-a float32 product of the same bf16 operands and against each other: decode-sized and batch row
-counts on both sides of the kernel's 64-row switch, with and without bias, strided rows in and
+Every path this CPU runs (the scalar reference always, vdpbf16ps where it has AVX512-BF16, the tiles
+where it has AMX-BF16) against a float32 product of the same bf16 operands and against each other:
+row counts on both sides of each path's switches (the tiles' 64 rows, vdpbf16ps's 12 and its 6-row
+blocks), column counts that leave partial column groups, with and without bias, strided rows in and
 out; a row's result the same bits whatever rows share its call; the checks that refuse a shape or
 dtype the layout cannot take; and the layer against ``F.linear``."""
 
@@ -18,9 +20,18 @@ from pagedserve.models.packed import TileLinear, pack_linears
 
 OPS = native_ops()
 needs_kernels = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {kernel_error()}")
-PATHS = ["scalar", "amx"] if OPS is not None and OPS.tile_linear_usable() else ["scalar"]
-ROWS = [1, 5, 16, 17, 64, 65, 300]  # up to 64: one B tile meets every row tile; above: 32 x 32 blocks
-SHAPES = [(32, 64), (48, 96), (160, 256)]
+
+def _paths() -> list[str]:
+    """scalar, and each faster path this CPU runs: avx512 wherever amx runs (a limit can ask for it)."""
+    best = OPS.tile_linear_path() if OPS is not None else "scalar"
+    return {"scalar": ["scalar"], "avx512": ["scalar", "avx512"], "amx": ["scalar", "avx512", "amx"]}[best]
+
+
+PATHS = _paths()
+# tiles: up to 64 rows one B tile meets every row tile, above 32 x 32 blocks; vdpbf16ps: up to 12
+# rows two columns meet every row, above four columns meet blocks of 6 (a partial last one at 17, 65, 300)
+ROWS = [1, 5, 12, 13, 16, 17, 64, 65, 300]
+SHAPES = [(32, 64), (48, 96), (160, 256), (112, 64)]  # 3, 10 and 7 sixteen-feature columns: partial groups
 
 
 def _operands(n: int, k: int, m: int, bias: bool):
@@ -65,7 +76,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa):
     w, x, b = _operands(160, 256, 300, True)
     tiles = OPS.tile_pack(w)
     whole = _run(x, tiles, b, isa, 160)
-    for m in (1, 17, 64, 65, 130):  # both blockings, whole and partial row tiles
+    for m in (1, 7, 12, 13, 17, 64, 65, 130):  # every blocking, whole and partial row tiles and blocks
         assert torch.equal(_run(x[:m].contiguous(), tiles, b, isa, 160), whole[:m]), m
 
 
@@ -107,7 +118,7 @@ def test_shapes_and_dtypes_the_layout_cannot_take_are_refused():
         OPS.tile_linear(y, torch.zeros(2, 64), tiles, None)
     with pytest.raises(RuntimeError, match="matching x"):
         OPS.tile_linear(y, torch.zeros(2, 96, dtype=torch.bfloat16), tiles, None)
-    with pytest.raises(RuntimeError, match="scalar and amx"):
+    with pytest.raises(RuntimeError, match="scalar, avx512 .AVX512-BF16. and amx"):
         OPS.tile_linear(y, torch.zeros(2, 64, dtype=torch.bfloat16), tiles, None, "avx2")
 
 
