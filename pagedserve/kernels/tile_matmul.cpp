@@ -31,7 +31,10 @@
 // 4 x K x 32 bytes staying in L2 while the row blocks pass (oneDNN's packed bf16 linear on a Zen 4,
 // `small`'s 49 matrices, 2 threads: 1.9x its speed at 1 row, 1.2x at 16, level at 48-64, 1.07-1.1x
 // at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the pairs in order,
-// whatever the kernel's shape, so a row's bits do not depend on the rows beside it.
+// whatever the kernel's shape, so a row's bits do not depend on the rows beside it. gguf_gemm.inc's
+// micro-kernel does the same arithmetic over panels it lays out itself ([K/2][32]: both columns' pair
+// in one 128-byte run, one pointer); one set of blocks for both, its panels laid as these columns,
+// ran it 5-12 % slower at 512 rows, so the two stay apart.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
