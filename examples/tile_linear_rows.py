@@ -70,13 +70,8 @@ def from_memory() -> None:
         print(f"  {m:5d} rows: kernel {t * 1e3:7.2f}  oneDNN {o * 1e3:7.2f}  kernel/oneDNN speed {o / t:.2f}x")
 
 
-with torch.inference_mode():
-    print(f"the tile-layout kernel's path here: {ops.tile_linear_path()}")
-    if args.from_memory:
-        print(f"{args.threads} thread(s): ms of a step's linears, weights from memory (12 layers and the LM head)")
-        from_memory()
-        raise SystemExit(0)
-with torch.inference_mode():
+def in_cache() -> None:
+    """One layer's matrices called again and again, each timed alone; a step's total per row count."""
     layers = {}
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k) / k ** 0.5).to(torch.bfloat16)
@@ -92,4 +87,14 @@ with torch.inference_mode():
             reps = 1 if name == "lm_head" else 12
             tiles += reps * per_call(tile, x, calls)
             onednn += reps * per_call(packed, x, calls)
-        print(f"  {m:5d} rows: kernel {tiles * 1e3:7.2f}  oneDNN {onednn * 1e3:7.2f}  kernel/oneDNN speed {onednn / tiles:.2f}x")
+        print(f"  {m:5d} rows: kernel {tiles * 1e3:7.2f}  oneDNN {onednn * 1e3:7.2f}  "
+              f"kernel/oneDNN speed {onednn / tiles:.2f}x")
+
+
+with torch.inference_mode():
+    print(f"the tile-layout kernel's path here: {ops.tile_linear_path()}")
+    if args.from_memory:
+        print(f"{args.threads} thread(s): ms of a step's linears, weights from memory (12 layers and the LM head)")
+        from_memory()
+    else:
+        in_cache()

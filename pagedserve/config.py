@@ -181,10 +181,10 @@ class EngineConfig:
     head every step).
     ``pack_weights`` (``auto`` | ``onednn`` | ``panel`` | ``none``): how float linear weights are
     prepacked at load on CPU (``auto``: bf16 into the AMX-BF16 tile layout for the native kernel where
-    the CPU has AMX-BF16 or AVX512-BF16, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` | ``avx512`` | ``avx2`` |
-    ``scalar``): the most the native kernels' CPUID dispatch takes in this process, and the compute
-    dtype ``auto`` picks as for that CPU (below ``avx512``: no native bf16); torch's own kernels
-    follow their environment (``bench compare --cpu-isa`` sets it for its workers).
+    the CPU has AMX-BF16 or AVX512-BF16, the rest for oneDNN). ``cpu_isa`` (``auto`` | ``amx`` |
+    ``avx512`` | ``avx2`` | ``scalar``): the most the native kernels' CPUID dispatch takes in this
+    process, and the compute dtype ``auto`` picks as for that CPU (below ``avx512``: no native bf16);
+    torch's own kernels follow their environment (``bench compare --cpu-isa`` sets it for its workers).
     ``group_kernels``: int4 / grouped-int8 layers through the native group kernels
     (opt-in: faster on some CPUs, batch-size-dependent rounding; docs/QUANTIZATION.md).
     ``stream_interval`` is how many new tokens a running request gathers before ``step()`` returns

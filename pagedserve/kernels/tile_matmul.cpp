@@ -29,8 +29,8 @@
 // one row's pair of x values broadcast. Up to 12 rows, two columns at a time meet every row (the
 // weights stream once); above that four columns (64 features) meet 6 rows at a time, the columns'
 // 4 x K x 32 bytes staying in L2 while the row blocks pass (oneDNN's packed bf16 linear on a Zen 4,
-// `small`'s 49 matrices, 2 threads: 1.9x its speed at 1 row, 1.2x at 16, level at 48-64, 1.07-1.1x
-// at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the pairs in order,
+// `small`'s 49 matrices from memory, 2 threads: 1.9x its speed at 1 row, 1.3x at 16, 1.1x at 48-64,
+// 1.05-1.14x at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the pairs in order,
 // whatever the kernel's shape, so a row's bits do not depend on the rows beside it. gguf_gemm.inc's
 // micro-kernel does the same arithmetic over panels it lays out itself ([K/2][32]: both columns' pair
 // in one 128-byte run, one pointer); one set of blocks for both, its panels laid as these columns,

@@ -166,8 +166,9 @@ def load_model(model_dir: Path, arch: ModelArchitecture, dtype: torch.dtype, dev
         logger.info("LM head screen: %s", why if model.head_screen is not None else f"none ({why})")
     if c.quantization == "none" and c.pack_weights != "none":
         # CPU: bf16 into the tile layout where the CPU has AMX-BF16 (W2 1.26x oneDNN's, W1 level) or
-        # AVX512-BF16 (vdpbf16ps on a Zen 4: W2 1.51x, W1 +2-4 %), the rest prepacked for oneDNN. Float32 panels are opt-in: through the server at rate inf (64-row
-        # decode batches, 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.
+        # AVX512-BF16 (vdpbf16ps on a Zen 4: W2 1.51x, W1 +2-4 %), the rest prepacked for oneDNN.
+        # Float32 panels are opt-in: through the server at rate inf (64-row decode batches,
+        # 1,024-token prefill chunks) they measured 0.68x oneDNN's output tokens/s.
         pack_linears(model, ops, layout=c.pack_weights)
     if device.type == "cpu":
         model.use_native_ops(ops)

@@ -6,13 +6,13 @@ Three packings. bfloat16 weights on a CPU with AMX-BF16 (Sapphire Rapids and lat
 the tiles or, without AMX-BF16, with ``vdpbf16ps``. Against oneDNN's prepacked linears on ``small``'s
 shapes, 2 threads: on the tiles a step's linears ran 1.14-1.33x as fast from 1 to 1,024 rows and
 0.87x at 2,048, one stream 1.26x and W1 level; with ``vdpbf16ps`` on a Zen 4, 1.9-2.0x at 1-2 rows,
-1.45x at 4-8, 1.15-1.3x at 12-32, 1.04-1.1x from 48 to 2,048, one stream 1.51x (docs/BENCHMARKS.md). With ``--pack-weights
-panel``, float32 weights, where the native kernels build, go into column panels for ``panel_linear``
-(:mod:`pagedserve.kernels`, ``panel_gemm.cpp``): on an AVX2-only CPU it beats
-oneDNN's float32 path at every row count a step has (measured on ``small``'s shapes, one thread,
+1.45x at 4-8, 1.15-1.3x at 12-32, 1.04-1.1x from 48 to 2,048, one stream 1.51x
+(docs/BENCHMARKS.md). With ``--pack-weights panel``, float32 weights, where the native kernels
+build, go into column panels for ``panel_linear`` (:mod:`pagedserve.kernels`, ``panel_gemm.cpp``):
+on an AVX2-only CPU it beats oneDNN's float32 path at every row count a step has (measured on ``small``'s shapes, one thread,
 AMD EPYC under load: 1.3-2.3x for one row, 0.8-1.35x for 8 rows — faster on the large matrices, which
-dominate — and 1.1-1.3x for 295-row prompt chunks). Everything else (bfloat16, or no native build)
-is packed for oneDNN, the CPU matmul library under torch, as follows.
+dominate — and 1.1-1.3x for 295-row prompt chunks). Everything else (bfloat16 on a CPU with neither,
+or no native build) is packed for oneDNN, the CPU matmul library under torch, as follows.
 
 ``F.linear`` on CPU re-lays out the weight matrix into oneDNN's blocked format on every call; a
 weight packed at load skips that. The gain is largest where a step is small, which is decode
