@@ -30,11 +30,11 @@
 // weights stream once); above that four columns (64 features) meet 6 rows at a time, the columns'
 // 4 x K x 32 bytes staying in L2 while the row blocks pass (oneDNN's packed bf16 linear on a Zen 4,
 // `small`'s 49 matrices from memory, 2 threads: 1.9x its speed at 1 row, 1.3x at 16, 1.1x at 48-64,
-// 1.05-1.14x at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the pairs in order,
-// whatever the kernel's shape, so a row's bits do not depend on the rows beside it. gguf_gemm.inc's
-// micro-kernel does the same arithmetic over panels it lays out itself ([K/2][32]: both columns' pair
-// in one 128-byte run, one pointer); one set of blocks for both, its panels laid as these columns,
-// ran it 5-12 % slower at 512 rows, so the two stay apart.
+// 1.05-1.14x at 512-2,048; docs/BENCHMARKS.md). Each output is one chain of vdpbf16ps over the
+// pairs in order, whatever the kernel's shape, so a row's bits do not depend on the rows beside it.
+// gguf_gemm.inc's micro-kernel does the same arithmetic over panels it lays out itself ([K/2][32]:
+// both columns' pair in one 128-byte run, one pointer); one set of blocks for both, its panels laid
+// as these columns, ran it 5-12 % slower at 512 rows, so the two stay apart.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -102,6 +102,30 @@ void linear_scalar(const Problem& p, int64_t t0, int64_t t1) {
 }  // namespace
 
 #if defined(__x86_64__)
+// How both fast paths write 16 features of a row: float32 sums + bias, rounded to bf16 to nearest
+// even as torch rounds. Compiled for a subset of both paths' targets, so each inlines it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace bf16_out {
+
+// bias[f0, f0 + 16) as float32 (zeros without a bias)
+inline __m512 bias16(const Problem& p, int64_t f0) {
+  if (p.bias == nullptr) return _mm512_setzero_ps();
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + f0));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// y[m, f0, f0 + 16) = sums + bias, as bf16
+inline void put16(const Problem& p, int64_t m, int64_t f0, __m512 sums, __m512 bias) {
+  const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(sums, bias));
+  std::memcpy(p.y + m * p.ldy + f0, &v, 32);
+}
+
+}  // namespace bf16_out
+#pragma GCC pop_options
+#endif
+
+#if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace amx {
@@ -143,13 +167,8 @@ struct RowTiles {
 // C (16 rows x 16 features, float32, just stored from its tile) as bf16 into y, rows [m0, m0 + rows),
 // features [f0, f0 + 16).
 void store(const Problem& p, const float (*c)[kFeatures], int64_t m0, int64_t rows, int64_t f0) {
-  const __m512 bias = p.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + f0))), 16))
-                             : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), bias));
-    std::memcpy(p.y + (m0 + r) * p.ldy + f0, &v, 32);
-  }
+  const __m512 bias = bf16_out::bias16(p, f0);
+  for (int64_t r = 0; r < rows; ++r) bf16_out::put16(p, m0 + r, f0, _mm512_load_ps(c[r]), bias);
 }
 // Tile T out through `cbuf` (a 64-byte aligned float[16][16] in scope).
 #define PS_STORE(T, m0, rows, f0)   \
@@ -328,20 +347,16 @@ void block(const Problem& p, int64_t m0, int64_t t) {
   }
   for (int j = 0; j < NT; ++j) {
     const int64_t f0 = (t + j) * kFeatures;
-    const __m512 bias = p.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + f0))), 16))
-                               : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bias));
-      std::memcpy(p.y + (m0 + r) * p.ldy + f0, &v, 32);
-    }
+    const __m512 bias = bf16_out::bias16(p, f0);
+    for (int r = 0; r < MR; ++r) bf16_out::put16(p, m0 + r, f0, acc[r][j], bias);
   }
 }
 
-// block<rows, NT> for a row count known at run time (up to 12 with two columns, 6 with four).
+// block<rows, NT> for a row count known at run time: up to 12 with one or two columns (the narrow
+// form and its last column), up to 6 with three or four (the wide form's blocks).
 template <int NT, int MR = 1>
 void rows_block(const Problem& p, int64_t m0, int rows, int64_t t) {
-  if constexpr (MR <= kNarrowRows && MR * NT <= 2 * kNarrowRows) {
+  if constexpr (MR <= (NT <= 2 ? kNarrowRows : kWideRows)) {
     if (rows == MR) return block<MR, NT>(p, m0, t);
     return rows_block<NT, MR + 1>(p, m0, rows, t);
   }
